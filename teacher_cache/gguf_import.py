@@ -1,0 +1,93 @@
+"""Turn a GGUF file into an ordinary HF model folder (config.json + safetensors + tokenizer).
+
+transformers can read GGUF files (dequantising the weights), but the model it returns is marked
+quantized and refuses ``save_pretrained``. We copy its state dict into a fresh model built from
+the same config, without the quantization config, check that both give the same logits, and save
+that: the folder then opens in transformers and vLLM like any other checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from teacher_cache.errors import DistillUserError
+
+log = logging.getLogger(__name__)
+
+_DTYPES = ("float32", "bfloat16", "float16")
+# Largest relative logit difference between the GGUF model and its float32 copy: the weights are
+# copied exactly, so only kernel-level reordering remains.
+_CHECK_RTOL = 1e-5
+
+
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
+    """Write an HF folder for ``gguf_path`` at ``out_dir`` (atomically: temp folder, then rename).
+
+    dtype: "float32" keeps the dequantised weights exactly; "bfloat16" halves the folder.
+    Raises DistillUserError for a missing file or bad dtype, FileExistsError when ``out_dir``
+    already holds files (also when another process finishes the same import first).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path, out_dir = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
+    if not gguf_path.is_file():
+        raise DistillUserError(f"GGUF file not found: {gguf_path}")
+    if dtype not in _DTYPES:
+        raise DistillUserError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} is not empty; choose another output folder or delete it")
+
+    start = time.perf_counter()
+    folder, name = str(gguf_path.parent), gguf_path.name
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    # Tied lm-head weights may be listed as missing; anything else means the copy is wrong.
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF import: state dict mismatch, missing={missing[:5]} unexpected={unexpected[:5]}")
+    _check_same_logits(quantized, model)
+    del quantized
+    model = model.to(getattr(torch, dtype))  # check in float32 first: a cast is a known rounding
+    model.config.dtype = dtype
+
+    tmp = out_dir.with_name(out_dir.name + f".tmp-{time.time_ns()}")
+    tmp.mkdir(parents=True)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "SOURCE").write_text(f"imported from {gguf_path.name} by distill import-gguf\n")
+        # rename onto a missing or empty folder is atomic; onto a filled one it raises OSError.
+        tmp.rename(out_dir)
+    except OSError as e:
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            raise FileExistsError(f"{out_dir} was filled by another process during the import") from e
+        raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("imported %s -> %s in %.1f s", gguf_path.name, out_dir, time.perf_counter() - start)
+    return out_dir
+
+
+def _check_same_logits(reference, copy) -> None:
+    """The copy must reproduce the GGUF model's logits on a short input (catches a lost buffer or
+    config field, e.g. RoPE scaling, that the state dict does not carry)."""
+    import torch
+
+    vocab = reference.config.vocab_size
+    ids = (torch.arange(12) * 7919 % vocab)[None]
+    with torch.inference_mode():
+        ref = reference(input_ids=ids).logits.float()
+        got = copy(input_ids=ids).logits.float()
+    err = float((ref - got).abs().max() / ref.abs().max().clamp_min(1.0))
+    if not err <= _CHECK_RTOL:
+        raise RuntimeError(f"GGUF import: the copied model's logits differ from the GGUF model's (relative {err:.3g})")

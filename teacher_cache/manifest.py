@@ -1,0 +1,324 @@
+"""manifest.json of a teacher cache (format "distill-teacher-cache", version 1).
+
+The manifest is the contract between stage one and stage two: readers check it before they
+touch a shard. Loading is strict: an unknown format version, a missing or unknown key, or a value
+out of range is a ``CacheError`` that says what was seen and what to do.
+
+``cache_id`` hashes the identity fields only (what determines the shard contents), so a directory
+is claimed by its identity and a rerun with the same arguments finds and resumes its own cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from teacher_cache.errors import CacheError
+
+FORMAT_NAME = "distill-teacher-cache"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+STORAGE_FORMATS = ("zarr", "parquet")
+STATUSES = ("incomplete", "complete")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise CacheError(message)
+
+
+def _nonempty_str(value: Any, name: str) -> None:
+    _require(isinstance(value, str) and value != "", f"{name} must be a non-empty string, got {value!r}")
+
+
+def _int_at_least(value: Any, low: int, name: str) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    _require(ok, f"{name} must be an integer >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TeacherInfo:
+    path: str  # where the teacher was loaded from (informative; not part of the identity)
+    weights_hash: str  # hash of the weight files; the teacher's identity
+    backend: str  # "hf" | "vllm"
+    dtype: str  # compute dtype of the teacher, e.g. "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("path", "weights_hash", "backend", "dtype"):
+            _nonempty_str(getattr(self, name), f"teacher.{name}")
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    hash: str  # hash of the token-to-id map and special tokens
+    vocab_size: int  # number of token ids the tokenizer can produce
+    special_ids: dict = field(default_factory=dict)  # {"bos": int | None, "eos": ..., ...}
+
+    def __post_init__(self) -> None:
+        _nonempty_str(self.hash, "tokenizer.hash")
+        _int_at_least(self.vocab_size, 1, "tokenizer.vocab_size")
+        _require(isinstance(self.special_ids, dict),
+                 f"tokenizer.special_ids must be a mapping, got {self.special_ids!r}")
+        for name, value in self.special_ids.items():
+            if value is not None:
+                _int_at_least(value, 0, f"tokenizer.special_ids[{name!r}]")
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    source: str  # human description of the corpus (paths, dataset name)
+    fingerprint: str  # hash of the packed token ids; the corpus' identity
+    sequences: int  # number of packed sequences in the cache
+    tokens: int  # number of positions (rows) in the cache
+    seq_len: int  # packing length; every sequence has at most this many tokens
+
+    def __post_init__(self) -> None:
+        _nonempty_str(self.source, "data.source")
+        _nonempty_str(self.fingerprint, "data.fingerprint")
+        _int_at_least(self.sequences, 1, "data.sequences")
+        _int_at_least(self.seq_len, 1, "data.seq_len")
+        _int_at_least(self.tokens, self.sequences, "data.tokens")
+        _require(
+            self.tokens <= self.sequences * self.seq_len,
+            f"data.tokens must be <= sequences * seq_len = {self.sequences * self.seq_len}, got {self.tokens}",
+        )
+
+
+@dataclass(frozen=True)
+class TargetsInfo:
+    k: int  # top-k entries stored per position
+    value_codec: str  # how top-k log-probs are stored: fp32 | bf16 | fp16 | a quantised codec
+    temperature: float  # stored log-probs are log_softmax(logits / temperature)
+
+    def __post_init__(self) -> None:
+        _int_at_least(self.k, 1, "targets.k")
+        _nonempty_str(self.value_codec, "targets.value_codec")
+        ok = isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+        _require(ok and math.isfinite(self.temperature) and self.temperature > 0,
+                 f"targets.temperature must be a finite number > 0, got {self.temperature!r}")
+        # 1 and 1.0 must hash to the same cache_id.
+        object.__setattr__(self, "temperature", float(self.temperature))
+
+
+@dataclass(frozen=True)
+class StorageInfo:
+    format: str  # "zarr" | "parquet"
+    shard_size: int  # sequences per shard (the last shard may hold fewer)
+    codecs: dict = field(default_factory=dict)  # lossless compression used, as the store describes it
+
+    def __post_init__(self) -> None:
+        _require(self.format in STORAGE_FORMATS,
+                 f"storage.format must be one of {', '.join(STORAGE_FORMATS)}, got {self.format!r}")
+        _int_at_least(self.shard_size, 1, "storage.shard_size")
+        _require(isinstance(self.codecs, dict), f"storage.codecs must be a mapping, got {self.codecs!r}")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str  # file or directory name under shards/, e.g. "00000.zarr"
+    sequences: int
+    tokens: int
+    checksum: str  # "sha256:<hex>" over the shard's files (see store.shard_checksum)
+    bytes: int  # bytes on disk over the shard's files
+
+    def __post_init__(self) -> None:
+        _nonempty_str(self.name, "shard name")
+        _require("/" not in self.name and not self.name.startswith("."),
+                 f"shard name must be a plain name, got {self.name!r}")
+        _int_at_least(self.sequences, 1, f"shard {self.name} sequences")
+        _int_at_least(self.tokens, self.sequences, f"shard {self.name} tokens")
+        _require(isinstance(self.checksum, str) and self.checksum.startswith("sha256:"),
+                 f"shard {self.name} checksum must start with 'sha256:', got {self.checksum!r}")
+        _int_at_least(self.bytes, 0, f"shard {self.name} bytes")
+
+
+_SECTIONS = {"teacher": TeacherInfo, "tokenizer": TokenizerInfo, "data": DataInfo, "targets": TargetsInfo,
+             "storage": StorageInfo}
+
+# The fields that determine shard contents, as section -> keys. Paths, descriptions, totals that
+# follow from the fingerprint, compression settings and shard bookkeeping are left out.
+IDENTITY_FIELDS = {
+    "teacher": ("weights_hash", "backend", "dtype"),
+    "tokenizer": ("hash",),
+    "data": ("fingerprint", "seq_len"),
+    "targets": ("k", "value_codec", "temperature"),
+    "storage": ("format", "shard_size"),
+}
+
+
+def _section_from_dict(cls, value: Any, where: str):
+    _require(isinstance(value, dict), f"{where} must be a mapping, got {type(value).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    unknown = sorted(set(value) - names)
+    _require(not unknown, f"{where} has unknown key(s) {unknown}; allowed: {sorted(names)}")
+    missing = sorted(required - set(value))
+    _require(not missing, f"{where} is missing key(s) {missing}")
+    return cls(**value)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Everything a writer is told up front: the manifest without shards, times and status."""
+
+    teacher: TeacherInfo
+    tokenizer: TokenizerInfo
+    data: DataInfo
+    targets: TargetsInfo
+    storage: StorageInfo
+
+    @staticmethod
+    def from_dict(d: dict) -> "CacheSpec":
+        """Strict: sections are {"teacher", "tokenizer", "data", "targets", "storage"} with their keys."""
+        parts = {name: _section_from_dict(cls, d.get(name), name) for name, cls in _SECTIONS.items()}
+        unknown = sorted(set(d) - set(_SECTIONS))
+        _require(not unknown, f"cache spec has unknown section(s) {unknown}; allowed: {sorted(_SECTIONS)}")
+        return CacheSpec(**parts)
+
+    def identity(self) -> dict:
+        ident: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
+        for section, keys in IDENTITY_FIELDS.items():
+            ident[section] = {key: getattr(getattr(self, section), key) for key in keys}
+        return ident
+
+    @property
+    def cache_id(self) -> str:
+        canonical = json.dumps(self.identity(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    @property
+    def num_shards(self) -> int:
+        return -(-self.data.sequences // self.storage.shard_size)
+
+    def shard_sequences(self, index: int) -> int:
+        """How many sequences shard ``index`` holds (the last shard may be short)."""
+        start = index * self.storage.shard_size
+        return min(self.storage.shard_size, self.data.sequences - start)
+
+
+def identity_diff(a: CacheSpec, b: CacheSpec) -> list[str]:
+    """Identity fields that differ, as "section.key: a_value vs b_value"."""
+    out = []
+    for section, keys in IDENTITY_FIELDS.items():
+        for key in keys:
+            va, vb = getattr(getattr(a, section), key), getattr(getattr(b, section), key)
+            if va != vb:
+                out.append(f"{section}.{key}: {va!r} vs {vb!r}")
+    return out
+
+
+def tool_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("distill")
+    except PackageNotFoundError:
+        return "unknown (distill not installed as a package)"
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    spec: CacheSpec
+    status: str  # "incomplete" until every shard is written, then "complete"
+    shards: tuple[ShardInfo, ...] = ()
+    tool_version: str = field(default_factory=tool_version)
+    created: str = field(default_factory=utc_now)  # UTC, when the cache directory was claimed
+
+    def __post_init__(self) -> None:
+        _require(self.status in STATUSES, f"manifest status must be one of {', '.join(STATUSES)}, got {self.status!r}")
+        object.__setattr__(self, "shards", tuple(self.shards))
+
+    @property
+    def cache_id(self) -> str:
+        return self.spec.cache_id
+
+    def to_dict(self) -> dict:
+        d: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "cache_id": self.cache_id,
+                             "status": self.status}
+        for name in _SECTIONS:
+            d[name] = dataclasses.asdict(getattr(self.spec, name))
+        d["shards"] = [dataclasses.asdict(s) for s in self.shards]
+        d["tool_version"] = self.tool_version
+        d["created"] = self.created
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "Manifest":
+        _require(isinstance(d, dict), f"manifest must be a JSON object, got {type(d).__name__}")
+        _require(d.get("format") == FORMAT_NAME,
+                 f"not a distill teacher cache manifest: format is {d.get('format')!r}, expected {FORMAT_NAME!r}")
+        _require(d.get("version") == FORMAT_VERSION,
+                 f"cache format version {d.get('version')!r} is not supported; this distill ({tool_version()}) "
+                 f"reads version {FORMAT_VERSION}: upgrade distill or rebuild the cache")
+        top = {"format", "version", "cache_id", "status", "shards", "tool_version", "created", *_SECTIONS}
+        unknown, missing = sorted(set(d) - top), sorted(top - set(d))
+        _require(not unknown, f"manifest has unknown key(s) {unknown}; written by a newer distill?")
+        _require(not missing, f"manifest is missing key(s) {missing}")
+        spec = CacheSpec.from_dict({name: d[name] for name in _SECTIONS})
+        _require(isinstance(d["shards"], list), f"manifest shards must be a list, got {type(d['shards']).__name__}")
+        shards = tuple(_section_from_dict(ShardInfo, s, f"shards[{i}]") for i, s in enumerate(d["shards"]))
+        m = Manifest(spec=spec, status=d["status"], shards=shards, tool_version=str(d["tool_version"]),
+                     created=str(d["created"]))
+        _require(d["cache_id"] == m.cache_id,
+                 f"manifest cache_id {d['cache_id']!r} does not match its identity fields ({m.cache_id!r}); "
+                 "the manifest was edited by hand: restore it or rebuild the cache")
+        return m
+
+
+def manifest_path(cache_dir: str | os.PathLike) -> Path:
+    return Path(cache_dir) / MANIFEST_NAME
+
+
+def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
+    """Read and validate CACHE/manifest.json; every problem is a one-line ``CacheError``."""
+    path = manifest_path(cache_dir)
+    if not path.is_file():
+        raise CacheError(f"{cache_dir} holds no {MANIFEST_NAME}: not a teacher cache; build one with "
+                         "`distill cache-teacher` or check the path")
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CacheError(f"{path} is not valid JSON ({e}); the cache is damaged: rebuild it") from e
+    try:
+        return Manifest.from_dict(d)
+    except CacheError as e:
+        raise CacheError(f"{path}: {e}") from e
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as JSON so that readers see the old file or the new one, never a part."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,159 @@
+"""What a shard holds, independent of the file format, and the helpers both stores share.
+
+A shard is the positions of ``shard_size`` consecutive sequences, as a dict of named arrays whose
+first axis is N (positions) except ``seq_offsets`` [S + 1]:
+
+    input_ids int32 [N], seq_offsets int64 [S + 1], tail_logmass float32 [N],
+    target_logprob float32 [N], and the value codec's arrays (e.g. topk_ids, topk_logprobs).
+
+The codec's arrays are treated generically (any names, dtypes and trailing shape), so a codec
+that adds per-row scales needs no change here. A ``ShardStore`` (Zarr or Parquet) turns that dict
+into files and back, losslessly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from teacher_cache.codecs import ValueCodec
+from teacher_cache.errors import CacheError, CorruptShardError
+from teacher_cache.targets import TeacherTargets
+
+SHARDS_DIR = "shards"
+TEMP_PREFIX = ".tmp-"
+FIXED_ARRAYS = ("input_ids", "seq_offsets", "tail_logmass", "target_logprob")
+
+
+class ShardStore(Protocol):
+    format: str  # "zarr" | "parquet"
+    suffix: str  # ".zarr" | ".parquet"
+
+    def codecs(self) -> dict:
+        """The lossless compression used, for the manifest's storage.codecs."""
+        ...
+
+    def write(self, path: Path, arrays: dict[str, np.ndarray]) -> None:
+        """Create ``path`` (which does not exist) holding ``arrays``."""
+        ...
+
+    def read(self, path: Path) -> dict[str, np.ndarray]:
+        """All arrays of the shard at ``path``; library errors propagate (see ``read_shard``)."""
+        ...
+
+    def read_offsets(self, path: Path) -> np.ndarray:
+        """Only ``seq_offsets`` int64 [S + 1], without decoding the rest."""
+        ...
+
+
+def get_store(storage_format: str) -> ShardStore:
+    if storage_format == "zarr":
+        from teacher_cache.store_zarr import ZarrStore
+
+        return ZarrStore()
+    if storage_format == "parquet":
+        from teacher_cache.store_parquet import ParquetStore
+
+        return ParquetStore()
+    raise CacheError(f"storage format must be zarr or parquet, got {storage_format!r}")
+
+
+def shard_name(index: int, store: ShardStore) -> str:
+    return f"{index:05d}{store.suffix}"
+
+
+def encode_shard(input_ids: list[np.ndarray], targets: TeacherTargets, codec: ValueCodec) -> dict[str, np.ndarray]:
+    """input_ids: one int array [L_i] per sequence; targets: sum(L_i) rows. Returns the shard's arrays."""
+    lengths = np.array([len(s) for s in input_ids], dtype=np.int64)
+    seq_offsets = np.zeros(len(input_ids) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=seq_offsets[1:])
+    n = int(seq_offsets[-1])
+    if n != targets.num_positions:
+        raise CacheError(f"shard has {n} tokens in its sequences but {targets.num_positions} target rows; "
+                         "the backend returned targets for other sequences")
+    arrays = {
+        "input_ids": np.concatenate([np.asarray(s) for s in input_ids]).astype(np.int32, copy=False),
+        "seq_offsets": seq_offsets,
+        "tail_logmass": np.ascontiguousarray(targets.tail_logmass, dtype=np.float32),
+        "target_logprob": np.ascontiguousarray(targets.target_logprob, dtype=np.float32),
+    }
+    encoded = codec.encode(targets.topk_ids, targets.topk_logprobs)
+    for key, value in encoded.items():
+        assert key not in FIXED_ARRAYS, f"codec {codec.name} array name {key!r} clashes with a shard array"
+        assert value.shape[0] == n, f"codec {codec.name} array {key} has first axis {value.shape[0]}, expected {n}"
+        arrays[key] = np.ascontiguousarray(value)
+    return arrays
+
+
+def decode_shard(arrays: dict[str, np.ndarray], codec: ValueCodec,
+                 name: str) -> tuple[np.ndarray, np.ndarray, TeacherTargets]:
+    """Inverse of ``encode_shard``: (input_ids int32 [N], seq_offsets int64 [S+1], TeacherTargets)."""
+    missing = [key for key in FIXED_ARRAYS if key not in arrays]
+    if missing:
+        raise CorruptShardError(f"shard {name} lacks array(s) {missing}; the cache is damaged: "
+                                "run `distill verify` and rebuild it")
+    input_ids, seq_offsets = arrays["input_ids"], arrays["seq_offsets"]
+    n = len(input_ids)
+    ok = (len(seq_offsets) >= 2 and seq_offsets[0] == 0 and seq_offsets[-1] == n
+          and bool(np.all(np.diff(seq_offsets) > 0)))
+    sizes_ok = all(a.shape[0] == n for key, a in arrays.items() if key != "seq_offsets")
+    if not (ok and sizes_ok):
+        raise CorruptShardError(f"shard {name} has inconsistent array lengths or sequence offsets; "
+                                "the cache is damaged: run `distill verify` and rebuild it")
+    try:
+        topk_ids, topk_logprobs = codec.decode({k: v for k, v in arrays.items() if k not in FIXED_ARRAYS})
+    except KeyError as e:
+        raise CorruptShardError(f"shard {name} lacks array {e} that value codec {codec.name!r} needs; "
+                                "the cache is damaged: rebuild it") from e
+    targets = TeacherTargets(topk_ids, topk_logprobs, arrays["tail_logmass"], arrays["target_logprob"])
+    return input_ids, seq_offsets, targets
+
+
+def shard_files(path: Path) -> list[tuple[str, Path]]:
+    """(relative name, file) for every file of a shard, in a fixed order ("." for a one-file shard)."""
+    if path.is_file():
+        return [(".", path)]
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return sorted(((p.relative_to(path).as_posix(), p) for p in files), key=lambda item: item[0])
+
+
+def shard_size_on_disk(path: Path) -> int:
+    return sum(p.stat().st_size for _, p in shard_files(path))
+
+
+def shard_checksum(path: Path, fsync: bool = False) -> tuple[str, int]:
+    """("sha256:<hex>", bytes) over the shard's files: each file's relative name, size and content.
+
+    Names and sizes are hashed too, so a renamed or emptied chunk file changes the checksum.
+    ``fsync=True`` also flushes each file to disk, which a writer does before the rename.
+    """
+    h = hashlib.sha256()
+    total = 0
+    for rel, p in shard_files(path):
+        with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            h.update(f"{rel}\0{size}\0".encode())
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+            if fsync:
+                os.fsync(f.fileno())
+        total += size
+    return f"sha256:{h.hexdigest()}", total
+
+
+def read_shard(store: ShardStore, path: Path, name: str) -> dict[str, np.ndarray]:
+    """``store.read`` with every decoding failure turned into a ``CorruptShardError`` naming the shard."""
+    if not path.exists():
+        raise CorruptShardError(f"shard {name} is missing from {path.parent}; the cache is damaged: "
+                                "run `distill verify` and rebuild it")
+    try:
+        return store.read(path)
+    # Zarr, Blosc and Arrow raise many unrelated types for a damaged file (ValueError,
+    # RuntimeError, OSError, KeyError, TypeError, JSON errors); all of them mean the same here.
+    except Exception as e:
+        raise CorruptShardError(f"shard {name} cannot be decoded ({type(e).__name__}: {e}); it is truncated or "
+                                "damaged: run `distill verify` and rebuild the cache") from e

@@ -1,0 +1,115 @@
+"""`distill verify`: check a cache's shards against its manifest without trusting either."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from teacher_cache.errors import CacheError
+from teacher_cache.manifest import load_manifest
+from teacher_cache.store import SHARDS_DIR, TEMP_PREFIX, decode_shard, get_store, read_shard, shard_checksum, shard_name
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    cache_id: str
+    status: str  # the manifest's status
+    shards_expected: int
+    shards_checked: int = 0
+    bytes_checked: int = 0
+    missing: list[str] = field(default_factory=list)  # shard names with no file
+    bad: list[tuple[str, str]] = field(default_factory=list)  # (shard name, what is wrong), in shard order
+    problems: list[str] = field(default_factory=list)  # manifest-level problems (status, totals)
+    unexpected: list[str] = field(default_factory=list)  # files in shards/ the manifest does not list
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.bad or self.problems)
+
+    @property
+    def first_bad(self) -> str | None:
+        return self.bad[0][0] if self.bad else None
+
+    @property
+    def message(self) -> str:
+        """One line: "ok ..." or everything wrong, the first bad shard named first."""
+        if self.ok:
+            extra = f"; {len(self.unexpected)} unlisted file(s) in shards/" if self.unexpected else ""
+            return (f"{self.path}: cache {self.cache_id} ok: {self.shards_checked} shards, "
+                    f"{self.bytes_checked:,} bytes checked{extra}")
+        parts = []
+        if self.bad:
+            name, why = self.bad[0]
+            more = f" (and {len(self.bad) - 1} more bad)" if len(self.bad) > 1 else ""
+            parts.append(f"first bad shard {name}: {why}{more}")
+        if self.missing:
+            parts.append(f"{len(self.missing)} missing shard(s): {', '.join(self.missing[:5])}"
+                         + (" ..." if len(self.missing) > 5 else ""))
+        parts.extend(self.problems)
+        return f"{self.path}: cache {self.cache_id} FAILED: " + "; ".join(parts) + "; rebuild the damaged cache"
+
+
+def verify_cache(path: str | os.PathLike, deep: bool = False) -> VerifyReport:
+    """Check every shard's existence, size and checksum, and the manifest's totals.
+
+    deep=True also decodes every shard and checks its sequence and token counts (slower). A
+    manifest that cannot be read raises ``CacheError``; everything else is in the report.
+    """
+    path = Path(path)
+    manifest = load_manifest(path)
+    spec = manifest.spec
+    store = get_store(spec.storage.format)
+    shards_dir = path / SHARDS_DIR
+    report = VerifyReport(path=str(path), cache_id=manifest.cache_id, status=manifest.status,
+                          shards_expected=spec.num_shards)
+    on_disk = sorted(p.name for p in shards_dir.iterdir()) if shards_dir.is_dir() else []
+    expected_names = [shard_name(i, store) for i in range(spec.num_shards)]
+    if manifest.status != "complete":
+        present = set(on_disk)
+        report.missing = [n for n in expected_names if n not in present]
+        report.problems.append(f"status is {manifest.status!r} ({spec.num_shards - len(report.missing)} of "
+                               f"{spec.num_shards} shards written): rerun `distill cache-teacher` to finish it")
+        return report
+
+    listed = [s.name for s in manifest.shards]
+    if listed != expected_names:
+        report.problems.append(f"manifest lists shards {_short(listed)}, expected {_short(expected_names)}")
+    for total, expected, what in ((sum(s.sequences for s in manifest.shards), spec.data.sequences, "sequences"),
+                                  (sum(s.tokens for s in manifest.shards), spec.data.tokens, "tokens")):
+        if total != expected:
+            report.problems.append(f"shards hold {total} {what}, the data section says {expected}")
+    report.unexpected = [n for n in on_disk if n not in set(listed) or n.startswith(TEMP_PREFIX)]
+
+    codec = None
+    if deep:
+        from teacher_cache.codecs import get_codec
+
+        codec = get_codec(spec.targets.value_codec)
+    for info in manifest.shards:
+        shard_path = shards_dir / info.name
+        if not shard_path.exists():
+            report.missing.append(info.name)
+            continue
+        checksum, nbytes = shard_checksum(shard_path)
+        report.shards_checked += 1
+        report.bytes_checked += nbytes
+        if nbytes != info.bytes:
+            report.bad.append((info.name, f"{nbytes} bytes on disk, manifest says {info.bytes} (truncated?)"))
+        elif checksum != info.checksum:
+            report.bad.append((info.name, "checksum differs from the manifest (damaged or modified)"))
+        elif codec is not None:
+            try:
+                input_ids, offsets, _ = decode_shard(read_shard(store, shard_path, info.name), codec, info.name)
+            except CacheError as e:
+                report.bad.append((info.name, str(e)))
+                continue
+            if (len(offsets) - 1, len(input_ids)) != (info.sequences, info.tokens):
+                report.bad.append((info.name, f"holds {len(offsets) - 1} sequences / {len(input_ids)} tokens, "
+                                              f"manifest says {info.sequences} / {info.tokens}"))
+    return report
+
+
+def _short(names: list[str]) -> str:
+    return f"[{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}] ({len(names)})"

