@@ -139,9 +139,9 @@ def _score_and_write(sequences, lengths, todo, backend, config, writer, report, 
     total = int(sum(lengths[i * shard_size:(i + 1) * shard_size].sum() for i in todo))
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc="scoring", disable=not progress, smoothing=0.1)
 
-    def write(index, seqs, targets) -> None:
+    def write(index, seqs, parts) -> None:
         t0 = time.perf_counter()
-        writer.write_shard(index, seqs, targets)
+        writer.write_shard(index, seqs, TeacherTargets.concat(parts))  # the copy stays off the teacher thread
         with lock:
             report.writer_seconds += time.perf_counter() - t0
 
@@ -159,12 +159,13 @@ def _score_and_write(sequences, lengths, todo, backend, config, writer, report, 
                     tokens = sum(len(s) for s in batch)
                     report.tokens_scored += tokens
                     bar.update(tokens)
-                # Bound the shards held in memory; waiting here is the writer being the bottleneck.
+                # At most one shard per writer in flight: memory stays bounded, the drain at the end
+                # is short, and waiting here means the writers are the bottleneck.
                 t0 = time.perf_counter()
-                while len(in_flight) >= 2 * workers or (in_flight and in_flight[0].done()):
+                while len(in_flight) >= workers or (in_flight and in_flight[0].done()):
                     in_flight.popleft().result()
                 report.writer_wait_seconds += time.perf_counter() - t0
-                in_flight.append(pool.submit(write, index, seqs, TeacherTargets.concat(parts)))
+                in_flight.append(pool.submit(write, index, seqs, parts))
                 report.written_shards += 1
             t0 = time.perf_counter()
             while in_flight:

@@ -81,10 +81,11 @@ def ours(model_dir: Path, seqs, k, out: Path, variant: str) -> dict:
     """
     opts = variant.split("+")
     threads = next((int(o[1:]) for o in opts if o.startswith("w") and o[1:].isdigit()), 0)
-    cache_kwargs = dict(k=k, shard_size=8, batch_size=8, writer_threads=threads,
+    batch = next((int(o[1:]) for o in opts if o.startswith("b") and o[1:].isdigit()), 8)
+    cache_kwargs = dict(k=k, shard_size=max(8, batch), batch_size=batch, writer_threads=threads,
                         storage="parquet" if "parquet" in opts else "zarr")
     backend = HFBackend(model_dir, dtype="bfloat16", device="cuda", impl="triton" if "triton" in opts else "torch",
-                        compile="compile" in opts)
+                        compile="compile" in opts, batch_size=batch)
     identity = dict(tokenizer={"hash": "random-token-ids", "vocab_size": backend.vocab_size, "special_ids": {}},
                     data={"source": "random token ids", "fingerprint": "random", "seq_len": len(seqs[0])})
     warm = out.with_name(out.name + "-warmup")
@@ -94,8 +95,8 @@ def ours(model_dir: Path, seqs, k, out: Path, variant: str) -> dict:
     torch.cuda.synchronize()
     report = build_cache(seqs, backend, CacheConfig(out=out, **cache_kwargs), progress=False, **identity)
     t0 = time.perf_counter()
-    for b in range(0, len(seqs), 8):
-        backend.score(seqs[b:b + 8], k)
+    for b in range(0, len(seqs), batch):
+        backend.score(seqs[b:b + batch], k)
     teacher_only = sum(len(s) for s in seqs) / (time.perf_counter() - t0)
     backend.close()
     disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
