@@ -27,6 +27,7 @@ def cache_teacher(
     backend: str = typer.Option("hf", help="hf (transformers, CPU or GPU) or vllm."),
     dtype: str = typer.Option("auto", help="Teacher dtype: auto (bfloat16 on a GPU, float32 on a CPU), bfloat16, float16, float32."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N (hf backend)."),
+    compile: bool = typer.Option(False, "--compile", help="torch.compile the teacher body (hf; pays off on long GPU runs)."),
     corpus: Optional[list[Path]] = typer.Option(None, help="Files or folders of text (repeatable); default: the Python standard library."),
     corpus_format: str = typer.Option("auto", "--format", help="auto, text, json, jsonl, parquet, arrow or hf-dataset."),
     text_field: str = typer.Option("text", help="Column holding the text (json, parquet, arrow, hf-dataset)."),
@@ -57,7 +58,7 @@ def cache_teacher(
 
     corpus_kwargs = {} if not corpus else {"paths": [str(p) for p in corpus]}
     config = StageOneConfig(
-        teacher=TeacherConfig(model=model, backend=backend, dtype=dtype, device=device),
+        teacher=TeacherConfig(model=model, backend=backend, dtype=dtype, device=device, compile=compile),
         corpus=CorpusConfig(
             **corpus_kwargs, format=corpus_format, text_field=text_field, file_glob=glob,
             seq_len=seq_len, max_sequences=max_sequences,

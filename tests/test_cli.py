@@ -62,6 +62,8 @@ def test_cache_teacher_stats_verify(small_cache, capsys, tmp_path):
     assert code == 0 and "perplexity" in out.lower() and (tmp_path / "s.png").stat().st_size > 1000
     code, out, _ = run_cli(["verify", small_cache], capsys)
     assert code == 0 and "ok" in out.lower()
+    resolved = json.loads((small_cache / "stage_one_config.json").read_text())
+    assert resolved["cache"]["k"] == 8 and resolved["corpus"]["seq_len"] == 48
 
 
 def test_rerun_of_complete_cache_does_nothing(small_cache, capsys):
