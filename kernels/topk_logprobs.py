@@ -150,7 +150,7 @@ def topk_logprobs_triton(hidden, weight, k, next_ids, temperature, chunk_size):
     return topk_ids, topk_lp, tail, target
 
 
-def _validate(hidden, weight, k, next_ids, temperature, chunk_size, impl) -> None:
+def _validate(hidden, weight, k, next_ids, temperature, chunk_size, impl, check_ids) -> None:
     if hidden.dim() != 2 or weight.dim() != 2:
         raise ValueError(
             f"hidden must be [N, d] and weight [V, d], got shapes {tuple(hidden.shape)} and {tuple(weight.shape)}"
@@ -181,7 +181,7 @@ def _validate(hidden, weight, k, next_ids, temperature, chunk_size, impl) -> Non
             raise ValueError(f"next_ids must be int32 or int64, got {next_ids.dtype}")
         if next_ids.device != hidden.device:
             raise ValueError(f"next_ids must be on {hidden.device}, got {next_ids.device}")
-        if next_ids.numel() and (next_ids.min() < -1 or next_ids.max() >= vocab_size):
+        if check_ids and next_ids.numel() and (next_ids.min() < -1 or next_ids.max() >= vocab_size):
             raise ValueError(
                 f"next_ids must be in [0, vocab_size={vocab_size}) or -1 for none, "
                 f"got values in [{int(next_ids.min())}, {int(next_ids.max())}]"
@@ -197,6 +197,7 @@ def topk_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     impl: str = "auto",
+    check_ids: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k full-vocabulary log-probabilities of ``softmax(hidden @ weight.T / temperature)``.
 
@@ -204,7 +205,9 @@ def topk_logprobs(
     and device. next_ids: int32/int64 [N], the actual next token per row, -1 where there is none
     (or None for no targets). chunk_size: rows per chunk (None: about 256 MiB of fp32 logits).
     impl: "auto" (Triton on a CUDA device when k <= ceil(V / 64), else torch) | "torch" |
-    "triton" (also runs on the CPU under TRITON_INTERPRET=1, for tests).
+    "triton" (also runs on the CPU under TRITON_INTERPRET=1, for tests). check_ids: check that
+    next_ids lie in [-1, V) (costs a device sync on a GPU; pass False when the caller has
+    checked them, as out-of-range ids read outside the logits).
 
     Returns, on hidden's device:
       topk_ids int32 [N, k] in descending probability;
@@ -212,7 +215,7 @@ def topk_logprobs(
       tail_logmass float32 [N] = log(1 - sum(exp(topk_logprobs))), floored at log(1e-12);
       target_logprob float32 [N], log-prob of next_ids, NaN where next_ids is -1 or None.
     """
-    _validate(hidden, weight, k, next_ids, temperature, chunk_size, impl)
+    _validate(hidden, weight, k, next_ids, temperature, chunk_size, impl, check_ids)
     vocab_size = weight.shape[0]
     use_triton = impl == "triton" or (
         impl == "auto" and triton is not None and hidden.is_cuda and k <= -(-vocab_size // _SUB)

@@ -102,10 +102,17 @@ class HFBackend:
         check_k(k, self.vocab_size)
         order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))  # longest first
         results: list[TeacherTargets | None] = [None] * len(seqs)
+        # One batch in flight: batch j's results copy to the host while batch j+1 is launched,
+        # so the GPU does not idle through the copy and the host-side work between batches.
+        pending = None
         for start in range(0, len(order), self.batch_size):
             batch_idx = order[start : start + self.batch_size]
-            for i, targets in zip(batch_idx, self._score_batch([seqs[i] for i in batch_idx], k)):
-                results[i] = targets
+            launched = (batch_idx, self._launch_batch([seqs[i] for i in batch_idx], k))
+            if pending is not None:
+                self._collect(*pending, results)
+            pending = launched
+        if pending is not None:
+            self._collect(*pending, results)
         return results
 
     def close(self) -> None:
@@ -123,7 +130,8 @@ class HFBackend:
         return self._body(input_ids=input_ids_BL, use_cache=False).last_hidden_state
 
     @torch.inference_mode()
-    def _score_batch(self, batch: list[np.ndarray], k: int) -> list[TeacherTargets]:
+    def _launch_batch(self, batch: list[np.ndarray], k: int):
+        """Queue a batch's work and its copy to the host; returns (lengths, host arrays, event)."""
         lengths = [len(s) for s in batch]
         ids_BL = np.zeros((len(batch), max(lengths)), dtype=np.int64)
         next_ids = np.full(sum(lengths), -1, dtype=np.int64)
@@ -132,9 +140,12 @@ class HFBackend:
             ids_BL[b, : len(seq)] = seq
             next_ids[offset : offset + len(seq) - 1] = seq[1:]
             offset += len(seq)
-        hidden_BLD = self._hidden_states(torch.from_numpy(ids_BL).to(self.device))
-        real_BL = torch.arange(ids_BL.shape[1])[None, :] < torch.tensor(lengths)[:, None]
-        hidden_ND = hidden_BLD[real_BL.to(self.device)]  # real rows, sequence after sequence
+        hidden_BLD = self._hidden_states(torch.from_numpy(ids_BL).to(self.device, non_blocking=True))
+        if min(lengths) == ids_BL.shape[1]:  # packed corpora: no padding, and no host sync
+            hidden_ND = hidden_BLD.flatten(0, 1)
+        else:
+            real_BL = torch.arange(ids_BL.shape[1])[None, :] < torch.tensor(lengths)[:, None]
+            hidden_ND = hidden_BLD[real_BL.to(self.device)]  # real rows, sequence after sequence
         out = topk_logprobs(
             hidden_ND,
             self._lm_weight,
@@ -143,9 +154,23 @@ class HFBackend:
             temperature=self.temperature / self._logit_scale,
             chunk_size=self.chunk_size,
             impl=self.impl,
+            check_ids=False,  # check_sequences has checked them on the host
         )
-        arrays = tuple(t.cpu().numpy() for t in out)
-        return [TeacherTargets(*parts) for parts in split_rows(arrays, lengths)]
+        if self.device.type != "cuda":
+            return lengths, tuple(t.numpy() for t in out), None
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in out)
+        done = torch.cuda.Event()
+        done.record()
+        return lengths, host, done
+
+    @staticmethod
+    def _collect(batch_idx, launched, results) -> None:
+        lengths, host, done = launched
+        if done is not None:
+            done.synchronize()
+        arrays = tuple(t.numpy() if isinstance(t, torch.Tensor) else t for t in host)
+        for i, parts in zip(batch_idx, split_rows(arrays, lengths)):
+            results[i] = TeacherTargets(*parts)
 
     @torch.inference_mode()
     def _probe_logit_scale(self) -> float:

@@ -82,7 +82,8 @@ def ours(model_dir: Path, seqs, k, out: Path, variant: str) -> dict:
     opts = variant.split("+")
     threads = next((int(o[1:]) for o in opts if o.startswith("w") and o[1:].isdigit()), 0)
     batch = next((int(o[1:]) for o in opts if o.startswith("b") and o[1:].isdigit()), 8)
-    cache_kwargs = dict(k=k, shard_size=max(8, batch), batch_size=batch, writer_threads=threads,
+    per_call = batch * next((int(o[1:]) for o in opts if o.startswith("p") and o[1:].isdigit()), 1)
+    cache_kwargs = dict(k=k, shard_size=max(8, per_call), batch_size=per_call, writer_threads=threads,
                         storage="parquet" if "parquet" in opts else "zarr")
     backend = HFBackend(model_dir, dtype="bfloat16", device="cuda", impl="triton" if "triton" in opts else "torch",
                         compile="compile" in opts, batch_size=batch)
@@ -95,8 +96,8 @@ def ours(model_dir: Path, seqs, k, out: Path, variant: str) -> dict:
     torch.cuda.synchronize()
     report = build_cache(seqs, backend, CacheConfig(out=out, **cache_kwargs), progress=False, **identity)
     t0 = time.perf_counter()
-    for b in range(0, len(seqs), batch):
-        backend.score(seqs[b:b + batch], k)
+    for b in range(0, len(seqs), per_call):
+        backend.score(seqs[b:b + per_call], k)
     teacher_only = sum(len(s) for s in seqs) / (time.perf_counter() - t0)
     backend.close()
     disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
