@@ -48,7 +48,9 @@ def cache_teacher(
 
       distill cache-teacher --max-sequences 64 --seq-len 512 --out caches/stdlib
 
-      distill cache-teacher --model ./Qwen2.5-0.5B --corpus data/*.jsonl --storage parquet -k 64
+      distill cache-teacher --model ./Qwen2.5-0.5B --corpus data/ --glob '*.jsonl' --format jsonl -k 64
+
+      distill cache-teacher --backend vllm --max-sequences 16 --out caches/vllm
 
     Re-running the same command after an interruption resumes where it stopped.
     """
@@ -151,6 +153,11 @@ def main() -> None:
     try:
         app()
     except _USER_ERRORS as e:
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except ImportError as e:
+        if "pip install" not in str(e):  # a missing optional extra says what to install; else a bug
+            raise
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
     except KeyboardInterrupt:
