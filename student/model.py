@@ -1,0 +1,303 @@
+"""The student: one Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) that reads and
+writes HF folders, returns final hidden states (the fused loss applies the lm-head), and takes an
+optional store of past keys/values so chunk-recurrent training can reuse it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from student.config import StudentConfig
+from teacher_cache.errors import DistillUserError
+
+__all__ = ["StudentConfig", "Student", "KVStore", "ListKVStore", "prune_layers", "evenly_spaced_layers"]
+
+INIT_STD = 0.02
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+class KVStore(Protocol):
+    """Past keys and values of each layer, after RoPE, shaped [B, num_kv_heads, T_past, head_dim]."""
+
+    def get(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def put(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Receives only the keys/values of the chunk just run; the store decides what to keep."""
+
+
+class ListKVStore:
+    """The plain store: concatenates every chunk it is given (reference for paged stores)."""
+
+    def __init__(self):
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, layer_idx):
+        return self.kv.get(layer_idx)
+
+    def put(self, layer_idx, k, v):
+        past = self.kv.get(layer_idx)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        self.kv[layer_idx] = (k, v)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # Normalise in fp32 and scale after casting back, as transformers does: parity needs it.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: StudentConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], fp32, with llama3-style scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended smoothly.
+    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [B, 1, T, head_dim] for position_ids [B, T]."""
+    freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def causal_attention(q, k, v):
+    """q [B, H, T, D], k/v [B, Hkv, P+T, D] where the first P keys are past: query i sees keys <= P+i."""
+    num_queries, num_keys = q.shape[2], k.shape[2]
+    groups = q.shape[1] // k.shape[1]
+    gqa = {}
+    if groups > 1 and _SDPA_HAS_GQA:
+        gqa = {"enable_gqa": True}
+    elif groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if num_queries == num_keys:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+    past = num_keys - num_queries
+    mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(diagonal=past)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: StudentConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        d, q_width, kv_width = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(d, q_width, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d, kv_width, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, kv_width, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_width, d, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_store: KVStore | None = None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+        if kv_store is not None:
+            past = kv_store.get(self.layer_idx)
+            kv_store.put(self.layer_idx, k, v)
+            if past is not None:
+                k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        out = causal_attention(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: StudentConfig):
+        super().__init__()
+        d, h, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(d, h, bias=bias)
+        self.up_proj = nn.Linear(d, h, bias=bias)
+        self.down_proj = nn.Linear(h, d, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: StudentConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, kv_store=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_store)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Student(nn.Module):
+    """Llama-family decoder. Parameter names are transformers' without the `model.` prefix."""
+
+    def __init__(self, config: StudentConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=INIT_STD)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab_size, hidden_size]; the embedding matrix when embeddings are tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids, position_ids=None, kv_store: KVStore | None = None):
+        """input_ids [B, T] int64 -> final hidden states [B, T, hidden_size] (after the last norm).
+
+        position_ids [B, T] default to past_length + arange(T), past_length read from kv_store."""
+        if input_ids.ndim != 2:
+            raise DistillUserError(f"`input_ids` must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        x = self.embed_tokens(input_ids)
+        if position_ids is None:
+            past = kv_store.get(0) if kv_store is not None else None
+            start = past[0].shape[2] if past is not None else 0
+            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+            position_ids = position_ids[None].expand(input_ids.shape[0], -1)
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_store)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden_size] -> logits [..., vocab_size] in hidden's dtype."""
+        return F.linear(hidden, self.lm_head_weight)
+
+    # ---- HF folders -------------------------------------------------------------------------
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under transformers' names; a tied lm-head is left out, as transformers saves it."""
+        out = {}
+        for name, tensor in self.state_dict().items():
+            out[name if name.startswith("lm_head.") else f"model.{name}"] = tensor.contiguous()
+        return out
+
+    @classmethod
+    def from_pretrained(cls, folder, dtype: torch.dtype = torch.float32, device="cpu") -> Student:
+        """Load an HF folder (config.json + model.safetensors, sharded or not)."""
+        folder = Path(folder)
+        config = StudentConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+        with torch.device("meta"):
+            model = cls(config)
+        weights = _read_safetensors(folder)
+        state = {}
+        for name, tensor in weights.items():
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # some tied checkpoints store a copy of the embedding; ours is the embedding
+            state[name.removeprefix("model.")] = tensor.to(device=device, dtype=dtype)
+        expected = set(model.state_dict())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise DistillUserError(
+                f"weights in {folder} do not match its config.json: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
+        model.load_state_dict(state, assign=True)
+        model.inv_freq = rope_inv_freq(config).to(device)
+        return model
+
+    def save_pretrained(self, folder) -> None:
+        """Write config.json + model.safetensors to a temp folder, then rename it into place."""
+        folder = Path(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        state = {k: v.detach().cpu() for k, v in self.hf_state_dict().items()}
+        dtype = str(self.embed_tokens.weight.dtype).removeprefix("torch.")
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(self.config.to_hf_dict(dtype), indent=2) + "\n")
+        if folder.exists():
+            old = folder.parent / f".{folder.name}.old-{os.getpid()}"
+            folder.rename(old)
+            tmp.rename(folder)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(folder)
+
+    @classmethod
+    def from_teacher_pruned(cls, folder, num_layers: int, dtype: torch.dtype = torch.float32, device="cpu"):
+        """The teacher in `folder` keeping `num_layers` evenly spaced layers (first and last included)."""
+        teacher = cls.from_pretrained(folder, dtype=dtype, device=device)
+        return prune_layers(teacher, evenly_spaced_layers(teacher.config.num_layers, num_layers))
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.exists():
+        return load_file(str(single))
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(str(folder / shard)).items()}
+    raise DistillUserError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+
+
+def evenly_spaced_layers(num_total: int, num_keep: int) -> list[int]:
+    """`num_keep` layer indices spread evenly over range(num_total), always first and last."""
+    if not 1 <= num_keep <= num_total:
+        raise DistillUserError(f"`num_layers` must be in [1, {num_total}], got {num_keep}")
+    if num_keep == 1:
+        return [0]
+    return [round(i * (num_total - 1) / (num_keep - 1)) for i in range(num_keep)]
+
+
+def prune_layers(student: Student, keep: list[int]) -> Student:
+    """Keep only the layers `keep` (sorted, distinct) in place; returns the same model."""
+    n = student.config.num_layers
+    if not keep or sorted(set(keep)) != list(keep) or keep[0] < 0 or keep[-1] >= n:
+        raise DistillUserError(f"`keep` must be sorted distinct layer indices in [0, {n - 1}], got {keep}")
+    student.layers = nn.ModuleList(student.layers[i] for i in keep)
+    for new_idx, layer in enumerate(student.layers):
+        layer.self_attn.layer_idx = new_idx
+    student.config = student.config.replace(num_layers=len(keep))
+    return student
