@@ -132,12 +132,13 @@ def build_cache(
 
 def _score_and_write(sequences, lengths, todo, backend, config, writer, report, progress) -> None:
     shard_size = config.shard_size
-    # Encoding, compressing and hashing a shard runs at tens of thousands of tokens/s per core
-    # (numpy, zstd and sha256 release the GIL), so a fast GPU teacher needs several writers.
+    # Encoding, compressing and hashing a shard runs at ~100k tokens/s per core (Parquet; most of
+    # it outside the GIL), so a fast GPU teacher needs several writers (RESULTS.md, runs B-E).
     workers = config.writer_threads or min(8, os.cpu_count() or 1)
     in_flight: deque[Future] = deque()
     total = int(sum(lengths[i * shard_size:(i + 1) * shard_size].sum() for i in todo))
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc="scoring", disable=not progress, smoothing=0.1)
+    lock = threading.Lock()
 
     def write(index, seqs, parts) -> None:
         t0 = time.perf_counter()
@@ -145,7 +146,6 @@ def _score_and_write(sequences, lengths, todo, backend, config, writer, report, 
         with lock:
             report.writer_seconds += time.perf_counter() - t0
 
-    lock = threading.Lock()
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cache-writer") as pool:
         try:
             for index in todo:
