@@ -1,0 +1,227 @@
+"""kernels.fused_topk_kl (chunked, hand-written backward) against the dense autograd reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.fused_topk_kl import TAIL_MODES, fused_topk_kl, topk_kl_dense
+
+# Tolerances, in one place: (rtol, atol) on the loss, and on each gradient relative to its largest
+# entry. fp32: the fused path sums in another order (per chunk, hand-written gradient); measured
+# worst 2e-7 (loss) and 7e-7 (gradients). bf16: both paths round the logits to bf16 in the matmul,
+# but a chunk's matmul may round a logit one bf16 ulp (2**-8 relative) away from the whole one
+# (it can on GPUs; on this CPU they agree), and the backward's matmuls take bf16 inputs and give
+# bf16 outputs (3 significant digits) while the dense one sums grad_W in one bf16 matmul; measured
+# worst on CPU: loss 2e-7, grad_hidden 1e-3, grad_weight 7e-3.
+TOL = {
+    torch.float32: {"loss": (1e-5, 1e-6), "grad": 1e-5},
+    torch.bfloat16: {"loss": (5e-3, 1e-4), "grad": 2e-2},
+}
+# Odd and prime sizes: a vocabulary that is no multiple of any block size, chunks that do not
+# divide N.
+N, V, D = 37, 1271, 41
+
+
+def _inputs(k, dtype=torch.float32, n=N, v=V, d=D, seed=0):
+    """Student (hidden, weight) and a teacher's cached top-k of a different model, as the cache holds them."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=gen, dtype=torch.float64) / math.sqrt(d)
+    weight = torch.randn(v, d, generator=gen, dtype=torch.float64) * 1.5
+    teacher_lp = torch.log_softmax(torch.randn(n, v, generator=gen, dtype=torch.float64) * 2.5, dim=-1)
+    topk_lp, topk_ids = teacher_lp.topk(k, dim=-1)
+    tail = torch.log((1 - topk_lp.exp().sum(-1)).clamp_min(1e-12))
+    target_ids = torch.randint(0, v, (n,), generator=gen)
+    target_ids[::5] = -1  # rows with no next token
+    mask = torch.rand(n, generator=gen) > 0.2
+    return (hidden.to(dtype), weight.to(dtype), topk_ids.int(), topk_lp.float(), tail.float(),
+            target_ids, mask)
+
+
+def _loss_and_grads(fn, hidden, weight, *teacher, **kw):
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    loss = fn(h, w, *teacher, **kw)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def _assert_close(got, want, dtype, all_zero=False):
+    """all_zero: the case's loss is identically zero (renorm KL over one category)."""
+    (loss, gh, gw), (ref_loss, ref_gh, ref_gw) = got, want
+    if all_zero:
+        assert loss == 0 and ref_loss == 0 and not gh.any() and not gw.any() and not ref_gh.any()
+        return
+    rtol, atol = TOL[dtype]["loss"]
+    torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol)
+    for name, g, ref in (("grad_hidden", gh, ref_gh), ("grad_weight", gw, ref_gw)):
+        assert g.dtype == ref.dtype and g.shape == ref.shape, name
+        scale = ref.float().abs().max().item()
+        assert scale > 0, f"{name} of the reference is all zero: the case tests nothing"
+        err = (g.float() - ref.float()).abs().max().item()
+        assert err <= TOL[dtype]["grad"] * scale, f"{name}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k", [1, 5, 100])
+@pytest.mark.parametrize("tail", TAIL_MODES)
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("ce_weight", [0.0, 0.3, 1.0])
+def test_matches_dense(dtype, k, tail, temperature, ce_weight):
+    hidden, weight, ids, lp, tl, target, mask = _inputs(k, dtype)
+    kw = dict(target_ids=target, mask=mask, tail=tail, temperature=temperature, ce_weight=ce_weight)
+    got = _loss_and_grads(fused_topk_kl, hidden, weight, ids, lp, tl, chunk_size=8, **kw)
+    want = _loss_and_grads(topk_kl_dense, hidden, weight, ids, lp, tl, **kw)
+    _assert_close(got, want, dtype, all_zero=tail == "renorm" and k == 1 and ce_weight == 0)
+
+
+@pytest.mark.parametrize("tail", TAIL_MODES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chunked_equals_unchunked(tail, reduction):
+    hidden, weight, ids, lp, tl, target, mask = _inputs(5)
+    kw = dict(target_ids=target, mask=mask, tail=tail, temperature=2.0, ce_weight=0.3, reduction=reduction)
+    whole = _loss_and_grads(fused_topk_kl, hidden, weight, ids, lp, tl, chunk_size=N, **kw)
+    for chunk_size in (1, 6, 36, None):
+        got = _loss_and_grads(fused_topk_kl, hidden, weight, ids, lp, tl, chunk_size=chunk_size, **kw)
+        _assert_close(got, whole, torch.float32)
+
+
+@pytest.mark.parametrize("tail", TAIL_MODES)
+def test_gradcheck_float64(tail):
+    hidden, weight, ids, lp, tl, target, mask = _inputs(3, torch.float64, n=5, v=13, d=4)
+    kw = dict(target_ids=target, mask=mask, tail=tail, temperature=2.0, ce_weight=0.3, chunk_size=2)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    assert torch.autograd.gradcheck(lambda h, w: fused_topk_kl(h, w, ids, lp, tl, **kw), (hidden, weight))
+
+
+def test_unnormalized_is_the_papers_formula():
+    """T = 1: sum_S p (log p - log q) with the cached p as is, and its gradient (M q - p) W."""
+    hidden, weight, ids, lp, tl, _, _ = _inputs(5, torch.float64)
+    h = hidden.clone().requires_grad_()
+    loss = fused_topk_kl(h, weight, ids, lp.double(), tl.double(), tail="unnormalized", reduction="sum")
+    loss.backward()
+    logq_NV = torch.log_softmax(hidden @ weight.T, dim=-1)
+    p_NK = lp.double().exp()
+    want = (p_NK * (lp.double() - logq_NV.gather(1, ids.long()))).sum()
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-7, atol=0)
+    g_NV = p_NK.sum(-1, keepdim=True) * logq_NV.exp() - torch.zeros_like(logq_NV).scatter(1, ids.long(), p_NK)
+    torch.testing.assert_close(h.grad, g_NV @ weight, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("tail", ["renorm", "bucket"])
+def test_zero_when_teacher_is_the_student(tail):
+    """renorm and bucket are true KLs: zero loss and zero gradient when the teacher equals the student."""
+    hidden, weight, *_ = _inputs(5, torch.float64)
+    topk_lp, topk_ids = torch.log_softmax(hidden @ weight.T, dim=-1).topk(5, dim=-1)
+    tail_lm = torch.log1p(-topk_lp.exp().sum(-1))
+    h = hidden.clone().requires_grad_()
+    loss = fused_topk_kl(h, weight, topk_ids, topk_lp, tail_lm, tail=tail)
+    loss.backward()
+    assert abs(loss.item()) < 1e-12
+    assert h.grad.abs().max().item() < 1e-10
+
+
+def test_mask_drops_rows_and_ignores_their_teacher_values():
+    hidden, weight, ids, lp, tl, target, mask = _inputs(5)
+    kw = dict(target_ids=target, tail="bucket", temperature=2.0, ce_weight=0.3, chunk_size=8)
+    lp_bad, tl_bad = lp.clone(), tl.clone()
+    lp_bad[~mask], tl_bad[~mask] = float("nan"), float("inf")
+    masked = _loss_and_grads(fused_topk_kl, hidden, weight, ids, lp_bad, tl_bad, mask=mask, **kw)
+    kept = _loss_and_grads(fused_topk_kl, hidden[mask], weight, ids[mask], lp[mask], tl[mask],
+                           target_ids=target[mask], tail="bucket", temperature=2.0, ce_weight=0.3)
+    torch.testing.assert_close(masked[0], kept[0])
+    torch.testing.assert_close(masked[2], kept[2])
+    assert (masked[1][~mask] == 0).all()
+    torch.testing.assert_close(masked[1][mask], kept[1])
+
+
+def test_reduction_and_ce_weight():
+    """mean = sum / rows; ce_weight = 1 is plain cross-entropy over rows with a target."""
+    hidden, weight, ids, lp, tl, target, _ = _inputs(5)
+    kw = dict(target_ids=target, tail="renorm", ce_weight=0.0)
+    total = fused_topk_kl(hidden, weight, ids, lp, tl, reduction="sum", **kw)
+    torch.testing.assert_close(fused_topk_kl(hidden, weight, ids, lp, tl, **kw), total / N)
+    ce = fused_topk_kl(hidden, weight, ids, lp, tl, target_ids=target, ce_weight=1.0)
+    keep = target >= 0
+    want = torch.nn.functional.cross_entropy(hidden[keep] @ weight.T, target[keep])
+    torch.testing.assert_close(ce, want)
+
+
+def test_no_saved_tensor_is_vocabulary_wide():
+    hidden, weight, ids, lp, tl, target, mask = _inputs(5)
+    h = hidden.clone().requires_grad_()
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fused_topk_kl(h, weight, ids, lp, tl, target_ids=target, mask=mask, tail="bucket", ce_weight=0.3)
+    assert (V, D) in shapes, "the lm-head weight is saved for the backward's recompute"
+    wide = [shape for shape in shapes if V in shape and shape != (V, D)]
+    assert not wide, f"saved tensors of vocabulary width: {wide}"
+
+
+def _kw_valid():
+    hidden, weight, ids, lp, tl, target, mask = _inputs(5, n=6, v=20, d=4)
+    return dict(hidden=hidden, weight=weight, topk_ids=ids, topk_logprobs=lp, tail_logmass=tl,
+                target_ids=target, mask=mask)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a["topk_ids"].__setitem__((0, 0), 20), r"k ids must be in \[0, V=20\)"),
+        (lambda a: a["topk_ids"].__setitem__((1, 2), -1), r"k ids must be in \[0, V=20\)"),
+        (lambda a: a["topk_ids"].__setitem__((1, 1), int(a["topk_ids"][1, 0])), "distinct"),
+        (lambda a: a.update(topk_ids=a["topk_ids"][:-1]), r"topk_ids must have shape \[N=6, k\]"),
+        (lambda a: a.update(topk_logprobs=a["topk_logprobs"][:, :4]), r"topk_logprobs must have shape \(6, 5\)"),
+        (lambda a: a.update(tail_logmass=a["tail_logmass"][:5]), r"tail_logmass must have shape \(6,\)"),
+        (lambda a: a.update(weight=a["weight"][:, :3]), "does not match weight width"),
+        (lambda a: a.update(hidden=a["hidden"][None]), r"hidden must be \[N, d\]"),
+        (lambda a: a.update(weight=a["weight"].double()), "share a floating-point dtype"),
+        (lambda a: a.update(topk_ids=a["topk_ids"].float()), "topk_ids must be int32 or int64"),
+        (lambda a: a["target_ids"].__setitem__(0, 20), r"target_ids must be in \[0, V=20\) or -1"),
+        (lambda a: a.update(target_ids=a["target_ids"][:3]), r"target_ids must have shape \(6,\)"),
+        (lambda a: a.update(mask=a["mask"].int()), "mask must be a bool tensor"),
+        (lambda a: a.update(tail="topk"), "tail must be one of"),
+        (lambda a: a.update(temperature=0.0), "temperature must be a positive finite number"),
+        (lambda a: a.update(ce_weight=1.5), r"ce_weight must be in \[0, 1\]"),
+        (lambda a: a.update(target_ids=None), "needs target_ids"),
+        (lambda a: a.update(chunk_size=0), "chunk_size must be a positive int"),
+        (lambda a: a.update(reduction="none"), "reduction must be 'mean' or 'sum'"),
+        (lambda a: a.update(impl="triton"), "impl must be 'auto' or 'torch'"),
+    ],
+)
+def test_bad_inputs_raise(change, message):
+    args = dict(_kw_valid(), ce_weight=0.3)
+    change(args)
+    for fn in (fused_topk_kl, topk_kl_dense):
+        with pytest.raises(ValueError, match=message):
+            fn(**args)
+
+
+def test_bucket_needs_a_tail():
+    hidden, weight, _, _, _, _, _ = _inputs(5, n=4, v=6, d=3)
+    ids = torch.arange(6).repeat(4, 1)
+    lp = torch.log_softmax(torch.randn(4, 6), -1)
+    with pytest.raises(ValueError, match="tail='bucket' needs k < vocab_size=6"):
+        fused_topk_kl(hidden, weight, ids, lp, torch.zeros(4), tail="bucket")
+    assert torch.isfinite(fused_topk_kl(hidden, weight, ids, lp, torch.zeros(4), tail="renorm"))
+
+
+def test_bucket_temperature_by_hand():
+    """T = 2, bucket: T^2 KL(P || Q) over k + 1 categories, P proportional to p^(1/T), tail included."""
+    hidden, weight, ids, lp, tl, _, _ = _inputs(5, torch.float64, n=7, v=50, d=6)
+    loss = fused_topk_kl(hidden, weight, ids, lp.double(), tl.double(), tail="bucket", temperature=2.0)
+    p_NK1 = torch.cat([lp.double().exp(), tl.double().exp()[:, None]], dim=-1) ** 0.5
+    p_NK1 = p_NK1 / p_NK1.sum(-1, keepdim=True)
+    q_NV = torch.softmax(hidden @ weight.T / 2.0, dim=-1)
+    q_NK = q_NV.gather(1, ids.long())
+    q_NK1 = torch.cat([q_NK, 1 - q_NK.sum(-1, keepdim=True)], dim=-1)
+    want = 4.0 * (p_NK1 * (p_NK1 / q_NK1).log()).sum(-1).mean()
+    torch.testing.assert_close(loss, want, rtol=1e-9, atol=0)
