@@ -6,6 +6,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from teacher_cache.backends import BACKENDS, check_model_dir
 from teacher_cache.build import BuildReport, CacheConfig, build_cache
 from teacher_cache.errors import DistillUserError
 from teacher_cache.identity import tokenizer_info
@@ -15,7 +16,6 @@ from pipelines.corpus import CorpusConfig, prepare_corpus
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("hf", "vllm")
 RESOLVED_CONFIG_NAME = "stage_one_config.json"
 
 
@@ -35,12 +35,7 @@ class TeacherConfig:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise DistillUserError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.model is not None:
-            self.model = Path(self.model)
-            if not (self.model / "config.json").is_file():
-                raise DistillUserError(
-                    f"teacher {self.model} is not an HF model folder (no config.json); "
-                    "give a folder with config.json and weights, or convert a GGUF with `distill import-gguf`"
-                )
+            self.model = check_model_dir(self.model)  # fail before the corpus is tokenised
 
 
 @dataclass
