@@ -6,8 +6,8 @@ import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from teacher_cache.backends import BACKENDS, check_model_dir
-from teacher_cache.build import BuildReport, CacheConfig, build_cache
+from teacher_cache.backends import BACKENDS, canonical_dtype, check_model_dir, weights_hash
+from teacher_cache.build import BuildReport, CacheConfig, build_cache, cache_identity, complete_cache_id
 from teacher_cache.errors import DistillUserError
 from teacher_cache.identity import tokenizer_info
 from teacher_cache.manifest import write_json_atomic
@@ -64,6 +64,16 @@ def cache_teacher(config: StageOneConfig, progress: bool = True) -> BuildReport:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     corpus = prepare_corpus(config.corpus, tokenizer, progress=progress)
     log.info("corpus: %d sequences, %d tokens from %s", len(corpus.sequences), corpus.num_tokens, corpus.source)
+    tok_info = tokenizer_info(tokenizer)
+    data = {"source": corpus.source, "fingerprint": corpus.fingerprint, "seq_len": corpus.seq_len}
+    # A complete cache of the same identity: reuse it without loading the teacher.
+    teacher = {"path": str(model_dir), "weights_hash": weights_hash(model_dir), "backend": config.teacher.backend,
+               "dtype": canonical_dtype(dtype)}
+    lengths = [len(s) for s in corpus.sequences]
+    if corpus.sequences and (cache_id := complete_cache_id(
+            config.cache.out, cache_identity(teacher, config.cache, tokenizer=tok_info, data=data, lengths=lengths))):
+        log.info("cache %s (%s) is already complete; the teacher is not loaded", config.cache.out, cache_id)
+        return BuildReport(cache_dir=config.cache.out, cache_id=cache_id, already_complete=True)
     backend = make_backend(
         config.teacher.backend,
         model_dir,
@@ -80,8 +90,8 @@ def cache_teacher(config: StageOneConfig, progress: bool = True) -> BuildReport:
             corpus.sequences,
             backend,
             config.cache,
-            tokenizer=tokenizer_info(tokenizer),
-            data={"source": corpus.source, "fingerprint": corpus.fingerprint, "seq_len": corpus.seq_len},
+            tokenizer=tok_info,
+            data=data,
             progress=progress,
         )
     finally:

@@ -101,13 +101,7 @@ def build_cache(
     if lengths.min() < 2:
         raise DistillUserError(f"every sequence needs at least 2 tokens, got one of {lengths.min()}")
 
-    identity = {
-        "teacher": backend.describe(),
-        "tokenizer": tokenizer,
-        "data": {**data, "sequences": len(sequences), "tokens": int(lengths.sum())},
-        "targets": {"k": config.k, "value_codec": config.value_codec, "temperature": config.temperature},
-        "storage": {"format": config.storage, "shard_size": config.shard_size},
-    }
+    identity = cache_identity(backend.describe(), config, tokenizer=tokenizer, data=data, lengths=lengths)
     start = time.perf_counter()
     writer = CacheWriter(config.out, identity)
     report = BuildReport(cache_dir=config.out, cache_id=writer.cache_id)
@@ -128,6 +122,36 @@ def build_cache(
         writer.close()
     report.wall_seconds = time.perf_counter() - start
     return report
+
+
+def cache_identity(teacher: dict, config: CacheConfig, *, tokenizer: dict, data: dict, lengths) -> dict:
+    """The cache's identity (the manifest's spec before storage codecs are filled in).
+
+    teacher: a backend's ``describe()``, or the same dict built without loading the model.
+    """
+    return {
+        "teacher": teacher,
+        "tokenizer": tokenizer,
+        "data": {**data, "sequences": len(lengths), "tokens": int(np.sum(lengths))},
+        "targets": {"k": config.k, "value_codec": config.value_codec, "temperature": config.temperature},
+        "storage": {"format": config.storage, "shard_size": config.shard_size},
+    }
+
+
+def complete_cache_id(out: Path, identity: dict) -> str | None:
+    """The cache id if ``out`` already holds this cache, complete; else None. Reads only the manifest.
+
+    Lets a caller skip loading a teacher whose cache exists (``distill run`` reusing a cache).
+    """
+    from teacher_cache.manifest import CacheSpec, identity_diff, load_manifest, manifest_path
+
+    if not manifest_path(out).exists():
+        return None
+    existing = load_manifest(out)
+    asked = CacheSpec.from_dict({**identity, "storage": {**identity["storage"], "codecs": {}}})
+    if existing.status != "complete" or identity_diff(existing.spec, asked):
+        return None
+    return existing.cache_id
 
 
 def _score_and_write(sequences, lengths, todo, backend, config, writer, report, progress) -> None:

@@ -66,7 +66,13 @@ def test_cache_teacher_stats_verify(small_cache, capsys, tmp_path):
     assert resolved["cache"]["k"] == 8 and resolved["corpus"]["seq_len"] == 48
 
 
-def test_rerun_of_complete_cache_does_nothing(small_cache, capsys):
+def test_rerun_of_complete_cache_does_nothing(small_cache, capsys, monkeypatch):
+    import teacher_cache.backends
+
+    def no_teacher(*args, **kwargs):
+        raise AssertionError("the teacher was loaded for a cache that is already complete")
+
+    monkeypatch.setattr(teacher_cache.backends, "make_backend", no_teacher)
     before = (small_cache / "manifest.json").read_bytes()
     code, out, _ = run_cli(["cache-teacher", "--out", small_cache, *SMALL], capsys)
     assert code == 0 and "already complete" in out
