@@ -1,0 +1,189 @@
+"""Micro-batches of cached teacher targets for the student: a held-out split and a seeded,
+resumable stream over a ``CacheReader``.
+
+Row convention (cache format v1): row t of a sequence holds the teacher's distribution over token
+t + 1. A batch flattens [B, L] positions to B * L rows; padded rows (ragged sequences) have
+``mask`` False and harmless values (ids 0..k-1, log-probs 0).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from teacher_cache.errors import DistillUserError
+from teacher_cache.reader import CacheReader
+
+
+def split_indices(num_sequences: int, heldout: int) -> tuple[list[int], list[int]]:
+    """(train, heldout) sequence indices; the `heldout` held-out ones are evenly spaced over the
+    cache, so the split depends only on the two counts (never on a seed)."""
+    if not isinstance(heldout, int) or isinstance(heldout, bool) or not 0 <= heldout < num_sequences:
+        raise DistillUserError(
+            f"`heldout` must be an int in [0, {num_sequences - 1}] (the cache has {num_sequences} sequences "
+            f"and at least one must stay for training), got {heldout!r}"
+        )
+    held = sorted({(2 * i + 1) * num_sequences // (2 * heldout) for i in range(heldout)})
+    held_set = set(held)
+    return [i for i in range(num_sequences) if i not in held_set], held
+
+
+@dataclass
+class Batch:
+    """One micro-batch; B sequences padded to L positions, flattened to N = B * L rows."""
+
+    input_ids: torch.Tensor  # int64 [B, L]
+    topk_ids: torch.Tensor  # int64 [N, k]
+    topk_logprobs: torch.Tensor  # float32 [N, k], full-vocabulary teacher log-probs
+    tail_logmass: torch.Tensor  # float32 [N]
+    target_ids: torch.Tensor  # int64 [N], the next input id; -1 on each sequence's last row and padding
+    target_logprob: torch.Tensor  # float32 [N], teacher log-prob of target_ids (NaN where none)
+    mask: torch.Tensor  # bool [N], False on padding rows
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.mask.sum())
+
+    def to(self, device, non_blocking: bool = False) -> "Batch":
+        return Batch(**{k: v.to(device, non_blocking=non_blocking) for k, v in vars(self).items()})
+
+    def pin_memory(self) -> "Batch":
+        return Batch(**{k: v.pin_memory() for k, v in vars(self).items()})
+
+
+class _ShardLRU:
+    """The last few decoded shards of a reader (the reader itself keeps one): with shards in a
+    shuffled order and an evaluation pass in between, each shard is still decoded about once."""
+
+    def __init__(self, reader: CacheReader, size: int):
+        self.reader, self.size = reader, size
+        self.shards: OrderedDict[int, object] = OrderedDict()
+        self.starts = np.cumsum([0] + [s.sequences for s in reader.manifest.shards]).tolist()
+
+    def shard_of(self, i: int) -> int:
+        return bisect.bisect_right(self.starts, i) - 1
+
+    def sequence(self, i: int):
+        """(start, stop, shard): sequence i is rows start:stop of the decoded shard's arrays."""
+        index = self.shard_of(i)
+        shard = self.shards.pop(index, None)
+        if shard is None:
+            shard = self.reader._load(index)  # noqa: SLF001  (the reader's decode-and-check of one shard)
+        self.shards[index] = shard
+        while len(self.shards) > self.size:
+            self.shards.popitem(last=False)
+        local = i - self.starts[index]
+        start, stop = int(shard.seq_offsets[local]), int(shard.seq_offsets[local + 1])
+        return start, stop, shard
+
+
+class CacheBatches:
+    """Endless micro-batches of `batch_size` sequences from `indices` of `reader`.
+
+    Each epoch visits every index once, in an order seeded by (seed, epoch): shards shuffled, then
+    sequences within each shard shuffled, so one decoded shard serves many batches. A batch may
+    span the end of one epoch and the start of the next. `seq_len` crops longer sequences to a
+    window: at a seeded random start when `shuffle`, else the first `seq_len` positions. The
+    position (epoch, offset) is `state_dict()`; `load_state_dict` resumes exactly there.
+    With shuffle=False the order is `indices` as given and `epoch_batches()` yields one pass.
+    """
+
+    def __init__(self, reader: CacheReader, indices, batch_size: int, *, seq_len: int | None = None,
+                 seed: int = 0, shuffle: bool = True, pin_memory: bool = False, lru_shards: int = 4):
+        if batch_size < 1:
+            raise DistillUserError(f"`batch_size` must be >= 1, got {batch_size}")
+        if seq_len is not None and seq_len < 2:
+            raise DistillUserError(f"`seq_len` must be >= 2 or None, got {seq_len}")
+        self.indices = [int(i) for i in indices]
+        if not self.indices:
+            raise DistillUserError("no sequences to read: the index list is empty (is `heldout` the whole cache?)")
+        self.reader, self.batch_size, self.seq_len = reader, batch_size, seq_len
+        self.seed, self.shuffle, self.pin = seed, shuffle, pin_memory
+        self.k = reader.manifest.spec.targets.k
+        self._lru = _ShardLRU(reader, lru_shards)
+        self.epoch, self.offset = 0, 0
+        self._order_epoch, self._order = None, None
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "num_indices": len(self.indices)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_indices"] != len(self.indices) or state["seed"] != self.seed:
+            raise DistillUserError(
+                f"saved data position is for {state['num_indices']} sequences with seed {state['seed']}, "
+                f"this run has {len(self.indices)} with seed {self.seed}; use a fresh run directory"
+            )
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return self.indices
+        if self._order_epoch != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            by_shard: dict[int, list[int]] = {}
+            for i in self.indices:
+                by_shard.setdefault(self._lru.shard_of(i), []).append(i)
+            order = []
+            for shard in rng.permutation(sorted(by_shard)):
+                order.extend(rng.permutation(by_shard[int(shard)]).tolist())
+            self._order_epoch, self._order = epoch, order
+        return self._order
+
+    def __iter__(self):
+        while True:
+            picked = []
+            while len(picked) < self.batch_size:
+                order = self.epoch_order(self.epoch)
+                take = order[self.offset:self.offset + self.batch_size - len(picked)]
+                picked += [(self.epoch, i) for i in take]
+                self.offset += len(take)
+                if self.offset == len(order):
+                    self.epoch, self.offset = self.epoch + 1, 0
+            yield self.make_batch(picked)
+
+    def epoch_batches(self):
+        """One pass over `indices` in their order (the last batch may be smaller): for evaluation."""
+        for lo in range(0, len(self.indices), self.batch_size):
+            yield self.make_batch([(0, i) for i in self.indices[lo:lo + self.batch_size]])
+
+    def _window(self, epoch: int, i: int, length: int) -> tuple[int, int]:
+        if self.seq_len is None or length <= self.seq_len:
+            return 0, length
+        start = 0
+        if self.shuffle:
+            start = int(np.random.default_rng([self.seed, epoch, i]).integers(length - self.seq_len + 1))
+        return start, start + self.seq_len
+
+    def make_batch(self, picked: list[tuple[int, int]]) -> Batch:
+        rows = []
+        for epoch, i in picked:
+            start, stop, shard = self._lru.sequence(i)
+            lo, hi = self._window(epoch, i, stop - start)
+            rows.append((shard, stop, start + lo, start + hi))
+        B, L, k = len(rows), max(hi - lo for _, _, lo, hi in rows), self.k
+        input_ids = np.zeros((B, L), np.int64)
+        topk_ids = np.broadcast_to(np.arange(k, dtype=np.int64), (B, L, k)).copy()
+        topk_lp = np.zeros((B, L, k), np.float32)
+        tail = np.zeros((B, L), np.float32)
+        target = np.full((B, L), -1, np.int64)
+        target_lp = np.full((B, L), np.nan, np.float32)
+        mask = np.zeros((B, L), bool)
+        for b, (shard, seq_stop, lo, hi) in enumerate(rows):
+            n, t = hi - lo, shard.targets
+            input_ids[b, :n] = shard.input_ids[lo:hi]
+            topk_ids[b, :n] = t.topk_ids[lo:hi]
+            topk_lp[b, :n] = t.topk_logprobs[lo:hi]
+            tail[b, :n] = t.tail_logmass[lo:hi]
+            target_lp[b, :n] = t.target_logprob[lo:hi]
+            # The window's last row still has a next token unless the sequence ends there.
+            nxt = shard.input_ids[lo + 1:min(hi + 1, seq_stop)]
+            target[b, :len(nxt)] = nxt
+            mask[b, :n] = True
+        flat = lambda a: torch.from_numpy(a.reshape(B * L, *a.shape[2:]))
+        batch = Batch(torch.from_numpy(input_ids), flat(topk_ids), flat(topk_lp), flat(tail), flat(target),
+                      flat(target_lp), flat(mask))
+        return batch.pin_memory() if self.pin else batch

@@ -1,0 +1,171 @@
+"""Held-out evaluation of a student against the cached teacher, and of the teacher itself.
+
+Everything is measured on cache rows: KL to the teacher over the k + 1 categories "top-k + tail",
+cross-entropy / perplexity on the actual next tokens, and top-1 agreement with the teacher.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from student.data import Batch, CacheBatches, split_indices
+from teacher_cache.errors import DistillUserError
+from teacher_cache.reader import CacheReader
+
+ROW_CHUNK = 1024  # rows of [rows, V] fp32 logits at a time (V = 49152: 200 MiB)
+
+
+@dataclass
+class EvalResult:
+    kl: float  # mean over rows of KL(teacher || student) over top-k + tail bucket, T = 1, nats
+    ce: float  # mean cross-entropy of the actual next token, nats (rows that have one)
+    ppl: float  # exp(ce)
+    top1: float  # fraction of rows where the student's argmax is the teacher's top-1 id
+    tokens: int  # rows evaluated (positions with a teacher distribution)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Sums:
+    def __init__(self):
+        self.kl = self.ce = self.top1 = 0.0
+        self.rows = self.ce_rows = 0
+
+    def result(self) -> EvalResult:
+        ce = self.ce / max(self.ce_rows, 1)
+        return EvalResult(kl=self.kl / max(self.rows, 1), ce=ce, ppl=math.exp(min(ce, 700.0)),
+                          top1=self.top1 / max(self.rows, 1), tokens=self.rows)
+
+
+def _chunk_terms(logits_CV, batch: Batch, rows: slice):
+    """(sum KL, sum CE, CE rows, sum top-1 hits) of one row chunk; logits fp32 [C, V]."""
+    mask_C = batch.mask[rows]
+    logq_CV = torch.log_softmax(logits_CV, dim=-1)
+    ids_CK = batch.topk_ids[rows]
+    lp_CK1 = torch.cat([batch.topk_logprobs[rows], batch.tail_logmass[rows, None]], dim=-1)
+    logp_CK1 = lp_CK1 - torch.logsumexp(lp_CK1, dim=-1, keepdim=True)  # exact at a consistent cache
+    logq_CK = logq_CV.gather(1, ids_CK)
+    logq_tail_C = torch.logsumexp(logq_CV.scatter(1, ids_CK, float("-inf")), dim=-1)
+    logq_CK1 = torch.cat([logq_CK, logq_tail_C[:, None]], dim=-1)
+    terms = torch.where(logp_CK1 > float("-inf"), logp_CK1.exp() * (logp_CK1 - logq_CK1), 0.0)
+    kl = terms.sum(-1)[mask_C].sum()
+    target_C = batch.target_ids[rows]
+    has_C = mask_C & (target_C >= 0)
+    ce = -logq_CV.gather(1, target_C.clamp_min(0)[:, None])[:, 0][has_C].sum()
+    hits = (logits_CV.argmax(-1) == ids_CK[:, 0])[mask_C].sum()
+    return kl.item(), ce.item(), int(has_C.sum()), hits.item()
+
+
+@torch.no_grad()
+def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, device, seq_len: int | None = None,
+                     autocast_dtype: torch.dtype | None = None) -> EvalResult:
+    """Evaluate `model` (a ``Student``) on sequences `indices` of `reader`, without gradients.
+
+    kl: forward KL(teacher || student) at T = 1 over the k + 1 categories "the teacher's top-k ids
+    plus one tail bucket" (the student's tail is its mass outside the top-k). Merging the tail
+    categories can only lose information, so this is a lower bound of the full-vocabulary KL.
+    ce / ppl: cross-entropy of the actual next token (rows that have one). top1: agreement of the
+    student's argmax with the teacher's top-1 id. Logits are formed ROW_CHUNK rows at a time; the
+    [tokens, V] logits never exist at once. seq_len crops each sequence to its first seq_len rows.
+    """
+    was_training = model.training
+    model.eval()
+    sums = _Sums()
+    data = CacheBatches(reader, indices, batch_size, seq_len=seq_len, shuffle=False)
+    amp = torch.autocast(torch.device(device).type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+    weight = model.lm_head_weight
+    for batch in data.epoch_batches():
+        batch = batch.to(device)
+        with amp:
+            hidden = model(batch.input_ids)
+        hidden_ND = hidden.reshape(-1, hidden.shape[-1])
+        for lo in range(0, hidden_ND.shape[0], ROW_CHUNK):
+            rows = slice(lo, lo + ROW_CHUNK)
+            logits_CV = (hidden_ND[rows].float() @ weight.float().T)
+            kl, ce, ce_rows, hits = _chunk_terms(logits_CV, batch, rows)
+            sums.kl, sums.ce, sums.ce_rows, sums.top1 = sums.kl + kl, sums.ce + ce, sums.ce_rows + ce_rows, sums.top1 + hits
+        sums.rows += batch.num_tokens
+    model.train(was_training)
+    return sums.result()
+
+
+def teacher_reference(reader: CacheReader, indices, *, seq_len: int | None = None) -> EvalResult:
+    """The teacher on the same rows, from the cache: ce from target_logprob, kl 0, top1 1."""
+    sums = _Sums()
+    for batch in CacheBatches(reader, indices, 64, seq_len=seq_len, shuffle=False).epoch_batches():
+        has = batch.mask & (batch.target_ids >= 0)
+        sums.ce -= batch.target_logprob[has].double().sum().item()
+        sums.ce_rows += int(has.sum())
+        sums.rows += batch.num_tokens
+        sums.top1 += batch.num_tokens
+    return sums.result()
+
+
+def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batch_size: int = 8,
+                           device: str = "auto", seq_len: int | None = None) -> dict:
+    """`distill eval`: evaluate a run directory (its run.json gives the cache, held-out split,
+    evaluation sequences and seq_len; its final student, else its latest checkpoint) or a student
+    HF folder with `cache` (held-out: the `heldout` evenly spaced sequences, default all of them).
+
+    Returns {"teacher": EvalResult, "before": EvalResult | None, "after": EvalResult} for a run
+    directory ("before": its step-0 student, recorded by the trainer, on the same sequences; None
+    when `heldout` asks for other ones) and {"teacher", "student"} for a folder, plus "cache" (str)
+    and "num_sequences" (int).
+    """
+    from student.model import Student
+    from student.trainer import latest_checkpoint, resolve_device
+
+    path = Path(path)
+    device = resolve_device(device)
+    initial = None
+    is_run = (path / "run.json").exists()
+    if is_run:
+        run = json.loads((path / "run.json").read_text())
+        cfg = run["config"]
+        cache = cache or cfg["cache"]
+        seq_len = seq_len if seq_len is not None else cfg["seq_len"]
+        reader = CacheReader(cache)
+        held = split_indices(reader.num_sequences, cfg["heldout"])[1]
+        if heldout is None:
+            held = held[:cfg["eval_sequences"]] if cfg.get("eval_sequences") else held
+            initial_file = path / "initial_eval.json"
+            if initial_file.exists():
+                initial = EvalResult(**json.loads(initial_file.read_text()))
+        else:
+            held = split_indices(reader.num_sequences, heldout)[1]
+        folder = path / "student"
+        if not (folder / "config.json").exists():
+            ckpt = latest_checkpoint(path)
+            if ckpt is None:
+                raise DistillUserError(f"run {path} has neither a final student nor a checkpoint to evaluate")
+            folder = ckpt / "model"
+    elif (path / "config.json").exists():
+        if cache is None:
+            raise DistillUserError(f"{path} is a student folder: pass the cache to evaluate it against")
+        reader = CacheReader(cache)
+        held = split_indices(reader.num_sequences, heldout)[1] if heldout else list(range(reader.num_sequences))
+        folder = path
+    else:
+        raise DistillUserError(f"{path} is neither a run directory (run.json) nor an HF folder (config.json)")
+    if not held:
+        raise DistillUserError("no sequences to evaluate: `heldout` is 0")
+    model = Student.from_pretrained(folder, device=device)
+    if model.config.vocab_size < reader.manifest.spec.tokenizer.vocab_size:
+        raise DistillUserError(f"student {folder} has vocab {model.config.vocab_size}, smaller than the cache's "
+                               f"{reader.manifest.spec.tokenizer.vocab_size}; evaluate it against a cache of its tokenizer")
+    amp = torch.bfloat16 if torch.device(device).type == "cuda" else None
+    student = evaluate_student(model, reader, held, batch_size=batch_size, device=device, seq_len=seq_len,
+                               autocast_dtype=amp)
+    result = {"teacher": teacher_reference(reader, held, seq_len=seq_len)}
+    if is_run:
+        result.update(before=initial, after=student)
+    else:
+        result["student"] = student
+    return {**result, "cache": str(cache), "num_sequences": len(held)}

@@ -1,0 +1,358 @@
+"""student.data and student.trainer on tiny random students and small synthetic caches written by
+the real CacheWriter: batches, the loop, checkpoints, exact resume after a kill, the final HF
+folder in transformers, and every error a user can cause."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from student.config import StudentConfig
+from student.data import CacheBatches, split_indices
+from student.model import Student
+from student.trainer import NonFiniteLossError, RunDirError, TrainConfig, train
+from teacher_cache.errors import CacheError, CacheMismatchError, CorruptShardError, DistillUserError
+from teacher_cache.reader import CacheReader
+from test_cache_synth import make_corpus, make_spec, write_cache
+
+VOCAB = 300
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_tokenizer(folder: Path):
+    """A word-level tokenizer over VOCAB ids ("w3" .. "w299"), saved as an HF tokenizer folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(folder)
+
+
+def tokenizer_hash(folder: Path) -> str:
+    from transformers import AutoTokenizer
+
+    from teacher_cache.identity import tokenizer_info
+
+    return tokenizer_info(AutoTokenizer.from_pretrained(folder))["hash"]
+
+
+def make_student(folder: Path, seed: int = 0, **changes) -> Path:
+    torch.manual_seed(seed)
+    config = StudentConfig(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=8, extra={"bos_token_id": 1, "eos_token_id": 2})
+    Student(config.replace(**changes)).save_pretrained(folder)
+    make_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(student folder, cache dir, corpus): 24 ragged sequences of <= 24 tokens in 6 shards of 4."""
+    root = tmp_path_factory.mktemp("tiny")
+    student = make_student(root / "student")
+    corpus = make_corpus(num_seqs=24, seq_len=24, k=8, vocab=VOCAB, seed=1)
+    write_cache(root / "cache", corpus, tokenizer__hash=tokenizer_hash(student), shard_size=4, fmt="parquet")
+    return student, root / "cache", corpus
+
+
+def config(tiny, out, **overrides) -> TrainConfig:
+    student, cache, _ = tiny
+    base = dict(cache=str(cache), out=str(out), student=str(student), steps=6, batch_size=3, lr=1e-2,
+                warmup_steps=2, heldout=4, eval_every=3, save_every=2, log_every=1, seed=0, deterministic=True,
+                device="cpu")
+    return TrainConfig(**{**base, **overrides})
+
+
+def rows(out, kind="train"):
+    lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+
+def test_split_indices_is_evenly_spaced_and_seed_free():
+    train_idx, held = split_indices(20, 4)
+    assert held == [2, 7, 12, 17] and sorted(train_idx + held) == list(range(20))
+    assert split_indices(20, 4) == (train_idx, held)
+    assert split_indices(5, 0) == ([0, 1, 2, 3, 4], [])
+    with pytest.raises(DistillUserError, match="heldout"):
+        split_indices(5, 5)
+
+
+def test_batches_hold_the_cached_rows_with_next_token_targets(tiny):
+    _, cache, corpus = tiny
+    reader = CacheReader(cache)
+    data = CacheBatches(reader, range(24), batch_size=5, seed=3)
+    seen = []
+    for _, batch in zip(range(4), data):  # 20 sequences of epoch 0
+        B, L = batch.input_ids.shape
+        assert batch.topk_ids.shape == (B * L, 8) and batch.topk_logprobs.dtype == torch.float32
+        assert batch.input_ids.dtype == torch.int64 and batch.target_ids.shape == (B * L,)
+        for b in range(B):
+            ids = batch.input_ids[b].numpy()
+            matches = [i for i, s in enumerate(corpus.sequences) if len(s) <= L and np.array_equal(ids[:len(s)], s)]
+            i = matches[0]
+            seen.append(i)
+            n, rows_ = len(corpus.sequences[i]), slice(b * L, b * L + len(corpus.sequences[i]))
+            np.testing.assert_array_equal(batch.topk_ids[rows_].numpy(), corpus.targets[i].topk_ids)
+            np.testing.assert_array_equal(batch.tail_logmass[rows_].numpy(), corpus.targets[i].tail_logmass)
+            np.testing.assert_array_equal(batch.target_ids[rows_][:-1].numpy(), corpus.sequences[i][1:])
+            assert batch.target_ids[rows_][-1] == -1
+            assert batch.mask[b * L:(b + 1) * L].sum() == n
+            assert (batch.target_ids[b * L + n:(b + 1) * L] == -1).all()
+    assert len(set(seen)) == 20
+    # shards are visited whole: the 20 sequences of epoch 0 form runs of one shard each
+    shard_runs = [k for k, _ in itertools.groupby(i // 4 for i in seen)]
+    assert len(shard_runs) == len(set(shard_runs))
+
+
+def test_batch_order_is_seeded_and_resumes_exactly(tiny):
+    _, cache, _ = tiny
+    reader = CacheReader(cache)
+    a = CacheBatches(reader, range(24), batch_size=5, seed=0)
+    it = iter(a)
+    for _ in range(7):  # crosses into epoch 1
+        next(it)
+    state = a.state_dict()
+    expected = [next(it).input_ids for _ in range(4)]
+    b = CacheBatches(reader, range(24), batch_size=5, seed=0)
+    b.load_state_dict(json.loads(json.dumps(state)))
+    assert state["epoch"] == 1
+    for want, got in zip(expected, iter(b)):
+        assert torch.equal(want, got.input_ids)
+    order = lambda seed: CacheBatches(reader, range(24), 5, seed=seed).epoch_order(0)
+    assert order(0) == order(0) and order(0) != order(1) and sorted(order(1)) == list(range(24))
+
+
+def test_crop_keeps_the_next_token_target_inside_a_sequence(tiny):
+    _, cache, corpus = tiny
+    reader = CacheReader(cache)
+    longest = max(range(24), key=lambda i: len(corpus.sequences[i]))
+    seq = corpus.sequences[longest]
+    batch = next(iter(CacheBatches(reader, [longest], 1, seq_len=5, seed=0)))
+    ids = batch.input_ids[0].numpy()
+    start = next(s for s in range(len(seq) - 4) if np.array_equal(seq[s:s + 5], ids))
+    assert batch.input_ids.shape == (1, 5)
+    expected = np.append(seq[start + 1:start + 6], -1)[:5] if start + 5 == len(seq) else seq[start + 1:start + 6]
+    np.testing.assert_array_equal(batch.target_ids.numpy(), expected)
+
+
+# --- the loop -----------------------------------------------------------------------------------
+
+
+def test_train_writes_metrics_checkpoints_and_a_transformers_student(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    listing = lambda: sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in tiny[1].rglob("*"))
+    before = listing()
+    report = train(config(tiny, out), progress=False)
+    assert report.steps == 6 and report.resumed_from == 0
+    assert listing() == before  # the cache is only read (several runs may share it)
+    train_rows = rows(out)
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
+    assert {"loss", "kl", "lr", "grad_norm", "tokens", "tok_per_s"} <= set(train_rows[0])
+    assert train_rows[0]["lr"] == pytest.approx(5e-3) and train_rows[1]["lr"] == pytest.approx(1e-2)
+    assert train_rows[-1]["lr"] < train_rows[2]["lr"]
+    assert [r["step"] for r in rows(out, "eval")] == [0, 3, 6]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000004", "step-000006"]
+    run = json.loads((out / "run.json").read_text())
+    assert run["cache_id"] == CacheReader(tiny[1]).manifest.cache_id
+    assert run["config"]["device"] == "cpu" and run["config"]["dtype"] == "float32"
+    assert run["student"]["config"]["num_hidden_layers"] == 2
+    assert report.initial_eval.tokens == report.final_eval.tokens > 0
+    assert report.teacher_eval.kl == 0 and report.teacher_eval.top1 == 1
+
+    ours = Student.from_pretrained(out / "student")
+    hf = AutoModelForCausalLM.from_pretrained(out / "student").eval()
+    tok = AutoTokenizer.from_pretrained(out / "student")
+    ids = tok("w5 w17 w200 w3", return_tensors="pt").input_ids
+    assert ids.tolist() == [[5, 17, 200, 3]]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours.logits(ours(ids)), atol=1e-5, rtol=1e-5)
+        generated = hf.generate(ids, max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, 8)
+    initial = Student.from_pretrained(tiny[0])
+    assert not torch.equal(ours.embed_tokens.weight, initial.embed_tokens.weight)  # it trained
+
+    again = train(config(tiny, out), progress=False)  # a finished run: nothing to do
+    assert again.resumed_from == 6 and again.final_eval == report.final_eval
+
+
+_CHILD = """
+import json, sys
+from student.trainer import TrainConfig, train
+train(TrainConfig(**json.loads(sys.argv[1])), progress=False)
+"""
+
+
+def _train_in_subprocess(cfg: TrainConfig, exit_after: int | None = None) -> int:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("DISTILL_TEST_EXIT_AFTER_STEP", None)
+    if exit_after is not None:
+        env["DISTILL_TEST_EXIT_AFTER_STEP"] = str(exit_after)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(dataclasses.asdict(cfg))], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (0, 17), proc.stderr[-2000:]
+    return proc.returncode
+
+
+def test_killed_run_resumes_to_the_same_losses_bit_for_bit(tiny, tmp_path):
+    """Killed (os._exit, as SIGKILL would) after step 5 with a checkpoint at 4, and its metric row
+    for step 5 already written; the rerun drops that row, resumes at 4 and matches exactly. Two
+    micro-batches per step and 8 steps of 6 sequences cross two epochs of the 20 train sequences."""
+    kw = dict(steps=8, grad_accum=2, save_every=4, eval_every=4)
+    clean = train(config(tiny, tmp_path / "clean", **kw), progress=False)
+    cfg = config(tiny, tmp_path / "killed", **kw)
+    assert _train_in_subprocess(cfg, exit_after=5) == 17
+    assert [r["step"] for r in rows(cfg.out)][-1] == 5 and not (Path(cfg.out) / "student").exists()
+    assert _train_in_subprocess(cfg) == 0
+    keys = ("step", "loss", "kl", "lr", "grad_norm", "tokens", "epoch")
+    want = [{k: r[k] for k in keys} for r in rows(tmp_path / "clean")]
+    got = [{k: r[k] for k in keys} for r in rows(cfg.out)]
+    assert got == want and want[-1]["epoch"] >= 2
+    assert rows(cfg.out, "eval") == rows(tmp_path / "clean", "eval")
+    a = Student.from_pretrained(Path(clean.student_dir)).state_dict()
+    b = Student.from_pretrained(Path(cfg.out) / "student").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ce_only_baseline_and_mixing_follow_the_kernel_terms(tiny, tmp_path):
+    from kernels.fused_topk_kl import fused_topk_kl
+    from student.trainer import _resolve, _step_loss
+
+    student, cache, _ = tiny
+    model = Student.from_pretrained(student)
+    batch = next(iter(CacheBatches(CacheReader(cache), range(24), 4)))
+    hidden = model(batch.input_ids).reshape(-1, 32)
+    logq = torch.log_softmax(model.logits(hidden), -1)
+    has = batch.mask & (batch.target_ids >= 0)
+    ce = -logq.gather(1, batch.target_ids.clamp_min(0)[:, None])[:, 0][has].mean()
+    kl = fused_topk_kl(hidden, model.lm_head_weight, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass,
+                       mask=batch.mask, tail=TrainConfig.tail)
+    for weight, expected in ((1.0, ce), (0.25, 0.75 * kl + 0.25 * ce), (0.0, kl)):
+        cfg = _resolve(config(tiny, tmp_path / "x", ce_weight=weight))
+        loss, kl_metric = _step_loss(model, batch, cfg, torch.autocast("cpu", enabled=False))
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(kl_metric, kl.detach(), rtol=1e-5, atol=1e-6)
+    report = train(config(tiny, tmp_path / "ce", ce_weight=1.0, steps=2), progress=False)
+    assert report.final_loss > 0 and rows(tmp_path / "ce")[0]["kl"] > 0
+
+
+def test_train_from_a_pruned_teacher_folder(tiny, tmp_path):
+    student, cache, _ = tiny
+    teacher = make_student(tmp_path / "teacher", num_layers=4)
+    cfg = config(tiny, tmp_path / "run", student=None, teacher=str(teacher), num_layers=2, steps=2)
+    report = train(cfg, progress=False)
+    assert Student.from_pretrained(report.student_dir).config.num_layers == 2
+    assert (Path(report.student_dir) / "tokenizer.json").exists()
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["student"]["init"].endswith("num_layers=2")
+
+
+# --- errors a user can cause --------------------------------------------------------------------
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(DistillUserError, match="exactly one of `student`"):
+        TrainConfig(cache="c", out="o")
+    with pytest.raises(DistillUserError, match="`num_layers` is required"):
+        TrainConfig(cache="c", out="o", teacher="t")
+    with pytest.raises(DistillUserError, match=r"`ce_weight` must be in \[0, 1\], got 2"):
+        TrainConfig(cache="c", out="o", student="s", ce_weight=2)
+    with pytest.raises(DistillUserError, match="`tail` must be one of"):
+        TrainConfig(cache="c", out="o", student="s", tail="none")
+
+
+def test_cache_of_another_tokenizer_or_incomplete_is_refused(tiny, tmp_path):
+    from teacher_cache.writer import CacheWriter
+
+    _, _, corpus = tiny
+    write_cache(tmp_path / "other", corpus, tokenizer__hash="0123456789abcdef", shard_size=4, fmt="parquet")
+    with pytest.raises(CacheMismatchError, match="tokenizer hash"):
+        train(config(tiny, tmp_path / "r1", cache=str(tmp_path / "other")), progress=False)
+    writer = CacheWriter(tmp_path / "partial", make_spec(corpus, shard_size=4, fmt="parquet",
+                                                          tokenizer__hash=tokenizer_hash(tiny[0])))
+    writer.write_shard(0, *corpus.shard(0, 4))
+    writer.close()
+    with pytest.raises(CacheError, match="incomplete"):
+        train(config(tiny, tmp_path / "r2", cache=str(tmp_path / "partial")), progress=False)
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+    shutil.copytree(tiny[1], tmp_path / "damaged")
+    shard = sorted((tmp_path / "damaged" / "shards").iterdir())[0]
+    shard.write_bytes(shard.read_bytes()[:-7])  # truncated, as a partial copy leaves it
+    with pytest.raises(CorruptShardError, match=f"{shard.name} has .* bytes on disk"):
+        train(config(tiny, tmp_path / "r3", cache=str(tmp_path / "damaged")), progress=False)
+
+
+def test_run_dir_of_another_run_or_model_is_refused(tiny, tmp_path):
+    out = tmp_path / "run"
+    train(config(tiny, out, steps=2), progress=False)
+    with pytest.raises(RunDirError, match=r"differs in lr: 0.01 -> 0.02; seed: 0 -> 1"):
+        train(config(tiny, out, steps=2, lr=2e-2, seed=1), progress=False)
+    train(config(tiny, out, steps=2, log_every=5), progress=False)  # logging cadence may change
+
+    wide = make_student(tmp_path / "wide", hidden_size=40)
+    other = tmp_path / "other"
+    train(config(tiny, other, student=str(wide), steps=2), progress=False)
+    # the user copies the other run's checkpoint into this run
+    (other / "checkpoints" / "step-000002").rename(out / "checkpoints" / "step-000003")
+    with pytest.raises(RunDirError, match="of another model .*hidden_size: 40 \\(checkpoint\\) vs 32"):
+        train(config(tiny, out, steps=2), progress=False)
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("mine")
+    with pytest.raises(RunDirError, match="not empty and holds no run.json"):
+        train(config(tiny, tmp_path / "junk"), progress=False)
+
+
+def test_nan_loss_stops_keeps_the_last_checkpoint_and_resumes(tiny, tmp_path, monkeypatch):
+    import student.trainer as trainer
+
+    real, calls = trainer.fused_topk_kl, {"n": 0}
+
+    def blows_up_at_step_3(*args, **kwargs):  # a test double for a diverging loss
+        calls["n"] += 1
+        loss = real(*args, **kwargs)
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    monkeypatch.setattr(trainer, "fused_topk_kl", blows_up_at_step_3)
+    out = tmp_path / "run"
+    with pytest.raises(NonFiniteLossError, match=r"not finite at step 3; .*step-000002"):
+        train(config(tiny, out), progress=False)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
+    assert [r["step"] for r in rows(out)] == [1, 2] and not (out / "student").exists()
+    monkeypatch.setattr(trainer, "fused_topk_kl", real)
+    assert train(config(tiny, out), progress=False).resumed_from == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_run_uses_bf16_autocast_and_resumes(tiny, tmp_path):
+    from student.evaluate import evaluate_run_or_folder
+
+    out = tmp_path / "run"
+    report = train(config(tiny, out, device="auto", steps=4, save_every=2), progress=False)
+    run = json.loads((out / "run.json").read_text())
+    assert run["config"]["device"] == "cuda" and run["config"]["dtype"] == "bfloat16"
+    losses = [r["loss"] for r in rows(out)]
+    assert len(losses) == 4 and all(np.isfinite(losses))
+    assert Student.from_pretrained(report.student_dir).embed_tokens.weight.dtype == torch.float32
+    shutil.rmtree(out / "checkpoints" / "step-000004")
+    shutil.rmtree(out / "student")
+    again = train(config(tiny, out, device="auto", steps=4, save_every=2), progress=False)
+    assert again.resumed_from == 2 and [r["loss"] for r in rows(out)] == pytest.approx(losses, rel=1e-3)
+    result = evaluate_run_or_folder(out, device="cuda")
+    assert result["after"].tokens > 0 and np.isfinite(result["after"].kl)
