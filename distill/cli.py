@@ -142,6 +142,149 @@ def import_gguf(
     typer.echo(run(gguf, out, dtype=dtype))
 
 
+@app.command("train-student")
+def train_student(
+    cache: Path = typer.Option(..., "--cache", "-c", help="Teacher cache directory (from cache-teacher)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Run directory (metrics, checkpoints, final student); rerun to resume."),
+    student: Optional[Path] = typer.Option(None, help="Initial student HF folder."),
+    teacher: Optional[Path] = typer.Option(None, help="Prune the initial student from this HF folder (with --num-layers); default: the embedded teacher."),
+    num_layers: Optional[int] = typer.Option(None, help="Layers kept when pruning from the teacher (evenly spaced)."),
+    steps: int = typer.Option(1000, help="Optimizer steps."),
+    batch_size: int = typer.Option(8, help="Sequences per micro-batch."),
+    grad_accum: int = typer.Option(1, help="Micro-batches per optimizer step."),
+    seq_len: Optional[int] = typer.Option(None, help="Crop cached sequences to this many tokens (default: as cached)."),
+    lr: float = typer.Option(3e-4, help="Peak learning rate (linear warmup, then cosine)."),
+    warmup_steps: int = typer.Option(100, help="Warmup steps."),
+    tail: str = typer.Option("bucket", help="Teacher mass beyond the top-k: bucket (one extra category), renorm or unnormalized."),
+    temperature: float = typer.Option(1.0, help="Training temperature (KL scaled by T^2)."),
+    ce_weight: float = typer.Option(0.0, help="Weight of cross-entropy on the actual tokens; 1.0 = CE only, no teacher."),
+    heldout: int = typer.Option(16, help="Cached sequences held out for evaluation (evenly spaced, fixed)."),
+    eval_every: int = typer.Option(100, help="Evaluate on the held-out sequences every N steps."),
+    save_every: int = typer.Option(200, help="Checkpoint every N steps (the last 2 are kept)."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    seed: int = typer.Option(0, help="Seed of the data order and initialisation."),
+    deterministic: bool = typer.Option(False, "--deterministic", help="Deterministic kernels (bit-identical resume on a CPU)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Train a student against a teacher cache; the teacher itself is never loaded.
+
+    Examples:
+
+      distill train-student --cache caches/default --num-layers 4 --steps 200 --out runs/s4
+
+      distill train-student --cache caches/qwen --student ./qwen-0.5b-pruned --batch-size 4 --grad-accum 8 --out runs/q
+
+      distill train-student --cache caches/default --num-layers 4 --ce-weight 1.0 --out runs/ce-only
+
+    Rerunning the same command after an interruption continues from the last checkpoint.
+    """
+    from pipelines.defaults import default_teacher_dir
+    from student.trainer import TrainConfig, train
+
+    if student is None and num_layers is None:
+        raise DistillUserError("say where the student starts: --student HF_FOLDER, or --num-layers N to prune the teacher")
+    if student is not None and (teacher is not None or num_layers is not None):
+        raise DistillUserError("give either --student or --teacher/--num-layers, not both")
+    init = ({"student": str(student)} if student is not None
+            else {"teacher": str(teacher or default_teacher_dir()), "num_layers": num_layers})
+    config = TrainConfig(
+        cache=str(cache), out=str(out), **init, steps=steps, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len,
+        lr=lr, warmup_steps=warmup_steps, tail=tail, temperature=temperature, ce_weight=ce_weight,
+        heldout=heldout, eval_every=eval_every, save_every=save_every, device=device, seed=seed,
+        deterministic=deterministic,
+    )
+    report = train(config, progress=not quiet)
+    resumed = f" (resumed from step {report.resumed_from})" if report.resumed_from else ""
+    typer.echo(f"{out}: {report.steps} steps{resumed}; student saved to {report.student_dir}")
+    typer.echo(_eval_table({"teacher": report.teacher_eval, "before": report.initial_eval, "after": report.final_eval}))
+
+
+@app.command("eval")
+def evaluate(
+    path: Path = typer.Argument(..., help="A run directory (from train-student), or a student HF folder with --cache."),
+    cache: Optional[Path] = typer.Option(None, "--cache", "-c", help="Teacher cache (default: the run's)."),
+    heldout: Optional[int] = typer.Option(None, help="Held-out sequences (default: the run's split)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Held-out KL to the teacher, cross-entropy, perplexity and top-1 agreement, beside the teacher's own.
+
+    Examples:
+
+      distill eval runs/quickstart
+
+      distill eval runs/quickstart/student --cache caches/quickstart --heldout 16 --json
+    """
+    from student.evaluate import evaluate_run_or_folder
+
+    results = evaluate_run_or_folder(path, cache=cache, heldout=heldout)
+    typer.echo(json.dumps(_jsonable_eval(results), indent=2) if as_json else _eval_table(results))
+
+
+@app.command("run")
+def run_recipe(
+    recipe: Path = typer.Argument(..., help="Recipe TOML file (see pipelines/recipes/quickstart.toml)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+) -> None:
+    """Run a recipe: cache the teacher (or reuse a complete matching cache), train, evaluate.
+
+    Examples:
+
+      distill run pipelines/recipes/quickstart.toml
+
+      distill run my_recipe.toml   # a copy with other teacher, corpus, student or steps
+
+    Rerunning resumes: a finished cache is reused and training continues from its last checkpoint.
+    """
+    from pipelines.recipe import load_recipe
+
+    _run_and_report(load_recipe(recipe), quiet)
+
+
+@app.command("quickstart")
+def quickstart(quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars.")) -> None:
+    """The embedded default end to end: SmolLM2-135M-Instruct on the standard library, a pruned student.
+
+    Writes caches/quickstart and runs/quickstart in the current directory; a few minutes on a CPU.
+    Same as `distill run pipelines/recipes/quickstart.toml`.
+
+    Example:
+
+      distill quickstart
+    """
+    from pipelines.recipe import builtin_recipe, load_recipe
+
+    _run_and_report(load_recipe(builtin_recipe("quickstart")), quiet)
+
+
+def _run_and_report(recipe, quiet: bool) -> None:
+    from pipelines.recipe import run_recipe as run
+
+    report = run(recipe, progress=not quiet)
+    reused = " (reused: complete and matching)" if report.cache_reused else ""
+    typer.echo(f"cache {report.cache_dir}{reused}: {report.wall_seconds['cache']:.0f} s; "
+               f"training {report.run_dir}: {report.wall_seconds['train']:.0f} s")
+    typer.echo(_eval_table(report.evaluation))
+    typer.echo(f"student: {report.run_dir / 'student'} (an HF folder: transformers and vLLM load it)")
+
+
+def _eval_rows(results: dict) -> list[tuple[str, object]]:
+    order = [("teacher (cache)", "teacher"), ("student before", "before"), ("student", "student"), ("student after", "after")]
+    return [(label, results[key]) for label, key in order if results.get(key) is not None]
+
+
+def _eval_table(results: dict) -> str:
+    lines = [f"{'held-out':<16} {'KL to teacher':>13} {'CE':>7} {'PPL':>9} {'top-1 agree':>11} {'tokens':>8}"]
+    for label, r in _eval_rows(results):
+        lines.append(f"{label:<16} {r.kl:>13.4f} {r.ce:>7.3f} {r.ppl:>9.2f} {r.top1:>11.3f} {r.tokens:>8,}")
+    return "\n".join(lines)
+
+
+def _jsonable_eval(results: dict) -> dict:
+    import dataclasses
+
+    return {key: dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for key, r in results.items()}
+
+
 _USER_ERRORS = (DistillUserError, FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 

@@ -14,7 +14,7 @@ def _readme_commands() -> list[str]:
 def test_readme_has_exactly_two_setup_and_go_commands():
     commands = _readme_commands()
     assert len(commands) == 2, commands
-    assert "distill cache-teacher" in commands[0] and "distill cache-stats" in commands[0]
+    assert commands[0].endswith("distill quickstart")  # the embedded default, end to end
     assert "pytest" in commands[1]
 
 

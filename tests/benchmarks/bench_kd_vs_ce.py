@@ -1,0 +1,89 @@
+"""Quality on real data: the same student, same steps, trained from the teacher cache (KD) or on
+cross-entropy alone (the cached text's next tokens, no teacher). Held-out KL to the teacher and
+held-out cross-entropy, with a plot of both curves.
+
+    python tests/benchmarks/bench_kd_vs_ce.py --out /tmp/kd_vs_ce            # CPU, default recipe sizes
+    python tests/benchmarks/bench_kd_vs_ce.py --cache caches/quickstart --steps 300 --out /tmp/kd_vs_ce
+
+Builds the cache of pipelines/recipes/quickstart.toml first unless --cache names one. Writes
+OUT/kd/, OUT/ce/ (run dirs), OUT/kd_vs_ce.json and OUT/kd_vs_ce.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def eval_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("kind") == "eval"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--cache", type=Path, default=None, help="existing cache (default: build the quickstart's)")
+    ap.add_argument("--recipe", type=Path, default=None, help="recipe whose cache and [train] settings are used")
+    ap.add_argument("--steps", type=int, default=None, help="override [train] steps")
+    ap.add_argument("--eval-every", type=int, default=None)
+    args = ap.parse_args()
+
+    from pipelines.defaults import default_teacher_dir
+    from pipelines.recipe import builtin_recipe, load_recipe, train_config
+    from pipelines.stage_one import cache_teacher
+    from student.trainer import train
+
+    recipe = load_recipe(args.recipe or builtin_recipe("quickstart"))
+    if args.cache is not None:
+        recipe.stage_one.cache.out = args.cache
+    else:
+        cache_teacher(recipe.stage_one)
+    if args.steps is not None:
+        recipe.train["steps"] = args.steps
+    if args.eval_every is not None:
+        recipe.train["eval_every"] = args.eval_every
+    teacher_dir = recipe.stage_one.teacher.model or default_teacher_dir()
+    results = {}
+    for name, ce_weight in (("kd", 0.0), ("ce", 1.0)):
+        config = dataclasses.replace(train_config(recipe, teacher_dir), out=args.out / name, ce_weight=ce_weight)
+        start = time.perf_counter()
+        train(config)
+        results[name] = {"ce_weight": ce_weight, "seconds": time.perf_counter() - start, "eval": eval_rows(args.out / name)}
+    results["command"] = " ".join(sys.argv)
+    results["config"] = {k: str(v) for k, v in dataclasses.asdict(train_config(recipe, teacher_dir)).items()}
+    (args.out / "kd_vs_ce.json").write_text(json.dumps(results, indent=2))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, label in (("kd", "KD from the cache (ce_weight=0)"), ("ce", "cross-entropy only (ce_weight=1)")):
+        rows = results[name]["eval"]
+        steps = [r["step"] for r in rows]
+        axes[0].plot(steps, [r["kl"] for r in rows], marker="o", label=label)
+        axes[1].plot(steps, [r["ce"] for r in rows], marker="o", label=label)
+    teacher_ce = results["kd"]["eval"][0].get("teacher_ce")
+    if teacher_ce is not None:
+        axes[1].axhline(teacher_ce, color="gray", ls="--", label="teacher")
+    axes[0].set(xlabel="step", ylabel="held-out KL to teacher (nats/token)", title="KL to the teacher")
+    axes[1].set(xlabel="step", ylabel="held-out cross-entropy (nats/token)", title="Cross-entropy on the text")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "kd_vs_ce.png", dpi=120)
+    for name in ("kd", "ce"):
+        last = results[name]["eval"][-1]
+        print(f"{name}: step {last['step']} held-out KL {last['kl']:.4f} CE {last['ce']:.4f} "
+              f"({results[name]['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
