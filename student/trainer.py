@@ -171,7 +171,13 @@ def _load_tokenizer_info(folder: str) -> dict:
 
 
 def _initial_student(config: TrainConfig) -> tuple[Student, dict]:
-    if config.student is not None:
+    if config.student is not None and not any(Path(config.student).glob("*.safetensors")):
+        # A folder with only config.json: a student of that shape, randomly initialised (seeded).
+        from student.config import StudentConfig
+
+        cfg = StudentConfig.from_hf_dict(json.loads((Path(config.student) / "config.json").read_text()))
+        model, init = Student(cfg).to(config.device), f"config:{config.student}"
+    elif config.student is not None:
         model, init = Student.from_pretrained(config.student, device=config.device), f"student:{config.student}"
     else:
         model = Student.from_teacher_pruned(config.teacher, config.num_layers, device=config.device)

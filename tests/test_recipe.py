@@ -99,3 +99,15 @@ def test_run_trains_evaluates_and_reuses_the_cache(tmp_path, capsys, monkeypatch
     code, out, err = run_cli(["eval", tmp_path / "run", "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)["after"]["kl"] == pytest.approx(ev["final"]["kl"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_quickstart_end_to_end(tmp_path, capsys, monkeypatch, teacher_dir):
+    """The README's main command, as shipped (minutes on a 2-core CPU; its time is in RESULTS.md)."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["quickstart", "-q"], capsys)
+    assert code == 0, err
+    ev = json.loads((tmp_path / "runs" / "quickstart" / "eval.json").read_text())
+    assert ev["final"]["kl"] < ev["initial"]["kl"] / 3  # measured: 12.5 -> 2.2 nats/token
+    assert ev["final"]["top1"] > 0.15
+    assert (tmp_path / "runs" / "quickstart" / "student" / "tokenizer.json").exists()

@@ -356,3 +356,37 @@ def test_gpu_run_uses_bf16_autocast_and_resumes(tiny, tmp_path):
     assert again.resumed_from == 2 and [r["loss"] for r in rows(out)] == pytest.approx(losses, rel=1e-3)
     result = evaluate_run_or_folder(out, device="cuda")
     assert result["after"].tokens > 0 and np.isfinite(result["after"].kl)
+
+
+def test_student_from_a_config_only_folder(tiny, tmp_path):
+    """A folder with config.json and tokenizer but no weights: a random student of that shape."""
+    import shutil
+
+    student, _, _ = tiny
+    folder = tmp_path / "shape"
+    shutil.copytree(student, folder)
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    report = train(config(tiny, tmp_path / "run", student=str(folder), steps=2), progress=False)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["student"]["init"].startswith("config:")
+    trained = Student.from_pretrained(Path(report.student_dir))
+    assert trained.config == Student.from_pretrained(student).config
+
+
+def test_two_runs_read_one_cache_at_the_same_time(tiny, tmp_path):
+    """Two processes train from one cache at once; both finish, each records the cache id, and the
+    cache's files are untouched."""
+    _, cache, _ = tiny
+    before = {p: p.read_bytes() for p in sorted(Path(cache).rglob("*")) if p.is_file()}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("DISTILL_TEST_EXIT_AFTER_STEP", None)
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD,
+                               json.dumps(dataclasses.asdict(config(tiny, tmp_path / f"run{i}", seed=i)))],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+    ids = {json.loads((tmp_path / f"run{i}" / "run.json").read_text())["cache_id"] for i in range(2)}
+    assert ids == {json.loads((Path(cache) / "manifest.json").read_text())["cache_id"]}
+    assert {p: p.read_bytes() for p in sorted(Path(cache).rglob("*")) if p.is_file()} == before
