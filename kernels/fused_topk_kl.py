@@ -46,6 +46,7 @@ writes the gradient over them; see its section);
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import torch
 
@@ -253,23 +254,36 @@ def fused_topk_kl_torch(hidden, weight, topk_ids, topk_logprobs, tail_logmass, t
 #
 # Gradients are taken during the forward pass (as Liger-Kernel's fused linear losses do), so
 # forward + backward costs three matmuls: z = h_c W^T, grad_h_c = G W and grad_W += G^T h_c.
-# Per chunk, in the input dtype z_CV: gather z at S, write -inf at S, then one Triton program per
-# row that (1) takes the logsumexps of z / T (and of z, for CE at T != 1) over the columns outside
-# S in one online pass (the bucket tail needs exactly those; the full ones follow by adding the
-# gathered S back in), (2) computes the row's loss and its coefficients on [k] (the module
-# docstring's formulas, as _kl_terms does in torch) and the exact gradient values at S and the
-# target, and (3) re-reads the row, mostly from L2, writing cq q + c1 softmax(z) over it in place
-# (0 at S). Two scatters then put the exact values at the target and at S (S last: it wins where
-# the target is in S). Backward only scales the two saved gradients by grad_output.
+# Per chunk, after the logits matmul into an input-dtype buffer z_CV, one Triton program per row
+# (1) gathers z at S and writes -inf there, (2) takes the logsumexps of z / T (and of z, for CE at
+# T != 1) over the columns outside S in one online pass (the bucket tail needs exactly those; the
+# full ones follow by adding the gathered S back in), (3) computes the row's loss and its
+# coefficients on [k] (the module docstring's formulas, as _kl_terms does in torch) and the exact
+# gradient values at S and the target, (4) re-reads the row, mostly from L2, writing
+# cq q + c1 softmax(z) over it in place (0 at S), and (5) stores the exact values at the target
+# and at S (S wins where the target is in S). Backward only scales the two saved gradients.
+#
+# Schedule: one stream and one reused logits buffer, chunk after chunk (the default), or, as a
+# measured alternative kept for the benchmark, "overlap": two buffers and a side stream that runs
+# chunk i's logits matmul and row pass while the current stream runs chunk i-1's grad_h and
+# grad_W matmuls (events order each buffer's reuse). On the H200 the overlap bought nothing at
+# equal chunks (not profiled; a likely cause is that cuBLAS's matmul kernels hold every
+# multiprocessor, so the row pass waits instead of running beside them), and its second buffer
+# halves the chunk that fits the memory budget: see tests/benchmarks/RESULTS.md.
 
-# Rows per chunk when chunk_size is None: about 640 MiB of input-dtype logits (2048 rows at
-# V = 151,936 in bf16), the only [C, V] buffer of the Triton path (the extra memory budget is 1 GiB).
-_TRITON_CHUNK_BYTES = 640 * 2**20
+# Logits bytes per chunk when chunk_size is None, over all live buffers (the extra memory budget
+# is 1 GiB; the [N, k] teacher tensors come on top). With the cap's rounding (triton_chunk_size)
+# chunks hold at most 2,048 rows at V = 151,936 in bf16 (0.58 GiB) and 8,192 at V = 49,152
+# (0.75 GiB): on the H200 at d = 2048 the fastest measured there (3,072 rows at V = 151,936 ran
+# level, in 0.87 GiB; smaller chunks ran slower; RESULTS.md).
+_TRITON_CHUNK_BYTES = 768 * 2**20
 # One row per program, 32 warps (as Liger's cross-entropy kernel): few rows in flight, so the
 # second read of a row mostly hits L2.
 _ROW_BLOCK = 16384
 _ROW_WARPS = 32
 _TAIL_CODE = {"renorm": 0, "bucket": 1, "unnormalized": 2}
+_SCHEDULE = "serial"  # or "overlap" (the benchmark's comparison)
+_SIDE_STREAMS: dict = {}
 
 if triton is not None:
 
@@ -281,11 +295,20 @@ if triton is not None:
         return tl.where(some, tl.exp(lp) * (lp - tl.where(some, logq, 0.0)), 0.0)
 
     @triton.jit
-    def _row_kernel(z_ptr, stride_row, zs_ptr, ids_ptr, logp_ptr, logp_tail_ptr, tgt_ptr, kl_w_ptr, ce_w_ptr,
-                    loss_ptr, gs_ptr, gt_ptr, K, V, inv_temp, TAIL: tl.constexpr, HAS_TARGET: tl.constexpr,
-                    BOTH: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _row_kernel(z_ptr, stride_row, ids_ptr, logp_ptr, logp_tail_ptr, tgt_ptr, kl_w_ptr, ce_w_ptr, loss_ptr,
+                    K, V, inv_temp, TAIL: tl.constexpr, HAS_TARGET: tl.constexpr, BOTH: tl.constexpr,
+                    WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = z_ptr + row * stride_row
+        # The row's top-k: logits zs, ids, teacher log P (all [BLOCK_K], padded with -inf / -1).
+        ks = tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        ids = tl.load(ids_ptr + row * K + ks, mask=kmask, other=-1)
+        zs = tl.load(base + ids, mask=kmask, other=float("-inf")).to(tl.float32)
+        tl.debug_barrier()  # every thread has read S before any writes -inf there
+        tl.store(base + ids, tl.full((BLOCK_K,), float("-inf"), tl.float32).to(z_ptr.dtype.element_ty),
+                 mask=kmask)
+        tl.debug_barrier()  # the -inf stores are visible to the whole program before the pass
         m = tl.full((), float("-inf"), tl.float32)
         s = tl.zeros((), tl.float32)
         m1 = tl.full((), float("-inf"), tl.float32)
@@ -303,11 +326,6 @@ if triton is not None:
                 ref1 = tl.where(new_m1 == float("-inf"), 0.0, new_m1)
                 s1 = s1 * tl.exp(m1 - ref1) + tl.sum(tl.exp(x - ref1), axis=0)
                 m1 = new_m1
-        # The row's top-k: logits zs, ids, teacher log P (all [BLOCK_K], padded with -inf / -1).
-        ks = tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        zs = tl.load(zs_ptr + row * K + ks, mask=kmask, other=float("-inf")).to(tl.float32)
-        ids = tl.load(ids_ptr + row * K + ks, mask=kmask, other=-1)
         logp = tl.load(logp_ptr + row * K + ks, mask=kmask, other=float("-inf"))
         top = tl.maximum(m, tl.max(zs * inv_temp, axis=0))  # finite: S is not empty
         lse = top + tl.log(s * tl.exp(m - top) + tl.sum(tl.exp(zs * inv_temp - top), axis=0))
@@ -345,18 +363,12 @@ if triton is not None:
             c1 = tl.load(ce_w_ptr + row)
             t = tl.load(tgt_ptr + row)
             t0 = tl.maximum(t, 0)
-            in_s = tl.sum(tl.where(ids == t0, 1, 0), axis=0) > 0
-            z_t = tl.where(in_s, tl.sum(tl.where(ids == t0, zs, 0.0), axis=0),
+            hits = tl.sum(tl.where(ids == t0, 1, 0), axis=0)
+            z_t = tl.where(hits > 0, tl.sum(tl.where(ids == t0, zs, 0.0), axis=0),
                            tl.load(base + t0).to(tl.float32))
             loss += tl.where(c1 != 0, c1 * (lse1 - z_t), 0.0)
         tl.store(loss_ptr + row, loss)
         if WRITE_GRAD:
-            g_s = cq * q + cs
-            if HAS_TARGET:
-                g_s += c1 * (tl.exp(zs - lse1) - tl.where(ids == t, 1.0, 0.0))
-                g_t = cq * tl.exp(z_t * inv_temp - lse) + c1 * tl.exp(z_t - lse1) - c1
-                tl.store(gt_ptr + row, g_t.to(gt_ptr.dtype.element_ty))
-            tl.store(gs_ptr + row * K + ks, g_s.to(gs_ptr.dtype.element_ty), mask=kmask)
             cd = cq if BOTH else cq + c1  # one softmax serves both terms unless CE is at T != 1
             for start in range(0, V, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
@@ -365,38 +377,35 @@ if triton is not None:
                 if BOTH:
                     g += c1 * tl.exp(x - lse1)
                 tl.store(base + offs, g.to(z_ptr.dtype.element_ty), mask=offs < V)
+            g_s = cq * q + cs
+            tl.debug_barrier()  # the dense stores land before the exact values overwrite them
+            if HAS_TARGET:  # rows with no target write the exact dense value at column 0
+                g_s += c1 * (tl.exp(zs - lse1) - tl.where(ids == t, 1.0, 0.0))
+                g_t = cq * tl.exp(z_t * inv_temp - lse) + c1 * tl.exp(z_t - lse1) - c1
+                tl.store(base + t0, g_t.to(z_ptr.dtype.element_ty), mask=hits == 0)
+            tl.store(base + ids, g_s.to(z_ptr.dtype.element_ty), mask=kmask)
 
 
-def _row_pass(z_CV, z_S_CK, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss_C, tail, inv_temp,
-              write_grad):
-    """Launch _row_kernel: per-row loss into loss_C; with write_grad, z_CV becomes the dense part of
-    d loss / d z (0 at S) and the exact values at S and the target are returned, in z's dtype."""
+def _row_pass(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss_C, tail, inv_temp, write_grad):
+    """Launch _row_kernel: per-row loss into loss_C (fp32); with write_grad, z_CV (the chunk's
+    input-dtype logits) becomes d loss / d z in place, else it is left with -inf at S."""
     rows, vocab = z_CV.shape
     k = ids_CK.shape[1]
-    g_S_CK = torch.empty_like(z_S_CK) if write_grad else z_S_CK
-    g_t_C = z_CV.new_empty(rows) if write_grad and target_C is not None else z_S_CK
     has_target = target_C is not None
     _row_kernel[(rows,)](
-        z_CV, z_CV.stride(0), z_S_CK, ids_CK, logp_CK, logp_tail_C if logp_tail_C is not None else kl_w_C,
-        target_C if has_target else ids_CK, kl_w_C, ce_w_C, loss_C, g_S_CK, g_t_C, k, vocab, inv_temp,
+        z_CV, z_CV.stride(0), ids_CK, logp_CK, logp_tail_C if logp_tail_C is not None else kl_w_C,
+        target_C if has_target else kl_w_C, kl_w_C, ce_w_C, loss_C, k, vocab, inv_temp,
         TAIL=_TAIL_CODE[tail], HAS_TARGET=has_target, BOTH=has_target and inv_temp != 1.0,
         WRITE_GRAD=write_grad, BLOCK=min(_ROW_BLOCK, triton.next_power_of_2(vocab)),
         BLOCK_K=triton.next_power_of_2(k), num_warps=_ROW_WARPS,
     )
-    return g_S_CK, g_t_C
 
 
-def _triton_chunk(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss_C, tail, temperature,
-                  want_grad) -> None:
-    """Per-row loss of one chunk into loss_C (fp32); if want_grad, z_CV becomes d loss / d z."""
-    z_S_CK = z_CV.gather(1, ids_CK)
-    z_CV.scatter_(1, ids_CK, float("-inf"))
-    g_S_CK, g_t_C = _row_pass(z_CV, z_S_CK, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss_C,
-                              tail, 1.0 / temperature, want_grad)
-    if want_grad:
-        if target_C is not None:  # rows with no target write the exact dense value at column 0
-            z_CV.scatter_(1, target_C.clamp_min(0)[:, None], g_t_C[:, None])
-        z_CV.scatter_(1, ids_CK, g_S_CK)
+def _side_stream(device) -> "torch.cuda.Stream":
+    """One side stream per device, reused across calls."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 class _FusedTopkKLTritonFunction(torch.autograd.Function):
@@ -405,7 +414,7 @@ class _FusedTopkKLTritonFunction(torch.autograd.Function):
                 tail, temperature, chunk_size, need_h, need_w, grad_weight_fp32):
         kl_w_N, ce_w_N = kl_w_N.float(), ce_w_N.float()
         # grad_W accumulates in the weight's dtype by default, as Liger does, so the extra memory is
-        # one logits chunk. The price in bf16: each chunk's addmm rounds the running sum to bf16
+        # the logits buffers. The price in bf16: each chunk's addmm rounds the running sum to bf16
         # (up to 2**-9 relative), a random walk of about sqrt(n) * 2**-9 of an entry after n
         # chunks, more where chunks cancel. Measured: 0.7% relative (Frobenius) error against an
         # fp32 reference after 64 chunks, 0.3% with fp32 accumulation (the test), and 3.4e-3 at
@@ -416,26 +425,44 @@ class _FusedTopkKLTritonFunction(torch.autograd.Function):
         grad_w = None
         if need_w:
             grad_w = torch.zeros_like(weight, dtype=torch.float32 if grad_weight_fp32 else weight.dtype)
-        loss_N = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
+        num_rows = hidden.shape[0]
+        loss_N = torch.empty(num_rows, device=hidden.device, dtype=torch.float32)
         logp_NK = logp_NK.float().contiguous()
-        # One logits buffer for all chunks: a fresh one per chunk would be allocated while the last
-        # is still referenced, doubling the peak.
-        z_buf = hidden.new_empty(min(chunk_size, hidden.shape[0]), weight.shape[0])
-        for start in range(0, hidden.shape[0], chunk_size):
-            rows = slice(start, min(start + chunk_size, hidden.shape[0]))
+        topk_ids = topk_ids.contiguous()
+        want_grad = need_h or need_w
+        starts = range(0, num_rows, chunk_size)
+        overlap = _SCHEDULE == "overlap" and hidden.is_cuda and want_grad and len(starts) > 1
+        # Buffers reused across chunks: a fresh one per chunk would be allocated while the last is
+        # still referenced, raising the peak.
+        bufs = [hidden.new_empty(min(chunk_size, num_rows), weight.shape[0]) for _ in range(2 if overlap else 1)]
+        main = torch.cuda.current_stream(hidden.device) if overlap else None
+        side = _side_stream(hidden.device) if overlap else None
+        if overlap:
+            side.wait_stream(main)  # hidden, the teacher tensors and the buffers come from the current stream
+        done_with = [None] * len(bufs)  # per buffer: the event after the current stream last read it
+        for i, start in enumerate(starts):
+            rows = slice(start, min(start + chunk_size, num_rows))
             h_C = hidden[rows]
-            z_CV = torch.mm(h_C, weight.T, out=z_buf[: h_C.shape[0]])  # input dtype; becomes G in place
-            _triton_chunk(
-                z_CV, topk_ids[rows].long(), logp_NK[rows], None if logp_tail_N is None else logp_tail_N[rows],
-                None if target_ids is None else target_ids[rows].long(), kl_w_N[rows], ce_w_N[rows], loss_N[rows],
-                tail, temperature, need_h or need_w,
-            )
+            buf = i % len(bufs)
+            with torch.cuda.stream(side) if overlap else nullcontext():
+                if done_with[buf] is not None:
+                    side.wait_event(done_with[buf])
+                z_CV = torch.mm(h_C, weight.T, out=bufs[buf][: h_C.shape[0]])  # input dtype; becomes G
+                _row_pass(z_CV, topk_ids[rows], logp_NK[rows], None if logp_tail_N is None else logp_tail_N[rows],
+                          None if target_ids is None else target_ids[rows], kl_w_N[rows], ce_w_N[rows],
+                          loss_N[rows], tail, 1.0 / temperature, want_grad)
+            if overlap:
+                main.wait_event(side.record_event())
             if need_h:
                 torch.mm(z_CV, weight, out=grad_h[rows])
             if need_w and grad_weight_fp32:
                 grad_w += z_CV.T @ h_C
             elif need_w:
                 grad_w.addmm_(z_CV.T, h_C)
+            if overlap:
+                done_with[buf] = main.record_event()
+        if overlap:
+            main.wait_stream(side)  # the buffers are freed on the current stream after this
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype, ctx.spent = weight.dtype, False
         return loss_N.sum()
@@ -454,10 +481,22 @@ class _FusedTopkKLTritonFunction(torch.autograd.Function):
         return grad_h, grad_w, *([None] * 12)
 
 
-def triton_chunk_size(vocab_size: int, element_size: int) -> int:
-    """Rows per chunk so that one chunk's input-dtype logits take about 640 MiB (a multiple of 256)."""
-    rows = _TRITON_CHUNK_BYTES // (element_size * vocab_size)
-    return max(1, rows // 256 * 256 if rows >= 256 else rows)
+def triton_chunk_size(num_rows: int, vocab_size: int, element_size: int) -> int:
+    """Rows per chunk when chunk_size is None: the fewest chunks whose input-dtype logits fit
+    _TRITON_CHUNK_BYTES, made equal in size and rounded up to a multiple of 128 rows (never past
+    the cap), so that no small last chunk runs the matmuls at low efficiency. The cap is rounded
+    down to a multiple of 1,024 rows (of 128 below that): at V = 151,936, N = 131,072 on the H200,
+    2,176-row chunks took 3% longer than 2,048-row ones (medians of 5; the ranges overlap), likely
+    because grad_h = G W then needs a second, nearly empty wave of output tiles (not profiled).
+    Example: N = 12,288, V = 151,936, bf16: 6 chunks of 2,048."""
+    buffers = 2 if _SCHEDULE == "overlap" else 1
+    cap = max(1, _TRITON_CHUNK_BYTES // (buffers * element_size * vocab_size))
+    step = 1024 if cap >= 1024 else 128
+    cap = cap // step * step if cap >= 128 else cap
+    if num_rows <= cap:
+        return max(1, num_rows)
+    per_chunk = -(-num_rows // -(-num_rows // cap))
+    return min(cap, -(-per_chunk // 128) * 128) if cap >= 128 else per_chunk
 
 
 def fused_topk_kl_triton(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, tail,
@@ -605,7 +644,7 @@ def fused_topk_kl(
     [N], True for rows that count (masked rows may hold any finite or non-finite teacher values,
     but valid ids). tail: "renorm" | "bucket" | "unnormalized"; temperature: the training
     temperature T; ce_weight in [0, 1]; formulas in the module docstring. chunk_size: rows per
-    chunk (None: torch path about 256 MiB of fp32 logits per chunk, Triton path about 640 MiB of
+    chunk (None: torch path about 256 MiB of fp32 logits per chunk, Triton path at most 768 MiB of
     input-dtype logits). reduction: "mean" | "sum". impl: "auto" (Triton for CUDA tensors of
     fp32 / bf16 / fp16 when Triton is installed, else torch) | "torch" | "triton" (also runs on
     the CPU under TRITON_INTERPRET=1, for tests). grad_weight_fp32: Triton path only, accumulate
@@ -626,7 +665,7 @@ def fused_topk_kl(
     )
     if use_triton:
         if args["chunk_size"] is None:
-            args["chunk_size"] = triton_chunk_size(weight.shape[0], weight.element_size())
+            args["chunk_size"] = triton_chunk_size(hidden.shape[0], weight.shape[0], weight.element_size())
         return fused_topk_kl_triton(**args)
     args.pop("grad_weight_fp32")
     if args["chunk_size"] is None:

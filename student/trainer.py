@@ -311,6 +311,8 @@ def _step_loss(model, batch, config: TrainConfig, amp):
     with amp:
         hidden = model(batch.input_ids)
     hidden_ND = hidden.reshape(-1, hidden.shape[-1])
+    if config.dtype == "bfloat16":  # the final norm returns fp32 under autocast; the lm-head matmuls run in bf16
+        hidden_ND = hidden_ND.to(torch.bfloat16)
     weight = model.lm_head_weight.to(hidden_ND.dtype)
     args = (hidden_ND, weight, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass)
     kw = dict(target_ids=batch.target_ids, mask=batch.mask, tail=config.tail, temperature=config.temperature,

@@ -366,3 +366,40 @@ def test_triton_on_gpu_matches_dense(tail, dtype):
     got = _loss_and_grads(fused_topk_kl, hidden, weight, ids, lp, tl, chunk_size=256, **kw)
     want = _loss_and_grads(topk_kl_dense, hidden, weight, ids, lp, tl, **kw)
     _assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("num_rows, vocab, element_size", [
+    (8192, 151_936, 2), (32_768, 151_936, 2), (131_072, 49_152, 2), (8192, 151_936, 4), (37, 1271, 4),
+    (100_003, 151_936, 2), (1, 151_936, 2), (12_288, 151_936, 2), (131_072, 151_936, 2),
+    (50_000, 4_000_000, 2)])
+def test_triton_auto_chunks_are_equal_and_capped(num_rows, vocab, element_size):
+    """The automatic chunk: the fewest chunks under the byte cap (rounded down to 1,024 rows), equal
+    in size up to rounding to 128 rows (no small last chunk beyond that), never over the cap."""
+    rows = fk.triton_chunk_size(num_rows, vocab, element_size)
+    cap = fk._TRITON_CHUNK_BYTES // (element_size * vocab)
+    assert 1 <= rows <= max(num_rows, 1) and rows * vocab * element_size <= fk._TRITON_CHUNK_BYTES
+    num_chunks = math.ceil(num_rows / rows)
+    step = 1024 if cap >= 1024 else 128 if cap >= 128 else 1
+    assert num_chunks == math.ceil(num_rows / (cap // step * step))
+    if num_chunks > 1 and cap >= 128:
+        assert rows % 128 == 0 and rows - 128 < math.ceil(num_rows / num_chunks) <= rows
+    elif num_chunks > 1:  # a huge vocabulary: under 128 rows fit, chunks are equal to the row
+        assert rows == math.ceil(num_rows / num_chunks)
+    if (num_rows, vocab, element_size) in ((12_288, 151_936, 2), (131_072, 151_936, 2)):
+        assert rows == 2048  # the measured fastest size that fits, at this vocabulary
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("tail", ["bucket", "unnormalized"])
+def test_triton_overlapped_schedule_matches_serial(tail, monkeypatch):
+    """Two buffers and a side stream (the "overlap" schedule) give the serial default's loss and
+    gradients, with several chunks so that both buffers are reused."""
+    hidden, weight, ids, lp, tl, target, mask = (
+        t.cuda() for t in _inputs(100, torch.bfloat16, n=2053, v=3 * fk._ROW_BLOCK + 5, d=128))
+    kw = dict(target_ids=target, mask=mask, tail=tail, temperature=1.0, ce_weight=0.3, chunk_size=256)
+    want = _loss_and_grads(fused_topk_kl, hidden, weight, ids, lp, tl, **kw)
+    monkeypatch.setattr(fk, "_SCHEDULE", "overlap")
+    got = _loss_and_grads(fused_topk_kl, hidden, weight, ids, lp, tl, **kw)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -1,7 +1,10 @@
 """Fused top-k KL loss on a GPU, forward + backward, side by side in one run.
 
 Variants (bf16, all on the same inputs): ours with impl="triton" (gradients in forward, 3
-matmuls), ours with impl="torch" (recompute in backward, 4 matmuls), the dense torch top-k KL
+matmuls; "triton" the default: one stream, one logits buffer, automatic equal chunks;
+"triton_overlap" two buffers of half the bytes each and a side stream that overlaps a chunk's row
+pass with the previous chunk's gradient matmuls; "triton#ROWS", e.g. "triton#2048", the default
+schedule at an explicit chunk_size, skipped where one buffer would pass 1 GiB), ours with impl="torch" (recompute in backward, 4 matmuls), the dense torch top-k KL
 (`topk_kl_dense`, full logits; OOM is reported), Liger-Kernel's LigerFusedLinearCrossEntropyLoss
 (the closest fused peer; plain CE, so a different loss over the same matmuls), and the bare
 matmuls z = h W^T, G W, G^T h with a random G of the same shapes (the floor for any fused loss).
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+import kernels.fused_topk_kl as fk
 from kernels.fused_topk_kl import fused_topk_kl, topk_kl_dense, triton_chunk_size
 
 GIB = 2**30
@@ -124,10 +128,15 @@ def variants(args, hidden, weight, teacher, target):
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
 
-    def ours(impl):
+    def ours(impl, schedule="serial", chunk_rows=None):
         def step():
-            loss = fused_topk_kl(h, w, ids, lp, tl, impl=impl, **kw)
-            loss.backward()
+            saved = fk._SCHEDULE
+            fk._SCHEDULE = schedule
+            try:
+                loss = fused_topk_kl(h, w, ids, lp, tl, impl=impl, chunk_size=chunk_rows, **kw)
+                loss.backward()
+            finally:
+                fk._SCHEDULE = saved
             return loss.detach()
         return step
 
@@ -143,7 +152,14 @@ def variants(args, hidden, weight, teacher, target):
         loss.backward()
         return loss.detach()
 
-    return h, w, {"triton": ours("triton"), "torch": ours("torch"), "dense": dense, "liger": liger}
+    steps = {"triton": ours("triton"), "triton_overlap": ours("triton", "overlap"), "torch": ours("torch"),
+             "dense": dense, "liger": liger}
+    for name in args.variants.split(","):
+        if "#" in name:
+            rows = int(name.split("#")[1])
+            if rows <= hidden.shape[0] and rows * weight.shape[0] * weight.element_size() <= GIB:
+                steps[name] = ours("triton", "serial", rows)
+    return h, w, steps
 
 
 def bare_matmuls(hidden, weight, warmup, repeats):
@@ -182,7 +198,7 @@ def main():
     parser.add_argument("--tail", default="unnormalized", choices=["renorm", "bucket", "unnormalized"])
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--ce-weight", type=float, default=0.0)
-    parser.add_argument("--variants", default="bare,triton,torch,liger,dense")
+    parser.add_argument("--variants", default="bare,triton,triton_overlap,torch,liger,dense")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-check", action="store_true")
@@ -223,7 +239,7 @@ def main():
             else:
                 wanted_here = wanted
             h, w, steps = variants(args, hidden, weight, (ids, lp, tl), target)
-            for name in wanted_here:
+            for name in [x for x in wanted_here if x in steps or x == "bare"]:
                 row = dict(V=v, N=n, d=args.d, k=args.k, variant=name)
                 try:
                     if name == "bare":
@@ -244,7 +260,9 @@ def main():
             gc.collect()
             torch.cuda.empty_cache()
     report["results"] = results
-    report["chunk_rows_triton"] = {v: triton_chunk_size(int(v), 2) for v in args.vocabs.split(",")}
+    report["chunk_rows_triton"] = {f"{v}x{n}": triton_chunk_size(int(n), int(v), 2)
+                                   for v in args.vocabs.split(",") for n in args.rows.split(",")}
+    print("auto chunk rows (V x N: rows):", report["chunk_rows_triton"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
 
