@@ -46,7 +46,6 @@ writes the gradient over them; see its section);
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
 
 import torch
 
@@ -263,15 +262,12 @@ def fused_topk_kl_torch(hidden, weight, topk_ids, topk_logprobs, tail_logmass, t
 # cq q + c1 softmax(z) over it in place (0 at S), and (5) stores the exact values at the target
 # and at S (S wins where the target is in S). Backward only scales the two saved gradients.
 #
-# Schedule: one stream and one reused logits buffer, chunk after chunk (the default), or, as a
-# measured alternative kept for the benchmark, "overlap": two buffers and a side stream that runs
-# chunk i's logits matmul and row pass while the current stream runs chunk i-1's grad_h and
-# grad_W matmuls (events order each buffer's reuse). On the H200 the overlap bought nothing at
-# equal chunks (not profiled; a likely cause is that cuBLAS's matmul kernels hold every
-# multiprocessor, so the row pass waits instead of running beside them), and its second buffer
-# halves the chunk that fits the memory budget: see tests/benchmarks/RESULTS.md.
+# Schedule: one stream and one reused logits buffer, chunk after chunk. A two-buffer, side-stream
+# schedule that overlapped a chunk's row pass with the previous chunk's gradient matmuls bought
+# nothing on the H200 (commit 493ecb7, RESULTS.md; likely because cuBLAS's matmuls hold every
+# multiprocessor) and halved the chunk that fits the memory budget, so it was removed.
 
-# Logits bytes per chunk when chunk_size is None, over all live buffers (the extra memory budget
+# Logits bytes per chunk when chunk_size is None (the extra memory budget
 # is 1 GiB; the [N, k] teacher tensors come on top). With the cap's rounding (triton_chunk_size)
 # chunks hold at most 2,048 rows at V = 151,936 in bf16 (0.58 GiB) and 8,192 at V = 49,152
 # (0.75 GiB): on the H200 at d = 2048 the fastest measured there (3,072 rows at V = 151,936 ran
@@ -282,8 +278,6 @@ _TRITON_CHUNK_BYTES = 768 * 2**20
 _ROW_BLOCK = 16384
 _ROW_WARPS = 32
 _TAIL_CODE = {"renorm": 0, "bucket": 1, "unnormalized": 2}
-_SCHEDULE = "serial"  # or "overlap" (the benchmark's comparison)
-_SIDE_STREAMS: dict = {}
 
 if triton is not None:
 
@@ -401,13 +395,6 @@ def _row_pass(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss
     )
 
 
-def _side_stream(device) -> "torch.cuda.Stream":
-    """One side stream per device, reused across calls."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
-
-
 class _FusedTopkKLTritonFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, topk_ids, logp_NK, logp_tail_N, target_ids, kl_w_N, ce_w_N,
@@ -430,39 +417,22 @@ class _FusedTopkKLTritonFunction(torch.autograd.Function):
         logp_NK = logp_NK.float().contiguous()
         topk_ids = topk_ids.contiguous()
         want_grad = need_h or need_w
-        starts = range(0, num_rows, chunk_size)
-        overlap = _SCHEDULE == "overlap" and hidden.is_cuda and want_grad and len(starts) > 1
-        # Buffers reused across chunks: a fresh one per chunk would be allocated while the last is
-        # still referenced, raising the peak.
-        bufs = [hidden.new_empty(min(chunk_size, num_rows), weight.shape[0]) for _ in range(2 if overlap else 1)]
-        main = torch.cuda.current_stream(hidden.device) if overlap else None
-        side = _side_stream(hidden.device) if overlap else None
-        if overlap:
-            side.wait_stream(main)  # hidden, the teacher tensors and the buffers come from the current stream
-        done_with = [None] * len(bufs)  # per buffer: the event after the current stream last read it
-        for i, start in enumerate(starts):
+        # One buffer reused across chunks: a fresh one per chunk would be allocated while the last
+        # is still referenced, raising the peak.
+        buf = hidden.new_empty(min(chunk_size, num_rows), weight.shape[0])
+        for start in range(0, num_rows, chunk_size):
             rows = slice(start, min(start + chunk_size, num_rows))
             h_C = hidden[rows]
-            buf = i % len(bufs)
-            with torch.cuda.stream(side) if overlap else nullcontext():
-                if done_with[buf] is not None:
-                    side.wait_event(done_with[buf])
-                z_CV = torch.mm(h_C, weight.T, out=bufs[buf][: h_C.shape[0]])  # input dtype; becomes G
-                _row_pass(z_CV, topk_ids[rows], logp_NK[rows], None if logp_tail_N is None else logp_tail_N[rows],
-                          None if target_ids is None else target_ids[rows], kl_w_N[rows], ce_w_N[rows],
-                          loss_N[rows], tail, 1.0 / temperature, want_grad)
-            if overlap:
-                main.wait_event(side.record_event())
+            z_CV = torch.mm(h_C, weight.T, out=buf[: h_C.shape[0]])  # input dtype; becomes G in place
+            _row_pass(z_CV, topk_ids[rows], logp_NK[rows], None if logp_tail_N is None else logp_tail_N[rows],
+                      None if target_ids is None else target_ids[rows], kl_w_N[rows], ce_w_N[rows],
+                      loss_N[rows], tail, 1.0 / temperature, want_grad)
             if need_h:
                 torch.mm(z_CV, weight, out=grad_h[rows])
             if need_w and grad_weight_fp32:
                 grad_w += z_CV.T @ h_C
             elif need_w:
                 grad_w.addmm_(z_CV.T, h_C)
-            if overlap:
-                done_with[buf] = main.record_event()
-        if overlap:
-            main.wait_stream(side)  # the buffers are freed on the current stream after this
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype, ctx.spent = weight.dtype, False
         return loss_N.sum()
@@ -489,8 +459,7 @@ def triton_chunk_size(num_rows: int, vocab_size: int, element_size: int) -> int:
     2,176-row chunks took 3% longer than 2,048-row ones (medians of 5; the ranges overlap), likely
     because grad_h = G W then needs a second, nearly empty wave of output tiles (not profiled).
     Example: N = 12,288, V = 151,936, bf16: 6 chunks of 2,048."""
-    buffers = 2 if _SCHEDULE == "overlap" else 1
-    cap = max(1, _TRITON_CHUNK_BYTES // (buffers * element_size * vocab_size))
+    cap = max(1, _TRITON_CHUNK_BYTES // (element_size * vocab_size))
     step = 1024 if cap >= 1024 else 128
     cap = cap // step * step if cap >= 128 else cap
     if num_rows <= cap:

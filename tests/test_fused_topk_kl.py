@@ -387,19 +387,3 @@ def test_triton_auto_chunks_are_equal_and_capped(num_rows, vocab, element_size):
         assert rows == math.ceil(num_rows / num_chunks)
     if (num_rows, vocab, element_size) in ((12_288, 151_936, 2), (131_072, 151_936, 2)):
         assert rows == 2048  # the measured fastest size that fits, at this vocabulary
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("tail", ["bucket", "unnormalized"])
-def test_triton_overlapped_schedule_matches_serial(tail, monkeypatch):
-    """Two buffers and a side stream (the "overlap" schedule) give the serial default's loss and
-    gradients, with several chunks so that both buffers are reused."""
-    hidden, weight, ids, lp, tl, target, mask = (
-        t.cuda() for t in _inputs(100, torch.bfloat16, n=2053, v=3 * fk._ROW_BLOCK + 5, d=128))
-    kw = dict(target_ids=target, mask=mask, tail=tail, temperature=1.0, ce_weight=0.3, chunk_size=256)
-    want = _loss_and_grads(fused_topk_kl, hidden, weight, ids, lp, tl, **kw)
-    monkeypatch.setattr(fk, "_SCHEDULE", "overlap")
-    got = _loss_and_grads(fused_topk_kl, hidden, weight, ids, lp, tl, **kw)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -1,9 +1,8 @@
 """Fused top-k KL loss on a GPU, forward + backward, side by side in one run.
 
 Variants (bf16, all on the same inputs): ours with impl="triton" (gradients in forward, 3
-matmuls; "triton" the default: one stream, one logits buffer, automatic equal chunks;
-"triton_overlap" two buffers of half the bytes each and a side stream that overlaps a chunk's row
-pass with the previous chunk's gradient matmuls; "triton#ROWS", e.g. "triton#2048", the default
+matmuls; "triton" the default: one stream, one logits buffer, automatic equal chunks
+(commit 493ecb7 also had "triton_overlap", a two-stream schedule, since removed); "triton#ROWS", e.g. "triton#2048", the default
 schedule at an explicit chunk_size, skipped where one buffer would pass 1 GiB), ours with impl="torch" (recompute in backward, 4 matmuls), the dense torch top-k KL
 (`topk_kl_dense`, full logits; OOM is reported), Liger-Kernel's LigerFusedLinearCrossEntropyLoss
 (the closest fused peer; plain CE, so a different loss over the same matmuls), and the bare
@@ -30,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-import kernels.fused_topk_kl as fk
 from kernels.fused_topk_kl import fused_topk_kl, topk_kl_dense, triton_chunk_size
 
 GIB = 2**30
@@ -128,15 +126,10 @@ def variants(args, hidden, weight, teacher, target):
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
 
-    def ours(impl, schedule="serial", chunk_rows=None):
+    def ours(impl, chunk_rows=None):
         def step():
-            saved = fk._SCHEDULE
-            fk._SCHEDULE = schedule
-            try:
-                loss = fused_topk_kl(h, w, ids, lp, tl, impl=impl, chunk_size=chunk_rows, **kw)
-                loss.backward()
-            finally:
-                fk._SCHEDULE = saved
+            loss = fused_topk_kl(h, w, ids, lp, tl, impl=impl, chunk_size=chunk_rows, **kw)
+            loss.backward()
             return loss.detach()
         return step
 
@@ -152,13 +145,13 @@ def variants(args, hidden, weight, teacher, target):
         loss.backward()
         return loss.detach()
 
-    steps = {"triton": ours("triton"), "triton_overlap": ours("triton", "overlap"), "torch": ours("torch"),
+    steps = {"triton": ours("triton"), "torch": ours("torch"),
              "dense": dense, "liger": liger}
     for name in args.variants.split(","):
         if "#" in name:
             rows = int(name.split("#")[1])
             if rows <= hidden.shape[0] and rows * weight.shape[0] * weight.element_size() <= GIB:
-                steps[name] = ours("triton", "serial", rows)
+                steps[name] = ours("triton", rows)
     return h, w, steps
 
 
@@ -198,7 +191,7 @@ def main():
     parser.add_argument("--tail", default="unnormalized", choices=["renorm", "bucket", "unnormalized"])
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--ce-weight", type=float, default=0.0)
-    parser.add_argument("--variants", default="bare,triton,triton_overlap,torch,liger,dense")
+    parser.add_argument("--variants", default="bare,triton,torch,liger,dense")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-check", action="store_true")
