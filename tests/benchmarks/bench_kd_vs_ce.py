@@ -24,6 +24,29 @@ def eval_rows(run_dir: Path) -> list[dict]:
     return [r for r in rows if r.get("kind") == "eval"]
 
 
+def plot(results: dict, path: Path) -> None:
+    """Held-out KL and CE against step for both runs (log scale: the first evaluation is far above)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, label in (("kd", "KD from the cache (ce_weight=0)"), ("ce", "cross-entropy only (ce_weight=1)")):
+        rows = results[name]["eval"]
+        steps = [r["step"] for r in rows]
+        axes[0].plot(steps, [r["kl"] for r in rows], marker="o", label=label)
+        axes[1].plot(steps, [r["ce"] for r in rows], marker="o", label=label)
+    axes[0].set(xlabel="step", ylabel="held-out KL to teacher (nats/token)", title="KL to the teacher", yscale="log")
+    axes[1].set(xlabel="step", ylabel="held-out cross-entropy (nats/token)", title="Cross-entropy on the text",
+                yscale="log")
+    for ax in axes:
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -31,7 +54,11 @@ def main() -> None:
     ap.add_argument("--recipe", type=Path, default=None, help="recipe whose cache and [train] settings are used")
     ap.add_argument("--steps", type=int, default=None, help="override [train] steps")
     ap.add_argument("--eval-every", type=int, default=None)
+    ap.add_argument("--replot", action="store_true", help="only redraw OUT/kd_vs_ce.png from OUT/kd_vs_ce.json")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads((args.out / "kd_vs_ce.json").read_text()), args.out / "kd_vs_ce.png")
+        return
 
     from pipelines.defaults import default_teacher_dir
     from pipelines.recipe import builtin_recipe, load_recipe, train_config
@@ -58,27 +85,7 @@ def main() -> None:
     results["config"] = {k: str(v) for k, v in dataclasses.asdict(train_config(recipe, teacher_dir)).items()}
     (args.out / "kd_vs_ce.json").write_text(json.dumps(results, indent=2))
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for name, label in (("kd", "KD from the cache (ce_weight=0)"), ("ce", "cross-entropy only (ce_weight=1)")):
-        rows = results[name]["eval"]
-        steps = [r["step"] for r in rows]
-        axes[0].plot(steps, [r["kl"] for r in rows], marker="o", label=label)
-        axes[1].plot(steps, [r["ce"] for r in rows], marker="o", label=label)
-    teacher_ce = results["kd"]["eval"][0].get("teacher_ce")
-    if teacher_ce is not None:
-        axes[1].axhline(teacher_ce, color="gray", ls="--", label="teacher")
-    axes[0].set(xlabel="step", ylabel="held-out KL to teacher (nats/token)", title="KL to the teacher")
-    axes[1].set(xlabel="step", ylabel="held-out cross-entropy (nats/token)", title="Cross-entropy on the text")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out / "kd_vs_ce.png", dpi=120)
+    plot(results, args.out / "kd_vs_ce.png")
     for name in ("kd", "ce"):
         last = results[name]["eval"][-1]
         print(f"{name}: step {last['step']} held-out KL {last['kl']:.4f} CE {last['ce']:.4f} "
