@@ -161,6 +161,8 @@ def train_student(
     heldout: int = typer.Option(16, help="Cached sequences held out for evaluation (evenly spaced, fixed)."),
     eval_every: int = typer.Option(100, help="Evaluate on the held-out sequences every N steps."),
     save_every: int = typer.Option(200, help="Checkpoint every N steps (the last 2 are kept)."),
+    optimizer: str = typer.Option("adamw", help="adamw, foam (block-folded states) or adamw8bit (8-bit states)."),
+    foam_level: int = typer.Option(2, help="FOAM: fold moments into blocks of 2**level along each matrix's last dim."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     seed: int = typer.Option(0, help="Seed of the data order and initialisation."),
     deterministic: bool = typer.Option(False, "--deterministic", help="Deterministic kernels (bit-identical resume on a CPU)."),
@@ -176,6 +178,8 @@ def train_student(
 
       distill train-student --cache caches/default --num-layers 4 --ce-weight 1.0 --out runs/ce-only
 
+      distill train-student --cache caches/default --num-layers 4 --optimizer foam --foam-level 3 --out runs/foam
+
     Rerunning the same command after an interruption continues from the last checkpoint.
     """
     from pipelines.defaults import default_teacher_dir
@@ -190,7 +194,8 @@ def train_student(
     config = TrainConfig(
         cache=str(cache), out=str(out), **init, steps=steps, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len,
         lr=lr, warmup_steps=warmup_steps, tail=tail, temperature=temperature, ce_weight=ce_weight,
-        heldout=heldout, eval_every=eval_every, save_every=save_every, device=device, seed=seed,
+        heldout=heldout, eval_every=eval_every, save_every=save_every, optimizer=optimizer, foam_level=foam_level,
+        device=device, seed=seed,
         deterministic=deterministic,
     )
     report = train(config, progress=not quiet)
@@ -276,6 +281,10 @@ def _eval_table(results: dict) -> str:
     lines = [f"{'held-out':<16} {'KL to teacher':>13} {'CE':>7} {'PPL':>9} {'top-1 agree':>11} {'tokens':>8}"]
     for label, r in _eval_rows(results):
         lines.append(f"{label:<16} {r.kl:>13.4f} {r.ce:>7.3f} {r.ppl:>9.2f} {r.top1:>11.3f} {r.tokens:>8,}")
+    run = results.get("run")
+    if run and run.get("optimizer_state_bytes") is not None:
+        lines.append(f"run: {run['steps']} steps, optimizer {run['optimizer']}, "
+                     f"state {run['optimizer_state_bytes'] / 2**20:,.1f} MiB")
     return "\n".join(lines)
 
 

@@ -9,6 +9,8 @@ t + 1. A batch flattens [B, L] positions to B * L rows; padded rows (ragged sequ
 from __future__ import annotations
 
 import bisect
+import queue
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -187,3 +189,59 @@ class CacheBatches:
         batch = Batch(torch.from_numpy(input_ids), flat(topk_ids), flat(topk_lp), flat(tail), flat(target),
                       flat(target_lp), flat(mask))
         return batch.pin_memory() if self.pin else batch
+
+
+class Prefetcher:
+    """The batches of a ``CacheBatches``, built ``depth`` ahead on a background thread, so that
+    decoding, collating and pinning overlap the model's work.
+
+    ``state_dict()`` is the data position after the last batch handed out (not after the last one
+    built), so a checkpoint resumes exactly at the next batch. Give the ``CacheBatches`` a reader of
+    its own: the thread reads through it while the caller may evaluate through another.
+    """
+
+    def __init__(self, batches: CacheBatches, depth: int = 2):
+        self._batches = batches
+        self._state, self.epoch = batches.state_dict(), batches.epoch
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, name="distill-prefetch", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        try:
+            for batch in self._batches:  # the generator has advanced the position past this batch
+                item = (batch, self._batches.state_dict(), self._batches.epoch)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+        except BaseException as e:  # handed to the consumer, raised there
+            self._queue.put((e, None, None))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        batch, state, epoch = self._queue.get()
+        if isinstance(batch, BaseException):
+            raise batch
+        self._state, self.epoch = state, epoch
+        return batch
+
+    def state_dict(self) -> dict:
+        return dict(self._state)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

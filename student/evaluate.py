@@ -165,7 +165,23 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
                                autocast_dtype=amp)
     result = {"teacher": teacher_reference(reader, held, seq_len=seq_len)}
     if is_run:
-        result.update(before=initial, after=student)
+        result.update(before=initial, after=student, run=_run_summary(path, cfg))
     else:
         result["student"] = student
     return {**result, "cache": str(cache), "num_sequences": len(held)}
+
+
+def _run_summary(path: Path, cfg: dict) -> dict:
+    """The run's optimizer and its state bytes (from the last training row of metrics.jsonl)."""
+    state = None
+    metrics = path / "metrics.jsonl"
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill
+            if row.get("kind") == "train" and "optimizer_state_bytes" in row:
+                state = row["optimizer_state_bytes"]
+    return {"optimizer": cfg.get("optimizer", "adamw"), "optimizer_state_bytes": state,
+            "steps": cfg.get("steps")}

@@ -2,7 +2,8 @@
 
 Run directory (`out`):
   run.json            resolved config, cache id, student identity (a rerun must match it)
-  metrics.jsonl       {"kind": "train", step, loss, kl, lr, grad_norm, tokens, tok_per_s} and
+  metrics.jsonl       {"kind": "train", step, loss, kl, lr, grad_norm, tokens, tok_per_s,
+                      optimizer_state_bytes} and
                       {"kind": "eval", step, kl, ce, ppl, top1, tokens} rows
   initial_eval.json   the step-0 student on the evaluation sequences
   eval.json           initial / final student and teacher reference at the end
@@ -30,9 +31,11 @@ import numpy as np
 import torch
 
 from kernels.fused_topk_kl import TAIL_MODES, fused_topk_kl
-from student.data import CacheBatches, split_indices
+from student.data import CacheBatches, Prefetcher, split_indices
 from student.evaluate import EvalResult, evaluate_student, teacher_reference
 from student.model import Student
+from student.optim import state_bytes
+from student.optim.clip import clip_grad_norm_foreach
 from teacher_cache.errors import DistillUserError
 from teacher_cache.identity import tokenizer_info
 from teacher_cache.reader import CacheReader
@@ -40,6 +43,8 @@ from teacher_cache.reader import CacheReader
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 KEEP_CHECKPOINTS = 2
+OPTIMIZERS = ("adamw", "foam", "adamw8bit")
+BETAS = (0.9, 0.95)
 # Fields that change how often things are logged or saved, not what is trained: a rerun may change them.
 _NON_IDENTITY_FIELDS = ("out", "eval_every", "eval_sequences", "save_every", "log_every")
 _TEST_EXIT_ENV = "DISTILL_TEST_EXIT_AFTER_STEP"  # tests only: os._exit after this step, as a kill would
@@ -72,6 +77,10 @@ class TrainConfig:
     warmup_steps: int = 50  # linear warmup steps
     weight_decay: float = 0.1  # AdamW decay on matrices (not on norms, biases)
     clip_grad: float = 1.0  # max global gradient norm (0: no clipping)
+    optimizer: str = "adamw"  # "adamw" | "foam" (block-folded states) | "adamw8bit" (block-wise 8-bit states)
+    foam_level: int = 2  # FOAM: moments folded into blocks of 2**foam_level along each matrix's last dim
+    foam_scale: float = 0.25  # FOAM: the update scale alpha of folded matrices (the authors' default)
+    foam_fold_embeddings: bool = False  # FOAM: fold the embedding / lm-head too (else plain Adam)
     # "bucket" | "renorm" | "unnormalized": see kernels/fused_topk_kl.py. "bucket" is the default because
     # "renorm" never moves the student's mass into the teacher's top-k: in a 40-step run on the real
     # SmolLM2 cache, held-out KL went 10.26 -> 2.29 with bucket, 5.64 with renorm, 2.87 CE-only.
@@ -108,6 +117,9 @@ class TrainConfig:
         _check("tail", self.tail, lambda v: v in TAIL_MODES, f"one of {TAIL_MODES}")
         _check("temperature", self.temperature, lambda v: v > 0, "> 0")
         _check("ce_weight", self.ce_weight, lambda v: 0 <= v <= 1, "in [0, 1]")
+        _check("optimizer", self.optimizer, lambda v: v in OPTIMIZERS, f"one of {OPTIMIZERS}")
+        _check("foam_level", self.foam_level, lambda v: isinstance(v, int) and 0 <= v <= 12, "an int in [0, 12]")
+        _check("foam_scale", self.foam_scale, lambda v: v > 0, "> 0")
         _check("dtype", self.dtype, lambda v: v in ("auto", "float32", "bfloat16"), "'auto', 'float32' or 'bfloat16'")
         if self.heldout == 0:
             raise DistillUserError("`heldout` must be >= 1: evaluation needs held-out sequences")
@@ -210,11 +222,22 @@ def _write_json(path: Path, obj) -> None:
 
 
 def _optimizer(model, config: TrainConfig):
+    """AdamW, FOAM or 8-bit AdamW; weight decay on matrices only, the same betas for all three."""
+    if config.optimizer == "foam":
+        from student.optim.foam import FOAM, foam_param_groups
+
+        groups = foam_param_groups(model, weight_decay=config.weight_decay, level=config.foam_level,
+                                   scale=config.foam_scale, fold_embeddings=config.foam_fold_embeddings)
+        return FOAM(groups, lr=config.lr, betas=BETAS, eps=1e-8)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if config.optimizer == "adamw8bit":
+        from student.optim.adam8bit import AdamW8bit
+
+        return AdamW8bit(groups, lr=config.lr, betas=BETAS, eps=1e-8)
     fused = {"fused": True} if config.device.startswith("cuda") else {}
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, **fused)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=BETAS, eps=1e-8, **fused)
 
 
 # --- checkpoints --------------------------------------------------------------------------------
@@ -241,7 +264,7 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _save_checkpoint(out: Path, step: int, model, optimizer, scheduler, data: CacheBatches) -> Path:
+def _save_checkpoint(out: Path, step: int, model, optimizer, scheduler, data: Prefetcher) -> Path:
     final = out / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -368,8 +391,9 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
 
     optimizer = _optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
-    data = CacheBatches(reader, train_idx, config.batch_size, seq_len=config.seq_len, seed=config.seed,
-                        pin_memory=device.startswith("cuda"))
+    # Its own reader: batches are built on a background thread while evaluation reads through `reader`.
+    data = CacheBatches(CacheReader(config.cache), train_idx, config.batch_size, seq_len=config.seq_len,
+                        seed=config.seed, pin_memory=device.startswith("cuda"))
     metrics_path = out / "metrics.jsonl"
     for leftover in [*out.glob(".student.tmp-*"), *(out / "checkpoints").glob(".tmp-step-*")]:
         shutil.rmtree(leftover)  # from a run killed while writing; the renamed copies are whole
@@ -389,11 +413,11 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
         initial = EvalResult(**json.loads((out / "initial_eval.json").read_text()))
 
     model.train()
-    batches = iter(data)
+    batches = Prefetcher(data)
     exit_after = int(os.environ.get(_TEST_EXIT_ENV, "-1"))
     loss_value, window_tokens, window_start = None, 0, time.perf_counter()
     bar = tqdm(total=config.steps, initial=step, disable=not progress, desc="train", unit="step")
-    with bar, metrics:
+    with bar, metrics, batches:
         while step < config.steps:
             loss_sum, kl_sum, tokens = 0.0, 0.0, 0
             for _ in range(config.grad_accum):
@@ -402,7 +426,7 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
                 (loss / config.grad_accum).backward()
                 loss_sum, kl_sum, tokens = loss_sum + loss.item(), kl_sum + kl.item(), tokens + batch.num_tokens
             max_norm = config.clip_grad if config.clip_grad > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+            grad_norm = clip_grad_norm_foreach(model.parameters(), max_norm).item()
             loss_value = loss_sum / config.grad_accum
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                 last = latest_checkpoint(out)
@@ -422,12 +446,13 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
                 elapsed = time.perf_counter() - window_start
                 log({"kind": "train", "step": step, "loss": loss_value, "kl": kl_sum / config.grad_accum, "lr": lr,
                      "grad_norm": grad_norm, "tokens": tokens, "tok_per_s": window_tokens / max(elapsed, 1e-9),
-                     "epoch": data.epoch})
+                     "optimizer_state_bytes": state_bytes(optimizer),
+                     "epoch": batches.epoch})
                 window_tokens, window_start = 0, time.perf_counter()
             if (config.eval_every and step % config.eval_every == 0) or step == config.steps:
                 log({"kind": "eval", "step": step, **evaluate().to_dict()})
             if (config.save_every and step % config.save_every == 0) or step == config.steps:
-                _save_checkpoint(out, step, model, optimizer, scheduler, data)
+                _save_checkpoint(out, step, model, optimizer, scheduler, batches)
             if step == exit_after:
                 os._exit(17)
 

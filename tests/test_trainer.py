@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -211,11 +212,13 @@ def _train_in_subprocess(cfg: TrainConfig, exit_after: int | None = None) -> int
     return proc.returncode
 
 
-def test_killed_run_resumes_to_the_same_losses_bit_for_bit(tiny, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "foam", "adamw8bit"])
+def test_killed_run_resumes_to_the_same_losses_bit_for_bit(tiny, tmp_path, optimizer):
     """Killed (os._exit, as SIGKILL would) after step 5 with a checkpoint at 4, and its metric row
     for step 5 already written; the rerun drops that row, resumes at 4 and matches exactly. Two
-    micro-batches per step and 8 steps of 6 sequences cross two epochs of the 20 train sequences."""
-    kw = dict(steps=8, grad_accum=2, save_every=4, eval_every=4)
+    micro-batches per step and 8 steps of 6 sequences cross two epochs of the 20 train sequences.
+    For every optimizer: their states (folded, 8-bit) must survive the checkpoint exactly."""
+    kw = dict(steps=8, grad_accum=2, save_every=4, eval_every=4, optimizer=optimizer, foam_level=1)
     clean = train(config(tiny, tmp_path / "clean", **kw), progress=False)
     cfg = config(tiny, tmp_path / "killed", **kw)
     assert _train_in_subprocess(cfg, exit_after=5) == 17
@@ -390,3 +393,24 @@ def test_two_runs_read_one_cache_at_the_same_time(tiny, tmp_path):
     ids = {json.loads((tmp_path / f"run{i}" / "run.json").read_text())["cache_id"] for i in range(2)}
     assert ids == {json.loads((Path(cache) / "manifest.json").read_text())["cache_id"]}
     assert {p: p.read_bytes() for p in sorted(Path(cache).rglob("*")) if p.is_file()} == before
+
+
+def test_optimizers_report_their_state_bytes(tiny, tmp_path):
+    """FOAM and 8-bit AdamW train, and their state bytes (in every training row) are below AdamW's."""
+    from student.optim.foam import foam_state_bytes_formula
+
+    state = {}
+    for name, kw in (("adamw", {}), ("foam", {"foam_level": 2}), ("adamw8bit", {})):
+        report = train(config(tiny, tmp_path / name, steps=2, optimizer=name, **kw), progress=False)
+        assert math.isfinite(report.final_loss)
+        state[name] = rows(tmp_path / name)[-1]["optimizer_state_bytes"]
+    model = Student.from_pretrained(tiny[0])
+    params = dict(model.named_parameters())
+    # torch's AdamW: two fp32 moments and a 4-byte step tensor per parameter.
+    assert state["adamw"] == 8 * sum(p.numel() for p in params.values()) + 4 * len(params)
+    # FOAM: matrices folded, except the embedding and the lm-head (plain Adam, by default).
+    folded = lambda n, p: p.ndim >= 2 and "embed_tokens" not in n and "lm_head" not in n
+    want = sum(foam_state_bytes_formula(tuple(p.shape), 2) if folded(n, p) else 8 * p.numel()
+               for n, p in params.items())
+    assert state["foam"] == want < state["adamw"]
+    assert state["adamw8bit"] <= state["adamw"]  # tiny tensors stay fp32 (min_8bit_size)

@@ -1,0 +1,72 @@
+"""Gradient clipping by global L2 norm in one pass, without a host sync.
+
+Per (device, dtype) group one `torch._foreach_norm` gives per-tensor norms in fp32 (bf16 and fp16
+grads are accumulated in fp32 and never rounded back to their own dtype); the global norm is the
+fp32 norm of those; one `torch._foreach_mul_` per group scales the grads by a coefficient kept on
+the device. Devices without foreach kernels fall back to one fp32 norm per tensor.
+
+Unlike torch.nn.utils.clip_grad_norm_, a non-finite total norm leaves the gradients as they are
+(torch multiplies them by NaN), so the caller can inspect the returned norm and skip the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["clip_grad_norm_foreach"]
+
+_FOREACH_DEVICE_TYPES = ("cpu", "cuda", "xpu")
+
+
+def _grads_by_device_and_dtype(grads: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        groups[(grad.device, grad.dtype)].append(grad)
+    return groups
+
+
+def _fp32_norms(grads: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    if device.type in _FOREACH_DEVICE_TYPES:
+        return list(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
+    return [torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32) for grad in grads]
+
+
+def clip_grad_norm_foreach(params: torch.Tensor | Iterable[torch.Tensor], max_norm: float, *,
+                           error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale the grads of `params` so that their global L2 norm is at most `max_norm`.
+
+    Returns the total norm before clipping, a 0-dim fp32 tensor on the first grad's device (0.0 on
+    the CPU when no param has a grad). The grads are scaled in place by
+    min(1, max_norm / (norm + 1e-6)); when the norm is NaN or inf they are left untouched.
+    `max_norm=inf` only measures. `error_if_nonfinite=True` raises RuntimeError on a non-finite
+    norm, which costs one host sync.
+    """
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    max_norm = float(max_norm)
+    if not max_norm > 0:
+        raise ValueError(f"`max_norm` must be > 0 (or inf to only measure), got {max_norm}")
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    groups = _grads_by_device_and_dtype(grads)
+    first_device = grads[0].device
+    norms = [norm.to(first_device, non_blocking=True)
+             for (device, _), group in groups.items() for norm in _fp32_norms(group, device)]
+    total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    if error_if_nonfinite and not torch.isfinite(total_norm):
+        raise RuntimeError(
+            f"The total norm of the gradients is {total_norm.item()}, so they cannot be clipped; "
+            "pass error_if_nonfinite=False to get the norm back and skip the step instead"
+        )
+    if math.isinf(max_norm):
+        return total_norm
+    clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    clip_coef = torch.where(torch.isfinite(total_norm), clip_coef, torch.ones_like(clip_coef))
+    for (device, _), group in groups.items():
+        torch._foreach_mul_(group, clip_coef.to(device, non_blocking=True))
+    return total_norm

@@ -1,0 +1,51 @@
+"""The background batch prefetcher: the same batches as the plain stream, and a data position that
+follows the batches handed out (not the ones built ahead), so checkpoints resume exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from student.data import CacheBatches, Prefetcher
+from teacher_cache.reader import CacheReader
+from test_cache_synth import make_corpus, write_cache
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prefetch") / "cache"
+    write_cache(path, make_corpus(num_seqs=20, seq_len=16, seed=2), shard_size=3)
+    return path
+
+
+def same(a, b):
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("input_ids", "topk_ids", "topk_logprobs",
+                                                                     "tail_logmass", "target_ids", "mask"))
+
+
+def test_prefetcher_yields_the_plain_stream_and_tracks_the_consumed_position(cache):
+    plain = CacheBatches(CacheReader(cache), range(20), batch_size=3, seq_len=8, seed=5)
+    want = []
+    for batch, _ in zip(plain, range(15)):  # 15 batches: past two epochs of 20 sequences
+        want.append((batch, plain.state_dict()))
+    with Prefetcher(CacheBatches(CacheReader(cache), range(20), batch_size=3, seq_len=8, seed=5), depth=3) as pre:
+        for batch, state in want[:7]:
+            assert same(next(pre), batch)
+            assert pre.state_dict() == state  # although up to 3 more batches were built ahead
+        resumed_at = pre.state_dict()
+    fresh = CacheBatches(CacheReader(cache), range(20), batch_size=3, seq_len=8, seed=5)
+    fresh.load_state_dict(resumed_at)
+    with Prefetcher(fresh) as pre:
+        for batch, state in want[7:]:
+            assert same(next(pre), batch) and pre.state_dict() == state
+
+
+def test_prefetcher_raises_the_builders_error_in_the_consumer(cache):
+    data = CacheBatches(CacheReader(cache), range(20), batch_size=3)
+
+    def broken(picked):
+        raise RuntimeError("shard went away")
+
+    data.make_batch = broken
+    with Prefetcher(data) as pre, pytest.raises(RuntimeError, match="shard went away"):
+        next(pre)
