@@ -281,6 +281,34 @@ def test_triton_vocab_over_several_blocks(tail):
     _assert_close(got, want, torch.float32)
 
 
+@pytest.mark.parametrize("row_kernel", ["scaled", "direct"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tail, ce_weight", [("bucket", 0.0), ("unnormalized", 0.3), ("bucket", 1.0)])
+def test_triton_row_kernels_match_dense(row_kernel, dtype, tail, ce_weight, monkeypatch):
+    """Both gradient row kernels, at T = 1 where either may run (with CE, without, CE only)."""
+    monkeypatch.setattr(fk, "ROW_KERNEL", row_kernel)
+    got, want = _triton_vs_dense(dtype, 5, tail=tail, ce_weight=ce_weight)
+    _assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("tail, ce_weight", [("bucket", 0.0), ("unnormalized", 0.5)])
+def test_triton_scaled_reference_moves_up(tail, ce_weight):
+    """A student logit far above every logit on S (by 25 to 80 nats) in the last of three blocks:
+    the scaled row kernel raises its reference there and rescales the blocks written before."""
+    v = 2 * fk._ROW_BLOCK + 811
+    hidden, weight, ids, lp, tl, target, _ = _tinputs(7, n=6, v=v, d=16)
+    hidden = hidden / hidden.norm(dim=1, keepdim=True)
+    hot = v - 5  # in the last block, outside every row's S
+    keep = (ids != hot).all(dim=1)
+    weight[hot] = hidden[0] * 80.0  # row 0: z = 80 there; other rows: |z| <= 80 |cos|
+    lift = (hidden @ weight.T)[:, hot] - (hidden @ weight.T).gather(1, ids.long()).max(dim=1).values
+    assert keep.all() and lift[0] > 25, "the case needs row 0's hot logit 25+ nats above its S"
+    kw = dict(target_ids=target, tail=tail, ce_weight=ce_weight)
+    got = _loss_and_grads(fused_topk_kl, hidden, weight, ids, lp, tl, chunk_size=4, impl="triton", **kw)
+    want = _loss_and_grads(topk_kl_dense, hidden, weight, ids, lp, tl, **kw)
+    _assert_close(got, want, torch.float32)
+
+
 @pytest.mark.parametrize("hidden_grad, weight_grad", [(True, False), (False, True), (False, False)])
 def test_triton_only_needed_grads(hidden_grad, weight_grad, monkeypatch):
     hidden, weight, ids, lp, tl, target, mask = _tinputs(5)
@@ -358,11 +386,13 @@ def test_triton_needs_cuda_or_the_interpreter(monkeypatch):
 @needs_gpu
 @pytest.mark.parametrize("tail", TAIL_MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_on_gpu_matches_dense(tail, dtype):
-    """A real GPU, auto dispatch, several chunks and Triton blocks, against the dense reference."""
+@pytest.mark.parametrize("temperature, ce_weight", [(2.0, 0.3), (1.0, 0.3), (1.0, 0.0)])
+def test_triton_on_gpu_matches_dense(tail, dtype, temperature, ce_weight):
+    """A real GPU, auto dispatch, several chunks and Triton blocks, against the dense reference
+    (T = 2 with CE runs the direct row kernel, the others the scaled one, except renorm alone)."""
     hidden, weight, ids, lp, tl, target, mask = (
         t.cuda() for t in _inputs(100, dtype, n=1031, v=2 * fk._ROW_BLOCK + 77, d=64))
-    kw = dict(target_ids=target, mask=mask, tail=tail, temperature=2.0, ce_weight=0.3)
+    kw = dict(target_ids=target, mask=mask, tail=tail, temperature=temperature, ce_weight=ce_weight)
     got = _loss_and_grads(fused_topk_kl, hidden, weight, ids, lp, tl, chunk_size=256, **kw)
     want = _loss_and_grads(topk_kl_dense, hidden, weight, ids, lp, tl, **kw)
     _assert_close(got, want, dtype)

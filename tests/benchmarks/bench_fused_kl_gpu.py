@@ -4,7 +4,9 @@ Variants (bf16, all on the same inputs): ours with impl="triton" (gradients in f
 matmuls; "triton" the default: one stream, one logits buffer, automatic equal chunks
 (commit 493ecb7 also had "triton_overlap", a two-stream schedule, since removed); "triton#ROWS", e.g. "triton#2048", the default
 schedule at an explicit chunk_size, skipped where one buffer would pass 1 GiB), ours with impl="torch" (recompute in backward, 4 matmuls), the dense torch top-k KL
-(`topk_kl_dense`, full logits; OOM is reported), Liger-Kernel's LigerFusedLinearCrossEntropyLoss
+(`topk_kl_dense`, full logits; OOM is reported), "triton_direct" (the same with the two-read
+row kernel that writes the gradient itself, the one "triton" used before the one-read "scaled"
+kernel), Liger-Kernel's LigerFusedLinearCrossEntropyLoss
 (the closest fused peer; plain CE, so a different loss over the same matmuls), and the bare
 matmuls z = h W^T, G W, G^T h with a random G of the same shapes (the floor for any fused loss).
 Before timing, a correctness check against the dense reference (and triton vs torch) at one
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+import kernels.fused_topk_kl as fk
 from kernels.fused_topk_kl import fused_topk_kl, topk_kl_dense, triton_chunk_size
 
 GIB = 2**30
@@ -126,10 +129,14 @@ def variants(args, hidden, weight, teacher, target):
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
 
-    def ours(impl, chunk_rows=None):
+    def ours(impl, chunk_rows=None, row_kernel="scaled"):
         def step():
-            loss = fused_topk_kl(h, w, ids, lp, tl, impl=impl, chunk_size=chunk_rows, **kw)
-            loss.backward()
+            fk.ROW_KERNEL = row_kernel
+            try:
+                loss = fused_topk_kl(h, w, ids, lp, tl, impl=impl, chunk_size=chunk_rows, **kw)
+                loss.backward()
+            finally:
+                fk.ROW_KERNEL = "scaled"
             return loss.detach()
         return step
 
@@ -145,7 +152,7 @@ def variants(args, hidden, weight, teacher, target):
         loss.backward()
         return loss.detach()
 
-    steps = {"triton": ours("triton"), "torch": ours("torch"),
+    steps = {"triton": ours("triton"), "triton_direct": ours("triton", row_kernel="direct"), "torch": ours("torch"),
              "dense": dense, "liger": liger}
     for name in args.variants.split(","):
         if "#" in name:
@@ -173,6 +180,36 @@ def bare_matmuls(hidden, weight, warmup, repeats):
     return result
 
 
+def profile_step(step, leaves, label):
+    """GPU time per kernel of one forward + backward (torch.profiler), and the step's wall time:
+    what the time beyond the bare matmuls is spent on (small kernels, or the GPU waiting on Python)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        for t in leaves:
+            t.grad = None
+        step()
+    torch.cuda.synchronize()
+    for t in leaves:
+        t.grad = None
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+    for t in leaves:
+        t.grad = None
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    busy_ms = sum(e.device_time_total for e in kernels) / 1e3
+    rows = sorted(((e.key[:70], e.count, e.device_time_total / 1e3) for e in kernels), key=lambda r: -r[2])
+    print(f"\nprofile {label}: wall {start.elapsed_time(end):.2f} ms (under the profiler), "
+          f"GPU kernels {busy_ms:.2f} ms")
+    for name, count, ms in rows[:14]:
+        print(f"  {ms:8.3f} ms  x{count:<4d} {name}")
+    return dict(label=label, wall_ms=start.elapsed_time(end), kernel_ms=busy_ms, kernels=rows[:30])
+
+
 def copy_bandwidth():
     x = torch.empty(2 * GIB // 2, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
@@ -195,6 +232,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step of the 'triton' variant at every shape")
     args = parser.parse_args()
     dtype = torch.bfloat16
     report = dict(args=vars(args), device=torch.cuda.get_device_name(), torch=torch.__version__)
@@ -215,7 +254,8 @@ def main():
         report["check"] = check(1031, 12365, 256, args.k, torch.float32, small)
         report["check"] += check(1031, 12365, 256, args.k, dtype, small)
         large = [dict(tail=args.tail, temperature=args.temperature, ce_weight=args.ce_weight),
-                 dict(tail="bucket", temperature=2.0, ce_weight=0.3)]
+                 dict(tail="bucket", temperature=2.0, ce_weight=0.3),
+                 dict(tail="bucket", temperature=1.0, ce_weight=0.3)]
         report["check"] += check(8192, 151936, args.d, args.k, dtype, large)
         torch.cuda.empty_cache()
     report["copy_GBps"] = copy_bandwidth() / 1e9
@@ -232,6 +272,12 @@ def main():
             else:
                 wanted_here = wanted
             h, w, steps = variants(args, hidden, weight, (ids, lp, tl), target)
+            if args.profile:
+                try:
+                    report.setdefault("profile", []).append(
+                        profile_step(steps["triton"], [h, w], f"triton V={v} N={n}"))
+                except Exception as err:  # noqa: BLE001  the profile is a diagnostic, not the result
+                    print(f"profile failed: {type(err).__name__}: {err}", flush=True)
             for name in [x for x in wanted_here if x in steps or x == "bare"]:
                 row = dict(V=v, N=n, d=args.d, k=args.k, variant=name)
                 try:
