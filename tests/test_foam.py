@@ -171,6 +171,60 @@ def test_level0_matches_torch_adamw(fused):
         torch.testing.assert_close(a, b, atol=order_bound + 1e-6, rtol=0)
 
 
+def _mixed_params():
+    """Params that take every route of a fused step: fp32 and bf16, folded and plain, shapes with
+    n % block != 0, an empty one, and a strided (transposed) one that takes the per-tensor path."""
+    gen = torch.Generator().manual_seed(7)
+    specs = [((64, 130), torch.float32), ((5, 33), torch.bfloat16), ((3, 4, 16), torch.float32),
+             ((9, 3), torch.float32), ((130,), torch.float32), ((33,), torch.bfloat16), ((0, 8), torch.float32),
+             ((16, 64), torch.float32)]
+    params = [torch.randn(shape, generator=gen).to(DEVICE, dtype) for shape, dtype in specs]
+    params[-1] = params[-1].t()  # [64, 16], not contiguous
+    return params
+
+
+def _mixed_groups(params):
+    return [{"params": params[:4], "level": 2, "weight_decay": 0.1},
+            {"params": params[4:6], "level": None, "weight_decay": 0.0},
+            {"params": params[6:], "level": 3, "scale": 0.5}]
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_batched_step_matches_torch_over_many_params(set_to_none):
+    """Several params per launch, grads that move between steps (zero_grad(set_to_none=True)) or stay,
+    a param without a grad at one step (its step count falls behind: a launch of its own after)."""
+    num_steps = 4
+    gen = torch.Generator().manual_seed(8)
+    grads = [[torch.randn(p.shape, generator=gen).to(DEVICE, p.dtype) for _ in range(num_steps)]
+             for p in _mixed_params()]
+    results = []
+    for fused in (False, True):
+        params = _mixed_params()
+        opt = FOAM(_mixed_groups(params), lr=1e-2, betas=(0.8, 0.95), rho=0.7, fused=fused)
+        for step in range(num_steps):
+            for i, (p, g) in enumerate(zip(params, grads)):
+                if step == 1 and i == 1:
+                    p.grad = None
+                elif set_to_none or p.grad is None:
+                    p.grad = g[step].clone()
+                else:
+                    p.grad.copy_(g[step])
+            opt.step()
+        results.append((params, opt))
+    (ref_params, ref_opt), (params, opt) = results
+    for p_ref, p in zip(ref_params, params):
+        tol = TOL_FP32 if p.dtype == torch.float32 else TOL_BF16
+        torch.testing.assert_close(p, p_ref, **tol)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[p][key], ref_opt.state[p_ref][key], **TOL_MOMENTS)
+        assert opt.state[p]["step"] == ref_opt.state[p_ref]["step"]
+    assert opt.state[params[1]]["step"] == num_steps - 1
+    # Launches: group 0 fp32 level 2 (n % 4 == 2 and == 0 apart), bf16 level 2 (behind by a step),
+    # group 1 fp32 and bf16, group 2 nothing batched (empty and strided params go alone).
+    assert len(opt._plan.launches) == 5
+    assert {id(p) for p, _, _ in opt._plan.loose} == {id(params[6]), id(params[7])}
+
+
 STATE_SHAPES = [(7,), (1, 1), (5, 3), (64, 130), (3, 5, 33), (2, 4, 7), (16, 64), (9, 17)]
 
 
@@ -358,6 +412,34 @@ def test_triton_on_gpu_matches_torch_without_param_sized_temporaries(level, dtyp
         opt_tri.step()
         torch.cuda.synchronize()
         assert torch.cuda.max_memory_allocated() - before < p_tri.numel()  # < one byte per element
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_step_has_no_host_sync_and_matches_torch():
+    """Once the launches are planned, a step syncs nothing with the host, also when backward puts
+    the grads at new addresses (the grad table is uploaded without a sync)."""
+    model = _tiny_student(tie=True).cuda()
+    groups = foam_param_groups(model, weight_decay=0.1, level=2)
+    ref_model = copy.deepcopy(model)
+    opt = FOAM(groups, lr=1e-2, fused=None)
+    ref_opt = FOAM(foam_param_groups(ref_model, weight_decay=0.1, level=2), lr=1e-2, fused=False)
+    params, ref_params = list(model.parameters()), list(ref_model.parameters())
+    for step in range(4):
+        for p, r in zip(params, ref_params):
+            p.grad = torch.randn_like(p)  # new tensors, maybe new addresses
+            r.grad = p.grad.clone()
+        torch.cuda.synchronize()
+        if step >= 1:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        ref_opt.step()
+    assert len(opt._plan.launches) == 3 and not opt._plan.loose
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p, r, **TOL_FP32)
 
 
 def test_loading_another_optimizers_state_raises():

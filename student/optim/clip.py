@@ -2,8 +2,10 @@
 
 Per (device, dtype) group one `torch._foreach_norm` gives per-tensor norms in fp32 (bf16 and fp16
 grads are accumulated in fp32 and never rounded back to their own dtype); the global norm is the
-fp32 norm of those; one `torch._foreach_mul_` per group scales the grads by a coefficient kept on
-the device. Devices without foreach kernels fall back to one fp32 norm per tensor.
+fp32 norm of those; one `torch._foreach_mul_` per group scales fp32 grads by a coefficient kept on
+the device; bf16 and fp16 grads are scaled one tensor at a time, so that the product is computed in
+fp32 and rounded once (torch's foreach multiply would round the coefficient to the grads' dtype
+first). Devices without foreach kernels fall back to one fp32 norm per tensor.
 
 Unlike torch.nn.utils.clip_grad_norm_, a non-finite total norm leaves the gradients as they are
 (torch multiplies them by NaN), so the caller can inspect the returned norm and skip the step.
@@ -67,6 +69,16 @@ def clip_grad_norm_foreach(params: torch.Tensor | Iterable[torch.Tensor], max_no
         return total_norm
     clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     clip_coef = torch.where(torch.isfinite(total_norm), clip_coef, torch.ones_like(clip_coef))
-    for (device, _), group in groups.items():
-        torch._foreach_mul_(group, clip_coef.to(device, non_blocking=True))
+    for (device, dtype), group in groups.items():
+        coef = clip_coef.to(device, non_blocking=True)
+        if dtype in (torch.bfloat16, torch.float16):
+            # A 0-dim device tensor of another dtype is cast to the grads' dtype before the multiply
+            # (torch's fast foreach route needs equal dtypes, its fallback casts the 0-dim operand):
+            # on CUDA a bf16 grad is scaled by a coefficient rounded to 8 bits (the GPU test found bf16
+            # grads 2 ulps off on an H200; the cause read from torch's source). An expanded fp32
+            # operand takes part in type promotion: the product is fp32, rounded once.
+            for grad in group:
+                grad.mul_(coef.expand(grad.shape))
+        else:
+            torch._foreach_mul_(group, coef)
     return total_norm

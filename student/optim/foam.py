@@ -28,8 +28,12 @@ scale 1. (Folding at level 0 is Adam, R = 0; the released code would still multi
 group by ``scale``, here ``scale`` reaches folded params only, as the project's API asks.)
 
 Two paths behind one ``step``: ``foam_step_torch`` / ``adam_step_torch`` (reference, CPU path)
-and ``foam_step_triton``, one Triton kernel that reads p and g once per tile, updates the folded
-moments and writes p, with no [rows, n] temporaries (plain Adam is the same kernel with b = 1).
+and a Triton kernel that reads p and g once per tile, updates the folded moments and writes p,
+with no [rows, n] temporaries (plain Adam is the same kernel with b = 1). The optimizer launches it
+once per group of tensors that share a param group, dtypes, block and step count (a few launches a
+step), through address tables built once while the parameter set is unchanged; bias corrections
+are host arithmetic on the Python step count, so a step syncs nothing with the host.
+``foam_step_triton`` runs the kernel on one tensor.
 Differences from the released code: moments are fp32 for any param dtype and bf16 params are
 rounded once per step (the code rounds after the update and again after weight decay).
 """
@@ -134,7 +138,7 @@ def foam_step_torch(p, grad, exp_avg, exp_avg_sq, *, block, beta1, beta2, eps, s
     n = p.shape[-1]
     g = grad.float()
     pad = -n % block
-    g_blocks = F.pad(g, (0, pad)).view(*g.shape[:-1], -1, block)  # [..., n', block], zero padded
+    g_blocks = F.pad(g, (0, pad)).view(*g.shape[:-1], (n + pad) // block, block)  # [..., n', block], zero padded
     g_mean = g_blocks.mean(dim=-1)
     g2_mean = g_blocks.square().mean(dim=-1)
     exp_avg.mul_(beta1).add_(g_mean, alpha=1.0 - beta1)
@@ -155,7 +159,19 @@ def adam_step_torch(p, grad, exp_avg, exp_avg_sq, *, beta1, beta2, eps, step_siz
     _apply_update(p, update, step_size, decay)
 
 
-# --- Triton path -----------------------------------------------------------------------------------
+# --- Triton path: one launch per group of tensors --------------------------------------------------
+#
+# A launch covers every tensor of one param group that shares param dtype, grad dtype, fold block,
+# alignment and step count. The tensors are addressed through tables on the device, built once per
+# parameter set (``_FusedPlan``): ``meta`` [k, 8] int64 (param, exp_avg and exp_avg_sq addresses,
+# n, ceil(n / block), rows * ceil(n / block), first tile, unused), ``tile_owner`` [num_tiles] int32
+# (which tensor each program updates) and the grads' addresses [k] int64, uploaded again only when
+# the grads move (a new backward with ``zero_grad(set_to_none=True)`` usually reuses the addresses).
+# A program updates TILE_F consecutive folded entries of one tensor (flattened over the rows):
+# a [TILE_F, BLOCK] tile of p.
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # for _as_pointer
+_ALIGN_BYTES = 16  # vector loads need 16-byte aligned addresses; other tensors take an unhinted launch
 
 if triton is not None:
 
@@ -169,71 +185,213 @@ if triton is not None:
         return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
-    def _foam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, num_rows, n, n_folded,
-                     beta1, one_minus_beta1, beta2, one_minus_beta2, eps, scale, rho, rho_sq, step_size, decay,
-                     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, ROUND_BF16: tl.constexpr):
-        # One program: BLOCK_R rows x BLOCK_F folded columns, i.e. a [BLOCK_R, BLOCK_F, BLOCK] tile of p.
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        folds = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-        rows64 = rows.to(tl.int64)
-        cols = folds[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [F, B]
-        full_mask = (rows[:, None, None] < num_rows) & (cols[None, :, :] < n)
-        full_offs = rows64[:, None, None] * n + cols[None, :, :]
-        fold_mask = (rows[:, None] < num_rows) & (folds[None, :] < n_folded)
-        fold_offs = rows64[:, None] * n_folded + folds[None, :]
+    def _as_pointer(address, DTYPE: tl.constexpr):
+        """An int64 address from a table as a pointer to DTYPE ("fp32", "bf16" or "fp16")."""
+        if DTYPE == "bf16":
+            ptr = address.to(tl.pointer_type(tl.bfloat16))
+        elif DTYPE == "fp16":
+            ptr = address.to(tl.pointer_type(tl.float16))
+        else:
+            ptr = address.to(tl.pointer_type(tl.float32))
+        return ptr
 
-        # Masked columns load as 0: the zero padding of the reference, which dilutes the last mean.
-        g = tl.load(g_ptr + full_offs, mask=full_mask, other=0.0).to(tl.float32)
-        g_mean = tl.sum(g, axis=2) / BLOCK
-        g2_mean = tl.sum(g * g, axis=2) / BLOCK
-        m = tl.load(m_ptr + fold_offs, mask=fold_mask, other=0.0)
-        v = tl.load(v_ptr + fold_offs, mask=fold_mask, other=0.0)
+    @triton.jit
+    def _foam_tile(p_ptr, g_ptr, m_ptr, v_ptr, fold_start, n, n_folded, num_folded,
+                   beta1, one_minus_beta1, beta2, one_minus_beta2, eps, scale, rho, rho_sq, step_size, decay,
+                   BLOCK: tl.constexpr, TILE_F: tl.constexpr, EVEN: tl.constexpr, MASKED: tl.constexpr,
+                   ROUND_BF16: tl.constexpr):
+        f_local = tl.arange(0, TILE_F)
+        j = tl.arange(0, BLOCK)
+        m_ptrs = m_ptr + fold_start + f_local
+        v_ptrs = v_ptr + fold_start + f_local
+        if EVEN:  # n % BLOCK == 0: the tile is contiguous in p
+            offs = fold_start * BLOCK + (f_local[:, None] * BLOCK + j[None, :])
+        else:
+            folds = fold_start + f_local
+            rows = folds // n_folded
+            cols = (folds - rows * n_folded)[:, None] * BLOCK + j[None, :]
+            offs = rows[:, None] * n + cols
+        if MASKED or not EVEN:
+            fold_mask = (fold_start + f_local) < num_folded
+            full_mask = fold_mask[:, None]
+            if not EVEN:
+                full_mask = full_mask & (cols < n)
+            # Masked columns load as 0: the zero padding of the reference, which dilutes the last mean.
+            g = tl.load(g_ptr + offs, mask=full_mask, other=0.0).to(tl.float32)
+            m = tl.load(m_ptrs, mask=fold_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=fold_mask, other=0.0)
+            p = tl.load(p_ptr + offs, mask=full_mask, other=0.0).to(tl.float32)
+        else:
+            g = tl.load(g_ptr + offs).to(tl.float32)
+            m = tl.load(m_ptrs)
+            v = tl.load(v_ptrs)
+            p = tl.load(p_ptr + offs).to(tl.float32)
+
+        g_mean = tl.sum(g, axis=1) / BLOCK
+        g2_mean = tl.sum(g * g, axis=1) / BLOCK
         m = m * beta1 + one_minus_beta1 * g_mean
         v = v * beta2 + one_minus_beta2 * g2_mean
-        tl.store(m_ptr + fold_offs, m, mask=fold_mask)
-        tl.store(v_ptr + fold_offs, v, mask=fold_mask)
-
-        resid = g - g_mean[:, :, None]
-        big_m = m[:, :, None] + rho * resid
-        big_v = v[:, :, None] + rho_sq * (resid * resid)
+        resid = g - g_mean[:, None]
+        big_m = m[:, None] + rho * resid
+        big_v = v[:, None] + rho_sq * (resid * resid)
         # IEEE sqrt and division: the GPU defaults are approximate, the reference is not.
         update = tl.div_rn(scale * big_m, tl.sqrt_rn(big_v) + eps)
-        p = tl.load(p_ptr + full_offs, mask=full_mask, other=0.0).to(tl.float32)
         p = p - step_size * update
         p = p - decay * p
         if ROUND_BF16:
-            tl.store(p_ptr + full_offs, _to_bf16_rtne(p), mask=full_mask)
+            p_out = _to_bf16_rtne(p)
         else:
-            tl.store(p_ptr + full_offs, p.to(p_ptr.dtype.element_ty), mask=full_mask)
+            p_out = p.to(p_ptr.dtype.element_ty)
+        if MASKED or not EVEN:
+            tl.store(m_ptrs, m, mask=fold_mask)
+            tl.store(v_ptrs, v, mask=fold_mask)
+            tl.store(p_ptr + offs, p_out, mask=full_mask)
+        else:
+            tl.store(m_ptrs, m)
+            tl.store(v_ptrs, v)
+            tl.store(p_ptr + offs, p_out)
+
+    @triton.jit
+    def _foam_multi_kernel(meta_ptr, grad_addr_ptr, tile_owner_ptr,
+                           beta1, one_minus_beta1, beta2, one_minus_beta2, eps, scale, rho, rho_sq, step_size, decay,
+                           P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BLOCK: tl.constexpr, TILE_F: tl.constexpr,
+                           EVEN: tl.constexpr, ALIGNED: tl.constexpr, ROUND_BF16: tl.constexpr):
+        pid = tl.program_id(0)
+        owner = tl.load(tile_owner_ptr + pid).to(tl.int64)
+        row = meta_ptr + owner * 8
+        p_ptr = _as_pointer(tl.load(row), P_DTYPE)
+        m_ptr = _as_pointer(tl.load(row + 1), "fp32")
+        v_ptr = _as_pointer(tl.load(row + 2), "fp32")
+        g_ptr = _as_pointer(tl.load(grad_addr_ptr + owner), G_DTYPE)
+        if ALIGNED:
+            p_ptr = tl.multiple_of(p_ptr, 16)
+            m_ptr = tl.multiple_of(m_ptr, 16)
+            v_ptr = tl.multiple_of(v_ptr, 16)
+            g_ptr = tl.multiple_of(g_ptr, 16)
+        n = tl.load(row + 3)
+        n_folded = tl.load(row + 4)
+        num_folded = tl.load(row + 5)
+        fold_start = (pid - tl.load(row + 6)) * TILE_F
+        # Only a tensor's last tile needs masks (when n % BLOCK == 0): the others load whole vectors.
+        if fold_start + TILE_F <= num_folded:
+            _foam_tile(p_ptr, g_ptr, m_ptr, v_ptr, fold_start, n, n_folded, num_folded,
+                       beta1, one_minus_beta1, beta2, one_minus_beta2, eps, scale, rho, rho_sq, step_size, decay,
+                       BLOCK, TILE_F, EVEN, False, ROUND_BF16)
+        else:
+            _foam_tile(p_ptr, g_ptr, m_ptr, v_ptr, fold_start, n, n_folded, num_folded,
+                       beta1, one_minus_beta1, beta2, one_minus_beta2, eps, scale, rho, rho_sq, step_size, decay,
+                       BLOCK, TILE_F, EVEN, True, ROUND_BF16)
 
 
-def _tile_shape(num_rows: int, n_folded: int, block: int) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_F): powers of two with BLOCK_R * BLOCK_F * block ~ _TILE_ELEMS."""
-    block_f = max(1, min(triton.next_power_of_2(n_folded), _TILE_ELEMS // block))
-    block_r = max(1, min(triton.next_power_of_2(num_rows), _TILE_ELEMS // (block_f * block)))
-    return block_r, block_f
+
+def _tile_folds(block: int) -> int:
+    """Folded entries per program: TILE_F * block ~ _TILE_ELEMS (a power of two, at least 1)."""
+    return max(1, _TILE_ELEMS // block)
+
+
+def _upload(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without a host sync (pinned staging on CUDA)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    return all(t.data_ptr() % _ALIGN_BYTES == 0 for t in tensors)
+
+
+class _Launch:
+    """One kernel launch: params (contiguous, 2-D view [rows, n]) that share a param group, dtypes,
+    fold block, alignment and step count, with their device tables."""
+
+    def __init__(self, group_index, block, even, aligned, p_dtype, g_dtype, params, states):
+        self.group_index, self.block, self.even, self.aligned = group_index, block, even, aligned
+        self.p_dtype, self.g_dtype = p_dtype, g_dtype
+        self.params, self.states = params, states
+        self.tile_f = _tile_folds(block)
+        meta, owners, first_tile = [], [], 0
+        for i, (p, state) in enumerate(zip(params, states)):
+            n = p.shape[-1] if p.ndim else 1
+            n_folded = -(-n // block)
+            num_folded = (p.numel() // n) * n_folded
+            num_tiles = -(-num_folded // self.tile_f)
+            meta += [p.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(), n, n_folded,
+                     num_folded, first_tile, 0]
+            owners += [i] * num_tiles
+            first_tile += num_tiles
+        self.num_tiles = first_tile
+        device = params[0].device
+        self.meta = _upload(meta, torch.int64, device)
+        self.tile_owner = _upload(owners, torch.int32, device)
+
+    def run(self, grad_addrs: torch.Tensor, *, beta1, beta2, eps, scale, rho, step_size, decay) -> None:
+        """grad_addrs: int64 [len(params)] on the device, the grads' addresses in param order."""
+        _foam_multi_kernel[(self.num_tiles,)](
+            self.meta, grad_addrs, self.tile_owner,
+            beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, scale, rho, rho * rho, step_size, decay,
+            P_DTYPE=_DTYPE_NAMES[self.p_dtype], G_DTYPE=_DTYPE_NAMES[self.g_dtype], BLOCK=self.block,
+            TILE_F=self.tile_f, EVEN=self.even, ALIGNED=self.aligned,
+            ROUND_BF16=self.p_dtype == torch.bfloat16, num_warps=4 if self.tile_f * self.block <= 2048 else 8,
+        )
+
+
+def _launch_key(group_index, p, grad, state, block):
+    n = p.shape[-1] if p.ndim else 1
+    aligned = _aligned(p, grad, state["exp_avg"], state["exp_avg_sq"])
+    return (group_index, p.dtype, grad.dtype, block, n % block == 0, aligned, state["step"], p.device)
 
 
 def foam_step_triton(p, grad, exp_avg, exp_avg_sq, *, block, beta1, beta2, eps, scale, rho, step_size, decay):
-    """Same contract as ``foam_step_torch``; block = 1 with scale = 1 is plain Adam."""
+    """Same contract as ``foam_step_torch``, one tensor through the multi-tensor kernel (the
+    optimizer batches its params instead); block = 1 with scale = 1 is plain Adam."""
     if p.numel() == 0:
         return
-    n = p.shape[-1] if p.ndim else 1
-    num_rows = p.numel() // n
-    n_folded = -(-n // block)
-    assert exp_avg.is_contiguous() and exp_avg_sq.is_contiguous() and exp_avg.numel() == num_rows * n_folded
+    assert exp_avg.is_contiguous() and exp_avg_sq.is_contiguous() and exp_avg.shape == _moment_shape(p.shape, block)
     work = p if p.is_contiguous() else p.contiguous()
     grad = grad.contiguous()
-    block_r, block_f = _tile_shape(num_rows, n_folded, block)
-    grid = (triton.cdiv(num_rows, block_r), triton.cdiv(n_folded, block_f))
-    _foam_kernel[grid](
-        work, grad, exp_avg, exp_avg_sq, num_rows, n, n_folded,
-        beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, scale, rho, rho * rho, step_size, decay,
-        BLOCK=block, BLOCK_R=block_r, BLOCK_F=block_f, ROUND_BF16=p.dtype == torch.bfloat16,
-        num_warps=4 if block_r * block_f * block <= 2048 else 8,
-    )
+    state = dict(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=0)
+    _, p_dtype, g_dtype, _, even, aligned, _, _ = _launch_key(0, work, grad, state, block)
+    launch = _Launch(0, block, even, aligned, p_dtype, g_dtype, [work], [state])
+    launch.run(_upload([grad.data_ptr()], torch.int64, p.device), beta1=beta1, beta2=beta2, eps=eps, scale=scale,
+               rho=rho, step_size=step_size, decay=decay)
     if work is not p:
         p.copy_(work)
+
+
+def _step_scalars(group: dict, block: int, t: int) -> dict:
+    """The kernel's scalars for step t of a group; bias corrections folded into the step size."""
+    beta1, beta2 = group["betas"]
+    return dict(beta1=beta1, beta2=beta2, eps=group["eps"], scale=group["scale"] if block > 1 else 1.0,
+                rho=group["rho"], step_size=group["lr"] * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t),
+                decay=group["lr"] * group["weight_decay"])
+
+
+class _FusedPlan:
+    """What one ``FOAM.step`` does, for a fixed set of params with grads: the batched launches and
+    the params left to the per-tensor paths. Built by ``FOAM._build_plan``, reused while ``key``
+    (the state dict, the groups' levels, which params have grads, the params' addresses) holds."""
+
+    def __init__(self, key, launches, loose):
+        self.key = key
+        self.launches = launches  # list[_Launch]
+        self.loose = loose  # [(param, group, use_triton)] for the per-tensor paths
+        self.fused_params = [p for launch in launches for p in launch.params]
+        self.fused_states = [s for launch in launches for s in launch.states]
+        self.planned = [(launch.g_dtype, launch.aligned) for launch in launches for _ in launch.params]
+        self.grad_addrs = None  # the grads' addresses last uploaded, and their dtypes
+        self.grad_dtypes = None
+        self.grad_table = None  # int64 [len(fused_params)] on the device
+        self.offsets = []
+        start = 0
+        for launch in launches:
+            self.offsets.append(start)
+            start += len(launch.params)
+
+    def grads_fit(self, grads: list[torch.Tensor], addrs: list[int]) -> bool:
+        """Whether these grads can take the planned launches (dtype, layout and alignment)."""
+        return all(g.dtype == dtype and g.is_contiguous() and (not aligned or addr % _ALIGN_BYTES == 0)
+                   for g, addr, (dtype, aligned) in zip(grads, addrs, self.planned))
 
 
 # --- the optimizer -----------------------------------------------------------------------------------
@@ -258,6 +416,7 @@ class FOAM(torch.optim.Optimizer):
             raise DistillUserError("`fused=True` needs the triton package (pip install triton); or pass fused=None")
         self.fused = fused
         self._warned_no_triton = False
+        self._plan = None  # the batched launches of the last step (see _FusedPlan)
         betas = tuple(betas) if isinstance(betas, (tuple, list)) else betas  # checked in add_param_group
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, level=level, scale=scale,
                         rho=rho)
@@ -306,41 +465,84 @@ class FOAM(torch.optim.Optimizer):
             )
         return state
 
+    def _plan_key(self, params: list[torch.Tensor], grads: list) -> tuple:
+        return (id(self.state), tuple(group["level"] for group in self.param_groups),
+                tuple(g is not None for g in grads), tuple(p.data_ptr() for p in params))
+
+    def _build_plan(self, key: tuple) -> _FusedPlan:
+        """Initialise missing states, check the levels, sort the params with grads into launches."""
+        by_key, loose = {}, []
+        for group_index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise DistillUserError("FOAM does not support sparse gradients")
+                block = _block_size(group["level"], p)
+                state = self._init_state(p, block, group["level"])
+                use_triton = self._use_triton(p)
+                if use_triton and p.numel() > 0 and p.is_contiguous() and grad.is_contiguous():
+                    by_key.setdefault(_launch_key(group_index, p, grad, state, block), []).append((p, state))
+                else:
+                    loose.append((p, group, use_triton))
+        launches = []
+        for (group_index, p_dtype, g_dtype, block, even, aligned, _, _), members in by_key.items():
+            params, states = [m[0] for m in members], [m[1] for m in members]
+            launches.append(_Launch(group_index, block, even, aligned, p_dtype, g_dtype, params, states))
+        return _FusedPlan(key, launches, loose)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise DistillUserError("FOAM does not support sparse gradients")
-                block = _block_size(group["level"], p)
-                state = self._init_state(p, block, group["level"])
+        params = [p for group in self.param_groups for p in group["params"]]
+        key = self._plan_key(params, [p.grad for p in params])
+        plan = self._plan
+        if plan is None or plan.key != key:
+            plan = self._plan = self._build_plan(key)
+        if plan.launches:
+            grads = [p.grad for p in plan.fused_params]
+            addrs = [g.data_ptr() for g in grads]
+            if addrs != plan.grad_addrs or [g.dtype for g in grads] != plan.grad_dtypes:
+                if not plan.grads_fit(grads, addrs):  # a grad changed dtype or layout: sort again
+                    plan = self._plan = self._build_plan(key)
+                    grads = [p.grad for p in plan.fused_params]
+                    addrs = [g.data_ptr() for g in grads]
+                plan.grad_addrs = addrs
+                plan.grad_dtypes = [g.dtype for g in grads]
+                plan.grad_table = _upload(addrs, torch.int64, plan.fused_params[0].device)
+            for state in plan.fused_states:
                 state["step"] += 1
-                t = state["step"]
-                step_size = group["lr"] * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
-                args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], step_size=step_size,
-                            decay=group["lr"] * group["weight_decay"])
-                scale = group["scale"] if block > 1 else 1.0
-                if self._use_triton(p):
-                    foam_step_triton(p, p.grad, state["exp_avg"], state["exp_avg_sq"], block=block, scale=scale,
-                                     rho=group["rho"], **args)
-                elif block > 1:
-                    foam_step_torch(p, p.grad, state["exp_avg"], state["exp_avg_sq"], block=block, scale=scale,
-                                    rho=group["rho"], **args)
-                else:
-                    adam_step_torch(p, p.grad, state["exp_avg"], state["exp_avg_sq"], **args)
+            for launch, offset in zip(plan.launches, plan.offsets):
+                group = self.param_groups[launch.group_index]
+                launch.run(plan.grad_table[offset:offset + len(launch.params)],
+                           **_step_scalars(group, launch.block, launch.states[0]["step"]))
+        for p, group, use_triton in plan.loose:
+            self._step_one(p, group, use_triton)
         return loss
+
+    def _step_one(self, p: torch.Tensor, group: dict, use_triton: bool) -> None:
+        """The per-tensor paths: the torch reference, or the kernel on a copy of a strided param."""
+        block = _block_size(group["level"], p)
+        state = self.state[p]
+        state["step"] += 1
+        args = _step_scalars(group, block, state["step"])
+        if use_triton:
+            foam_step_triton(p, p.grad, state["exp_avg"], state["exp_avg_sq"], block=block, **args)
+        elif block > 1:
+            foam_step_torch(p, p.grad, state["exp_avg"], state["exp_avg_sq"], block=block, **args)
+        else:
+            del args["scale"], args["rho"]
+            adam_step_torch(p, p.grad, state["exp_avg"], state["exp_avg_sq"], **args)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader casts every float state tensor to its param's dtype; FOAM's moments stay
         fp32, so they are taken again from ``state_dict`` after the torch load."""
         super().load_state_dict(state_dict)
+        self._plan = None
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for param_id, p in zip(saved_ids, params):
