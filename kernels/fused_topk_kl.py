@@ -119,14 +119,15 @@ def _dense_loss(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_id
     if target_ids is not None:
         logq1_N = torch.log_softmax(z_NV, dim=-1).gather(1, target_ids.long().clamp_min(0)[:, None])[:, 0]
         loss = loss + torch.where(ce_w_N != 0, -ce_w_N.to(acc) * logq1_N, 0).sum()
-    return loss
+    return loss, kl_N.detach()
 
 
 # --- chunked torch path --------------------------------------------------------------------------
 
 
 def _kl_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, kl_w_C, tail, temperature):
-    """Weighted KL loss of a chunk and its coefficients on d loss / d z: (loss, cq [C], cs [C, k]).
+    """Weighted KL loss of a chunk, its coefficients on d loss / d z and the unweighted per-row KL
+    (0 on rows of weight 0): (loss, cq [C], cs [C, k], kl [C]).
 
     logq_CK: log q over S; log_qtail_C: log Q_tail (bucket only, else None).
     """
@@ -146,7 +147,7 @@ def _kl_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, kl_w_C, tail, temperat
     scale_C = torch.where(kl_w_C != 0, kl_w_C / temperature, 0)  # masked rows: 0, even if NaN
     cq_C = torch.where(scale_C != 0, scale_C * cq_C, 0)
     cs_CK = torch.where(scale_C[:, None] != 0, scale_C[:, None] * cs_CK, 0)
-    return loss, cq_C, cs_CK
+    return loss, cq_C, cs_CK, torch.where(kl_w_C != 0, kl_C, 0)
 
 
 def _chunk_forward(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, tail, temperature):
@@ -168,8 +169,8 @@ def _chunk_forward(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C,
     log_qtail_C = None
     if tail == "bucket":
         log_qtail_C = torch.logsumexp(s_CV.scatter_(1, ids_CK, float("-inf")), dim=-1) - lse_C
-    kl_loss, cq_C, cs_CK = _kl_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, kl_w_C, tail, temperature)
-    return loss + kl_loss, lse_C, lse1_C, cq_C, ce_w_C, cs_CK, ct_C
+    kl_loss, cq_C, cs_CK, kl_C = _kl_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, kl_w_C, tail, temperature)
+    return loss + kl_loss, lse_C, lse1_C, cq_C, ce_w_C, cs_CK, ct_C, kl_C
 
 
 def _chunk_grad_logits(z_CV, ids_CK, target_C, lse_C, lse1_C, cq_C, c1_C, cs_CK, ct_C, temperature):
@@ -198,6 +199,7 @@ class _FusedTopkKLFunction(torch.autograd.Function):
         saved = {n: hidden.new_empty(num_rows, dtype=acc) for n in ("lse", "lse1", "cq", "ct")}
         cs_NK = hidden.new_empty(num_rows, k, dtype=acc)
         loss = hidden.new_zeros((), dtype=acc)
+        kl_N = hidden.new_empty(num_rows, dtype=acc)
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, min(start + chunk_size, num_rows))
             z_CV = (hidden[rows] @ weight.T).to(acc)  # matmul in the input dtype
@@ -207,14 +209,15 @@ class _FusedTopkKLFunction(torch.autograd.Function):
             )
             loss += out[0]
             saved["lse"][rows], saved["lse1"][rows], saved["cq"][rows] = out[1], out[2], out[3]
-            cs_NK[rows], saved["ct"][rows] = out[5], out[6]
+            cs_NK[rows], saved["ct"][rows], kl_N[rows] = out[5], out[6], out[7]
         ctx.save_for_backward(hidden, weight, ids_NK, tgt_N, saved["lse"], saved["lse1"], saved["cq"],
                               ce_w_N, cs_NK, saved["ct"])
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return loss
+        ctx.mark_non_differentiable(kl_N)
+        return loss, kl_N
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_kl):
         hidden, weight, ids_NK, tgt_N, lse_N, lse1_N, cq_N, c1_N, cs_NK, ct_N = ctx.saved_tensors
         acc = lse_N.dtype
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -310,7 +313,7 @@ if triton is not None:
         return tl.where(some, tl.exp(lp) * (lp - tl.where(some, logq, 0.0)), 0.0)
 
     @triton.jit
-    def _row_kernel(z_ptr, stride_row, ids_ptr, logp_ptr, logp_tail_ptr, tgt_ptr, kl_w_ptr, ce_w_ptr, loss_ptr,
+    def _row_kernel(z_ptr, stride_row, ids_ptr, logp_ptr, logp_tail_ptr, tgt_ptr, kl_w_ptr, ce_w_ptr, loss_ptr, kl_ptr,
                     K, V, inv_temp, TAIL: tl.constexpr, HAS_TARGET: tl.constexpr, BOTH: tl.constexpr,
                     WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -383,6 +386,7 @@ if triton is not None:
                            tl.load(base + t0).to(tl.float32))
             loss += tl.where(c1 != 0, c1 * (lse1 - z_t), 0.0)
         tl.store(loss_ptr + row, loss)
+        tl.store(kl_ptr + row, tl.where(kl_w != 0, kl, 0.0))
         if WRITE_GRAD:
             cd = cq if BOTH else cq + c1  # one softmax serves both terms unless CE is at T != 1
             for start in range(0, V, BLOCK):
@@ -403,7 +407,8 @@ if triton is not None:
 
     @triton.jit
     def _row_kernel_scaled(z_ptr, stride_row, ref_ptr, num_blocks, ids_ptr, logp_ptr, logp_tail_ptr, tgt_ptr,
-                           kl_w_ptr, ce_w_ptr, loss_ptr, sigma_ptr, h_ptr, hs_ptr, stride_h, D, K, V, inv_temp,
+                           kl_w_ptr, ce_w_ptr, loss_ptr, kl_ptr, sigma_ptr, h_ptr, hs_ptr, stride_h, D, K, V,
+                           inv_temp,
                            TAIL: tl.constexpr, HAS_TARGET: tl.constexpr, BLOCK: tl.constexpr,
                            BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
         """One read and one write per logit: the row becomes E' with d loss / d z = sigma * E'.
@@ -427,6 +432,7 @@ if triton is not None:
         sigma = tl.zeros((), tl.float32)
         if masked:  # a masked row: zero gradient (sigma 0); its finite logits stay in the buffer
             tl.store(loss_ptr + row, 0.0)
+            tl.store(kl_ptr + row, 0.0)
         else:
             ks = tl.arange(0, BLOCK_K)
             kmask = ks < K
@@ -496,6 +502,7 @@ if triton is not None:
                 loss += tl.where(c1 != 0, c1 * (lse - z_t), 0.0)
                 g_s += c1 * (q - tl.where(ids == t, 1.0, 0.0))
             tl.store(loss_ptr + row, loss)
+            tl.store(kl_ptr + row, tl.where(kl_w != 0, kl, 0.0))
             # Outside S: G = cd q = (cd / s_all) E. A coefficient cd near 0 (renorm has none; bucket
             # when the tails match) is floored at 1e-10 of the row's weight: the gradient outside S
             # is then off by at most that times q, and G / sigma at S stays finite.
@@ -551,9 +558,9 @@ def _uses_scaled_kernel(write_grad, tail, has_target, inv_temp, dtype) -> bool:
     return write_grad and ROW_KERNEL == "scaled" and dense_grad and not both and dtype != torch.float16
 
 
-def _row_pass(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss_C, h_C, sigma_C, hs_C, tail,
-              inv_temp, write_grad):
-    """Per-row loss into loss_C (fp32). With write_grad, z_CV (the chunk's input-dtype logits) is
+def _row_pass(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss_C, kl_C, h_C, sigma_C, hs_C,
+              tail, inv_temp, write_grad):
+    """Per-row loss into loss_C and unweighted KL into kl_C (fp32; 0 on rows of KL weight 0). With write_grad, z_CV (the chunk's input-dtype logits) is
     overwritten with the gradient G = d loss / d z itself ("direct"; returns False), or with E'
     such that G = sigma[:, None] * E' ("scaled"; returns True), sigma into sigma_C [C] (fp32) and
     sigma[:, None] * h_C into hs_C. Without write_grad, z_CV is left with -inf at S."""
@@ -568,14 +575,14 @@ def _row_pass(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss
         _row_kernel_scaled[(rows,)](
             z_CV, z_CV.stride(0), refs, num_blocks, ids_CK, logp_CK,
             logp_tail_C if logp_tail_C is not None else kl_w_C, target_C if has_target else kl_w_C,
-            kl_w_C, ce_w_C, loss_C, sigma_C, h_C, hs_C, h_C.stride(0), dim, k, vocab, inv_temp,
+            kl_w_C, ce_w_C, loss_C, kl_C, sigma_C, h_C, hs_C, h_C.stride(0), dim, k, vocab, inv_temp,
             TAIL=_TAIL_CODE[tail], HAS_TARGET=has_target, BLOCK=block, BLOCK_K=triton.next_power_of_2(k),
             BLOCK_D=min(4096, triton.next_power_of_2(dim)), num_warps=_SCALED_WARPS,
         )
         return True
     _row_kernel[(rows,)](
         z_CV, z_CV.stride(0), ids_CK, logp_CK, logp_tail_C if logp_tail_C is not None else kl_w_C,
-        target_C if has_target else kl_w_C, kl_w_C, ce_w_C, loss_C, k, vocab, inv_temp,
+        target_C if has_target else kl_w_C, kl_w_C, ce_w_C, loss_C, kl_C, k, vocab, inv_temp,
         TAIL=_TAIL_CODE[tail], HAS_TARGET=has_target, BOTH=has_target and inv_temp != 1.0,
         WRITE_GRAD=write_grad, BLOCK=min(_ROW_BLOCK, triton.next_power_of_2(vocab)),
         BLOCK_K=triton.next_power_of_2(k), num_warps=_ROW_WARPS,
@@ -624,7 +631,7 @@ class _FusedTopkKLTritonFunction(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None  # contiguous, as _scale_ needs
         grad_w = torch.zeros(weight.shape, device=weight.device) if need_w and grad_weight_fp32 else None
         loss_N = torch.empty(num_rows, device=hidden.device, dtype=torch.float32)
-        sigma_N = torch.empty_like(loss_N)
+        kl_N, sigma_N = torch.empty_like(loss_N), torch.empty_like(loss_N)
         hs_buf = torch.empty_like(hidden[:chunk_rows])
         logp_NK = logp_NK.contiguous()
         topk_ids = topk_ids.contiguous()
@@ -636,8 +643,8 @@ class _FusedTopkKLTritonFunction(torch.autograd.Function):
             scaled = _row_pass(z_CV, topk_ids[rows], logp_NK[rows],
                                None if logp_tail_N is None else logp_tail_N[rows],
                                None if target_ids is None else target_ids[rows], kl_w_N[rows], ce_w_N[rows],
-                               loss_N[rows], h_C, sigma_N[rows], hs_buf[: h_C.shape[0]], tail, 1.0 / temperature,
-                               need_h or need_w)
+                               loss_N[rows], kl_N[rows], h_C, sigma_N[rows], hs_buf[: h_C.shape[0]], tail,
+                               1.0 / temperature, need_h or need_w)
             # z_CV holds G, or E' with G = sigma[:, None] * E'. Then grad_h = sigma * (E' W), its
             # rows scaled in backward together with d loss, and G^T h = E'^T (sigma * h).
             if need_h:
@@ -654,10 +661,11 @@ class _FusedTopkKLTritonFunction(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, device=weight.device, dtype=weight.dtype)
         ctx.save_for_backward(grad_h, grad_w, sigma_N if scaled else None)
         ctx.weight_dtype, ctx.spent = weight.dtype, False
-        return loss_N.sum()
+        ctx.mark_non_differentiable(kl_N)
+        return loss_N.sum(), kl_N
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_kl):
         if ctx.spent:
             raise RuntimeError("fused_topk_kl (impl='triton') scales its saved gradients in place, "
                                "so its backward can run once; recompute the loss for a second backward")
@@ -792,8 +800,9 @@ def _check_id_values(topk_ids, target_ids, vocab_size) -> None:
 
 def _prepare(args: dict) -> dict:
     """Validate, and give masked rows finite teacher values (they may hold padding garbage)."""
-    check_ids = args.pop("check_ids")
+    check_ids, return_kl = args.pop("check_ids"), args.pop("return_kl")
     _validate(**args, check_ids=check_ids)
+    args["return_kl"] = return_kl
     if args["mask"] is not None:
         keep_N = args["mask"]
         args["topk_logprobs"] = torch.where(keep_N[:, None], args["topk_logprobs"], 0.0)
@@ -819,7 +828,8 @@ def fused_topk_kl(
     impl: str = "auto",
     grad_weight_fp32: bool = False,
     check_ids: bool = True,
-) -> torch.Tensor:
+    return_kl: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Distillation loss of the student ``hidden @ weight.T`` against cached top-k teacher targets.
 
     hidden: [N, d] final hidden states (fp32, bf16, fp16 or fp64); weight: [V, d] lm-head, same
@@ -836,15 +846,37 @@ def fused_topk_kl(
     the CPU under TRITON_INTERPRET=1, for tests). grad_weight_fp32: Triton path only, accumulate
     grad_weight across chunks in fp32 (4 V d extra bytes) instead of the weight's dtype (the
     torch path always accumulates in fp32). check_ids: check id ranges and uniqueness (a device
-    sync on a GPU; out-of-range ids read outside the logits).
+    sync on a GPU; out-of-range ids read outside the logits). return_kl: also return the KL term
+    alone, detached, for logging: KL(teacher || student) at temperature T over the unmasked rows
+    (before the T^2 factor and the (1 - ce_weight) weight), reduced as the loss is; with
+    0 <= ce_weight < 1 it comes out of the same pass (with ce_weight = 1 it takes a forward-only
+    second pass, as its weight in the loss is 0).
 
-    Returns a scalar loss (fp32; fp64 for fp64 inputs). Gradients flow to hidden and weight only;
+    Returns a scalar loss (fp32; fp64 for fp64 inputs), or (loss, kl) with return_kl. Gradients flow to hidden and weight only;
     the teacher tensors are constants. The Triton path computes both gradients during the
     forward (only for the inputs that require grad, and none under no_grad) and holds them until
     backward, which can run once.
     """
     args = _prepare(dict(locals()))
-    impl = args.pop("impl")
+    return_kl = args.pop("return_kl")
+    loss, kl_N = _fused_dispatch(dict(args))
+    if not return_kl:
+        return loss
+    if args["ce_weight"] == 1.0:  # KL weighs 0 in the loss: take it from a forward-only pass
+        with torch.no_grad():
+            _, kl_N = _fused_dispatch(dict(args, ce_weight=0.0))
+    return loss, _reduce_kl(kl_N, args["mask"], args["reduction"], loss.dtype)
+
+
+def _reduce_kl(kl_N, mask, reduction, dtype):
+    """The per-row KL (0 on masked rows) reduced as the loss: mean over unmasked rows, or sum."""
+    keep_w_N, _ = _row_weights(mask, None, kl_N.shape[0], 0.0, 1.0, reduction, kl_N.device)
+    return (kl_N.double() * keep_w_N).sum().to(dtype)
+
+
+def _fused_dispatch(args: dict):
+    """(loss, per-row KL) from the Triton or the torch path, per ``impl``."""
+    impl, hidden, weight = args.pop("impl"), args["hidden"], args["weight"]
     use_triton = impl == "triton" or (
         impl == "auto" and triton is not None and hidden.is_cuda
         and hidden.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -876,13 +908,19 @@ def topk_kl_dense(
     impl: str = "auto",
     grad_weight_fp32: bool = False,
     check_ids: bool = True,
-) -> torch.Tensor:
+    return_kl: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same loss as ``fused_topk_kl`` from the full [N, V] logits and autograd: the reference.
 
     Same arguments; chunk_size, impl and grad_weight_fp32 are accepted for a drop-in call and
     ignored.
     """
     args = _prepare(dict(locals()))
+    return_kl = args.pop("return_kl")
     for unused in ("chunk_size", "impl", "grad_weight_fp32"):
         args.pop(unused)
-    return _dense_loss(**args)
+    loss, kl_N = _dense_loss(**args)
+    if not return_kl:
+        return loss
+    kl_N = torch.where(args["mask"], kl_N, 0) if args["mask"] is not None else kl_N
+    return loss, _reduce_kl(kl_N, args["mask"], args["reduction"], loss.dtype)

@@ -151,6 +151,29 @@ def test_reduction_and_ce_weight():
     torch.testing.assert_close(ce, want)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("ce_weight, temperature, reduction", [(0.0, 1.0, "mean"), (0.3, 1.0, "sum"),
+                                                               (0.3, 2.0, "mean"), (1.0, 1.0, "mean")])
+def test_return_kl_is_the_kl_term(impl, ce_weight, temperature, reduction):
+    """return_kl: the loss is unchanged and the KL is the dense reference's KL term alone (masked
+    rows out, no T^2, no CE weight), from the same call; by hand at ce_weight 0 and T = 1."""
+    device = TRITON_DEVICE if impl == "triton" else "cpu"
+    hidden, weight, ids, lp, tl, target, mask = (t.to(device) for t in _inputs(5))
+    kw = dict(target_ids=target, mask=mask, tail="bucket", temperature=temperature, ce_weight=ce_weight,
+              reduction=reduction)
+    loss, kl = fused_topk_kl(hidden, weight, ids, lp, tl, impl=impl, chunk_size=8, return_kl=True, **kw)
+    torch.testing.assert_close(loss, fused_topk_kl(hidden, weight, ids, lp, tl, impl=impl, chunk_size=8, **kw))
+    want_loss, want_kl = topk_kl_dense(hidden, weight, ids, lp, tl, return_kl=True, **kw)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kl, want_kl, rtol=1e-5, atol=1e-6)
+    assert not kl.requires_grad
+    if ce_weight == 0.0 and temperature == 1.0:
+        torch.testing.assert_close(kl, loss)  # the loss is the KL itself
+    if ce_weight == 1.0:  # KL not in the loss, but reported: it equals the KL-only loss at T = 1
+        kl_only = fused_topk_kl(hidden, weight, ids, lp, tl, impl=impl, mask=mask, tail="bucket")
+        torch.testing.assert_close(kl, kl_only, rtol=1e-5, atol=1e-6)
+
+
 def test_no_saved_tensor_is_vocabulary_wide():
     hidden, weight, ids, lp, tl, target, mask = _inputs(5)
     h = hidden.clone().requires_grad_()
