@@ -64,8 +64,9 @@ def plot(results: dict, path: Path) -> None:
     for name, r in results["runs"].items():
         rows = r["eval"]
         lr = r["overrides"].get("lr", base_lr)
-        style = dict(color=COLORS.get(family(r["overrides"]), None), linestyle="-" if lr == base_lr else "--",
-                     marker="o" if lr == base_lr else "s", markersize=3)
+        # the default lr solid, a higher one dashed with squares, a lower one dotted with triangles
+        line, marker = ("-", "o") if lr == base_lr else ("--", "s") if lr > base_lr else (":", "^")
+        style = dict(color=COLORS.get(family(r["overrides"]), None), linestyle=line, marker=marker, markersize=3)
         steps, kl = [x["step"] for x in rows], [x["kl"] for x in rows]
         ax.plot(steps, kl, label=f"{r['label']}: {kl[-1]:.3f}", **style)
         half = [(s, k) for s, k in zip(steps, kl) if s >= steps[-1] // 2]
