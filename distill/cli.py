@@ -166,6 +166,9 @@ def train_student(
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     seed: int = typer.Option(0, help="Seed of the data order and initialisation."),
     deterministic: bool = typer.Option(False, "--deterministic", help="Deterministic kernels (bit-identical resume on a CPU)."),
+    sparse_ffn: bool = typer.Option(False, "--sparse-ffn/--no-sparse-ffn", help="Sparse FFN (TwELL): ReLU gate (a SwiGLU student is converted, same weights) and an L1 penalty on its activations; logs per-layer sparsity and dead neurons."),
+    l1: float = typer.Option(2e-5, "--l1", help="L1 coefficient with --sparse-ffn: loss += l1 * mean over layers of (sum over d_ff of |h|, mean over tokens)."),
+    sparse_kernel: str = typer.Option("dense", "--sparse-kernel", help="With --sparse-ffn on a GPU: dense (matmuls; faster today) or twell (the sparse Triton kernels: about a fifth of the FFN activation memory, slower)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Train a student against a teacher cache; the teacher itself is never loaded.
@@ -179,6 +182,8 @@ def train_student(
       distill train-student --cache caches/default --num-layers 4 --ce-weight 1.0 --out runs/ce-only
 
       distill train-student --cache caches/default --num-layers 4 --optimizer foam --foam-level 3 --out runs/foam
+
+      distill train-student --cache caches/default --num-layers 4 --sparse-ffn --l1 2e-5 --out runs/sparse
 
     Rerunning the same command after an interruption continues from the last checkpoint.
     """
@@ -196,7 +201,7 @@ def train_student(
         lr=lr, warmup_steps=warmup_steps, tail=tail, temperature=temperature, ce_weight=ce_weight,
         heldout=heldout, eval_every=eval_every, save_every=save_every, optimizer=optimizer, foam_level=foam_level,
         device=device, seed=seed,
-        deterministic=deterministic,
+        deterministic=deterministic, sparse_ffn=sparse_ffn, l1=l1, sparse_kernel=sparse_kernel,
     )
     report = train(config, progress=not quiet)
     resumed = f" (resumed from step {report.resumed_from})" if report.resumed_from else ""
@@ -212,6 +217,9 @@ def evaluate(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Held-out KL to the teacher, cross-entropy, perplexity and top-1 agreement, beside the teacher's own.
+
+    For a sparse FFN (ReLU-gated) student also the per-layer sparsity and dead neurons on the
+    held-out sequences, and for a run directory the kernel's overflow / fallback rows in training.
 
     Examples:
 
@@ -281,10 +289,19 @@ def _eval_table(results: dict) -> str:
     lines = [f"{'held-out':<16} {'KL to teacher':>13} {'CE':>7} {'PPL':>9} {'top-1 agree':>11} {'tokens':>8}"]
     for label, r in _eval_rows(results):
         lines.append(f"{label:<16} {r.kl:>13.4f} {r.ce:>7.3f} {r.ppl:>9.2f} {r.top1:>11.3f} {r.tokens:>8,}")
+    for label, r in _eval_rows(results):
+        if getattr(r, "ffn_sparsity", None) is not None:
+            percent = lambda values: " ".join(f"{100 * v:.1f}" for v in values)
+            lines.append(f"{label}: FFN sparsity per layer (%) {percent(r.ffn_sparsity)}; "
+                         f"dead neurons (%) {percent(r.ffn_dead)}")
     run = results.get("run")
     if run and run.get("optimizer_state_bytes") is not None:
         lines.append(f"run: {run['steps']} steps, optimizer {run['optimizer']}, "
                      f"state {run['optimizer_state_bytes'] / 2**20:,.1f} MiB")
+    if run and run.get("ffn_overflow_rows") is not None:
+        penalty = f"L1 {run['l1']:g}" if run.get("sparse_ffn") else "no L1 penalty"
+        lines.append(f"run: sparse FFN, {penalty}; kernel overflow rows {sum(run['ffn_overflow_rows']):,}, "
+                     f"fallback rows {sum(run['ffn_fallback_rows']):,} (all layers, all logged steps)")
     return "\n".join(lines)
 
 

@@ -17,6 +17,9 @@ ARCHITECTURES = {
 }
 _MODEL_TYPE_OF_ARCH = {arch: model_type for model_type, arch in ARCHITECTURES.items()}
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# MLP gate activations: "silu" is SwiGLU (every model of these families); "relu" is the ReLU-gated
+# FFN that an L1 penalty makes sparse (TwELL). transformers builds either from `hidden_act`.
+HIDDEN_ACTS = ("silu", "relu")
 # Keys we carry through unchanged so a saved student keeps its special tokens.
 _PASSTHROUGH_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 
@@ -28,7 +31,7 @@ class StudentConfig:
     model_type: str  # one of ARCHITECTURES: picks bias placement and q/k norm
     vocab_size: int  # rows of the embedding and of the lm-head
     hidden_size: int  # width d of the residual stream
-    intermediate_size: int  # width of the gated SiLU MLP
+    intermediate_size: int  # width d_ff of the gated MLP
     num_layers: int  # decoder layers
     num_heads: int  # query heads
     num_kv_heads: int  # key/value heads; divides num_heads (grouped-query attention)
@@ -40,6 +43,7 @@ class StudentConfig:
     tie_word_embeddings: bool = False  # lm-head shares the embedding matrix
     attention_bias: bool = False  # bias on q/k/v (and o, except Qwen2); Qwen2 always has it
     mlp_bias: bool = False  # bias on the MLP projections (Llama only)
+    hidden_act: str = "silu"  # MLP gate: "silu" (SwiGLU) or "relu" (h = relu(x Wg) * (x Wu): the sparse FFN)
     extra: dict[str, Any] = field(default_factory=dict)  # special token ids, written back verbatim
 
     def __post_init__(self):
@@ -69,6 +73,11 @@ class StudentConfig:
             raise DistillUserError("`attention_bias` must be False for mistral, got True")
         if self.mlp_bias and self.model_type != "llama":
             raise DistillUserError(f"`mlp_bias` is only supported for llama, got model_type {self.model_type!r}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise DistillUserError(f"`hidden_act` must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        if self.hidden_act == "relu" and self.mlp_bias:
+            raise DistillUserError("`mlp_bias` must be False with hidden_act 'relu': the sparse FFN kernel has no "
+                                   "bias; use a student without MLP biases")
         if self.rope_scaling is not None:
             self.rope_scaling = _check_rope_scaling(self.rope_scaling)
 
@@ -84,6 +93,11 @@ class StudentConfig:
     def qk_norm(self) -> bool:
         return self.model_type == "qwen3"
 
+    @property
+    def sparse_ffn(self) -> bool:
+        """The MLP is ReLU-gated and runs through kernels.twell_ffn (which also reports its sparsity)."""
+        return self.hidden_act == "relu"
+
     def replace(self, **changes) -> StudentConfig:
         return dataclasses.replace(self, **changes)
 
@@ -92,8 +106,8 @@ class StudentConfig:
         """Read a transformers `config.json` dict; refuses anything this decoder would compute wrongly."""
         model_type = _model_type_of(hf)
         act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise DistillUserError(f"`hidden_act` must be 'silu' for the student decoder, got {act!r}")
+        if act not in HIDDEN_ACTS:
+            raise DistillUserError(f"`hidden_act` must be one of {HIDDEN_ACTS} for the student decoder, got {act!r}")
         if hf.get("use_sliding_window") or (model_type == "mistral" and hf.get("sliding_window")):
             raise DistillUserError(
                 f"sliding-window attention is not supported (sliding_window={hf.get('sliding_window')}); "
@@ -117,6 +131,7 @@ class StudentConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
+            hidden_act=act,
             extra={k: hf[k] for k in _PASSTHROUGH_KEYS if k in hf},
         )
 
@@ -135,7 +150,7 @@ class StudentConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,

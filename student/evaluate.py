@@ -1,7 +1,8 @@
 """Held-out evaluation of a student against the cached teacher, and of the teacher itself.
 
 Everything is measured on cache rows: KL to the teacher over the k + 1 categories "top-k + tail",
-cross-entropy / perplexity on the actual next tokens, and top-1 agreement with the teacher.
+cross-entropy / perplexity on the actual next tokens, and top-1 agreement with the teacher; for a
+ReLU-gated (sparse FFN) student also the per-layer sparsity and dead neurons on the same sequences.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -28,20 +29,44 @@ class EvalResult:
     ppl: float  # exp(ce)
     top1: float  # fraction of rows where the student's argmax is the teacher's top-1 id
     tokens: int  # rows evaluated (positions with a teacher distribution)
+    # Sparse FFN students only (None otherwise), per layer, over every position of the evaluated batches:
+    ffn_nnz: list[float] | None = None  # mean non-zeros of h = relu(x Wg) * (x Wu) per token
+    ffn_sparsity: list[float] | None = None  # 1 - ffn_nnz / d_ff
+    ffn_dead: list[float] | None = None  # share of the d_ff neurons that are zero on every evaluated token
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None or not k.startswith("ffn_")}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EvalResult:
+        """From to_dict() output or a metrics row (other keys ignored)."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 class _Sums:
     def __init__(self):
         self.kl = self.ce = self.top1 = 0.0
         self.rows = self.ce_rows = 0
+        self.ffn = None  # sparse students: [nnz x rows summed [L], active [L, d_ff], rows]
 
-    def result(self) -> EvalResult:
+    def add_ffn(self, terms: list, num_rows: int) -> None:
+        """terms: per layer (l1, FFNStats) of one forward over num_rows positions (Student.ffn_terms())."""
+        nnz_L = torch.stack([s.nnz for _, s in terms]).double() * num_rows
+        active_LF = torch.stack([s.active for _, s in terms])
+        if self.ffn is None:
+            self.ffn = [nnz_L, active_LF, num_rows]
+        else:
+            self.ffn = [self.ffn[0] + nnz_L, self.ffn[1] | active_LF, self.ffn[2] + num_rows]
+
+    def result(self, d_ff: int | None = None) -> EvalResult:
         ce = self.ce / max(self.ce_rows, 1)
+        ffn = {}
+        if self.ffn is not None:
+            nnz = (self.ffn[0] / self.ffn[2]).tolist()
+            ffn = {"ffn_nnz": nnz, "ffn_sparsity": [1 - n / d_ff for n in nnz],
+                   "ffn_dead": (1 - self.ffn[1].float().mean(1)).tolist()}
         return EvalResult(kl=self.kl / max(self.rows, 1), ce=ce, ppl=math.exp(min(ce, 700.0)),
-                          top1=self.top1 / max(self.rows, 1), tokens=self.rows)
+                          top1=self.top1 / max(self.rows, 1), tokens=self.rows, **ffn)
 
 
 def _chunk_terms(logits_CV, batch: Batch, rows: slice):
@@ -74,6 +99,8 @@ def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, de
     ce / ppl: cross-entropy of the actual next token (rows that have one). top1: agreement of the
     student's argmax with the teacher's top-1 id. Logits are formed ROW_CHUNK rows at a time; the
     [tokens, V] logits never exist at once. seq_len crops each sequence to its first seq_len rows.
+    A ReLU-gated student also gets ffn_nnz / ffn_sparsity / ffn_dead per layer, counted over every
+    position of the batches (padding of ragged sequences included; packed caches have none).
     """
     was_training = model.training
     model.eval()
@@ -86,6 +113,8 @@ def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, de
         with amp:
             hidden = model(batch.input_ids)
         hidden_ND = hidden.reshape(-1, hidden.shape[-1])
+        if model.config.sparse_ffn:
+            sums.add_ffn(model.ffn_terms(), hidden_ND.shape[0])
         for lo in range(0, hidden_ND.shape[0], ROW_CHUNK):
             rows = slice(lo, lo + ROW_CHUNK)
             logits_CV = (hidden_ND[rows].float() @ weight.float().T)
@@ -93,7 +122,7 @@ def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, de
             sums.kl, sums.ce, sums.ce_rows, sums.top1 = sums.kl + kl, sums.ce + ce, sums.ce_rows + ce_rows, sums.top1 + hits
         sums.rows += batch.num_tokens
     model.train(was_training)
-    return sums.result()
+    return sums.result(model.config.intermediate_size)
 
 
 def teacher_reference(reader: CacheReader, indices, *, seq_len: int | None = None) -> EvalResult:
@@ -137,7 +166,7 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
             held = held[:cfg["eval_sequences"]] if cfg.get("eval_sequences") else held
             initial_file = path / "initial_eval.json"
             if initial_file.exists():
-                initial = EvalResult(**json.loads(initial_file.read_text()))
+                initial = EvalResult.from_dict(json.loads(initial_file.read_text()))
         else:
             held = split_indices(reader.num_sequences, heldout)[1]
         folder = path / "student"
@@ -172,8 +201,10 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
 
 
 def _run_summary(path: Path, cfg: dict) -> dict:
-    """The run's optimizer and its state bytes (from the last training row of metrics.jsonl)."""
-    state = None
+    """The run's optimizer and its state bytes (from the last training row of metrics.jsonl); for a
+    sparse FFN run also its L1 coefficient and the kernel's overflow / fallback rows summed over
+    every logged step (per layer)."""
+    state, overflow, fallback = None, None, None
     metrics = path / "metrics.jsonl"
     if metrics.exists():
         for line in metrics.read_text().splitlines():
@@ -183,5 +214,12 @@ def _run_summary(path: Path, cfg: dict) -> dict:
                 continue  # a line cut short by a kill
             if row.get("kind") == "train" and "optimizer_state_bytes" in row:
                 state = row["optimizer_state_bytes"]
-    return {"optimizer": cfg.get("optimizer", "adamw"), "optimizer_state_bytes": state,
-            "steps": cfg.get("steps")}
+            if row.get("kind") == "train" and "ffn_overflow_rows" in row:
+                add = lambda total, new: new if total is None else [a + b for a, b in zip(total, new)]
+                overflow = add(overflow, row["ffn_overflow_rows"])
+                fallback = add(fallback, row["ffn_fallback_rows"])
+    summary = {"optimizer": cfg.get("optimizer", "adamw"), "optimizer_state_bytes": state, "steps": cfg.get("steps")}
+    if cfg.get("sparse_ffn") or overflow is not None:
+        summary.update(sparse_ffn=bool(cfg.get("sparse_ffn")), l1=cfg.get("l1"), ffn_overflow_rows=overflow,
+                       ffn_fallback_rows=fallback)
+    return summary

@@ -19,7 +19,7 @@ from torch import nn
 from student.config import StudentConfig
 from teacher_cache.errors import DistillUserError
 
-__all__ = ["StudentConfig", "Student", "KVStore", "ListKVStore", "prune_layers", "evenly_spaced_layers"]
+__all__ = ["StudentConfig", "Student", "KVStore", "ListKVStore", "prune_layers", "evenly_spaced_layers", "to_relu_gate"]
 
 INIT_STD = 0.02
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -139,15 +139,39 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """Gated MLP: SwiGLU, or with hidden_act "relu" the sparse FFN h = relu(x Wg) * (x Wu), y = h Wd.
+
+    The ReLU-gated MLP runs through kernels.twell_ffn and keeps, after each forward, `l1` (fp32
+    scalar, differentiable: sum over d_ff of |h|, mean over the call's tokens) and `stats`
+    (FFNStats: nnz, active neurons, overflow / fallback rows) of that call; a chunked forward
+    leaves the last chunk's. The trainer and the evaluation read them; nothing here syncs the host.
+    """
+
     def __init__(self, config: StudentConfig):
         super().__init__()
         d, h, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(d, h, bias=bias)
         self.up_proj = nn.Linear(d, h, bias=bias)
         self.down_proj = nn.Linear(h, d, bias=bias)
+        self.hidden_act = config.hidden_act
+        # kernels.twell_ffn implementation: "torch" (dense matmuls, the default: faster than the
+        # sparse Triton kernels on the H200 today), "auto" (the Triton kernels on CUDA) or "triton"
+        self.impl = "torch"
+        self.l1: torch.Tensor | None = None
+        self.stats = None
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.hidden_act == "silu":
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        from kernels.twell_ffn import relu_gated_ffn
+
+        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        if torch.is_autocast_enabled(x.device.type):  # as nn.Linear would under autocast: run in its dtype
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weights = x.to(dtype), [w.to(dtype) for w in weights]
+        x_ND = x.reshape(-1, x.shape[-1])
+        y_ND, self.l1, self.stats = relu_gated_ffn(x_ND, *weights, impl=self.impl)
+        return y_ND.view(x.shape)
 
 
 class DecoderLayer(nn.Module):
@@ -208,6 +232,12 @@ class Student(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, kv_store)
         return self.norm(x)
+
+    def ffn_terms(self) -> list[tuple[torch.Tensor, object]]:
+        """Per layer (l1, FFNStats) of the latest forward of a ReLU-gated student ([] for SwiGLU)."""
+        if not self.config.sparse_ffn:
+            return []
+        return [(layer.mlp.l1, layer.mlp.stats) for layer in self.layers]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden_size] -> logits [..., vocab_size] in hidden's dtype."""
@@ -270,6 +300,17 @@ class Student(nn.Module):
         """The teacher in `folder` keeping `num_layers` evenly spaced layers (first and last included)."""
         teacher = cls.from_pretrained(folder, dtype=dtype, device=device)
         return prune_layers(teacher, evenly_spaced_layers(teacher.config.num_layers, num_layers))
+
+
+def to_relu_gate(student: Student) -> Student:
+    """Turn a SwiGLU student into the ReLU-gated (sparse) FFN in place: same weights, the gate's SiLU
+    swapped for ReLU. Used as the initialisation of a sparse student; returns the same model."""
+    if student.config.sparse_ffn:
+        return student
+    student.config = student.config.replace(hidden_act="relu")  # validates (refuses MLP biases)
+    for layer in student.layers:
+        layer.mlp.hidden_act = "relu"
+    return student
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

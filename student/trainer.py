@@ -3,8 +3,14 @@
 Run directory (`out`):
   run.json            resolved config, cache id, student identity (a rerun must match it)
   metrics.jsonl       {"kind": "train", step, loss, kl, lr, grad_norm, tokens, tok_per_s,
-                      optimizer_state_bytes} and
-                      {"kind": "eval", step, kl, ce, ppl, top1, tokens} rows
+                      optimizer_state_bytes}, with a ReLU-gated (sparse FFN) student also
+                      l1 (mean over layers of sum over d_ff of |h|, mean over tokens) and, per layer
+                      over the steps since the previous row, ffn_nnz (mean non-zeros of h per token),
+                      ffn_sparsity (1 - nnz / d_ff), ffn_dead (share of neurons zero on every token;
+                      counted over every position of the batches, padding included),
+                      ffn_overflow_rows / ffn_fallback_rows (kernel counts); and
+                      {"kind": "eval", step, kl, ce, ppl, top1, tokens (+ ffn_nnz, ffn_sparsity,
+                      ffn_dead for a sparse student)} rows
   initial_eval.json   the step-0 student on the evaluation sequences
   eval.json           initial / final student and teacher reference at the end
   checkpoints/step-NNNNNN/  model/ (HF folder), trainer_state.pt, data.json (last two kept)
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import random
@@ -33,7 +40,7 @@ import torch
 from kernels.fused_topk_kl import TAIL_MODES, fused_topk_kl
 from student.data import CacheBatches, Prefetcher, split_indices
 from student.evaluate import EvalResult, evaluate_student, teacher_reference
-from student.model import Student
+from student.model import Student, to_relu_gate
 from student.optim import state_bytes
 from student.optim.clip import clip_grad_norm_foreach
 from teacher_cache.errors import DistillUserError
@@ -48,6 +55,7 @@ BETAS = (0.9, 0.95)
 # Fields that change how often things are logged or saved, not what is trained: a rerun may change them.
 _NON_IDENTITY_FIELDS = ("out", "eval_every", "eval_sequences", "save_every", "log_every")
 _TEST_EXIT_ENV = "DISTILL_TEST_EXIT_AFTER_STEP"  # tests only: os._exit after this step, as a kill would
+logger = logging.getLogger(__name__)
 
 
 class RunDirError(DistillUserError):
@@ -96,6 +104,14 @@ class TrainConfig:
     dtype: str = "auto"  # autocast dtype: "auto" (bfloat16 on GPU, float32 on CPU) | "float32" | "bfloat16"
     seed: int = 0  # data order and crops
     deterministic: bool = False  # torch deterministic algorithms (exact resume on the CPU needs it)
+    # Sparse FFN (TwELL): a SwiGLU student gets the ReLU gate (same weights), and the loss adds
+    # l1 * mean over layers of (sum over d_ff of |h|, mean over tokens), the authors' code normalisation.
+    sparse_ffn: bool = False
+    l1: float = 2e-5  # L1 coefficient of the sparse FFN (used only with sparse_ffn); the paper's conservative value
+    # How a ReLU-gated FFN computes: "dense" (three matmuls; the fastest on the H200 today) or
+    # "twell" (kernels/twell_ffn.py's sparse Triton kernels on a GPU: about a fifth of the
+    # activation memory, but slower than dense at every sparsity measured; RESULTS.md).
+    sparse_kernel: str = "dense"
 
     def __post_init__(self):
         if (self.student is None) == (self.teacher is None):
@@ -120,6 +136,9 @@ class TrainConfig:
         _check("optimizer", self.optimizer, lambda v: v in OPTIMIZERS, f"one of {OPTIMIZERS}")
         _check("foam_level", self.foam_level, lambda v: isinstance(v, int) and 0 <= v <= 12, "an int in [0, 12]")
         _check("foam_scale", self.foam_scale, lambda v: v > 0, "> 0")
+        _check("sparse_kernel", self.sparse_kernel, lambda v: v in ("dense", "twell"), "'dense' or 'twell'")
+        _check("l1", self.l1, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+               "a number >= 0")
         _check("dtype", self.dtype, lambda v: v in ("auto", "float32", "bfloat16"), "'auto', 'float32' or 'bfloat16'")
         if self.heldout == 0:
             raise DistillUserError("`heldout` must be >= 1: evaluation needs held-out sequences")
@@ -194,6 +213,15 @@ def _initial_student(config: TrainConfig) -> tuple[Student, dict]:
     else:
         model = Student.from_teacher_pruned(config.teacher, config.num_layers, device=config.device)
         init = f"teacher:{config.teacher}:num_layers={config.num_layers}"
+    if config.sparse_ffn and not model.config.sparse_ffn:
+        to_relu_gate(model)
+        logger.info("sparse_ffn: the SwiGLU student (%s) now has a ReLU gate, same weights; L1 coefficient %g",
+                    init, config.l1)
+        init += ":relu-gate"
+    elif model.config.sparse_ffn and not config.sparse_ffn:
+        logger.info("the student has a ReLU-gated FFN but sparse_ffn is off: training it without the L1 penalty")
+    for layer in model.layers:
+        layer.mlp.impl = "auto" if config.sparse_kernel == "twell" else "torch"
     return model, {"init": init, "config": model.config.to_hf_dict()}
 
 
@@ -264,14 +292,16 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _save_checkpoint(out: Path, step: int, model, optimizer, scheduler, data: Prefetcher) -> Path:
+def _save_checkpoint(out: Path, step: int, model, optimizer, scheduler, data: Prefetcher,
+                     ffn_window: FFNWindow | None) -> Path:
     final = out / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp / "model")
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": _rng_state()}, tmp / "trainer_state.pt")
+                "rng": _rng_state(), "ffn_window": ffn_window.state_dict() if ffn_window else None},
+               tmp / "trainer_state.pt")
     _write_json(tmp / "data.json", data.state_dict())
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -280,7 +310,8 @@ def _save_checkpoint(out: Path, step: int, model, optimizer, scheduler, data: Pr
     return final
 
 
-def _load_checkpoint(ckpt: Path, model, optimizer, scheduler, data: CacheBatches) -> int:
+def _load_checkpoint(ckpt: Path, model, optimizer, scheduler, data: CacheBatches,
+                     ffn_window: FFNWindow | None) -> int:
     saved = json.loads((ckpt / "model" / "config.json").read_text())
     ours = model.config.to_hf_dict(saved.get("dtype", "float32"))
     diffs = [f"{k}: {saved.get(k)!r} (checkpoint) vs {v!r}" for k, v in ours.items() if saved.get(k) != v]
@@ -294,6 +325,8 @@ def _load_checkpoint(ckpt: Path, model, optimizer, scheduler, data: CacheBatches
     scheduler.load_state_dict(state["scheduler"])
     data.load_state_dict(json.loads((ckpt / "data.json").read_text()))
     _set_rng_state(state["rng"])
+    if ffn_window is not None and state.get("ffn_window") is not None:
+        ffn_window.load_state_dict(state["ffn_window"])
     return int(state["step"])
 
 
@@ -326,13 +359,77 @@ def _save_student(model, folder: Path, tokenizer_dir: str) -> None:
     tmp.rename(folder)
 
 
+# --- sparse FFN statistics ----------------------------------------------------------------------
+
+
+class FFNWindow:
+    """Per-layer statistics of a ReLU-gated student summed on its device over the micro-batches
+    since the last metrics row; only `row` copies them to the host (at logging steps)."""
+
+    def __init__(self, num_layers: int, d_ff: int, device):
+        self.d_ff = d_ff
+        self.l1_step = torch.zeros((), device=device)  # sum over this step's micro-batches of the mean-layer l1
+        self.nnz_L = torch.zeros(num_layers, device=device)  # sum over calls of mean non-zeros per token
+        self.active_LF = torch.zeros(num_layers, d_ff, dtype=torch.bool, device=device)
+        self.overflow_L = torch.zeros(num_layers, dtype=torch.int64, device=device)
+        self.fallback_L = torch.zeros(num_layers, dtype=torch.int64, device=device)
+        self.calls = 0
+        self.l1_last = torch.zeros((), device=device)  # mean over the last step's micro-batches
+
+    def add(self, terms: list) -> None:
+        """terms: per layer (l1, FFNStats) of one micro-batch (Student.ffn_terms())."""
+        self.l1_step += torch.stack([l1.detach() for l1, _ in terms]).mean()
+        self.nnz_L += torch.stack([s.nnz for _, s in terms]).to(self.nnz_L)
+        self.active_LF |= torch.stack([s.active for _, s in terms])
+        self.overflow_L += torch.stack([s.overflow_rows for _, s in terms])
+        self.fallback_L += torch.stack([s.fallback_rows for _, s in terms])
+        self.calls += 1
+
+    def end_step(self, grad_accum: int) -> None:
+        self.l1_last = self.l1_step / grad_accum
+        self.l1_step = torch.zeros_like(self.l1_step)
+
+    def row(self) -> dict:
+        """The metrics of the window (one host sync), then start a new one."""
+        nnz = (self.nnz_L / max(self.calls, 1)).tolist()
+        out = {"l1": self.l1_last.item(), "ffn_nnz": nnz, "ffn_sparsity": [1 - n / self.d_ff for n in nnz],
+               "ffn_dead": (1 - self.active_LF.float().mean(1)).tolist(),
+               "ffn_overflow_rows": self.overflow_L.tolist(), "ffn_fallback_rows": self.fallback_L.tolist()}
+        self.nnz_L.zero_(), self.active_LF.zero_(), self.overflow_L.zero_(), self.fallback_L.zero_()
+        self.calls = 0
+        return out
+
+    def state_dict(self) -> dict:
+        return {"nnz_L": self.nnz_L.cpu(), "active_LF": self.active_LF.cpu(), "overflow_L": self.overflow_L.cpu(),
+                "fallback_L": self.fallback_L.cpu(), "calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in ("nnz_L", "active_LF", "overflow_L", "fallback_L"):
+            getattr(self, name).copy_(state[name])
+        self.calls = state["calls"]
+
+
+def _l1_penalty(model: Student) -> torch.Tensor:
+    """Mean over layers of the latest forward's per-layer l1 (sum over d_ff of |h|, mean over tokens)."""
+    return torch.stack([l1 for l1, _ in model.ffn_terms()]).mean()
+
+
 # --- the loop -----------------------------------------------------------------------------------
 
 
 def _step_loss(model, batch, config: TrainConfig, amp):
-    """(loss to backpropagate, KL at the training temperature) of one micro-batch."""
+    """(loss to backpropagate, KL at the training temperature) of one micro-batch; with sparse_ffn the
+    loss adds l1 * the mean per-layer L1 of the FFN activations."""
     with amp:
         hidden = model(batch.input_ids)
+    loss, kl = _distill_loss(model, hidden, batch, config)
+    if config.sparse_ffn:
+        loss = loss + config.l1 * _l1_penalty(model)
+    return loss, kl
+
+
+def _distill_loss(model, hidden, batch, config: TrainConfig):
+    """(KD / CE loss, KL at the training temperature) from the final hidden states."""
     hidden_ND = hidden.reshape(-1, hidden.shape[-1])
     if config.dtype == "bfloat16":  # the final norm returns fp32 under autocast; the lm-head matmuls run in bf16
         hidden_ND = hidden_ND.to(torch.bfloat16)
@@ -340,17 +437,10 @@ def _step_loss(model, batch, config: TrainConfig, amp):
     args = (hidden_ND, weight, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass)
     kw = dict(target_ids=batch.target_ids, mask=batch.mask, tail=config.tail, temperature=config.temperature,
               impl="auto", check_ids=not config.device.startswith("cuda"))
-    t2 = config.temperature**2
-    if config.ce_weight == 0:
-        loss = fused_topk_kl(*args, **kw, ce_weight=0.0)
-        return loss, loss.detach() / t2
-    if config.ce_weight == 1:
-        with torch.no_grad():
-            kl = fused_topk_kl(hidden_ND.detach(), weight.detach(), *args[2:], **kw, ce_weight=0.0)
-        return fused_topk_kl(*args, **kw, ce_weight=1.0), kl / t2
-    kl_loss = fused_topk_kl(*args, **kw, ce_weight=0.0)
-    ce_loss = fused_topk_kl(*args, **kw, ce_weight=1.0)
-    return (1 - config.ce_weight) * kl_loss + config.ce_weight * ce_loss, kl_loss.detach() / t2
+    # One call: the loss mixes CE in when 0 < ce_weight, and the KL term comes back beside it for
+    # the metrics (with ce_weight = 1 the kernel takes it from a forward-only pass).
+    loss, kl = fused_topk_kl(*args, **kw, ce_weight=config.ce_weight, return_kl=True)
+    return loss, kl
 
 
 def train(config: TrainConfig, progress: bool = True) -> TrainReport:
@@ -397,8 +487,10 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
     metrics_path = out / "metrics.jsonl"
     for leftover in [*out.glob(".student.tmp-*"), *(out / "checkpoints").glob(".tmp-step-*")]:
         shutil.rmtree(leftover)  # from a run killed while writing; the renamed copies are whole
+    ffn_window = (FFNWindow(model.config.num_layers, model.config.intermediate_size, device)
+                  if model.config.sparse_ffn else None)
     ckpt = latest_checkpoint(out)
-    step = _load_checkpoint(ckpt, model, optimizer, scheduler, data) if ckpt else 0
+    step = _load_checkpoint(ckpt, model, optimizer, scheduler, data, ffn_window) if ckpt else 0
     resumed_from = step
     _rewind_metrics(metrics_path, step)
     metrics = metrics_path.open("a")
@@ -410,7 +502,7 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
         _write_json(out / "initial_eval.json", initial.to_dict())
         log({"kind": "eval", "step": 0, **initial.to_dict()})
     elif (out / "initial_eval.json").exists():
-        initial = EvalResult(**json.loads((out / "initial_eval.json").read_text()))
+        initial = EvalResult.from_dict(json.loads((out / "initial_eval.json").read_text()))
 
     model.train()
     batches = Prefetcher(data)
@@ -423,8 +515,12 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
             for _ in range(config.grad_accum):
                 batch = next(batches).to(device, non_blocking=True)
                 loss, kl = _step_loss(model, batch, config, amp)
+                if ffn_window is not None:
+                    ffn_window.add(model.ffn_terms())
                 (loss / config.grad_accum).backward()
                 loss_sum, kl_sum, tokens = loss_sum + loss.item(), kl_sum + kl.item(), tokens + batch.num_tokens
+            if ffn_window is not None:
+                ffn_window.end_step(config.grad_accum)
             max_norm = config.clip_grad if config.clip_grad > 0 else float("inf")
             grad_norm = clip_grad_norm_foreach(model.parameters(), max_norm).item()
             loss_value = loss_sum / config.grad_accum
@@ -447,12 +543,12 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
                 log({"kind": "train", "step": step, "loss": loss_value, "kl": kl_sum / config.grad_accum, "lr": lr,
                      "grad_norm": grad_norm, "tokens": tokens, "tok_per_s": window_tokens / max(elapsed, 1e-9),
                      "optimizer_state_bytes": state_bytes(optimizer),
-                     "epoch": batches.epoch})
+                     "epoch": batches.epoch, **(ffn_window.row() if ffn_window is not None else {})})
                 window_tokens, window_start = 0, time.perf_counter()
             if (config.eval_every and step % config.eval_every == 0) or step == config.steps:
                 log({"kind": "eval", "step": step, **evaluate().to_dict()})
             if (config.save_every and step % config.save_every == 0) or step == config.steps:
-                _save_checkpoint(out, step, model, optimizer, scheduler, batches)
+                _save_checkpoint(out, step, model, optimizer, scheduler, batches, ffn_window)
             if step == exit_after:
                 os._exit(17)
 
@@ -468,4 +564,4 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
 def _last_eval_row(path: Path, step: int) -> EvalResult:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line]
     row = [r for r in rows if r["kind"] == "eval" and r["step"] == step][-1]
-    return EvalResult(**{k: row[k] for k in ("kl", "ce", "ppl", "top1", "tokens")})
+    return EvalResult.from_dict(row)

@@ -28,6 +28,9 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
+    # The sparse FFN student: transformers builds it from hidden_act alone (runs kernels.twell_ffn here).
+    "llama_relu": ("LlamaConfig", dict(hidden_act="relu")),
+    "qwen3_relu": ("Qwen3Config", dict(head_dim=16, hidden_act="relu")),
 }
 
 
@@ -75,7 +78,8 @@ def test_explicit_position_ids_match_transformers(family, tmp_path):
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
 
 
-@pytest.mark.parametrize("family", ["llama", "llama_tied_bias", "llama3_rope", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "llama_tied_bias", "llama3_rope", "qwen2", "qwen3", "mistral",
+                                    "llama_relu"])
 def test_saved_student_loads_in_transformers(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -106,7 +110,7 @@ def test_tied_and_untied_embeddings(tmp_path):
     assert json.loads((tmp_path / "tied_out" / "config.json").read_text())["tie_word_embeddings"] is True
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "llama_relu"])
 def test_chunked_forward_with_kv_store_equals_full(family, tmp_path):
     _, folder = saved_hf(family, tmp_path)
     student = Student.from_pretrained(folder).eval()
@@ -186,7 +190,8 @@ def test_from_config_builds_a_trainable_model():
 
 @pytest.mark.parametrize("change, message", [
     ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
-    ({"hidden_act": "gelu"}, "`hidden_act` must be 'silu'"),
+    ({"hidden_act": "gelu"}, r"`hidden_act` must be one of \('silu', 'relu'\).*got 'gelu'"),
+    ({"hidden_act": "relu", "mlp_bias": True}, "`mlp_bias` must be False with hidden_act 'relu'"),
     ({"num_key_value_heads": 4}, "`num_heads` must be a multiple of `num_kv_heads`, got 6 and 4"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
      "`rope_scaling` type must be 'llama3'"),

@@ -167,6 +167,7 @@ def test_train_writes_metrics_checkpoints_and_a_transformers_student(tiny, tmp_p
     train_rows = rows(out)
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
     assert {"loss", "kl", "lr", "grad_norm", "tokens", "tok_per_s"} <= set(train_rows[0])
+    assert not any(k.startswith("ffn_") or k == "l1" for k in train_rows[0])  # sparse FFN rows only
     assert train_rows[0]["lr"] == pytest.approx(5e-3) and train_rows[1]["lr"] == pytest.approx(1e-2)
     assert train_rows[-1]["lr"] < train_rows[2]["lr"]
     assert [r["step"] for r in rows(out, "eval")] == [0, 3, 6]
@@ -228,6 +229,25 @@ def test_killed_run_resumes_to_the_same_losses_bit_for_bit(tiny, tmp_path, optim
     want = [{k: r[k] for k in keys} for r in rows(tmp_path / "clean")]
     got = [{k: r[k] for k in keys} for r in rows(cfg.out)]
     assert got == want and want[-1]["epoch"] >= 2
+    assert rows(cfg.out, "eval") == rows(tmp_path / "clean", "eval")
+    a = Student.from_pretrained(Path(clean.student_dir)).state_dict()
+    b = Student.from_pretrained(Path(cfg.out) / "student").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resumed_sparse_run_matches_bit_for_bit(tiny, tmp_path):
+    """A sparse FFN run (ReLU gate, L1 penalty) killed after step 5, checkpoint at 4, metrics every
+    3 steps, so the sparsity window holding step 4 must travel in the checkpoint: every metric
+    (per-layer nnz, dead neurons, l1), the losses and the weights equal the uninterrupted run's."""
+    kw = dict(steps=6, grad_accum=2, save_every=4, eval_every=0, log_every=3, sparse_ffn=True, l1=0.05)
+    clean = train(config(tiny, tmp_path / "clean", **kw), progress=False)
+    cfg = config(tiny, tmp_path / "killed", **kw)
+    assert _train_in_subprocess(cfg, exit_after=5) == 17
+    assert [r["step"] for r in rows(cfg.out)] == [3]
+    assert _train_in_subprocess(cfg) == 0
+    drop = lambda r: {k: v for k, v in r.items() if k != "tok_per_s"}
+    assert [drop(r) for r in rows(cfg.out)] == [drop(r) for r in rows(tmp_path / "clean")]
+    assert [r["step"] for r in rows(cfg.out)] == [3, 6] and "ffn_dead" in rows(cfg.out)[-1]
     assert rows(cfg.out, "eval") == rows(tmp_path / "clean", "eval")
     a = Student.from_pretrained(Path(clean.student_dir)).state_dict()
     b = Student.from_pretrained(Path(cfg.out) / "student").state_dict()
@@ -328,8 +348,8 @@ def test_nan_loss_stops_keeps_the_last_checkpoint_and_resumes(tiny, tmp_path, mo
 
     def blows_up_at_step_3(*args, **kwargs):  # a test double for a diverging loss
         calls["n"] += 1
-        loss = real(*args, **kwargs)
-        return loss * float("nan") if calls["n"] == 3 else loss
+        loss, kl = real(*args, **kwargs)  # the trainer asks for (loss, kl)
+        return (loss * float("nan"), kl) if calls["n"] == 3 else (loss, kl)
 
     monkeypatch.setattr(trainer, "fused_topk_kl", blows_up_at_step_3)
     out = tmp_path / "run"

@@ -1,0 +1,220 @@
+"""The sparse FFN student (TwELL, issue 5), student side: the ReLU-gated MLP and its L1 term, the
+SwiGLU -> ReLU conversion, the trainer's penalty and per-layer sparsity metrics, and `distill eval`
+reporting them. Tiny students on the synthetic cache of test_trainer. Elsewhere: the exact resume
+of a sparse run (test_trainer) and the transformers parity of a ReLU student (test_student_model,
+families "llama_relu", "qwen3_relu")."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from student.config import StudentConfig
+from student.data import CacheBatches
+from student.evaluate import evaluate_run_or_folder, evaluate_student
+from student.model import Student, to_relu_gate
+from student.trainer import TrainConfig, _resolve, _step_loss, train
+from teacher_cache.errors import DistillUserError
+from teacher_cache.reader import CacheReader
+from test_trainer import config, rows, tiny  # noqa: F401  (the module-scoped fixture)
+
+SMALL = StudentConfig(model_type="llama", vocab_size=301, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def mlp_inputs(model: Student, ids: torch.Tensor) -> list[torch.Tensor]:
+    """The input [N, d] of every layer's MLP in a forward over ids, caught with forward hooks."""
+    seen = []
+    hooks = [layer.mlp.register_forward_hook(lambda m, args, out: seen.append(args[0].reshape(-1, args[0].shape[-1])))
+             for layer in model.layers]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def gated_h(mlp, x_ND: torch.Tensor) -> torch.Tensor:
+    """The reference h = relu(x Wg) * (x Wu), [N, d_ff]."""
+    return torch.relu(x_ND @ mlp.gate_proj.weight.T) * (x_ND @ mlp.up_proj.weight.T)
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+
+def test_conversion_keeps_the_weights_and_swaps_the_gate():
+    torch.manual_seed(0)
+    dense = Student(SMALL)
+    before = {k: v.clone() for k, v in dense.state_dict().items()}
+    ids = torch.randint(0, 301, (2, 7), generator=torch.Generator().manual_seed(1))
+    x_ND = mlp_inputs(dense, ids)[0]
+    mlp = dense.layers[0].mlp
+    swiglu = mlp(x_ND)
+    sparse = to_relu_gate(dense)
+    assert sparse is dense and sparse.config.hidden_act == "relu" and sparse.config.sparse_ffn
+    assert all(torch.equal(before[k], v) for k, v in sparse.state_dict().items())
+    relu = mlp(x_ND)
+    torch.testing.assert_close(relu, gated_h(mlp, x_ND) @ mlp.down_proj.weight.T, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(relu, swiglu)
+    assert StudentConfig.from_hf_dict(sparse.config.to_hf_dict()) == sparse.config
+    with pytest.raises(DistillUserError, match="`mlp_bias` must be False with hidden_act 'relu'"):
+        to_relu_gate(Student(SMALL.replace(mlp_bias=True)))
+
+
+def test_each_layer_reports_its_l1_and_stats_with_gradients():
+    torch.manual_seed(0)
+    model = Student(SMALL.replace(hidden_act="relu"))
+    ids = torch.randint(0, 301, (3, 5), generator=torch.Generator().manual_seed(2))
+    xs = mlp_inputs(model, ids)
+    model(ids)
+    terms = model.ffn_terms()
+    assert len(terms) == 2
+    for layer, x_ND, (l1, stats) in zip(model.layers, xs, terms):
+        h = gated_h(layer.mlp, x_ND)
+        torch.testing.assert_close(l1, h.abs().sum(-1).mean(), atol=1e-6, rtol=1e-5)
+        assert l1.dtype == torch.float32 and l1.requires_grad
+        assert stats.nnz.item() == pytest.approx((h != 0).sum(-1).float().mean().item())
+        assert torch.equal(stats.active, (h != 0).any(0))
+    torch.stack([l1 for l1, _ in terms]).mean().backward()
+    assert model.layers[0].mlp.gate_proj.weight.grad.abs().sum() > 0
+    assert model.embed_tokens.weight.grad is not None  # the penalty reaches the layers below
+    assert Student(SMALL).ffn_terms() == []
+
+
+# --- training -----------------------------------------------------------------------------------
+
+
+def test_step_loss_adds_l1_times_the_mean_layer_l1(tiny, tmp_path):  # noqa: F811
+    student, cache, _ = tiny
+    model = to_relu_gate(Student.from_pretrained(student))
+    batch = next(iter(CacheBatches(CacheReader(cache), range(24), 4)))
+    no_amp = torch.autocast("cpu", enabled=False)
+    dense_loss, kl = _step_loss(model, batch, _resolve(config(tiny, tmp_path / "a")), no_amp)
+    penalty = torch.stack([l1 for l1, _ in model.ffn_terms()]).mean()
+    loss, kl2 = _step_loss(model, batch, _resolve(config(tiny, tmp_path / "b", sparse_ffn=True, l1=0.5)), no_amp)
+    torch.testing.assert_close(loss, dense_loss + 0.5 * penalty)
+    torch.testing.assert_close(kl2, kl)
+
+
+def test_sparse_run_converts_logs_sparsity_and_saves_a_relu_student(tiny, tmp_path, caplog):  # noqa: F811
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="student.trainer"):
+        report = train(config(tiny, out, steps=4, sparse_ffn=True, l1=0.1, log_every=2), progress=False)
+    assert "now has a ReLU gate, same weights; L1 coefficient 0.1" in caplog.text
+    run = json.loads((out / "run.json").read_text())
+    assert run["config"]["sparse_ffn"] is True and run["student"]["init"].endswith(":relu-gate")
+    assert run["student"]["config"]["hidden_act"] == "relu"
+    train_rows = rows(out)
+    assert [r["step"] for r in train_rows] == [2, 4]
+    for r in train_rows:
+        assert len(r["ffn_nnz"]) == len(r["ffn_sparsity"]) == len(r["ffn_dead"]) == 2
+        assert all(0 < n <= 48 for n in r["ffn_nnz"]) and all(0 <= d < 1 for d in r["ffn_dead"])
+        assert r["ffn_sparsity"] == pytest.approx([1 - n / 48 for n in r["ffn_nnz"]])
+        assert r["ffn_overflow_rows"] == r["ffn_fallback_rows"] == [0, 0]  # the torch path never overflows
+        assert r["loss"] - r["kl"] == pytest.approx(0.1 * r["l1"], rel=1e-3)  # KD loss at T=1 is the KL
+    evals = rows(out, "eval")
+    assert all(len(r["ffn_sparsity"]) == 2 for r in evals)
+    assert report.final_eval.ffn_dead is not None and report.initial_eval.ffn_nnz is not None
+    saved = json.loads((out / "student" / "config.json").read_text())
+    assert saved["hidden_act"] == "relu"
+    assert AutoModelForCausalLM.from_pretrained(out / "student").config.hidden_act == "relu"
+
+
+def test_the_penalty_makes_the_ffn_sparser(tiny, tmp_path):  # noqa: F811
+    """Same steps and data with and without the penalty: a strong L1 leaves fewer non-zeros."""
+    nnz = {}
+    for name, l1 in (("off", 0.0), ("strong", 0.5)):
+        report = train(config(tiny, tmp_path / name, steps=4, sparse_ffn=True, l1=l1, eval_every=0),
+                       progress=False)
+        nnz[name] = sum(report.final_eval.ffn_nnz)
+    assert nnz["strong"] < 0.8 * nnz["off"]
+
+
+def test_l1_must_be_a_number_at_least_zero():
+    with pytest.raises(DistillUserError, match="`l1` must be a number >= 0, got -1"):
+        TrainConfig(cache="c", out="o", student="s", sparse_ffn=True, l1=-1)
+
+
+def test_sparse_kernel_picks_the_ffn_implementation(monkeypatch):
+    """"dense" (the default) runs the MLPs on torch's matmuls; "twell" lets kernels.twell_ffn pick its
+    Triton kernels on a GPU ("auto"); anything else is refused."""
+    from student import trainer
+
+    monkeypatch.setattr(Student, "from_teacher_pruned", classmethod(lambda cls, *a, **k: Student(SMALL)))
+    for choice, impl in (("dense", "torch"), ("twell", "auto")):
+        cfg = TrainConfig(cache="c", out="o", teacher="t", num_layers=2, sparse_ffn=True, sparse_kernel=choice)
+        model, _ = trainer._initial_student(cfg)
+        assert model.config.sparse_ffn and [layer.mlp.impl for layer in model.layers] == [impl, impl]
+    with pytest.raises(DistillUserError, match="`sparse_kernel` must be 'dense' or 'twell', got 'cuda'"):
+        TrainConfig(cache="c", out="o", student="s", sparse_kernel="cuda")
+
+
+def test_recipe_train_section_takes_the_sparse_keys(tmp_path):
+    from pipelines.recipe import builtin_recipe, load_recipe, train_config
+
+    text = Path(builtin_recipe("quickstart")).read_text()
+    text = text.replace("[train]\n", "[train]\nsparse_ffn = true\nl1 = 3e-5\n")
+    (tmp_path / "sparse.toml").write_text(text)
+    cfg = train_config(load_recipe(tmp_path / "sparse.toml"), tmp_path / "teacher")
+    assert cfg.sparse_ffn is True and cfg.l1 == 3e-5
+
+
+# --- evaluation ---------------------------------------------------------------------------------
+
+
+def test_eval_measures_sparsity_and_dead_neurons_on_the_heldout_sequences(tiny):  # noqa: F811
+    student, cache, corpus = tiny
+    model = to_relu_gate(Student.from_pretrained(student))
+    with torch.no_grad():  # five dead neurons: a zero gate row gives relu(0) = 0 on every token
+        model.layers[1].mlp.gate_proj.weight[:5] = 0
+    indices = [0, 7, 13]
+    got = evaluate_student(model, CacheReader(cache), indices, batch_size=3, device="cpu")
+    batch = next(CacheBatches(CacheReader(cache), indices, 3, shuffle=False).epoch_batches())
+    for layer, x_ND, nnz, sparsity, dead in zip(model.layers, mlp_inputs(model, batch.input_ids), got.ffn_nnz,
+                                                got.ffn_sparsity, got.ffn_dead):
+        h = gated_h(layer.mlp, x_ND)
+        assert nnz == pytest.approx((h != 0).sum(-1).float().mean().item(), rel=1e-5)
+        assert sparsity == pytest.approx(1 - nnz / 48)
+        assert dead == pytest.approx(1 - (h != 0).any(0).float().mean().item())
+    assert got.ffn_dead[1] >= 5 / 48
+
+
+def test_distill_eval_reports_sparsity_and_overflow_of_a_sparse_run(tiny, tmp_path, capsys):  # noqa: F811
+    from test_cli import run_cli
+
+    out = tmp_path / "run"
+    report = train(config(tiny, out, steps=2, sparse_ffn=True, l1=0.01), progress=False)
+    # The run's batch size: the kernel's [N, d] matmuls round differently for another N.
+    result = evaluate_run_or_folder(out, device="cpu", batch_size=3)
+    assert result["after"] == report.final_eval and result["after"].ffn_sparsity is not None
+    assert result["run"]["ffn_overflow_rows"] == [0, 0] and result["run"]["l1"] == 0.01
+    code, stdout, _ = run_cli(["eval", out], capsys)
+    assert code == 0
+    assert "student after: FFN sparsity per layer (%)" in stdout and "dead neurons (%)" in stdout
+    assert "run: sparse FFN, L1 0.01; kernel overflow rows 0, fallback rows 0" in stdout
+    code, stdout, _ = run_cli(["eval", out, "--json"], capsys)
+    assert code == 0 and len(json.loads(stdout)["after"]["ffn_dead"]) == 2
+    folder = evaluate_run_or_folder(out / "student", cache=tiny[1], heldout=4, device="cpu")
+    assert len(folder["student"].ffn_sparsity) == 2
+
+
+def test_train_student_cli_takes_sparse_ffn_and_l1(tiny, tmp_path, capsys):  # noqa: F811
+    from test_cli import run_cli
+
+    student, cache, _ = tiny
+    out = tmp_path / "run"
+    code, stdout, err = run_cli(["train-student", "--cache", cache, "--student", student, "--out", out, "--steps", "1",
+                                 "--batch-size", "2", "--heldout", "2", "--device", "cpu", "--sparse-ffn",
+                                 "--l1", "1e-4", "-q"], capsys)
+    assert code == 0, err
+    cfg = json.loads((out / "run.json").read_text())["config"]
+    assert cfg["sparse_ffn"] is True and cfg["l1"] == 1e-4
+    assert "FFN sparsity per layer" in stdout
+    code, stdout, _ = run_cli(["train-student", "--help"], capsys)
+    assert "--sparse-ffn" in stdout and "--l1" in stdout
