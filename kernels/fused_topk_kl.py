@@ -313,6 +313,30 @@ if triton is not None:
         return tl.where(some, tl.exp(lp) * (lp - tl.where(some, logq, 0.0)), 0.0)
 
     @triton.jit
+    def _kl_and_coefs(logq, q, logp, logp_tail_ptr, log_qtail, TAIL: tl.constexpr):
+        """A row's KL over S (plus the tail bucket) and its gradient coefficients before weighting:
+        (kl, cq on q, cs [BLOCK_K] on S), the module docstring's formulas as _kl_terms takes them in
+        torch. logq, q, logp over S (padding: logp = -inf); log_qtail = log Q_tail (bucket only)."""
+        p = tl.exp(logp)
+        if TAIL == 0:  # renorm
+            mq = tl.max(logq, axis=0)
+            logqhat = logq - (mq + tl.log(tl.sum(tl.exp(logq - mq), axis=0)))
+            kl = tl.sum(_plogp_diff_tl(logp, logqhat), axis=0)
+            cq = tl.zeros((), tl.float32)
+            cs = tl.exp(logqhat) - p
+        elif TAIL == 1:  # bucket
+            logp_tail = tl.load(logp_tail_ptr)
+            kl = tl.sum(_plogp_diff_tl(logp, logq), axis=0) + _plogp_diff_tl(logp_tail, log_qtail)
+            ratio = tl.exp(logp_tail - log_qtail)
+            cq = 1.0 - ratio
+            cs = q * ratio - p
+        else:  # unnormalized
+            kl = tl.sum(_plogp_diff_tl(logp, logq), axis=0)
+            cq = tl.sum(p, axis=0)
+            cs = -p
+        return kl, cq, cs
+
+    @triton.jit
     def _row_kernel(z_ptr, stride_row, ids_ptr, logp_ptr, logp_tail_ptr, tgt_ptr, kl_w_ptr, ce_w_ptr, loss_ptr, kl_ptr,
                     K, V, inv_temp, TAIL: tl.constexpr, HAS_TARGET: tl.constexpr, BOTH: tl.constexpr,
                     WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -353,25 +377,8 @@ if triton is not None:
             lse1 = top1 + tl.log(s1 * tl.exp(m1 - top1) + tl.sum(tl.exp(zs - top1), axis=0))
         logq = zs * inv_temp - lse
         q = tl.exp(logq)
-        p = tl.exp(logp)
         kl_w = tl.load(kl_w_ptr + row)
-        if TAIL == 0:  # renorm
-            mq = tl.max(logq, axis=0)
-            logqhat = logq - (mq + tl.log(tl.sum(tl.exp(logq - mq), axis=0)))
-            kl = tl.sum(_plogp_diff_tl(logp, logqhat), axis=0)
-            cq = 0.0
-            cs = tl.exp(logqhat) - p
-        elif TAIL == 1:  # bucket
-            logp_tail = tl.load(logp_tail_ptr + row)
-            log_qtail = m + tl.log(s) - lse
-            kl = tl.sum(_plogp_diff_tl(logp, logq), axis=0) + _plogp_diff_tl(logp_tail, log_qtail)
-            ratio = tl.exp(logp_tail - log_qtail)
-            cq = 1.0 - ratio
-            cs = q * ratio - p
-        else:  # unnormalized
-            kl = tl.sum(_plogp_diff_tl(logp, logq), axis=0)
-            cq = tl.sum(p, axis=0)
-            cs = -p
+        kl, cq, cs = _kl_and_coefs(logq, q, logp, logp_tail_ptr + row, m + tl.log(s) - lse, TAIL)
         loss = tl.where(kl_w != 0, kl_w * kl, 0.0)
         scale = tl.where(kl_w != 0, kl_w * inv_temp, 0.0)  # masked rows: 0, even if NaN
         cq = tl.where(scale != 0, scale * cq, 0.0)
@@ -475,24 +482,7 @@ if triton is not None:
             logp = tl.load(logp_ptr + row * K + ks, mask=kmask, other=float("-inf"))
             logq = xs - lse
             q = tl.exp(logq)
-            p = tl.exp(logp)
-            if TAIL == 0:  # renorm
-                mq = tl.max(logq, axis=0)
-                logqhat = logq - (mq + tl.log(tl.sum(tl.exp(logq - mq), axis=0)))
-                kl = tl.sum(_plogp_diff_tl(logp, logqhat), axis=0)
-                cq = 0.0
-                cs = tl.exp(logqhat) - p
-            elif TAIL == 1:  # bucket
-                logp_tail = tl.load(logp_tail_ptr + row)
-                log_qtail = c + tl.log(s) - lse
-                kl = tl.sum(_plogp_diff_tl(logp, logq), axis=0) + _plogp_diff_tl(logp_tail, log_qtail)
-                ratio = tl.exp(logp_tail - log_qtail)
-                cq = 1.0 - ratio
-                cs = q * ratio - p
-            else:  # unnormalized
-                kl = tl.sum(_plogp_diff_tl(logp, logq), axis=0)
-                cq = tl.sum(p, axis=0)
-                cs = -p
+            kl, cq, cs = _kl_and_coefs(logq, q, logp, logp_tail_ptr + row, c + tl.log(s) - lse, TAIL)
             loss = tl.where(kl_w != 0, kl_w * kl, 0.0)
             scale = tl.where(kl_w != 0, kl_w * inv_temp, 0.0)
             cq = tl.where(scale != 0, scale * cq, 0.0)
