@@ -6,9 +6,13 @@ TwELL kernels cost at the sparsity of a fresh ReLU gate (about 50%).
     # folders of bench_optimizer_convergence_gpu.py beside it:
     cd .gpucache/src3 && PYTHONPATH=$PWD python3 tests/benchmarks/smoke_sparse_ffn_gpu.py
 """
-import json, sys, time
+
+import json
+import time
 from pathlib import Path
+
 import torch
+
 from student.trainer import TrainConfig, train
 
 for kernel in ("dense", "twell"):
