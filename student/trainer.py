@@ -109,8 +109,10 @@ class TrainConfig:
     sparse_ffn: bool = False
     l1: float = 2e-5  # L1 coefficient of the sparse FFN (used only with sparse_ffn); the paper's conservative value
     # How a ReLU-gated FFN computes: "dense" (three matmuls; the fastest on the H200 today) or
-    # "twell" (kernels/twell_ffn.py's sparse Triton kernels on a GPU: about a fifth of the
-    # activation memory, but slower than dense at every sparsity measured; RESULTS.md).
+    # "twell": at each logging step, layers whose mean non-zeros per token fell under
+    # TWELL_MAX_NNZ switch to kernels/twell_ffn.py's sparse Triton kernels on a GPU (about a fifth
+    # of the activation memory; slower than dense at every sparsity measured so far, RESULTS.md),
+    # the others stay dense; metrics rows record each layer's choice as ffn_kernel.
     sparse_kernel: str = "dense"
 
     def __post_init__(self):
@@ -220,8 +222,8 @@ def _initial_student(config: TrainConfig) -> tuple[Student, dict]:
         init += ":relu-gate"
     elif model.config.sparse_ffn and not config.sparse_ffn:
         logger.info("the student has a ReLU-gated FFN but sparse_ffn is off: training it without the L1 penalty")
-    for layer in model.layers:
-        layer.mlp.impl = "auto" if config.sparse_kernel == "twell" else "torch"
+    for layer in model.layers:  # dense until the first logging step measures the layers' sparsity
+        layer.mlp.impl = "torch"
     return model, {"init": init, "config": model.config.to_hf_dict()}
 
 
@@ -300,7 +302,8 @@ def _save_checkpoint(out: Path, step: int, model, optimizer, scheduler, data: Pr
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp / "model")
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": _rng_state(), "ffn_window": ffn_window.state_dict() if ffn_window else None},
+                "rng": _rng_state(), "ffn_window": ffn_window.state_dict() if ffn_window else None,
+                "ffn_impl": [layer.mlp.impl for layer in model.layers]},
                tmp / "trainer_state.pt")
     _write_json(tmp / "data.json", data.state_dict())
     shutil.rmtree(final, ignore_errors=True)
@@ -327,6 +330,8 @@ def _load_checkpoint(ckpt: Path, model, optimizer, scheduler, data: CacheBatches
     _set_rng_state(state["rng"])
     if ffn_window is not None and state.get("ffn_window") is not None:
         ffn_window.load_state_dict(state["ffn_window"])
+    for layer, impl in zip(model.layers, state.get("ffn_impl") or []):
+        layer.mlp.impl = impl
     return int(state["step"])
 
 
@@ -407,6 +412,24 @@ class FFNWindow:
         for name in ("nnz_L", "active_LF", "overflow_L", "fallback_L"):
             getattr(self, name).copy_(state[name])
         self.calls = state["calls"]
+
+
+# The authors route a layer to their sparse kernels once its mean non-zeros per token fall under 50
+# (`sparsity_l0_cutoff` in SakanaAI/sparser-faster-llms' configs; at d_ff = 5632, 99.1% sparse).
+TWELL_MAX_NNZ = 50
+
+
+def _ffn_metrics(model: Student, ffn_window: FFNWindow | None, config: TrainConfig) -> dict:
+    """The window's FFN metrics (none for a dense student); with sparse_kernel "twell", also route
+    each layer by its measured non-zeros (sparse kernels under TWELL_MAX_NNZ, dense otherwise)."""
+    if ffn_window is None:
+        return {}
+    row = ffn_window.row()
+    if config.sparse_kernel == "twell":
+        for layer, nnz in zip(model.layers, row["ffn_nnz"]):
+            layer.mlp.impl = "auto" if nnz < TWELL_MAX_NNZ else "torch"
+        row["ffn_kernel"] = ["twell" if layer.mlp.impl == "auto" else "dense" for layer in model.layers]
+    return row
 
 
 def _l1_penalty(model: Student) -> torch.Tensor:
@@ -543,7 +566,7 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
                 log({"kind": "train", "step": step, "loss": loss_value, "kl": kl_sum / config.grad_accum, "lr": lr,
                      "grad_norm": grad_norm, "tokens": tokens, "tok_per_s": window_tokens / max(elapsed, 1e-9),
                      "optimizer_state_bytes": state_bytes(optimizer),
-                     "epoch": batches.epoch, **(ffn_window.row() if ffn_window is not None else {})})
+                     "epoch": batches.epoch, **_ffn_metrics(model, ffn_window, config)})
                 window_tokens, window_start = 0, time.perf_counter()
             if (config.eval_every and step % config.eval_every == 0) or step == config.steps:
                 log({"kind": "eval", "step": step, **evaluate().to_dict()})

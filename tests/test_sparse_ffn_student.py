@@ -6,9 +6,12 @@ families "llama_relu", "qwen3_relu")."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -141,18 +144,29 @@ def test_l1_must_be_a_number_at_least_zero():
         TrainConfig(cache="c", out="o", student="s", sparse_ffn=True, l1=-1)
 
 
-def test_sparse_kernel_picks_the_ffn_implementation(monkeypatch):
-    """"dense" (the default) runs the MLPs on torch's matmuls; "twell" lets kernels.twell_ffn pick its
-    Triton kernels on a GPU ("auto"); anything else is refused."""
+def test_sparse_kernel_twell_routes_layers_by_their_nonzeros(tiny, tmp_path):  # noqa: F811
+    """"twell": every layer starts dense; at each logging step a layer under TWELL_MAX_NNZ non-zeros
+    per token goes to the sparse kernels ("auto"), the others stay dense, and the choice is logged
+    and kept in checkpoints. "dense" never routes; other values are refused."""
     from student import trainer
 
-    monkeypatch.setattr(Student, "from_teacher_pruned", classmethod(lambda cls, *a, **k: Student(SMALL)))
-    for choice, impl in (("dense", "torch"), ("twell", "auto")):
-        cfg = TrainConfig(cache="c", out="o", teacher="t", num_layers=2, sparse_ffn=True, sparse_kernel=choice)
-        model, _ = trainer._initial_student(cfg)
-        assert model.config.sparse_ffn and [layer.mlp.impl for layer in model.layers] == [impl, impl]
+    window = SimpleNamespace(row=lambda: {"ffn_nnz": [trainer.TWELL_MAX_NNZ - 1, trainer.TWELL_MAX_NNZ]})
+    cfg = TrainConfig(cache="c", out="o", student="s", sparse_ffn=True, sparse_kernel="twell")
+    model = Student(SMALL.replace(hidden_act="relu"))
+    assert trainer._ffn_metrics(model, window, cfg)["ffn_kernel"] == ["twell", "dense"]
+    assert [layer.mlp.impl for layer in model.layers] == ["auto", "torch"]
+    model = Student(SMALL.replace(hidden_act="relu"))
+    assert "ffn_kernel" not in trainer._ffn_metrics(model, window, dataclasses.replace(cfg, sparse_kernel="dense"))
+    assert [layer.mlp.impl for layer in model.layers] == ["torch", "torch"]
     with pytest.raises(DistillUserError, match="`sparse_kernel` must be 'dense' or 'twell', got 'cuda'"):
         TrainConfig(cache="c", out="o", student="s", sparse_kernel="cuda")
+    out = tmp_path / "run"  # a real run (on the CPU the sparse kernels fall back to torch)
+    train(config(tiny, out, sparse_ffn=True, sparse_kernel="twell", steps=2, log_every=1, save_every=1),
+          progress=False)
+    train_rows = [r for r in rows(out) if r["kind"] == "train"]
+    assert [len(r["ffn_kernel"]) for r in train_rows] == [len(r["ffn_nnz"]) for r in train_rows] != []
+    state = torch.load(out / "checkpoints" / "step-000002" / "trainer_state.pt", weights_only=False)
+    assert state["ffn_impl"] == ["auto" if k == "twell" else "torch" for k in train_rows[-1]["ffn_kernel"]]
 
 
 def test_recipe_train_section_takes_the_sparse_keys(tmp_path):
