@@ -313,10 +313,11 @@ if triton is not None:
         return tl.where(some, tl.exp(lp) * (lp - tl.where(some, logq, 0.0)), 0.0)
 
     @triton.jit
-    def _kl_and_coefs(logq, q, logp, logp_tail_ptr, log_qtail, TAIL: tl.constexpr):
+    def _kl_and_coefs(logq, q, logp, logp_tail_ptr, tail_ref, tail_sum, lse, TAIL: tl.constexpr):
         """A row's KL over S (plus the tail bucket) and its gradient coefficients before weighting:
         (kl, cq on q, cs [BLOCK_K] on S), the module docstring's formulas as _kl_terms takes them in
-        torch. logq, q, logp over S (padding: logp = -inf); log_qtail = log Q_tail (bucket only)."""
+        torch. logq, q, logp over S (padding: logp = -inf); bucket only: log Q_tail =
+        tail_ref + log(tail_sum) - lse, tail_sum the sum of exp(z / T - tail_ref) outside S."""
         p = tl.exp(logp)
         if TAIL == 0:  # renorm
             mq = tl.max(logq, axis=0)
@@ -326,6 +327,7 @@ if triton is not None:
             cs = tl.exp(logqhat) - p
         elif TAIL == 1:  # bucket
             logp_tail = tl.load(logp_tail_ptr)
+            log_qtail = tail_ref + tl.log(tail_sum) - lse
             kl = tl.sum(_plogp_diff_tl(logp, logq), axis=0) + _plogp_diff_tl(logp_tail, log_qtail)
             ratio = tl.exp(logp_tail - log_qtail)
             cq = 1.0 - ratio
@@ -378,7 +380,7 @@ if triton is not None:
         logq = zs * inv_temp - lse
         q = tl.exp(logq)
         kl_w = tl.load(kl_w_ptr + row)
-        kl, cq, cs = _kl_and_coefs(logq, q, logp, logp_tail_ptr + row, m + tl.log(s) - lse, TAIL)
+        kl, cq, cs = _kl_and_coefs(logq, q, logp, logp_tail_ptr + row, m, s, lse, TAIL)
         loss = tl.where(kl_w != 0, kl_w * kl, 0.0)
         scale = tl.where(kl_w != 0, kl_w * inv_temp, 0.0)  # masked rows: 0, even if NaN
         cq = tl.where(scale != 0, scale * cq, 0.0)
@@ -482,7 +484,7 @@ if triton is not None:
             logp = tl.load(logp_ptr + row * K + ks, mask=kmask, other=float("-inf"))
             logq = xs - lse
             q = tl.exp(logq)
-            kl, cq, cs = _kl_and_coefs(logq, q, logp, logp_tail_ptr + row, c + tl.log(s) - lse, TAIL)
+            kl, cq, cs = _kl_and_coefs(logq, q, logp, logp_tail_ptr + row, c, s, lse, TAIL)
             loss = tl.where(kl_w != 0, kl_w * kl, 0.0)
             scale = tl.where(kl_w != 0, kl_w * inv_temp, 0.0)
             cq = tl.where(scale != 0, scale * cq, 0.0)
