@@ -130,220 +130,277 @@ def relu_gated_ffn(x, w_gate, w_up, w_down, *, impl: str = "auto", ell_width: in
 # ---------------------------------------------------------------------------------------------
 # Triton path.
 #
-# Format (the paper's hybrid training format, built straight from the gate GEMM's output by one
-# extra pass; the pass scans each row in tiles of BLOCK_F hidden columns, counts each tile's
-# non-zeros (TwELL's per-tile counts) and packs them ELL-style after the previous tiles' ones, so
-# the row-compacted buffer is TwELL's tiles concatenated by a prefix sum of the tile counts):
-#   count_N  int32 [N]     non-zeros of relu(x Wg^T) in each row;
-#   slot_N   int32 [N]     -1: the row lives in the ELL buffer (count <= W); b >= 0: in row b of
-#                          the backup; -2: fallback (count > W and the backup was full);
-#   ell_idx  int32 [N, W]  column indices, ell_hg / ell_u [N, W] (x's dtype) relu(gate) and up
-#                          values at those columns;
-#   bk_idx, bk_hg, bk_u [B, dff]: the backup, a full-width row (any count fits) per overflowing row,
-#                          B = backup_rows, handed out in order by an atomic counter;
-#   fallback rows keep nothing: the forward reads their gate from the transient gate GEMM output
-#   and the backward recomputes their gate and up values from x (slow, rare, counted).
-# Forward: per token chunk, gate = x Wg^T (cuBLAS, a transient [chunk, dff]) and _pack_kernel
-# (plus _fwd_row_kernel on the chunk's fallback rows, which need its gate); then one launch of
-# _fwd_row_kernel over all tokens, longest lists first (so the few long rows overlap the many short
-# ones), one program per token, a whole d_model row in registers, BLOCK_S non-zeros a step (the
-# paper's fused up/down kernel): u = x . Wu[n] (gathered Wu rows, fp32 sums), h = relu(gate) u,
-# y += h Wd^T[n] (gathered rows of Wd^T), and the row's sum |h|.
-# Backward, per token chunk: _bwd_row_kernel, one program per token, longest lists first:
-# dh = dy . Wd^T[n] + grad_l1 sign(h) / N at the pattern, dh_u = dh relu(gate), dh_g = dh u, and
-# dx += dh_u Wu[n] + dh_g Wg[n] (or, _DX_BY_GATHER False, dx by one GEMM over [dh_u | dh_g]); it
-# scatters h and [dh_u | dh_g] into zeroed [chunk, dff] and [chunk, 2 dff] buffers whose products
-# with dy and x (cuBLAS, fp32 accumulation over chunks) give the weight gradients.
+# Why the kernels are shaped as they are. At 99% sparsity (56 non-zeros per token at dff 5632)
+# the sparse products do 1% of the dense FLOPs, but each non-zero fetches a whole weight row
+# (d_model values) that no other non-zero of the token shares: about 0.9x the bytes a dense
+# GEMM pulls from L2. So the sparse kernels are bound by where those rows come from: DRAM if the
+# weights (46 MB of W_up and W_down at d=2048) do not stay in L2, L2 if they do. The kernels
+# therefore cut the weights into slices that fit L2 (W_up by hidden columns, W_down^T by
+# d_model columns) and run the whole token batch over one slice before the next.
+#
+# Format (the paper's hybrid training format, written by one pass over the gate GEMM's output):
+#   count_N   int32 [N]        non-zeros of relu(x Wg^T) in each row; a row's list is its non-zero
+#                              columns in ascending order;
+#   start     int32 [NT+1, N]  TwELL's per-tile counts as offsets: position in the row's list where
+#                              hidden tile t (_TILE_F columns) starts; start[NT] = count;
+#   slot_N    int32 [N]        -1: the whole list is in the ELL buffer (count <= W); b >= 0: list
+#                              positions >= W continue in row b of the backup; -2: fallback (count
+#                              > W and the backup was full);
+#   ell_idx   int32 [N, W], ell_hg / ell_u [N, W] (x's dtype): list positions < W: column,
+#                              relu(gate) and up values;
+#   bk_idx, bk_hg, bk_u [B, dff - W]: list positions >= W of overflowing rows; B = backup_rows,
+#                              handed out in order of overflow by an atomic counter;
+#   fallback rows keep nothing usable: the forward reads their gate from the transient gate GEMM
+#   output and the backward recomputes their gate and up values from x (slow, rare, counted).
+# Forward: per token chunk, gate = x Wg^T (cuBLAS, a transient [chunk, dff]), _pack_kernel, and
+# _fallback_fwd_kernel for the chunk's fallback rows (which need its gate). Then over all tokens:
+# _sddmm_kernel, grid (token, hidden slice): u = x . Wu[n] at the token's non-zeros in the slice,
+# stored in the format, and the row's sum |h| per slice; _spmm_kernel, grid (token, d_model
+# slice): y = sum_n round(relu(g) u) Wd^T[n, slice].
+# Backward, per token chunk: _sddmm_kernel again, with dy and Wd^T: dh = dy . Wd^T[n] + the L1
+# term, dh_u = dh relu(g), dh_g = dh u, scattered with h into zeroed [chunk, dff] and
+# [chunk, 2 dff] buffers; _fallback_bwd_kernel for fallback rows; _spmm_kernel with Wu and Wg:
+# dx = sum_n dh_u Wu[n] + dh_g Wg[n]; the weight gradients are cuBLAS products of those buffers
+# with dy and x (fp32 accumulation over chunks).
+# Grids put the token index in the fastest dimension, so all tokens pass over one weight slice
+# before the next slice starts; tokens run longest lists first.
 # Saved for backward: x, the weights and the format above; never a dense [N, dff] tensor.
 # ---------------------------------------------------------------------------------------------
 
 DEFAULT_ELL_WIDTH = 128
+_TILE_F = 256  # hidden columns per TwELL tile (the paper's T_n); the pack pass reads a tile a step
 _PACK_BLOCK_M = 16
-_PACK_BLOCK_F = 256
-# elements of one gathered [BLOCK_S, BLOCK_D] weight tile in the row kernels: 4096 (2 non-zeros a
-# step at d=2048) measured best on the H200 against 8192 and 16384 (forward 20.2 / 24.8 / 21.1 ms,
-# forward+backward 62.5 / 83.0 / 75.5 ms at 99% sparsity, 2026-11-29)
-_ROW_TILE = 4096
-_ROW_WARPS = 8
-# dx from the sparse pattern by gathering Wu / Wg rows (True), or by one cuBLAS GEMM over the
-# densified [dh_u | dh_g] chunk (False); the benchmark measures both
-_DX_BY_GATHER = True
+_PACK_WARPS = 4
+# weight bytes per hidden slice of the SDDMM kernels: small enough to stay in the H200's L2 (60 MB)
+# beside the streams of x and the format
+_SLICE_BYTES = 12 << 20
+# (non-zeros, d_model columns) per step of the SDDMM and SpMM kernels; the SpMM's d_model columns
+# are also its slice of W (BLOCK_D x dff weights per slice)
+_SDDMM_BLOCKS = (16, 256)
+_SPMM_BLOCKS = (16, 512)
+_ROW_WARPS = 4
 
 
-def _row_blocks(d_model: int) -> tuple[int, int]:
-    """(BLOCK_S, BLOCK_D) of the row kernels: a whole row of d_model per step (BLOCK_D >= d_model),
-    and as many non-zeros per step as fit _ROW_TILE (at least 2). Under the interpreter, 32 non-zeros
-    a step: fewer Python-level loop trips."""
-    block_d = triton.next_power_of_2(d_model)
+def _blocks(d_model: int, which: str) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_D) of the SDDMM / SpMM kernels; under the interpreter small d_model blocks,
+    so the tests' small shapes still run several d_model steps and slices."""
+    block_s, block_d = _SDDMM_BLOCKS if which == "sddmm" else _SPMM_BLOCKS
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return 32, block_d
-    return max(2, min(64, _ROW_TILE // block_d)), block_d
+        block_s, block_d = 8, 16
+    return block_s, min(block_d, triton.next_power_of_2(d_model))
+
+
+def _hidden_slices(d_ff: int, d_model: int, elem_bytes: int) -> tuple[int, int]:
+    """(slices, tiles per slice) of the SDDMM grid: each slice's weights <= _SLICE_BYTES."""
+    num_tiles = triton.cdiv(d_ff, _TILE_F)
+    slices = min(num_tiles, max(1, triton.cdiv(d_ff * d_model * elem_bytes, _SLICE_BYTES)))
+    per = triton.cdiv(num_tiles, slices)
+    return triton.cdiv(num_tiles, per), per
 
 
 if triton is not None:
 
     @triton.jit
-    def _pack_kernel(g_ptr, count_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, bk_idx_ptr, bk_hg_ptr,
-                     counter_ptr, active_ptr, row0, C, F, W, CAP,
-                     BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
-        """Rows [row0 + pid*BLOCK_M, ...) of the chunk's gate [C, F]: counts, ELL, backup, slot."""
+    def _pack_kernel(g_ptr, count_ptr, slot_ptr, start_ptr, ell_idx_ptr, ell_hg_ptr, bk_idx_ptr, bk_hg_ptr,
+                     counter_ptr, active_ptr, row0, C, N, F, W, BW, CAP, NT,
+                     BLOCK_M: tl.constexpr, TILE_F: tl.constexpr):
+        """Rows [row0 + pid*BLOCK_M, ...) of the chunk's gate [C, F], one pass, a tile a step:
+        per-tile start offsets, the list (ELL, then the backup row once a row passes W), count, slot."""
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = r < C
         r64 = r.to(tl.int64)
         grow = r64 + row0
         count = tl.zeros([BLOCK_M], dtype=tl.int32)
-        for f0 in range(0, F, BLOCK_F):
-            cols = f0 + tl.arange(0, BLOCK_F)
+        bslot = tl.full([BLOCK_M], -1, dtype=tl.int32)
+        for t in range(0, NT):
+            cols = t * TILE_F + tl.arange(0, TILE_F)
             m2 = rmask[:, None] & (cols < F)[None, :]
             g = tl.load(g_ptr + r64[:, None] * F + cols[None, :], mask=m2, other=0.0)
             pos = (g.to(tl.float32) > 0) & m2
             p = pos.to(tl.int32)
+            tl.store(start_ptr + grow + (tl.zeros_like(grow) + t) * N, count, mask=rmask)
             slot = count[:, None] + tl.cumsum(p, axis=1) - 1
-            keep = pos & (slot < W)
-            cols2 = tl.zeros([BLOCK_M, BLOCK_F], dtype=tl.int32) + cols[None, :]
-            tl.store(ell_idx_ptr + grow[:, None] * W + slot, cols2, mask=keep)
-            tl.store(ell_hg_ptr + grow[:, None] * W + slot, g, mask=keep)
+            new = count + tl.sum(p, axis=1)
+            cross = rmask & (count <= W) & (new > W)  # rows that pass W in this tile
+            num_cross = tl.sum(cross.to(tl.int32), axis=0)
+            if num_cross > 0:
+                base = tl.atomic_add(counter_ptr, num_cross)
+                b = base + tl.cumsum(cross.to(tl.int32), axis=0) - 1
+                bslot = tl.where(cross, tl.where(b < CAP, b, -2), bslot)
+            cols2 = tl.zeros([BLOCK_M, TILE_F], dtype=tl.int32) + cols[None, :]
+            in_ell = pos & (slot < W)
+            tl.store(ell_idx_ptr + grow[:, None] * W + slot, cols2, mask=in_ell)
+            tl.store(ell_hg_ptr + grow[:, None] * W + slot, g, mask=in_ell)
+            in_bk = pos & (slot >= W) & (bslot >= 0)[:, None]
+            bk_off = tl.maximum(bslot, 0).to(tl.int64)[:, None] * BW + (slot - W)
+            tl.store(bk_idx_ptr + bk_off, cols2, mask=in_bk)
+            tl.store(bk_hg_ptr + bk_off, g, mask=in_bk)
             col_any = tl.max(p, axis=0)
-            # every writer stores 1: the race is benign
-            tl.store(active_ptr + cols, col_any, mask=col_any > 0)
-            count += tl.sum(p, axis=1)
-        over = (count > W) & rmask
-        num_over = tl.sum(over.to(tl.int32), axis=0)
-        slot_row = tl.full([BLOCK_M], -1, dtype=tl.int32)
-        if num_over > 0:
-            base = tl.atomic_add(counter_ptr, num_over)
-            b = base + tl.cumsum(over.to(tl.int32), axis=0) - 1
-            in_bk = over & (b < CAP)
-            slot_row = tl.where(over, tl.where(in_bk, b, -2), -1)
-            b64 = b.to(tl.int64)
-            bk_count = tl.zeros([BLOCK_M], dtype=tl.int32)
-            for f0 in range(0, F, BLOCK_F):
-                cols = f0 + tl.arange(0, BLOCK_F)
-                m2 = in_bk[:, None] & (cols < F)[None, :]
-                g = tl.load(g_ptr + r64[:, None] * F + cols[None, :], mask=m2, other=0.0)
-                pos = (g.to(tl.float32) > 0) & m2
-                p = pos.to(tl.int32)
-                slot = bk_count[:, None] + tl.cumsum(p, axis=1) - 1
-                cols2 = tl.zeros([BLOCK_M, BLOCK_F], dtype=tl.int32) + cols[None, :]
-                tl.store(bk_idx_ptr + b64[:, None] * F + slot, cols2, mask=pos)
-                tl.store(bk_hg_ptr + b64[:, None] * F + slot, g, mask=pos)
-                bk_count += tl.sum(p, axis=1)
+            tl.store(active_ptr + cols, col_any, mask=col_any > 0)  # every writer stores 1: benign race
+            count = new
+        tl.store(start_ptr + grow + (tl.zeros_like(grow) + NT) * N, count, mask=rmask)
         tl.store(count_ptr + grow, count, mask=rmask)
-        tl.store(slot_ptr + grow, slot_row, mask=rmask)
+        tl.store(slot_ptr + grow, bslot, mask=rmask)
 
     @triton.jit
-    def _row_list(m, s, ms, slot, W, F, ell_idx_ptr, ell_hg_ptr, ell_u_ptr, bk_idx_ptr, bk_hg_ptr, bk_u_ptr,
-                  LOAD_U: tl.constexpr):
-        """Positions s of row m's non-zero list: (column, relu(gate), up, offsets into ELL / backup).
-        The forward, which writes the up values, asks for none (LOAD_U False: u is 0)."""
-        slot_s = tl.zeros_like(s) + slot  # per lane: the interpreter wants block masks
-        is_ell = slot_s == -1
-        is_bk = slot_s >= 0
-        ell_off = m * W + s
-        bk_off = slot.to(tl.int64) * F + s
-        n = tl.load(ell_idx_ptr + ell_off, mask=ms & is_ell, other=0) + \
-            tl.load(bk_idx_ptr + bk_off, mask=ms & is_bk, other=0)
-        hg = tl.load(ell_hg_ptr + ell_off, mask=ms & is_ell, other=0.0).to(tl.float32) + \
-            tl.load(bk_hg_ptr + bk_off, mask=ms & is_bk, other=0.0).to(tl.float32)
-        u = tl.zeros_like(hg)
-        if LOAD_U:
-            u = tl.load(ell_u_ptr + ell_off, mask=ms & is_ell, other=0.0).to(tl.float32) + \
-                tl.load(bk_u_ptr + bk_off, mask=ms & is_bk, other=0.0).to(tl.float32)
-        return n, hg, u, ell_off, bk_off
+    def _list_masks(m, p, mp, slot, W, BW):
+        """Where list positions p of row m live: (in ELL, offset there, in backup, offset there)."""
+        in_ell = mp & (p < W)
+        in_bk = mp & (p >= W)
+        return in_ell, m * W + p, in_bk, tl.maximum(slot, 0).to(tl.int64) * BW + (p - W)
 
     @triton.jit
-    def _fwd_row_kernel(x_ptr, wu_ptr, wdt_ptr, g_ptr, order_ptr, count_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr,
-                        ell_u_ptr, bk_idx_ptr, bk_hg_ptr, bk_u_ptr, y_ptr, l1_ptr, row0, D, F, W,
-                        FALLBACK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-        """One token, BLOCK_S non-zeros a step: u = x . Wu[n], h = relu(gate) u, y += h Wd^T[n], sum |h|.
-
-        FALLBACK=False: program i takes token order[i] (longest lists first) and skips fallback
-        rows; FALLBACK=True: program i takes token row0 + i of the chunk whose gate is g_ptr and
-        does only fallback rows (their gate read from g, all dff columns scanned).
-        BLOCK_D >= D: x's row, y's accumulator and each gathered weight row live in registers.
-        """
-        pid = tl.program_id(0).to(tl.int64)
-        if FALLBACK:
-            r = pid
-            m = row0 + pid
-        else:
-            r = pid * 0
-            m = tl.load(order_ptr + pid).to(tl.int64)
+    def _sddmm_kernel(a_ptr, w_ptr, order_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, ell_u_ptr,
+                      bk_idx_ptr, bk_hg_ptr, bk_u_ptr, l1_ptr, l1_scale_ptr, h_ptr, dhug_ptr,
+                      row0, N, D, F, W, BW, NT, TPS, S,
+                      BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Token row0 + order[pid0], the list positions in hidden slice pid1 (tiles [pid1*TPS, ...)):
+        acc = a_m . w[n] (fp32 sums over BLOCK_D columns a step). Forward (a=x, w=Wu): store
+        u = acc and the slice's sum |round(relu(g) u)|. Backward (a=dy, w=Wd^T): dh = acc + the L1
+        term, scatter h, dh_u, dh_g into the chunk's dense rows. Fallback rows have no list."""
+        r = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+        sl = tl.program_id(1)
+        m = r + row0
         slot = tl.load(slot_ptr + m)
-        is_fb = slot == -2
-        mine = is_fb == FALLBACK
-        num = tl.where(mine, tl.where(is_fb, F, tl.load(count_ptr + m)), 0)
+        t0 = sl * TPS
+        t1 = tl.minimum(t0 + TPS, NT)
+        p0 = tl.load(start_ptr + m + (m * 0 + t0) * N)
+        p1 = tl.where(slot == -2, p0, tl.load(start_ptr + m + (m * 0 + t1) * N))
+        dtype = a_ptr.dtype.element_ty
+        l1 = tl.zeros([BLOCK_S], dtype=tl.float32)
+        for q0 in range(p0, p1, BLOCK_S):
+            p = q0 + tl.arange(0, BLOCK_S)
+            mp = p < p1
+            in_ell, ell_off, in_bk, bk_off = _list_masks(m, p, mp, slot, W, BW)
+            n = tl.load(ell_idx_ptr + ell_off, mask=in_ell, other=0) + \
+                tl.load(bk_idx_ptr + bk_off, mask=in_bk, other=0)
+            hg = tl.load(ell_hg_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
+                tl.load(bk_hg_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
+            n64 = n.to(tl.int64)
+            acc = tl.zeros([BLOCK_S], dtype=tl.float32)
+            for k0 in range(0, D, BLOCK_D):
+                k = k0 + tl.arange(0, BLOCK_D)
+                mk = k < D
+                a = tl.load(a_ptr + m * D + k, mask=mk, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + n64[:, None] * D + k[None, :], mask=mp[:, None] & mk[None, :],
+                            other=0.0).to(tl.float32)
+                acc += tl.sum(w * a[None, :], axis=1)
+            if BACKWARD:
+                u = tl.load(ell_u_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
+                    tl.load(bk_u_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
+                live = mp & (hg > 0)
+                l1_scale = tl.load(l1_scale_ptr)
+                h = (hg * u).to(dtype).to(tl.float32)
+                sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
+                dh = (acc.to(dtype).to(tl.float32) + l1_scale * sign).to(dtype).to(tl.float32)
+                dhu = (dh * hg).to(dtype)
+                dhg = (dh * u).to(dtype)
+                tl.store(h_ptr + r * F + n64, h.to(dtype), mask=live)
+                tl.store(dhug_ptr + r * 2 * F + n64, dhu, mask=live)
+                tl.store(dhug_ptr + r * 2 * F + F + n64, dhg, mask=live)
+            else:
+                u = acc.to(dtype)
+                tl.store(ell_u_ptr + ell_off, u, mask=in_ell)
+                tl.store(bk_u_ptr + bk_off, u, mask=in_bk)
+                l1 += tl.abs((hg * u.to(tl.float32)).to(dtype).to(tl.float32))
+        if not BACKWARD:
+            tl.store(l1_ptr + m * S + sl + tl.arange(0, 1), tl.zeros([1], dtype=tl.float32) + tl.sum(l1, axis=0))
+
+    @triton.jit
+    def _spmm_kernel(w1_ptr, w2_ptr, order_ptr, count_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, ell_u_ptr,
+                     bk_idx_ptr, bk_hg_ptr, bk_u_ptr, dhug_ptr, out_ptr, row0, D, F, W, BW,
+                     BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Token row0 + order[pid0], d_model columns [pid1*BLOCK_D, ...): out = sum over the token's
+        list of v1 w1[n] (+ v2 w2[n]). Forward: v1 = round(relu(g) u), w1 = Wd^T. Backward:
+        v1, v2 = dh_u, dh_g read from the chunk's dense rows, w1, w2 = Wu, Wg. Fallback rows are
+        left to the fallback kernels."""
+        r = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+        m = r + row0
+        slot = tl.load(slot_ptr + m)
+        num = tl.where(slot == -2, 0, tl.load(count_ptr + m))
+        dtype = out_ptr.dtype.element_ty
+        k = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mk = k < D
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for q0 in range(0, num, BLOCK_S):
+            p = q0 + tl.arange(0, BLOCK_S)
+            mp = p < num
+            in_ell, ell_off, in_bk, bk_off = _list_masks(m, p, mp, slot, W, BW)
+            n64 = (tl.load(ell_idx_ptr + ell_off, mask=in_ell, other=0) +
+                   tl.load(bk_idx_ptr + bk_off, mask=in_bk, other=0)).to(tl.int64)
+            m2 = mp[:, None] & mk[None, :]
+            w1 = tl.load(w1_ptr + n64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
+            if BACKWARD:
+                v1 = tl.load(dhug_ptr + r * 2 * F + n64, mask=mp, other=0.0).to(tl.float32)
+                v2 = tl.load(dhug_ptr + r * 2 * F + F + n64, mask=mp, other=0.0).to(tl.float32)
+                w2 = tl.load(w2_ptr + n64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
+                acc += tl.sum(w1 * v1[:, None] + w2 * v2[:, None], axis=0)
+            else:
+                hg = tl.load(ell_hg_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
+                    tl.load(bk_hg_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
+                u = tl.load(ell_u_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
+                    tl.load(bk_u_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
+                acc += tl.sum(w1 * (hg * u).to(dtype).to(tl.float32)[:, None], axis=0)
+        keep = (tl.zeros_like(k) + slot) != -2
+        tl.store(out_ptr + m * D + k, acc.to(dtype), mask=mk & keep)
+
+    @triton.jit
+    def _fallback_fwd_kernel(x_ptr, wu_ptr, wdt_ptr, g_ptr, slot_ptr, y_ptr, l1_ptr, row0, D, F,
+                             BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Chunk row pid, if it is a fallback row: every hidden column of its gate (read from the
+        chunk's gate g), u = x . Wu[n], h = relu(g) u, y = sum h Wd^T[n], and its sum |h|."""
+        r = tl.program_id(0).to(tl.int64)
+        m = row0 + r
+        slot = tl.load(slot_ptr + m)
+        num = tl.where(slot == -2, F, 0)
         dtype = x_ptr.dtype.element_ty
         k = tl.arange(0, BLOCK_D)
-        mine_k = (tl.zeros_like(k) + mine.to(tl.int32)) > 0
-        mk = (k < D) & mine_k
+        fb_k = (tl.zeros_like(k) + slot) == -2  # block masks: the interpreter wants them
+        mk = (k < D) & fb_k
         xk = tl.load(x_ptr + m * D + k, mask=mk, other=0.0).to(tl.float32)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         l1 = tl.zeros([BLOCK_S], dtype=tl.float32)
         for s0 in range(0, num, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
-            ms = s < num
-            n, hg, _, ell_off, bk_off = _row_list(m, s, ms, slot, W, F, ell_idx_ptr, ell_hg_ptr, ell_u_ptr,
-                                                  bk_idx_ptr, bk_hg_ptr, bk_u_ptr, LOAD_U=False)
-            slot_s = tl.zeros_like(s) + slot
-            fb_s = slot_s == -2
-            g_fb = tl.load(g_ptr + r * F + s, mask=ms & fb_s, other=0.0).to(tl.float32)
-            n64 = tl.where(fb_s, s, n).to(tl.int64)
-            hg = tl.where(fb_s, tl.maximum(g_fb, 0.0), hg)
-            m2 = (ms & (hg > 0))[:, None] & mk[None, :]
-            w_u = tl.load(wu_ptr + n64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
-            w_d = tl.load(wdt_ptr + n64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
+            hg = tl.maximum(tl.load(g_ptr + r * F + s, mask=s < num, other=0.0).to(tl.float32), 0.0)
+            m2 = ((s < num) & (hg > 0))[:, None] & mk[None, :]
+            w_u = tl.load(wu_ptr + s[:, None].to(tl.int64) * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
+            w_d = tl.load(wdt_ptr + s[:, None].to(tl.int64) * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
             u = tl.sum(w_u * xk[None, :], axis=1).to(dtype)
             h = (hg * u.to(tl.float32)).to(dtype).to(tl.float32)
             l1 += tl.abs(h)
             acc += tl.sum(w_d * h[:, None], axis=0)
-            tl.store(ell_u_ptr + ell_off, u, mask=ms & (slot_s == -1))
-            tl.store(bk_u_ptr + bk_off, u, mask=ms & (slot_s >= 0))
         tl.store(y_ptr + m * D + k, acc.to(dtype), mask=mk)
         tl.store(l1_ptr + m + tl.arange(0, 1), tl.zeros([1], dtype=tl.float32) + tl.sum(l1, axis=0),
-                 mask=(tl.zeros([1], dtype=tl.int32) + mine.to(tl.int32)) > 0)
+                 mask=(tl.zeros([1], dtype=tl.int32) + slot) == -2)
 
     @triton.jit
-    def _bwd_row_kernel(x_ptr, dy_ptr, wg_ptr, wu_ptr, wdt_ptr, order_ptr, count_ptr, slot_ptr, ell_idx_ptr,
-                        ell_hg_ptr, ell_u_ptr, bk_idx_ptr, bk_hg_ptr, bk_u_ptr, l1_scale_ptr, h_ptr, dhug_ptr,
-                        dx_ptr, row0, D, F, W,
-                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, COMPUTE_DX: tl.constexpr):
-        """One token of the chunk (order: longest lists first), BLOCK_S non-zeros a step:
-        dh = dy . Wd^T[n] (+ the L1 term), dh_u = dh relu(gate), dh_g = dh u, scattered with h into
-        the chunk's dense rows ([C, F] and [C, 2F]); dx += dh_u Wu[n] + dh_g Wg[n] when COMPUTE_DX
-        (else the host takes dx by a GEMM). Fallback rows recompute gate and up from x."""
-        r = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+    def _fallback_bwd_kernel(x_ptr, dy_ptr, wg_ptr, wu_ptr, wdt_ptr, slot_ptr, l1_scale_ptr, h_ptr, dhug_ptr,
+                             dx_ptr, row0, D, F, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Chunk row pid, if it is a fallback row: gate and up recomputed from x at every hidden
+        column, dh (with the L1 term), dh_u, dh_g scattered with h into the chunk's dense rows,
+        and dx = sum dh_u Wu[n] + dh_g Wg[n]."""
+        r = tl.program_id(0).to(tl.int64)
         m = r + row0
         slot = tl.load(slot_ptr + m)
-        is_fb = slot == -2
-        num = tl.where(is_fb, F, tl.load(count_ptr + m))
+        num = tl.where(slot == -2, F, 0)
         dtype = x_ptr.dtype.element_ty
         l1_scale = tl.load(l1_scale_ptr)
         k = tl.arange(0, BLOCK_D)
-        mk = k < D
+        mk = (k < D) & ((tl.zeros_like(k) + slot) == -2)
         dyk = tl.load(dy_ptr + m * D + k, mask=mk, other=0.0).to(tl.float32)
-        fb_k = (tl.zeros_like(k) + slot) == -2
-        xk = tl.load(x_ptr + m * D + k, mask=mk & fb_k, other=0.0).to(tl.float32)
+        xk = tl.load(x_ptr + m * D + k, mask=mk, other=0.0).to(tl.float32)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for s0 in range(0, num, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
             ms = s < num
-            n, hg, u, _, _ = _row_list(m, s, ms, slot, W, F, ell_idx_ptr, ell_hg_ptr, ell_u_ptr,
-                                       bk_idx_ptr, bk_hg_ptr, bk_u_ptr, LOAD_U=True)
-            fb_s = (tl.zeros_like(s) + slot) == -2
-            n64 = tl.where(fb_s, s, n).to(tl.int64)
+            s64 = s.to(tl.int64)
             m2 = ms[:, None] & mk[None, :]
-            w_d = tl.load(wdt_ptr + n64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
-            if COMPUTE_DX:
-                m_ug = m2
-            else:
-                m_ug = m2 & fb_s[:, None]
-            w_g = tl.load(wg_ptr + n64[:, None] * D + k[None, :], mask=m_ug, other=0.0).to(tl.float32)
-            w_u = tl.load(wu_ptr + n64[:, None] * D + k[None, :], mask=m_ug, other=0.0).to(tl.float32)
-            g_re = tl.sum(w_g * xk[None, :], axis=1).to(dtype).to(tl.float32)
-            u_re = tl.sum(w_u * xk[None, :], axis=1).to(dtype).to(tl.float32)
-            hg = tl.where(fb_s, tl.maximum(g_re, 0.0), hg)
-            u = tl.where(fb_s, u_re, u)
+            w_d = tl.load(wdt_ptr + s64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
+            w_g = tl.load(wg_ptr + s64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
+            w_u = tl.load(wu_ptr + s64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
+            hg = tl.maximum(tl.sum(w_g * xk[None, :], axis=1).to(dtype).to(tl.float32), 0.0)
+            u = tl.sum(w_u * xk[None, :], axis=1).to(dtype).to(tl.float32)
             live = ms & (hg > 0)
             h = (hg * u).to(dtype).to(tl.float32)
             sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
@@ -351,13 +408,11 @@ if triton is not None:
             dh = (dh_y + l1_scale * sign).to(dtype).to(tl.float32)
             dhu = tl.where(live, (dh * hg).to(dtype).to(tl.float32), 0.0)
             dhg = tl.where(live, (dh * u).to(dtype).to(tl.float32), 0.0)
-            tl.store(h_ptr + r * F + n64, h.to(dtype), mask=live)
-            tl.store(dhug_ptr + r * 2 * F + n64, dhu.to(dtype), mask=live)
-            tl.store(dhug_ptr + r * 2 * F + F + n64, dhg.to(dtype), mask=live)
-            if COMPUTE_DX:
-                acc += tl.sum(w_u * dhu[:, None] + w_g * dhg[:, None], axis=0)
-        if COMPUTE_DX:
-            tl.store(dx_ptr + m * D + k, acc.to(dtype), mask=mk)
+            tl.store(h_ptr + r * F + s64, h.to(dtype), mask=live)
+            tl.store(dhug_ptr + r * 2 * F + s64, dhu.to(dtype), mask=live)
+            tl.store(dhug_ptr + r * 2 * F + F + s64, dhg.to(dtype), mask=live)
+            acc += tl.sum(w_u * dhu[:, None] + w_g * dhg[:, None], axis=0)
+        tl.store(dx_ptr + m * D + k, acc.to(dtype), mask=mk)
 
 
 _POISON_OUTPUTS = False  # tests set this: outputs start as NaN, so an unwritten element fails
@@ -384,6 +439,12 @@ def _mm_into_fp32(acc, a, b):
         acc.addmm_(a.float(), b.float())
 
 
+def _fallback_blocks(d_model: int) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_D) of the fallback kernels: a whole d_model row per step."""
+    block_d = triton.next_power_of_2(d_model)
+    return max(2, min(32, 4096 // block_d)), block_d
+
+
 class _TwellFFNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, ell_width, backup_rows, chunk_rows):
@@ -391,67 +452,81 @@ class _TwellFFNFunction(torch.autograd.Function):
         d_ff = w_gate.shape[0]
         dev, dtype = x.device, x.dtype
         width, cap, chunk = ell_width, backup_rows, chunk_rows
-        count = torch.empty(num_tokens, dtype=torch.int32, device=dev)
-        slot = torch.empty(num_tokens, dtype=torch.int32, device=dev)
-        ell_idx = torch.empty(num_tokens, width, dtype=torch.int32, device=dev)
+        bk_width = max(d_ff - width, 1)
+        num_tiles = triton.cdiv(d_ff, _TILE_F)
+        i32 = dict(dtype=torch.int32, device=dev)
+        count, slot = torch.empty(num_tokens, **i32), torch.empty(num_tokens, **i32)
+        start = torch.empty(num_tiles + 1, num_tokens, **i32)
+        ell_idx = torch.empty(num_tokens, width, **i32)
         ell_hg = torch.empty(num_tokens, width, dtype=dtype, device=dev)
         ell_u = torch.empty(num_tokens, width, dtype=dtype, device=dev)
-        bk_idx = torch.empty(max(cap, 1), d_ff, dtype=torch.int32, device=dev)
-        bk_hg = torch.empty(max(cap, 1), d_ff, dtype=dtype, device=dev)
-        bk_u = torch.empty(max(cap, 1), d_ff, dtype=dtype, device=dev)
-        counter = torch.zeros(1, dtype=torch.int32, device=dev)
-        active = torch.zeros(d_ff, dtype=torch.int32, device=dev)
-        l1_rows = torch.empty(num_tokens, dtype=torch.float32, device=dev)
+        bk_idx = torch.empty(max(cap, 1), bk_width, **i32)
+        bk_hg = torch.empty(max(cap, 1), bk_width, dtype=dtype, device=dev)
+        bk_u = torch.empty(max(cap, 1), bk_width, dtype=dtype, device=dev)
+        counter = torch.zeros(1, **i32)
+        active = torch.zeros(d_ff, **i32)
+        slices, tiles_per_slice = _hidden_slices(d_ff, d_model, x.element_size())
+        l1_part = torch.empty(num_tokens, slices, dtype=torch.float32, device=dev)
+        l1_fb = torch.zeros(num_tokens, dtype=torch.float32, device=dev)
         y = _new_output((num_tokens, d_model), dtype, dev)
         w_down_t = w_down.t().contiguous()
-        block_s, block_d = _row_blocks(d_model)
+        fb_s, fb_d = _fallback_blocks(d_model)
         gate = torch.empty(min(chunk, num_tokens), d_ff, dtype=dtype, device=dev)
         for row0 in range(0, num_tokens, chunk):
             rows = min(chunk, num_tokens - row0)
             gate_c = gate[:rows]
             torch.mm(x[row0:row0 + rows], w_gate.t(), out=gate_c)
             _pack_kernel[(triton.cdiv(rows, _PACK_BLOCK_M),)](
-                gate_c, count, slot, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, row0, rows, d_ff,
-                width, cap, BLOCK_M=_PACK_BLOCK_M, BLOCK_F=_PACK_BLOCK_F)
-            _fwd_row_kernel[(rows,)](
-                x, w_up, w_down_t, gate_c, count, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, y,
-                l1_rows, row0, d_model, d_ff, width, FALLBACK=True, BLOCK_S=block_s, BLOCK_D=block_d,
-                num_warps=_ROW_WARPS)
+                gate_c, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, row0, rows,
+                num_tokens, d_ff, width, bk_width, cap, num_tiles, BLOCK_M=_PACK_BLOCK_M, TILE_F=_TILE_F,
+                num_warps=_PACK_WARPS)
+            _fallback_fwd_kernel[(rows,)](x, w_up, w_down_t, gate_c, slot, y, l1_fb, row0, d_model, d_ff,
+                                          BLOCK_S=fb_s, BLOCK_D=fb_d, num_warps=8)
         del gate
         # longest lists first, so that the few long rows overlap the many short ones
         order = torch.argsort(torch.where(slot == -2, -1, count), descending=True)
-        _fwd_row_kernel[(num_tokens,)](
-            x, w_up, w_down_t, x, order, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, y,
-            l1_rows, 0, d_model, d_ff, width, FALLBACK=False, BLOCK_S=block_s, BLOCK_D=block_d,
-            num_warps=_ROW_WARPS)
-        l1 = l1_rows.sum() / max(num_tokens, 1)
+        sd_s, sd_d = _blocks(d_model, "sddmm")
+        _sddmm_kernel[(num_tokens, slices)](
+            x, w_up, order, start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, l1_part, l1_part, x, x,
+            0, num_tokens, d_model, d_ff, width, bk_width, num_tiles, tiles_per_slice, slices,
+            BACKWARD=False, BLOCK_S=sd_s, BLOCK_D=sd_d, num_warps=_ROW_WARPS)
+        sp_s, sp_d = _blocks(d_model, "spmm")
+        _spmm_kernel[(num_tokens, triton.cdiv(d_model, sp_d))](
+            w_down_t, w_down_t, order, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, x, y,
+            0, d_model, d_ff, width, bk_width, BACKWARD=False, BLOCK_S=sp_s, BLOCK_D=sp_d, num_warps=_ROW_WARPS)
+        l1 = (l1_part.sum() + l1_fb.sum()) / max(num_tokens, 1)
         over = counter[0].to(torch.int64)
         stats = (count.float().mean() if num_tokens else torch.zeros((), device=dev),
                  active.bool(), over, (over - cap).clamp(min=0))
-        ctx.save_for_backward(x, w_gate, w_up, w_down, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, count, slot, start, ell_idx, ell_hg, ell_u,
+                              bk_idx, bk_hg, bk_u)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(*stats)
         return (y, l1) + stats
 
     @staticmethod
     def backward(ctx, grad_y, grad_l1, *unused):
-        x, w_gate, w_up, w_down, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u = ctx.saved_tensors
+        (x, w_gate, w_up, w_down, count, slot, start, ell_idx, ell_hg, ell_u,
+         bk_idx, bk_hg, bk_u) = ctx.saved_tensors
         num_tokens, d_model = x.shape
         d_ff = w_gate.shape[0]
         dev, dtype = x.device, x.dtype
         chunk = ctx.chunk
-        width = ell_idx.shape[1]
+        width, bk_width = ell_idx.shape[1], bk_idx.shape[1]
+        num_tiles = start.shape[0] - 1
         grad_y = torch.zeros_like(x) if grad_y is None else grad_y.contiguous()
         l1_scale = torch.zeros(1, dtype=torch.float32, device=dev)
         if grad_l1 is not None:
             l1_scale += grad_l1.float() / max(num_tokens, 1)
         w_down_t = w_down.t().contiguous()
-        block_s, block_d = _row_blocks(d_model)
+        slices, tiles_per_slice = _hidden_slices(d_ff, d_model, x.element_size())
+        sd_s, sd_d = _blocks(d_model, "sddmm")
+        sp_s, sp_d = _blocks(d_model, "spmm")
+        fb_s, fb_d = _fallback_blocks(d_model)
         dx = _new_output(x.shape, dtype, dev)
         rows_max = min(chunk, num_tokens)
         h_buf = torch.empty(rows_max, d_ff, dtype=dtype, device=dev)
         dhug_buf = torch.empty(rows_max, 2 * d_ff, dtype=dtype, device=dev)
-        w_ug = None if _DX_BY_GATHER else torch.cat([w_up, w_gate], dim=0)  # [2F, d]
         single = rows_max >= num_tokens
         acc_dtype = dtype if single else torch.float32
         dw_ug = torch.zeros(2 * d_ff, d_model, dtype=acc_dtype, device=dev)
@@ -462,14 +537,18 @@ class _TwellFFNFunction(torch.autograd.Function):
             h_c.zero_()
             dhug_c.zero_()
             key = count[row0:row0 + rows]
-            order = torch.argsort(torch.where(slot[row0:row0 + rows] == -2, d_ff, key), descending=True)
-            _bwd_row_kernel[(rows,)](
-                x, grad_y, w_gate, w_up, w_down_t, order, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u,
-                l1_scale, h_c, dhug_c, dx, row0, d_model, d_ff, width,
-                BLOCK_S=block_s, BLOCK_D=block_d, COMPUTE_DX=_DX_BY_GATHER, num_warps=_ROW_WARPS)
+            order = torch.argsort(torch.where(slot[row0:row0 + rows] == -2, -1, key), descending=True)
+            _sddmm_kernel[(rows, slices)](
+                grad_y, w_down_t, order, start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, l1_scale,
+                l1_scale, h_c, dhug_c, row0, num_tokens, d_model, d_ff, width, bk_width, num_tiles,
+                tiles_per_slice, slices, BACKWARD=True, BLOCK_S=sd_s, BLOCK_D=sd_d, num_warps=_ROW_WARPS)
+            _fallback_bwd_kernel[(rows,)](x, grad_y, w_gate, w_up, w_down_t, slot, l1_scale, h_c, dhug_c, dx,
+                                          row0, d_model, d_ff, BLOCK_S=fb_s, BLOCK_D=fb_d, num_warps=8)
+            _spmm_kernel[(rows, triton.cdiv(d_model, sp_d))](
+                w_up, w_gate, order, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, dhug_c, dx,
+                row0, d_model, d_ff, width, bk_width, BACKWARD=True, BLOCK_S=sp_s, BLOCK_D=sp_d,
+                num_warps=_ROW_WARPS)
             x_c, dy_c = x[row0:row0 + rows], grad_y[row0:row0 + rows]
-            if not _DX_BY_GATHER:
-                torch.mm(dhug_c, w_ug, out=dx[row0:row0 + rows])
             if single:
                 torch.mm(dhug_c.t(), x_c, out=dw_ug)
                 torch.mm(dy_c.t(), h_c, out=dwd)

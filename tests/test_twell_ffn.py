@@ -136,27 +136,33 @@ def test_odd_shapes_and_chunks(dtype):
     check_against_reference(inputs, dtype, ell_width=7, backup_rows=2, chunk_rows=5)
 
 
-def test_dx_by_gemm_matches_reference(monkeypatch):
-    """The other backward variant: dx from one GEMM over the densified [dh_u | dh_g] chunk."""
-    monkeypatch.setattr(twell, "_DX_BY_GATHER", False)
-    inputs = make_inputs(13, 37, 101, spread_counts(13, 101, 0.9, seed=6), torch.float32)
-    check_against_reference(inputs, torch.float32, ell_width=5, backup_rows=2, chunk_rows=6)
-
-
 def test_pack_block_sizes(monkeypatch):
     """The pack pass with one row a program and tiles narrower than dff (several tiles a row)."""
     monkeypatch.setattr(twell, "_PACK_BLOCK_M", 1)
-    monkeypatch.setattr(twell, "_PACK_BLOCK_F", 32)
+    monkeypatch.setattr(twell, "_TILE_F", 32)
     inputs = make_inputs(9, 20, 101, spread_counts(9, 101, 0.7, seed=7), torch.float32)
     stats = check_against_reference(inputs, torch.float32, ell_width=9, backup_rows=2)
     assert (int(stats.overflow_rows), int(stats.fallback_rows)) == expected_overflow(inputs, 9, 2)
 
 
-def test_two_nonzeros_a_step(monkeypatch):
-    """The row kernels' GPU shape at d=2048 (2 non-zeros a step), here on a small problem."""
-    monkeypatch.setattr(twell, "_row_blocks", lambda d_model: (2, twell.triton.next_power_of_2(d_model)))
-    inputs = make_inputs(9, 20, 40, spread_counts(9, 40, 0.8, seed=8), torch.float32)
-    check_against_reference(inputs, torch.float32, ell_width=5, backup_rows=1)
+def test_hidden_slices_and_blocks(monkeypatch):
+    """One hidden slice per 16-column tile (7 slices), 2 non-zeros and 8 d_model columns a step:
+    each row's list is cut at tile starts, each d_model row spans 3 steps (SDDMM) and 3 slices
+    (SpMM), with rows in the ELL buffer, the backup and the fallback, in chunks of 4 tokens."""
+    monkeypatch.setattr(twell, "_TILE_F", 16)
+    monkeypatch.setattr(twell, "_SLICE_BYTES", 1)
+    monkeypatch.setattr(twell, "_blocks", lambda d_model, which: (2, 8))
+    inputs = make_inputs(11, 20, 101, spread_counts(11, 101, 0.8, seed=8), torch.float32)
+    assert twell._hidden_slices(101, 20, 4) == (7, 1)
+    stats = check_against_reference(inputs, torch.float32, ell_width=6, backup_rows=2, chunk_rows=4)
+    over, fallback = expected_overflow(inputs, 6, 2)
+    assert (int(stats.overflow_rows), int(stats.fallback_rows)) == (over, fallback) and fallback > 0
+
+
+def test_default_slices_fit_the_l2_budget():
+    """The benchmark shape (d=2048, dff=5632, bf16): two hidden slices of 11 tiles, 11.5 MB each."""
+    assert twell._hidden_slices(5632, 2048, 2) == (2, 11)
+    assert twell._hidden_slices(40, 16, 4) == (1, 1)
 
 
 def test_gradient_of_each_output_alone():

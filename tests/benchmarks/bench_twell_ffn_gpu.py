@@ -114,33 +114,26 @@ def memory(fwd, params, grad_of_outputs):
     return saved, peak
 
 
-def breakdown(params, width, rep_ms):
-    """Forward stage times (ms): the chunked gate GEMMs alone, gate GEMMs + pack; the row kernels
-    are the rest of the forward."""
-    x, w_gate = params[0].detach(), params[1].detach()
-    n, f = x.shape[0], w_gate.shape[0]
-    chunk = twell._default_chunk_rows(n, f)
-    cap = -(-n // 8)
-    i32 = dict(dtype=torch.int32, device="cuda")
-    count, slot = torch.empty(n, **i32), torch.empty(n, **i32)
-    ell_idx, ell_hg = torch.empty(n, width, **i32), torch.empty(n, width, dtype=DTYPE, device="cuda")
-    bk_idx, bk_hg = torch.empty(cap, f, **i32), torch.empty(cap, f, dtype=DTYPE, device="cuda")
-    counter, active = torch.zeros(1, **i32), torch.zeros(f, **i32)
-    gate = torch.empty(chunk, f, dtype=DTYPE, device="cuda")
-
-    def gates(pack):
-        counter.zero_()
-        for row0 in range(0, n, chunk):
-            rows = min(chunk, n - row0)
-            torch.mm(x[row0:row0 + rows], w_gate.t(), out=gate[:rows])
-            if pack:
-                twell._pack_kernel[(triton.cdiv(rows, twell._PACK_BLOCK_M),)](
-                    gate[:rows], count, slot, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, row0, rows, f,
-                    width, cap, BLOCK_M=twell._PACK_BLOCK_M, BLOCK_F=twell._PACK_BLOCK_F)
-
-    t_gate = triton.testing.do_bench(lambda: gates(False), warmup=30, rep=rep_ms, return_mode="median")
-    t_pack = triton.testing.do_bench(lambda: gates(True), warmup=30, rep=rep_ms, return_mode="median")
-    return {"gate_gemm": t_gate, "pack": t_pack - t_gate}
+def breakdown(fn, iters=5):
+    """Device time per kernel family (ms per call) over `iters` calls of fn, from torch.profiler:
+    the cuBLAS GEMMs, each Triton kernel, and the rest (memsets, argsort, copies, reductions)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for evt in prof.key_averages():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = evt.key
+        fam = next((k for k in ("_pack_kernel", "_sddmm_kernel", "_spmm_kernel", "_fallback_fwd_kernel",
+                                "_fallback_bwd_kernel") if k in name), None)
+        if fam is None:
+            fam = "gemm" if ("gemm" in name.lower() or "sm90" in name or "cutlass" in name.lower()) else "other"
+        out[fam] = out.get(fam, 0.0) + evt.self_device_time_total / 1e3 / iters
+    return {k: round(v, 3) for k, v in sorted(out.items())}
 
 
 def measure_ceilings():
@@ -159,7 +152,7 @@ def run_config(params, grad_y, l1_coef, rep_ms, label, **kw):
     return {"label": label, "fwd_ms": fwd_ms, "fwd_bwd_ms": fb_ms}
 
 
-VARIANT_KEYS = ("_ROW_TILE", "_ROW_WARPS", "_DX_BY_GATHER", "_PACK_BLOCK_M")
+VARIANT_KEYS = ("_SLICE_BYTES", "_SDDMM_BLOCKS", "_SPMM_BLOCKS", "_ROW_WARPS", "_PACK_BLOCK_M")
 
 
 def set_variant(values):
@@ -185,9 +178,12 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args()
-    # run 2 (2026-11-29) measured (16384|4096, 8, True, 16), (8192, 8, False, 16), (8192, 8, True, 64)
-    # against the then default (8192, 8, True, 16); these are the next ones to try (not yet run)
-    args.variant_list = [(4096, 8, False, 16), (4096, 4, True, 16), (4096, 8, True, 4), (4096, 8, True, 1)]
+    # against the defaults (12 MiB slices: 2 at the issue's shape, (16, 256), (16, 512), 4 warps, 16)
+    args.variant_list = [(1 << 40, (16, 256), (16, 512), 4, 16), (6 << 20, (16, 256), (16, 512), 4, 16),
+                         (12 << 20, (16, 512), (16, 512), 4, 16), (12 << 20, (32, 128), (16, 512), 4, 16),
+                         (12 << 20, (16, 256), (16, 256), 4, 16), (12 << 20, (16, 256), (32, 256), 4, 16),
+                         (12 << 20, (16, 256), (8, 1024), 4, 16), (12 << 20, (16, 256), (16, 512), 8, 16),
+                         (12 << 20, (16, 256), (16, 512), 4, 32), (12 << 20, (16, 256), (16, 512), 4, 64)]
     l1_coef = 2e-5
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": args.commit, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -221,7 +217,8 @@ def main():
         one = torch.tensor(l1_coef, device="cuda")
         row["saved_bytes"], row["peak_bytes"] = memory(lambda: sparse_call(params, ell_width=width), params,
                                                        [grad_y, one])
-        row["breakdown_fwd_ms"] = breakdown(params, width, args.rep_ms)
+        row["breakdown_fwd_ms"] = breakdown(lambda: sparse_call(params, ell_width=width))
+        row["breakdown_fwd_bwd_ms"] = breakdown(lambda: fwd_bwd_sparse(params, grad_y, l1_coef, ell_width=width))
         row["fwd_speedup"] = dense["fwd_ms"] / row["fwd_ms"]
         row["fwd_bwd_speedup"] = dense["fwd_bwd_ms"] / row["fwd_bwd_ms"]
         row["saved_ratio"] = row["saved_bytes"] / dense["saved_bytes"]
@@ -236,7 +233,7 @@ def main():
                 errs_v, _ = check(params, grad_y, l1_coef)
                 rec = run_config(params, grad_y, l1_coef, args.rep_ms, str(dict(zip(VARIANT_KEYS, var))))
                 rec["max_rel_err"] = max(errs_v.values())
-                rec["breakdown_fwd_ms"] = breakdown(params, 128, args.rep_ms)
+                rec["breakdown_fwd_ms"] = breakdown(lambda: sparse_call(params))
                 result["variants"].append(rec)
                 print("variant", json.dumps(rec), flush=True)
                 save()
@@ -251,7 +248,7 @@ def main():
                                  "fwd_bwd_ms": time_ms(lambda: fwd_bwd_dense(params, grad_y), params,
                                                        2 * args.rep_ms)}
     print(f"\n{'sparsity':>8} {'W':>5} {'nnz':>6} {'max':>5} {'ovf':>6} {'fb':>4} {'fwd ms':>7} {'x':>5} "
-          f"{'f+b ms':>7} {'x':>5} {'saved':>6} {'peak':>6} {'maxerr':>7}  gate/pack/rows ms")
+          f"{'f+b ms':>7} {'x':>5} {'saved':>6} {'peak':>6} {'maxerr':>7}  forward kernels ms")
     print(f"{'dense':>8} {'':>5} {'':>6} {'':>5} {'':>6} {'':>4} {dense['fwd_ms']:7.2f} {'':>5} "
           f"{dense['fwd_bwd_ms']:7.2f} {'':>5} {dense['saved_bytes'] / 2**30:5.2f}G "
           f"{dense['peak_bytes'] / 2**30:5.2f}G")
@@ -260,11 +257,10 @@ def main():
         print(f"{r['sparsity_target']:8.3f} {r['ell_width']:5d} {r['nnz_mean']:6.1f} {r['nnz_max']:5.0f} "
               f"{r['overflow_rows']:6d} {r['fallback_rows']:4d} {r['fwd_ms']:7.2f} {r['fwd_speedup']:5.2f} "
               f"{r['fwd_bwd_ms']:7.2f} {r['fwd_bwd_speedup']:5.2f} {r['saved_bytes'] / 2**30:5.2f}G {r['peak_bytes'] / 2**30:5.2f}G "
-              f"{max(r['rel_err_vs_dense_bf16'].values()):7.1e}  {b['gate_gemm']:.2f}/{b['pack']:.2f}/"
-              f"{r['fwd_ms'] - b['gate_gemm'] - b['pack']:.2f}")
+              f"{max(r['rel_err_vs_dense_bf16'].values()):7.1e}  {b}")
     for v in result["variants"]:
         print(f"variant {v['label']}: fwd {v['fwd_ms']:.2f} ms, fwd+bwd {v['fwd_bwd_ms']:.2f} ms, "
-              f"pack {v['breakdown_fwd_ms']['pack']:.2f} ms, max err {v['max_rel_err']:.1e}")
+              f"max err {v['max_rel_err']:.1e}, forward kernels {v['breakdown_fwd_ms']}")
     if "dense_again" in result:
         print("dense again", result["dense_again"])
     save()
