@@ -138,7 +138,7 @@ def relu_gated_ffn(x, w_gate, w_up, w_down, *, impl: str = "auto", ell_width: in
 # therefore cut the weights into slices that fit L2 (W_up by hidden columns, W_down^T by
 # d_model columns) and run the whole token batch over one slice before the next.
 #
-# Format (the paper's hybrid training format, written by one pass over the gate GEMM's output):
+# Format (the paper's hybrid training format, written from the gate GEMM's output by _pack):
 #   count_N   int32 [N]        non-zeros of relu(x Wg^T) in each row; a row's list is its non-zero
 #                              columns in ascending order;
 #   start     int32 [NT+1, N]  TwELL's per-tile counts as offsets: position in the row's list where
@@ -149,17 +149,19 @@ def relu_gated_ffn(x, w_gate, w_up, w_down, *, impl: str = "auto", ell_width: in
 #   ell_idx   int32 [N, W], ell_hg / ell_u [N, W] (x's dtype): list positions < W: column,
 #                              relu(gate) and up values;
 #   bk_idx, bk_hg, bk_u [B, dff - W]: list positions >= W of overflowing rows; B = backup_rows,
-#                              handed out in order of overflow by an atomic counter;
+#                              handed out in token order (deterministic) to rows with count > W;
 #   fallback rows keep nothing usable: the forward reads their gate from the transient gate GEMM
 #   output and the backward recomputes their gate and up values from x (slow, rare, counted).
-# Forward: per token chunk, gate = x Wg^T (cuBLAS, a transient [chunk, dff]), _pack_kernel, and
-# _fallback_fwd_kernel for the chunk's fallback rows (which need its gate). Then over all tokens:
+# Forward: per token chunk, gate = x Wg^T (cuBLAS, a transient [chunk, dff]); _pack: per-tile
+# counts (_count_kernel), their running sums and the backup rows (torch, on the device), the lists
+# (_scatter_kernel); _fallback_fwd_kernel for the chunk's fallback rows (which need its gate). Then
 # _sddmm_kernel, grid (token, hidden slice): u = x . Wu[n] at the token's non-zeros in the slice,
 # stored in the format, and the row's sum |h| per slice; _spmm_kernel, grid (token, d_model
 # slice): y = sum_n round(relu(g) u) Wd^T[n, slice].
 # Backward, per token chunk: _sddmm_kernel again, with dy and Wd^T: dh = dy . Wd^T[n] + the L1
 # term, dh_u = dh relu(g), dh_g = dh u, scattered with h into zeroed [chunk, dff] and
-# [chunk, 2 dff] buffers; _fallback_bwd_kernel for fallback rows; _spmm_kernel with Wu and Wg:
+# [chunk, 2 dff] buffers (zeroed once; _clear_kernel re-zeroes what a chunk wrote);
+# _fallback_bwd_kernel for fallback rows; _spmm_kernel with Wu and Wg:
 # dx = sum_n dh_u Wu[n] + dh_g Wg[n]; the weight gradients are cuBLAS products of those buffers
 # with dy and x (fp32 accumulation over chunks).
 # Grids put the token index in the fastest dimension, so all tokens pass over one weight slice
@@ -168,7 +170,7 @@ def relu_gated_ffn(x, w_gate, w_up, w_down, *, impl: str = "auto", ell_width: in
 # ---------------------------------------------------------------------------------------------
 
 DEFAULT_ELL_WIDTH = 128
-_TILE_F = 256  # hidden columns per TwELL tile (the paper's T_n); the pack pass reads a tile a step
+_TILE_F = 256  # hidden columns per TwELL tile (the paper's T_n); a pack program reads one tile
 _PACK_BLOCK_M = 16
 _PACK_WARPS = 4
 # weight bytes per hidden slice of the SDDMM kernels: small enough to stay in the H200's L2 (60 MB)
@@ -177,7 +179,7 @@ _SLICE_BYTES = 12 << 20
 # (non-zeros, d_model columns) per step of the SDDMM and SpMM kernels; the SpMM's d_model columns
 # are also its slice of W (BLOCK_D x dff weights per slice)
 _SDDMM_BLOCKS = (16, 256)
-_SPMM_BLOCKS = (16, 512)
+_SPMM_BLOCKS = (8, 1024)
 _ROW_WARPS = 4
 
 
@@ -201,46 +203,46 @@ def _hidden_slices(d_ff: int, d_model: int, elem_bytes: int) -> tuple[int, int]:
 if triton is not None:
 
     @triton.jit
-    def _pack_kernel(g_ptr, count_ptr, slot_ptr, start_ptr, ell_idx_ptr, ell_hg_ptr, bk_idx_ptr, bk_hg_ptr,
-                     counter_ptr, active_ptr, row0, C, N, F, W, BW, CAP, NT,
-                     BLOCK_M: tl.constexpr, TILE_F: tl.constexpr):
-        """Rows [row0 + pid*BLOCK_M, ...) of the chunk's gate [C, F], one pass, a tile a step:
-        per-tile start offsets, the list (ELL, then the backup row once a row passes W), count, slot."""
+    def _count_kernel(g_ptr, tile_count_ptr, active_ptr, row0, C, N, F,
+                      BLOCK_M: tl.constexpr, TILE_F: tl.constexpr):
+        """Rows [pid0*BLOCK_M, ...) of the chunk's gate [C, F], hidden tile pid1: each row's number
+        of positive entries in the tile (TwELL's per-tile count), and the tile's active columns."""
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        t = tl.program_id(1)
+        cols = t * TILE_F + tl.arange(0, TILE_F)
+        m2 = (r < C)[:, None] & (cols < F)[None, :]
+        g = tl.load(g_ptr + r.to(tl.int64)[:, None] * F + cols[None, :], mask=m2, other=0.0)
+        p = ((g.to(tl.float32) > 0) & m2).to(tl.int32)
+        grow = r.to(tl.int64) + row0
+        tl.store(tile_count_ptr + grow + (tl.zeros_like(grow) + t) * N, tl.sum(p, axis=1), mask=r < C)
+        col_any = tl.max(p, axis=0)
+        tl.store(active_ptr + cols, col_any, mask=col_any > 0)  # every writer stores 1: benign race
+
+    @triton.jit
+    def _scatter_kernel(g_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, bk_idx_ptr, bk_hg_ptr,
+                        row0, C, N, F, W, BW, BLOCK_M: tl.constexpr, TILE_F: tl.constexpr):
+        """Rows [pid0*BLOCK_M, ...) of the chunk's gate, hidden tile pid1: the tile's positive entries
+        at list positions start[tile, row] + their rank in the tile: the ELL buffer below W, the
+        row's backup row from W on (fallback rows keep only their ELL part, which nothing reads)."""
+        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        t = tl.program_id(1)
         rmask = r < C
-        r64 = r.to(tl.int64)
-        grow = r64 + row0
-        count = tl.zeros([BLOCK_M], dtype=tl.int32)
-        bslot = tl.full([BLOCK_M], -1, dtype=tl.int32)
-        for t in range(0, NT):
-            cols = t * TILE_F + tl.arange(0, TILE_F)
-            m2 = rmask[:, None] & (cols < F)[None, :]
-            g = tl.load(g_ptr + r64[:, None] * F + cols[None, :], mask=m2, other=0.0)
-            pos = (g.to(tl.float32) > 0) & m2
-            p = pos.to(tl.int32)
-            tl.store(start_ptr + grow + (tl.zeros_like(grow) + t) * N, count, mask=rmask)
-            slot = count[:, None] + tl.cumsum(p, axis=1) - 1
-            new = count + tl.sum(p, axis=1)
-            cross = rmask & (count <= W) & (new > W)  # rows that pass W in this tile
-            num_cross = tl.sum(cross.to(tl.int32), axis=0)
-            if num_cross > 0:
-                base = tl.atomic_add(counter_ptr, num_cross)
-                b = base + tl.cumsum(cross.to(tl.int32), axis=0) - 1
-                bslot = tl.where(cross, tl.where(b < CAP, b, -2), bslot)
-            cols2 = tl.zeros([BLOCK_M, TILE_F], dtype=tl.int32) + cols[None, :]
-            in_ell = pos & (slot < W)
-            tl.store(ell_idx_ptr + grow[:, None] * W + slot, cols2, mask=in_ell)
-            tl.store(ell_hg_ptr + grow[:, None] * W + slot, g, mask=in_ell)
-            in_bk = pos & (slot >= W) & (bslot >= 0)[:, None]
-            bk_off = tl.maximum(bslot, 0).to(tl.int64)[:, None] * BW + (slot - W)
-            tl.store(bk_idx_ptr + bk_off, cols2, mask=in_bk)
-            tl.store(bk_hg_ptr + bk_off, g, mask=in_bk)
-            col_any = tl.max(p, axis=0)
-            tl.store(active_ptr + cols, col_any, mask=col_any > 0)  # every writer stores 1: benign race
-            count = new
-        tl.store(start_ptr + grow + (tl.zeros_like(grow) + NT) * N, count, mask=rmask)
-        tl.store(count_ptr + grow, count, mask=rmask)
-        tl.store(slot_ptr + grow, bslot, mask=rmask)
+        cols = t * TILE_F + tl.arange(0, TILE_F)
+        m2 = rmask[:, None] & (cols < F)[None, :]
+        g = tl.load(g_ptr + r.to(tl.int64)[:, None] * F + cols[None, :], mask=m2, other=0.0)
+        pos = (g.to(tl.float32) > 0) & m2
+        grow = r.to(tl.int64) + row0
+        first = tl.load(start_ptr + grow + (tl.zeros_like(grow) + t) * N, mask=rmask, other=0)
+        bslot = tl.load(slot_ptr + grow, mask=rmask, other=-1)
+        slot = first[:, None] + tl.cumsum(pos.to(tl.int32), axis=1) - 1
+        cols2 = tl.zeros([BLOCK_M, TILE_F], dtype=tl.int32) + cols[None, :]
+        in_ell = pos & (slot < W)
+        tl.store(ell_idx_ptr + grow[:, None] * W + slot, cols2, mask=in_ell)
+        tl.store(ell_hg_ptr + grow[:, None] * W + slot, g, mask=in_ell)
+        in_bk = pos & (slot >= W) & (bslot >= 0)[:, None]
+        bk_off = tl.maximum(bslot, 0).to(tl.int64)[:, None] * BW + (slot - W)
+        tl.store(bk_idx_ptr + bk_off, cols2, mask=in_bk)
+        tl.store(bk_hg_ptr + bk_off, g, mask=in_bk)
 
     @triton.jit
     def _list_masks(m, p, mp, slot, W, BW):
@@ -277,14 +279,15 @@ if triton is not None:
             hg = tl.load(ell_hg_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
                 tl.load(bk_hg_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
             n64 = n.to(tl.int64)
-            acc = tl.zeros([BLOCK_S], dtype=tl.float32)
+            acc2 = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)  # one reduction per list block
             for k0 in range(0, D, BLOCK_D):
                 k = k0 + tl.arange(0, BLOCK_D)
                 mk = k < D
                 a = tl.load(a_ptr + m * D + k, mask=mk, other=0.0).to(tl.float32)
                 w = tl.load(w_ptr + n64[:, None] * D + k[None, :], mask=mp[:, None] & mk[None, :],
                             other=0.0).to(tl.float32)
-                acc += tl.sum(w * a[None, :], axis=1)
+                acc2 += w * a[None, :]
+            acc = tl.sum(acc2, axis=1)
             if BACKWARD:
                 u = tl.load(ell_u_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
                     tl.load(bk_u_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
@@ -321,7 +324,7 @@ if triton is not None:
         dtype = out_ptr.dtype.element_ty
         k = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         mk = k < D
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)  # reduced over the list once, at the end
         for q0 in range(0, num, BLOCK_S):
             p = q0 + tl.arange(0, BLOCK_S)
             mp = p < num
@@ -334,15 +337,39 @@ if triton is not None:
                 v1 = tl.load(dhug_ptr + r * 2 * F + n64, mask=mp, other=0.0).to(tl.float32)
                 v2 = tl.load(dhug_ptr + r * 2 * F + F + n64, mask=mp, other=0.0).to(tl.float32)
                 w2 = tl.load(w2_ptr + n64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
-                acc += tl.sum(w1 * v1[:, None] + w2 * v2[:, None], axis=0)
+                acc2 += w1 * v1[:, None] + w2 * v2[:, None]
             else:
                 hg = tl.load(ell_hg_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
                     tl.load(bk_hg_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
                 u = tl.load(ell_u_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
                     tl.load(bk_u_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
-                acc += tl.sum(w1 * (hg * u).to(dtype).to(tl.float32)[:, None], axis=0)
+                acc2 += w1 * (hg * u).to(dtype).to(tl.float32)[:, None]
         keep = (tl.zeros_like(k) + slot) != -2
-        tl.store(out_ptr + m * D + k, acc.to(dtype), mask=mk & keep)
+        tl.store(out_ptr + m * D + k, tl.sum(acc2, axis=0).to(dtype), mask=mk & keep)
+
+    @triton.jit
+    def _clear_kernel(count_ptr, slot_ptr, ell_idx_ptr, bk_idx_ptr, h_ptr, dhug_ptr, row0, F, W, BW,
+                      BLOCK: tl.constexpr):
+        """Chunk row pid: zero what the backward wrote into its dense rows (h, dh_u, dh_g at the
+        row's list; the whole row for a fallback row), so the buffers start the next chunk zeroed."""
+        r = tl.program_id(0).to(tl.int64)
+        m = r + row0
+        slot = tl.load(slot_ptr + m)
+        is_fb = slot == -2
+        num = tl.where(is_fb, F, tl.load(count_ptr + m))
+        zero = tl.zeros([BLOCK], dtype=h_ptr.dtype.element_ty)
+        for q0 in range(0, num, BLOCK):
+            p = q0 + tl.arange(0, BLOCK)
+            mp = p < num
+            in_ell, ell_off, in_bk, bk_off = _list_masks(m, p, mp, slot, W, BW)
+            in_ell = in_ell & ((tl.zeros_like(p) + slot) != -2)
+            in_bk = in_bk & ((tl.zeros_like(p) + slot) != -2)
+            n = tl.load(ell_idx_ptr + ell_off, mask=in_ell, other=0) + \
+                tl.load(bk_idx_ptr + bk_off, mask=in_bk, other=0)
+            n64 = tl.where((tl.zeros_like(p) + slot) == -2, p, n).to(tl.int64)
+            tl.store(h_ptr + r * F + n64, zero, mask=mp)
+            tl.store(dhug_ptr + r * 2 * F + n64, zero, mask=mp)
+            tl.store(dhug_ptr + r * 2 * F + F + n64, zero, mask=mp)
 
     @triton.jit
     def _fallback_fwd_kernel(x_ptr, wu_ptr, wdt_ptr, g_ptr, slot_ptr, y_ptr, l1_ptr, row0, D, F,
@@ -445,6 +472,29 @@ def _fallback_blocks(d_model: int) -> tuple[int, int]:
     return max(2, min(32, 4096 // block_d)), block_d
 
 
+def _pack(gate_c, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, cap):
+    """The chunk's gate [rows, dff] -> its rows of the format (no host sync): per-tile counts
+    (_count_kernel, into start[1:]), their running sums over tiles (start), backup rows handed out
+    in token order to rows with count > W (counter holds the number handed out so far; beyond cap:
+    fallback), then the lists (_scatter_kernel)."""
+    rows, d_ff = gate_c.shape
+    num_tokens, width = ell_idx.shape
+    num_tiles = start.shape[0] - 1
+    grid = (triton.cdiv(rows, _PACK_BLOCK_M), num_tiles)
+    _count_kernel[grid](gate_c, start[1:], active, row0, rows, num_tokens, d_ff,
+                        BLOCK_M=_PACK_BLOCK_M, TILE_F=_TILE_F, num_warps=_PACK_WARPS)
+    st = start[:, row0:row0 + rows]
+    st[1:] = torch.cumsum(st[1:], dim=0, dtype=torch.int32)
+    st[0] = 0
+    count[row0:row0 + rows] = st[num_tiles]
+    over = st[num_tiles] > width
+    b = counter + torch.cumsum(over, dim=0, dtype=torch.int32) - 1
+    slot[row0:row0 + rows] = torch.where(over, torch.where(b < cap, b, -2), -1)
+    counter += over.sum(dtype=torch.int32)
+    _scatter_kernel[grid](gate_c, start, slot, ell_idx, ell_hg, bk_idx, bk_hg, row0, rows, num_tokens, d_ff,
+                          width, bk_idx.shape[1], BLOCK_M=_PACK_BLOCK_M, TILE_F=_TILE_F, num_warps=_PACK_WARPS)
+
+
 class _TwellFFNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, ell_width, backup_rows, chunk_rows):
@@ -476,10 +526,7 @@ class _TwellFFNFunction(torch.autograd.Function):
             rows = min(chunk, num_tokens - row0)
             gate_c = gate[:rows]
             torch.mm(x[row0:row0 + rows], w_gate.t(), out=gate_c)
-            _pack_kernel[(triton.cdiv(rows, _PACK_BLOCK_M),)](
-                gate_c, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, row0, rows,
-                num_tokens, d_ff, width, bk_width, cap, num_tiles, BLOCK_M=_PACK_BLOCK_M, TILE_F=_TILE_F,
-                num_warps=_PACK_WARPS)
+            _pack(gate_c, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, cap)
             _fallback_fwd_kernel[(rows,)](x, w_up, w_down_t, gate_c, slot, y, l1_fb, row0, d_model, d_ff,
                                           BLOCK_S=fb_s, BLOCK_D=fb_d, num_warps=8)
         del gate
@@ -525,8 +572,9 @@ class _TwellFFNFunction(torch.autograd.Function):
         fb_s, fb_d = _fallback_blocks(d_model)
         dx = _new_output(x.shape, dtype, dev)
         rows_max = min(chunk, num_tokens)
-        h_buf = torch.empty(rows_max, d_ff, dtype=dtype, device=dev)
-        dhug_buf = torch.empty(rows_max, 2 * d_ff, dtype=dtype, device=dev)
+        # zeroed once; after each chunk _clear_kernel zeroes only what the chunk wrote
+        h_buf = torch.zeros(rows_max, d_ff, dtype=dtype, device=dev)
+        dhug_buf = torch.zeros(rows_max, 2 * d_ff, dtype=dtype, device=dev)
         single = rows_max >= num_tokens
         acc_dtype = dtype if single else torch.float32
         dw_ug = torch.zeros(2 * d_ff, d_model, dtype=acc_dtype, device=dev)
@@ -534,8 +582,6 @@ class _TwellFFNFunction(torch.autograd.Function):
         for row0 in range(0, num_tokens, chunk):
             rows = min(chunk, num_tokens - row0)
             h_c, dhug_c = h_buf[:rows], dhug_buf[:rows]
-            h_c.zero_()
-            dhug_c.zero_()
             key = count[row0:row0 + rows]
             order = torch.argsort(torch.where(slot[row0:row0 + rows] == -2, -1, key), descending=True)
             _sddmm_kernel[(rows, slices)](
@@ -555,6 +601,9 @@ class _TwellFFNFunction(torch.autograd.Function):
             else:
                 _mm_into_fp32(dw_ug, dhug_c.t(), x_c)
                 _mm_into_fp32(dwd, dy_c.t(), h_c)
+            if row0 + rows < num_tokens:
+                _clear_kernel[(rows,)](count, slot, ell_idx, bk_idx, h_c, dhug_c, row0, d_ff, width, bk_width,
+                                       BLOCK=64)
         dwu, dwg = dw_ug[:d_ff], dw_ug[d_ff:]
         return dx, dwg.to(dtype), dwu.to(dtype), dwd.to(dtype), None, None, None
 
