@@ -173,13 +173,14 @@ DEFAULT_ELL_WIDTH = 128
 _TILE_F = 256  # hidden columns per TwELL tile (the paper's T_n); a pack program reads one tile
 _PACK_BLOCK_M = 16
 _PACK_WARPS = 4
+_COUNT_ROW_BLOCKS = 16  # row blocks a _count_kernel program takes (one store of its active columns)
 # weight bytes per hidden slice of the SDDMM kernels: small enough to stay in the H200's L2 (60 MB)
 # beside the streams of x and the format
-_SLICE_BYTES = 12 << 20
+_SLICE_BYTES = 1 << 40
 # (non-zeros, d_model columns) per step of the SDDMM and SpMM kernels; the SpMM's d_model columns
 # are also its slice of W (BLOCK_D x dff weights per slice)
 _SDDMM_BLOCKS = (16, 256)
-_SPMM_BLOCKS = (8, 1024)
+_SPMM_BLOCKS = (4, 2048)
 _ROW_WARPS = 4
 
 
@@ -204,18 +205,21 @@ if triton is not None:
 
     @triton.jit
     def _count_kernel(g_ptr, tile_count_ptr, active_ptr, row0, C, N, F,
-                      BLOCK_M: tl.constexpr, TILE_F: tl.constexpr):
-        """Rows [pid0*BLOCK_M, ...) of the chunk's gate [C, F], hidden tile pid1: each row's number
-        of positive entries in the tile (TwELL's per-tile count), and the tile's active columns."""
-        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+                      BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr, TILE_F: tl.constexpr):
+        """Rows [pid0*ROW_BLOCKS*BLOCK_M, ...) of the chunk's gate [C, F], hidden tile pid1: each
+        row's number of positive entries in the tile (TwELL's per-tile count), and the tile's
+        active columns (stored once per ROW_BLOCKS*BLOCK_M rows)."""
         t = tl.program_id(1)
         cols = t * TILE_F + tl.arange(0, TILE_F)
-        m2 = (r < C)[:, None] & (cols < F)[None, :]
-        g = tl.load(g_ptr + r.to(tl.int64)[:, None] * F + cols[None, :], mask=m2, other=0.0)
-        p = ((g.to(tl.float32) > 0) & m2).to(tl.int32)
-        grow = r.to(tl.int64) + row0
-        tl.store(tile_count_ptr + grow + (tl.zeros_like(grow) + t) * N, tl.sum(p, axis=1), mask=r < C)
-        col_any = tl.max(p, axis=0)
+        col_any = tl.zeros([TILE_F], dtype=tl.int32)
+        for i in range(ROW_BLOCKS):
+            r = (tl.program_id(0) * ROW_BLOCKS + i) * BLOCK_M + tl.arange(0, BLOCK_M)
+            m2 = (r < C)[:, None] & (cols < F)[None, :]
+            g = tl.load(g_ptr + r.to(tl.int64)[:, None] * F + cols[None, :], mask=m2, other=0.0)
+            p = ((g.to(tl.float32) > 0) & m2).to(tl.int32)
+            grow = r.to(tl.int64) + row0
+            tl.store(tile_count_ptr + grow + (tl.zeros_like(grow) + t) * N, tl.sum(p, axis=1), mask=r < C)
+            col_any = tl.maximum(col_any, tl.max(p, axis=0))
         tl.store(active_ptr + cols, col_any, mask=col_any > 0)  # every writer stores 1: benign race
 
     @triton.jit
@@ -481,8 +485,9 @@ def _pack(gate_c, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, coun
     num_tokens, width = ell_idx.shape
     num_tiles = start.shape[0] - 1
     grid = (triton.cdiv(rows, _PACK_BLOCK_M), num_tiles)
-    _count_kernel[grid](gate_c, start[1:], active, row0, rows, num_tokens, d_ff,
-                        BLOCK_M=_PACK_BLOCK_M, TILE_F=_TILE_F, num_warps=_PACK_WARPS)
+    _count_kernel[(triton.cdiv(grid[0], _COUNT_ROW_BLOCKS), num_tiles)](
+        gate_c, start[1:], active, row0, rows, num_tokens, d_ff, BLOCK_M=_PACK_BLOCK_M,
+        ROW_BLOCKS=_COUNT_ROW_BLOCKS, TILE_F=_TILE_F, num_warps=_PACK_WARPS)
     st = start[:, row0:row0 + rows]
     st[1:] = torch.cumsum(st[1:], dim=0, dtype=torch.int32)
     st[0] = 0

@@ -159,10 +159,13 @@ def test_hidden_slices_and_blocks(monkeypatch):
     assert (int(stats.overflow_rows), int(stats.fallback_rows)) == (over, fallback) and fallback > 0
 
 
-def test_default_slices_fit_the_l2_budget():
-    """The benchmark shape (d=2048, dff=5632, bf16): two hidden slices of 11 tiles, 11.5 MB each."""
-    assert twell._hidden_slices(5632, 2048, 2) == (2, 11)
+def test_slices_follow_the_byte_budget(monkeypatch):
+    """Hidden slices hold at most _SLICE_BYTES of weights, whole tiles each."""
+    monkeypatch.setattr(twell, "_SLICE_BYTES", 12 << 20)
+    assert twell._hidden_slices(5632, 2048, 2) == (2, 11)  # the benchmark's shape: 11.5 MB a slice
     assert twell._hidden_slices(40, 16, 4) == (1, 1)
+    monkeypatch.setattr(twell, "_SLICE_BYTES", 1 << 40)
+    assert twell._hidden_slices(5632, 2048, 2) == (1, 22)
 
 
 def test_gradient_of_each_output_alone():

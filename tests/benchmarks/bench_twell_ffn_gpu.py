@@ -124,17 +124,23 @@ def breakdown(fn, iters=5):
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    out = {}
+    out, other = {}, {}
+    families = ("_count_kernel", "_scatter_kernel", "_sddmm_kernel", "_spmm_kernel", "_clear_kernel",
+                "_fallback_fwd_kernel", "_fallback_bwd_kernel")
     for evt in prof.key_averages():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        name = evt.key
-        fam = next((k for k in ("_pack_kernel", "_sddmm_kernel", "_spmm_kernel", "_fallback_fwd_kernel",
-                                "_fallback_bwd_kernel") if k in name), None)
+        name, ms = evt.key, evt.self_device_time_total / 1e3 / iters
+        fam = next((k for k in families if k in name), None)
+        if fam is None and any(k in name.lower() for k in ("gemm", "nvjet", "sm90", "cutlass", "xmma")):
+            fam = "gemm"
         if fam is None:
-            fam = "gemm" if ("gemm" in name.lower() or "sm90" in name or "cutlass" in name.lower()) else "other"
-        out[fam] = out.get(fam, 0.0) + evt.self_device_time_total / 1e3 / iters
-    return {k: round(v, 3) for k, v in sorted(out.items())}
+            fam = "other"
+            other[name[:60]] = round(ms, 3)
+        out[fam] = out.get(fam, 0.0) + ms
+    out = {k: round(v, 3) for k, v in sorted(out.items())}
+    out["other_top"] = dict(sorted(other.items(), key=lambda kv: -kv[1])[:6])
+    return out
 
 
 @triton.jit
@@ -178,7 +184,7 @@ def run_config(params, grad_y, l1_coef, rep_ms, label, **kw):
     return {"label": label, "fwd_ms": fwd_ms, "fwd_bwd_ms": fb_ms}
 
 
-VARIANT_KEYS = ("_SLICE_BYTES", "_SDDMM_BLOCKS", "_SPMM_BLOCKS", "_ROW_WARPS", "_PACK_BLOCK_M")
+VARIANT_KEYS = ("_SLICE_BYTES", "_SDDMM_BLOCKS", "_SPMM_BLOCKS", "_ROW_WARPS", "_PACK_BLOCK_M", "_COUNT_ROW_BLOCKS")
 
 
 def set_variant(values):
@@ -204,10 +210,10 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args()
-    # against the defaults (12 MiB slices: 2 at the shape, (16, 256), (8, 1024), 4 warps, 16)
-    defaults = (12 << 20, (16, 256), (8, 1024), 4, 16)
-    changes = [(0, 1 << 40), (1, (32, 128)), (1, (8, 512)), (2, (16, 512)), (2, (32, 256)), (2, (4, 2048)),
-               (3, 8), (4, 8), (4, 32)]
+    # against the defaults (one hidden slice, (16, 256), (4, 2048), 4 warps, 16 rows, 16 row blocks)
+    defaults = (1 << 40, (16, 256), (4, 2048), 4, 16, 16)
+    changes = [(0, 12 << 20), (1, (8, 1024)), (1, (4, 2048)), (1, (16, 512)), (1, (32, 256)), (2, (8, 1024)),
+               (3, 8), (4, 8), (4, 32), (5, 1), (5, 4)]
     args.variant_list = [defaults[:i] + (v,) + defaults[i + 1:] for i, v in changes]
     l1_coef = 2e-5
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
