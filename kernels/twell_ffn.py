@@ -171,11 +171,12 @@ def relu_gated_ffn(x, w_gate, w_up, w_down, *, impl: str = "auto", ell_width: in
 
 DEFAULT_ELL_WIDTH = 128
 _TILE_F = 256  # hidden columns per TwELL tile (the paper's T_n); a pack program reads one tile
-_PACK_BLOCK_M = 16
+_COUNT_BLOCK_M = 32  # rows a step of _count_kernel and of _scatter_kernel
+_SCATTER_BLOCK_M = 16
 _PACK_WARPS = 4
-# row blocks a pack program takes: one store of its active columns per 256 rows, and a grid whose
-# second dimension stays under CUDA's 65535 for any chunk
-_PACK_ROW_BLOCKS = 16
+# rows a pack program takes (a multiple of both blocks): one store of its active columns per 256
+# rows, and a grid whose second dimension stays under CUDA's 65535 for any chunk
+_PACK_ROWS = 256
 # weight bytes per hidden slice of the SDDMM kernels: small enough to stay in the H200's L2 (60 MB)
 # beside the streams of x and the format
 _SLICE_BYTES = 1 << 40
@@ -206,23 +207,33 @@ def _hidden_slices(d_ff: int, d_model: int, elem_bytes: int) -> tuple[int, int]:
 if triton is not None:
 
     @triton.jit
+    def _positive(g):
+        """g > 0 from the bits: a float is positive iff its bits as a signed int of its width are
+        (-0.0 is negative there, +0.0 zero); no conversion to fp32 per element."""
+        if g.dtype.primitive_bitwidth == 16:
+            bits = g.to(tl.int16, bitcast=True)
+        else:
+            bits = g.to(tl.int32, bitcast=True)
+        return bits > 0
+
+    @triton.jit
     def _count_kernel(g_ptr, tile_count_ptr, active_ptr, row0, C, N, F,
                       BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr, TILE_F: tl.constexpr):
         """Hidden tile pid0, rows [pid1*ROW_BLOCKS*BLOCK_M, ...) of the chunk's gate [C, F]: each
         row's number of positive entries in the tile (TwELL's per-tile count), and the tile's
-        active columns (stored once per ROW_BLOCKS*BLOCK_M rows). Tiles are the grid's fastest
-        dimension, so programs running together read whole rows (DRAM pages), not one strip."""
+        active columns (one store per program)."""
         t = tl.program_id(0)
         cols = t * TILE_F + tl.arange(0, TILE_F)
-        col_any = tl.zeros([TILE_F], dtype=tl.int32)
+        seen = tl.zeros([BLOCK_M, TILE_F], dtype=tl.int32)
         for i in range(ROW_BLOCKS):
             r = (tl.program_id(1) * ROW_BLOCKS + i) * BLOCK_M + tl.arange(0, BLOCK_M)
             m2 = (r < C)[:, None] & (cols < F)[None, :]
             g = tl.load(g_ptr + r.to(tl.int64)[:, None] * F + cols[None, :], mask=m2, other=0.0)
-            p = ((g.to(tl.float32) > 0) & m2).to(tl.int32)
+            p = (_positive(g) & m2).to(tl.int32)
             grow = r.to(tl.int64) + row0
             tl.store(tile_count_ptr + grow + (tl.zeros_like(grow) + t) * N, tl.sum(p, axis=1), mask=r < C)
-            col_any = tl.maximum(col_any, tl.max(p, axis=0))
+            seen = tl.maximum(seen, p)
+        col_any = tl.max(seen, axis=0)
         tl.store(active_ptr + cols, col_any, mask=col_any > 0)  # every writer stores 1: benign race
 
     @triton.jit
@@ -232,27 +243,32 @@ if triton is not None:
         """Hidden tile pid0, rows [pid1*ROW_BLOCKS*BLOCK_M, ...) of the chunk's gate: the tile's
         positive entries at list positions start[tile, row] + their rank in the tile: the ELL
         buffer below W, the row's backup row from W on (fallback rows keep only their ELL part,
-        which nothing reads)."""
+        which nothing reads). Instruction-bound (every element pays for its masked stores), so
+        offsets are int32 from per-block base pointers and the backup stores run only in blocks
+        that reach W."""
         t = tl.program_id(0)
         cols = t * TILE_F + tl.arange(0, TILE_F)
-        cols2 = tl.zeros([BLOCK_M, TILE_F], dtype=tl.int32) + cols[None, :]
         for i in range(ROW_BLOCKS):
-            r = (tl.program_id(1) * ROW_BLOCKS + i) * BLOCK_M + tl.arange(0, BLOCK_M)
-            rmask = r < C
+            rb = (tl.program_id(1) * ROW_BLOCKS + i) * BLOCK_M
+            rl = tl.arange(0, BLOCK_M)
+            rmask = rb + rl < C
             m2 = rmask[:, None] & (cols < F)[None, :]
-            g = tl.load(g_ptr + r.to(tl.int64)[:, None] * F + cols[None, :], mask=m2, other=0.0)
-            pos = (g.to(tl.float32) > 0) & m2
-            grow = r.to(tl.int64) + row0
-            first = tl.load(start_ptr + grow + (tl.zeros_like(grow) + t) * N, mask=rmask, other=0)
-            bslot = tl.load(slot_ptr + grow, mask=rmask, other=-1)
+            g_blk = g_ptr + rb.to(tl.int64) * F
+            g = tl.load(g_blk + rl[:, None] * F + cols[None, :], mask=m2, other=0.0)
+            pos = _positive(g) & m2
+            grow = rb.to(tl.int64) + row0
+            first = tl.load(start_ptr + grow + t.to(tl.int64) * N + rl, mask=rmask, other=0)
             slot = first[:, None] + tl.cumsum(pos.to(tl.int32), axis=1) - 1
             in_ell = pos & (slot < W)
-            tl.store(ell_idx_ptr + grow[:, None] * W + slot, cols2, mask=in_ell)
-            tl.store(ell_hg_ptr + grow[:, None] * W + slot, g, mask=in_ell)
-            in_bk = pos & (slot >= W) & (bslot >= 0)[:, None]
-            bk_off = tl.maximum(bslot, 0).to(tl.int64)[:, None] * BW + (slot - W)
-            tl.store(bk_idx_ptr + bk_off, cols2, mask=in_bk)
-            tl.store(bk_hg_ptr + bk_off, g, mask=in_bk)
+            ell_off = rl[:, None] * W + slot
+            tl.store(ell_idx_ptr + grow * W + ell_off, tl.zeros_like(slot) + cols[None, :], mask=in_ell)
+            tl.store(ell_hg_ptr + grow * W + ell_off, g, mask=in_ell)
+            if tl.max(tl.max(tl.where(pos, slot, -1), axis=1), axis=0) >= W:
+                bslot = tl.load(slot_ptr + grow + rl, mask=rmask, other=-1)
+                in_bk = pos & (slot >= W) & (bslot >= 0)[:, None]
+                bk_off = tl.maximum(bslot, 0).to(tl.int64)[:, None] * BW + (slot - W)
+                tl.store(bk_idx_ptr + bk_off, tl.zeros_like(slot) + cols[None, :], mask=in_bk)
+                tl.store(bk_hg_ptr + bk_off, g, mask=in_bk)
 
     @triton.jit
     def _list_masks(m, p, mp, slot, W, BW):
@@ -490,9 +506,9 @@ def _pack(gate_c, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, coun
     rows, d_ff = gate_c.shape
     num_tokens, width = ell_idx.shape
     num_tiles = start.shape[0] - 1
-    grid = (num_tiles, triton.cdiv(rows, _PACK_BLOCK_M * _PACK_ROW_BLOCKS))
-    _count_kernel[grid](gate_c, start[1:], active, row0, rows, num_tokens, d_ff, BLOCK_M=_PACK_BLOCK_M,
-                        ROW_BLOCKS=_PACK_ROW_BLOCKS, TILE_F=_TILE_F, num_warps=_PACK_WARPS)
+    grid = (num_tiles, triton.cdiv(rows, _PACK_ROWS))
+    _count_kernel[grid](gate_c, start[1:], active, row0, rows, num_tokens, d_ff, BLOCK_M=_COUNT_BLOCK_M,
+                        ROW_BLOCKS=_PACK_ROWS // _COUNT_BLOCK_M, TILE_F=_TILE_F, num_warps=_PACK_WARPS)
     st = start[:, row0:row0 + rows]
     st[1:] = torch.cumsum(st[1:], dim=0, dtype=torch.int32)
     st[0] = 0
@@ -502,7 +518,7 @@ def _pack(gate_c, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, coun
     slot[row0:row0 + rows] = torch.where(over, torch.where(b < cap, b, -2), -1)
     counter += over.sum(dtype=torch.int32)
     _scatter_kernel[grid](gate_c, start, slot, ell_idx, ell_hg, bk_idx, bk_hg, row0, rows, num_tokens, d_ff,
-                          width, bk_idx.shape[1], BLOCK_M=_PACK_BLOCK_M, ROW_BLOCKS=_PACK_ROW_BLOCKS,
+                          width, bk_idx.shape[1], BLOCK_M=_SCATTER_BLOCK_M, ROW_BLOCKS=_PACK_ROWS // _SCATTER_BLOCK_M,
                           TILE_F=_TILE_F, num_warps=_PACK_WARPS)
 
 

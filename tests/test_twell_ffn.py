@@ -139,8 +139,9 @@ def test_odd_shapes_and_chunks(dtype):
 def test_pack_block_sizes(monkeypatch):
     """The pack kernels with one row a block, two blocks a program (five programs down the rows)
     and tiles narrower than dff (several tiles a row)."""
-    monkeypatch.setattr(twell, "_PACK_BLOCK_M", 1)
-    monkeypatch.setattr(twell, "_PACK_ROW_BLOCKS", 2)
+    monkeypatch.setattr(twell, "_COUNT_BLOCK_M", 1)
+    monkeypatch.setattr(twell, "_SCATTER_BLOCK_M", 1)
+    monkeypatch.setattr(twell, "_PACK_ROWS", 2)
     monkeypatch.setattr(twell, "_TILE_F", 32)
     inputs = make_inputs(9, 20, 101, spread_counts(9, 101, 0.7, seed=7), torch.float32)
     stats = check_against_reference(inputs, torch.float32, ell_width=9, backup_rows=2)
