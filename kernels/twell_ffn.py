@@ -170,9 +170,9 @@ def relu_gated_ffn(x, w_gate, w_up, w_down, *, impl: str = "auto", ell_width: in
 # ---------------------------------------------------------------------------------------------
 
 DEFAULT_ELL_WIDTH = 128
-_TILE_F = 256  # hidden columns per TwELL tile (the paper's T_n); a pack program reads one tile
+_TILE_F = 256  # hidden columns per TwELL tile (the paper's T_n; a multiple of 32); a pack program reads one tile
 _COUNT_BLOCK_M = 32  # rows a step of _count_kernel and of _scatter_kernel
-_SCATTER_BLOCK_M = 16
+_SCATTER_BLOCK_M = 64
 _PACK_WARPS = 4
 # rows a pack program takes (a multiple of both blocks): one store of its active columns per 256
 # rows, and a grid whose second dimension stays under CUDA's 65535 for any chunk
@@ -217,13 +217,24 @@ if triton is not None:
         return bits > 0
 
     @triton.jit
-    def _count_kernel(g_ptr, tile_count_ptr, active_ptr, row0, C, N, F,
+    def _popc(v):
+        """Set bits of each int32 (SWAR on its unsigned bits)."""
+        v = v.to(tl.uint32, bitcast=True)
+        v = v - ((v >> 1) & 0x55555555)
+        v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+        v = (v + (v >> 4)) & 0x0F0F0F0F
+        return ((v * 0x01010101) >> 24).to(tl.int32)
+
+    @triton.jit
+    def _count_kernel(g_ptr, tile_count_ptr, words_ptr, active_ptr, row0, C, N, F, NW,
                       BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr, TILE_F: tl.constexpr):
         """Hidden tile pid0, rows [pid1*ROW_BLOCKS*BLOCK_M, ...) of the chunk's gate [C, F]: each
-        row's number of positive entries in the tile (TwELL's per-tile count), and the tile's
-        active columns (one store per program)."""
+        row's number of positive entries in the tile (TwELL's per-tile count), the positive
+        entries as bits (words [C, NW], bit b of word k: column 32k + b), and the tile's active
+        columns (one store per program)."""
         t = tl.program_id(0)
         cols = t * TILE_F + tl.arange(0, TILE_F)
+        wcols = t * (TILE_F // 32) + tl.arange(0, TILE_F // 32)
         seen = tl.zeros([BLOCK_M, TILE_F], dtype=tl.int32)
         for i in range(ROW_BLOCKS):
             r = (tl.program_id(1) * ROW_BLOCKS + i) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -232,43 +243,48 @@ if triton is not None:
             p = (_positive(g) & m2).to(tl.int32)
             grow = r.to(tl.int64) + row0
             tl.store(tile_count_ptr + grow + (tl.zeros_like(grow) + t) * N, tl.sum(p, axis=1), mask=r < C)
+            bits = tl.reshape(p << (tl.arange(0, TILE_F) % 32)[None, :], [BLOCK_M, TILE_F // 32, 32])
+            tl.store(words_ptr + r.to(tl.int64)[:, None] * NW + wcols[None, :], tl.sum(bits, axis=2),
+                     mask=(r < C)[:, None])  # distinct bits: the sum is their OR
             seen = tl.maximum(seen, p)
         col_any = tl.max(seen, axis=0)
         tl.store(active_ptr + cols, col_any, mask=col_any > 0)  # every writer stores 1: benign race
 
     @triton.jit
-    def _scatter_kernel(g_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, bk_idx_ptr, bk_hg_ptr,
-                        row0, C, N, F, W, BW, BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+    def _scatter_kernel(g_ptr, words_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, bk_idx_ptr, bk_hg_ptr,
+                        row0, C, N, F, W, BW, NW, BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr,
                         TILE_F: tl.constexpr):
-        """Hidden tile pid0, rows [pid1*ROW_BLOCKS*BLOCK_M, ...) of the chunk's gate: the tile's
-        positive entries at list positions start[tile, row] + their rank in the tile: the ELL
-        buffer below W, the row's backup row from W on (fallback rows keep only their ELL part,
-        which nothing reads). Instruction-bound (every element pays for its masked stores), so
-        offsets are int32 from per-block base pointers and the backup stores run only in blocks
-        that reach W."""
+        """Hidden tile pid0, rows [pid1*ROW_BLOCKS*BLOCK_M, ...) of the chunk: the tile's positive
+        entries, read as bits, at list positions start[tile, row] + their rank in the tile: the
+        ELL buffer below W, the row's backup row from W on (fallback rows keep only their ELL
+        part, which nothing reads). Work goes with the non-zeros, not the columns: a word's set
+        bits are taken lowest first, one per step, for as many steps as the block's fullest word."""
         t = tl.program_id(0)
-        cols = t * TILE_F + tl.arange(0, TILE_F)
+        wk = tl.arange(0, TILE_F // 32)
+        wcols = t * (TILE_F // 32) + wk
         for i in range(ROW_BLOCKS):
-            rb = (tl.program_id(1) * ROW_BLOCKS + i) * BLOCK_M
-            rl = tl.arange(0, BLOCK_M)
-            rmask = rb + rl < C
-            m2 = rmask[:, None] & (cols < F)[None, :]
-            g_blk = g_ptr + rb.to(tl.int64) * F
-            g = tl.load(g_blk + rl[:, None] * F + cols[None, :], mask=m2, other=0.0)
-            pos = _positive(g) & m2
-            grow = rb.to(tl.int64) + row0
-            first = tl.load(start_ptr + grow + t.to(tl.int64) * N + rl, mask=rmask, other=0)
-            slot = first[:, None] + tl.cumsum(pos.to(tl.int32), axis=1) - 1
-            in_ell = pos & (slot < W)
-            ell_off = rl[:, None] * W + slot
-            tl.store(ell_idx_ptr + grow * W + ell_off, tl.zeros_like(slot) + cols[None, :], mask=in_ell)
-            tl.store(ell_hg_ptr + grow * W + ell_off, g, mask=in_ell)
-            if tl.max(tl.max(tl.where(pos, slot, -1), axis=1), axis=0) >= W:
-                bslot = tl.load(slot_ptr + grow + rl, mask=rmask, other=-1)
-                in_bk = pos & (slot >= W) & (bslot >= 0)[:, None]
-                bk_off = tl.maximum(bslot, 0).to(tl.int64)[:, None] * BW + (slot - W)
-                tl.store(bk_idx_ptr + bk_off, tl.zeros_like(slot) + cols[None, :], mask=in_bk)
-                tl.store(bk_hg_ptr + bk_off, g, mask=in_bk)
+            r = (tl.program_id(1) * ROW_BLOCKS + i) * BLOCK_M + tl.arange(0, BLOCK_M)
+            rmask = r < C
+            r64 = r.to(tl.int64)
+            w = tl.load(words_ptr + r64[:, None] * NW + wcols[None, :], mask=rmask[:, None], other=0)
+            cnt = _popc(w)
+            grow = r64 + row0
+            first = tl.load(start_ptr + grow + (tl.zeros_like(grow) + t) * N, mask=rmask, other=0)
+            slot = first[:, None] + tl.cumsum(cnt, axis=1) - cnt  # list position of each word's lowest bit
+            bslot = tl.load(slot_ptr + grow, mask=rmask, other=-1)
+            bk_row = tl.maximum(bslot, 0).to(tl.int64)[:, None] * BW
+            for _ in range(0, tl.max(tl.max(cnt, axis=1), axis=0)):
+                live = w != 0
+                col = t * TILE_F + wk[None, :] * 32 + _popc((w & (0 - w)) - 1)
+                hg = tl.load(g_ptr + r64[:, None] * F + col, mask=live, other=0.0)
+                in_ell = live & (slot < W)
+                tl.store(ell_idx_ptr + grow[:, None] * W + slot, col, mask=in_ell)
+                tl.store(ell_hg_ptr + grow[:, None] * W + slot, hg, mask=in_ell)
+                in_bk = live & (slot >= W) & (bslot >= 0)[:, None]
+                tl.store(bk_idx_ptr + bk_row + (slot - W), col, mask=in_bk)
+                tl.store(bk_hg_ptr + bk_row + (slot - W), hg, mask=in_bk)
+                w = w & (w - 1)
+                slot += 1
 
     @triton.jit
     def _list_masks(m, p, mp, slot, W, BW):
@@ -498,7 +514,7 @@ def _fallback_blocks(d_model: int) -> tuple[int, int]:
     return max(2, min(32, 4096 // block_d)), block_d
 
 
-def _pack(gate_c, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, cap):
+def _pack(gate_c, words, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, cap):
     """The chunk's gate [rows, dff] -> its rows of the format (no host sync): per-tile counts
     (_count_kernel, into start[1:]), their running sums over tiles (start), backup rows handed out
     in token order to rows with count > W (counter holds the number handed out so far; beyond cap:
@@ -507,7 +523,9 @@ def _pack(gate_c, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, coun
     num_tokens, width = ell_idx.shape
     num_tiles = start.shape[0] - 1
     grid = (num_tiles, triton.cdiv(rows, _PACK_ROWS))
-    _count_kernel[grid](gate_c, start[1:], active, row0, rows, num_tokens, d_ff, BLOCK_M=_COUNT_BLOCK_M,
+    num_words = words.shape[1]
+    _count_kernel[grid](gate_c, start[1:], words, active, row0, rows, num_tokens, d_ff, num_words,
+                        BLOCK_M=_COUNT_BLOCK_M,
                         ROW_BLOCKS=_PACK_ROWS // _COUNT_BLOCK_M, TILE_F=_TILE_F, num_warps=_PACK_WARPS)
     st = start[:, row0:row0 + rows]
     st[1:] = torch.cumsum(st[1:], dim=0, dtype=torch.int32)
@@ -517,8 +535,8 @@ def _pack(gate_c, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, coun
     b = counter + torch.cumsum(over, dim=0, dtype=torch.int32) - 1
     slot[row0:row0 + rows] = torch.where(over, torch.where(b < cap, b, -2), -1)
     counter += over.sum(dtype=torch.int32)
-    _scatter_kernel[grid](gate_c, start, slot, ell_idx, ell_hg, bk_idx, bk_hg, row0, rows, num_tokens, d_ff,
-                          width, bk_idx.shape[1], BLOCK_M=_SCATTER_BLOCK_M, ROW_BLOCKS=_PACK_ROWS // _SCATTER_BLOCK_M,
+    _scatter_kernel[grid](gate_c, words, start, slot, ell_idx, ell_hg, bk_idx, bk_hg, row0, rows, num_tokens,
+                          d_ff, width, bk_idx.shape[1], num_words, BLOCK_M=_SCATTER_BLOCK_M, ROW_BLOCKS=_PACK_ROWS // _SCATTER_BLOCK_M,
                           TILE_F=_TILE_F, num_warps=_PACK_WARPS)
 
 
@@ -549,14 +567,15 @@ class _TwellFFNFunction(torch.autograd.Function):
         w_down_t = w_down.t().contiguous()
         fb_s, fb_d = _fallback_blocks(d_model)
         gate = torch.empty(min(chunk, num_tokens), d_ff, dtype=dtype, device=dev)
+        words = torch.empty(min(chunk, num_tokens), num_tiles * _TILE_F // 32, **i32)
         for row0 in range(0, num_tokens, chunk):
             rows = min(chunk, num_tokens - row0)
             gate_c = gate[:rows]
             torch.mm(x[row0:row0 + rows], w_gate.t(), out=gate_c)
-            _pack(gate_c, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, cap)
+            _pack(gate_c, words, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, cap)
             _fallback_fwd_kernel[(rows,)](x, w_up, w_down_t, gate_c, slot, y, l1_fb, row0, d_model, d_ff,
                                           BLOCK_S=fb_s, BLOCK_D=fb_d, num_warps=8)
-        del gate
+        del gate, words
         # longest lists first, so that the few long rows overlap the many short ones
         order = torch.argsort(torch.where(slot == -2, -1, count), descending=True)
         sd_s, sd_d = _blocks(d_model, "sddmm")

@@ -149,14 +149,14 @@ def test_pack_block_sizes(monkeypatch):
 
 
 def test_hidden_slices_and_blocks(monkeypatch):
-    """One hidden slice per 16-column tile (7 slices), 2 non-zeros and 8 d_model columns a step:
+    """One hidden slice per 32-column tile (4 slices), 2 non-zeros and 8 d_model columns a step:
     each row's list is cut at tile starts, each d_model row spans 3 steps (SDDMM) and 3 slices
     (SpMM), with rows in the ELL buffer, the backup and the fallback, in chunks of 4 tokens."""
-    monkeypatch.setattr(twell, "_TILE_F", 16)
+    monkeypatch.setattr(twell, "_TILE_F", 32)
     monkeypatch.setattr(twell, "_SLICE_BYTES", 1)
     monkeypatch.setattr(twell, "_blocks", lambda d_model, which: (2, 8))
     inputs = make_inputs(11, 20, 101, spread_counts(11, 101, 0.8, seed=8), torch.float32)
-    assert twell._hidden_slices(101, 20, 4) == (7, 1)
+    assert twell._hidden_slices(101, 20, 4) == (4, 1)
     stats = check_against_reference(inputs, torch.float32, ell_width=6, backup_rows=2, chunk_rows=4)
     over, fallback = expected_overflow(inputs, 6, 2)
     assert (int(stats.overflow_rows), int(stats.fallback_rows)) == (over, fallback) and fallback > 0

@@ -40,7 +40,8 @@ def pack_buffers(rows, d_ff, width=128):
                 ell_hg=torch.empty(rows, width, dtype=torch.bfloat16, device="cuda"),
                 bk_idx=torch.empty(cap, d_ff - width, **i32),
                 bk_hg=torch.empty(cap, d_ff - width, dtype=torch.bfloat16, device="cuda"),
-                counter=torch.zeros(1, **i32), active=torch.zeros(d_ff, **i32), cap=cap)
+                counter=torch.zeros(1, **i32), active=torch.zeros(d_ff, **i32), cap=cap,
+                words=torch.empty(rows, tiles * twell._TILE_F // 32, **i32))
 
 
 def main():
@@ -57,12 +58,13 @@ def main():
 
         def pack():
             b["counter"].zero_()
-            twell._pack(g, 0, b["count"], b["slot"], b["start"], b["ell_idx"], b["ell_hg"], b["bk_idx"],
+            twell._pack(g, b["words"], 0, b["count"], b["slot"], b["start"], b["ell_idx"], b["ell_hg"], b["bk_idx"],
                         b["bk_hg"], b["counter"], b["active"], b["cap"])
 
         def count_only():
             grid = (b["start"].shape[0] - 1, triton.cdiv(args.rows, twell._PACK_ROWS))
-            twell._count_kernel[grid](g, b["start"][1:], b["active"], 0, args.rows, args.rows, args.d_ff,
+            twell._count_kernel[grid](g, b["start"][1:], b["words"], b["active"], 0, args.rows, args.rows, args.d_ff,
+                                      b["words"].shape[1],
                                       BLOCK_M=twell._COUNT_BLOCK_M, ROW_BLOCKS=twell._PACK_ROWS // twell._COUNT_BLOCK_M,
                                       TILE_F=twell._TILE_F, num_warps=twell._PACK_WARPS)
 
@@ -78,7 +80,7 @@ def main():
         rec = {"sparsity": sparsity, "gate_bytes": g.numel() * 2}
         rec["pack_ms"] = bench(pack)
         rec["count_kernel_ms"] = bench(count_only)
-        for bm in (8, 32):
+        for bm in (32, 128):
             old = twell._SCATTER_BLOCK_M
             twell._SCATTER_BLOCK_M = bm
             rec[f"pack_scatter_bm{bm}_ms"] = bench(pack)
