@@ -182,8 +182,8 @@ _PACK_ROWS = 256
 _SLICE_BYTES = 1 << 40
 # (non-zeros, d_model columns) per step of the SDDMM and SpMM kernels; the SpMM's d_model columns
 # are also its slice of W (BLOCK_D x dff weights per slice)
-_SDDMM_BLOCKS = (16, 256)
-_SPMM_BLOCKS = (4, 2048)
+_SDDMM_BLOCKS = (16, 128)
+_SPMM_BLOCKS = (2, 2048)
 _ROW_WARPS = 4
 
 

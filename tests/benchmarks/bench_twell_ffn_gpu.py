@@ -184,7 +184,7 @@ def run_config(params, grad_y, l1_coef, rep_ms, label, **kw):
     return {"label": label, "fwd_ms": fwd_ms, "fwd_bwd_ms": fb_ms}
 
 
-VARIANT_KEYS = ("_SLICE_BYTES", "_SDDMM_BLOCKS", "_SPMM_BLOCKS", "_ROW_WARPS", "_PACK_BLOCK_M", "_PACK_ROW_BLOCKS")
+VARIANT_KEYS = ("_SLICE_BYTES", "_SDDMM_BLOCKS", "_SPMM_BLOCKS", "_ROW_WARPS", "_SCATTER_BLOCK_M", "_PACK_ROWS")
 
 
 def set_variant(values):
@@ -210,9 +210,10 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args()
-    # against the defaults (one hidden slice, (16, 256), (4, 2048), 4 warps, 16 rows, 16 row blocks)
-    defaults = (1 << 40, (16, 256), (4, 2048), 4, 16, 16)
-    changes = [(4, 32), (4, 8), (5, 4), (5, 1), (1, (16, 128)), (1, (8, 256)), (2, (2, 2048)), (3, 2)]
+    # against the defaults (one hidden slice, (16, 128), (2, 2048), 4 warps, 64 rows, 256 rows)
+    defaults = (1 << 40, (16, 128), (2, 2048), 4, 64, 256)
+    changes = [(1, (16, 64)), (1, (32, 64)), (1, (8, 128)), (1, (32, 128)), (1, (16, 256)), (2, (4, 2048)),
+               (2, (1, 2048)), (3, 8), (0, 12 << 20)]
     args.variant_list = [defaults[:i] + (v,) + defaults[i + 1:] for i, v in changes]
     l1_coef = 2e-5
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
