@@ -168,7 +168,7 @@ def train_student(
     deterministic: bool = typer.Option(False, "--deterministic", help="Deterministic kernels (bit-identical resume on a CPU)."),
     sparse_ffn: bool = typer.Option(False, "--sparse-ffn/--no-sparse-ffn", help="Sparse FFN (TwELL): ReLU gate (a SwiGLU student is converted, same weights) and an L1 penalty on its activations; logs per-layer sparsity and dead neurons."),
     l1: float = typer.Option(2e-5, "--l1", help="L1 coefficient with --sparse-ffn: loss += l1 * mean over layers of (sum over d_ff of |h|, mean over tokens)."),
-    sparse_kernel: str = typer.Option("dense", "--sparse-kernel", help="With --sparse-ffn on a GPU: dense (matmuls; faster today) or twell (a layer switches to the sparse Triton kernels once under 50 non-zeros per token: about a fifth of its activation memory, slower so far)."),
+    sparse_kernel: str = typer.Option("dense", "--sparse-kernel", help="With --sparse-ffn on a GPU: dense (matmuls) or twell (a layer switches to the sparse Triton kernels once under 50 non-zeros per token: a fifth of its activation memory; on an H200 at hidden 5632 level with dense at 56 non-zeros, 1.3-1.4x faster at 28)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Train a student against a teacher cache; the teacher itself is never loaded.

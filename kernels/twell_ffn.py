@@ -8,10 +8,11 @@ over layers and adds coef * l1 to its loss). Weights use the nn.Linear layouts: 
 Torch path ("torch"): plain autograd over dense [N, dff] tensors; the reference and the CPU path.
 
 Triton path ("triton"): the hybrid ELL + backup format of the paper and gather kernels for the
-sparse products; see the section below. It saves about a fifth of the dense path's activations,
-but on the H200 (d=2048, dff=5632, 131k tokens, bf16) it is slower than dense cuBLAS at every
-sparsity measured (at 99%: forward 20.2 ms against 13.9, forward+backward 62.5 against 40.6;
-tests/benchmarks/bench_twell_ffn_gpu.py, 2026-11-29).
+sparse products; see the section below. On the H200 (d=2048, dff=5632, 131k tokens, bf16; dense
+cuBLAS 14.2 ms forward, 42.2 ms forward+backward in the same run) it keeps 0.20x the dense path's
+activations; at 99.5% sparsity it runs the forward in 10.1 ms (1.41x) and forward+backward in
+32.5 ms (1.30x); at 99% it is level with dense (13.6 ms, 1.04x; 42.4 ms, 1.00x); below 99% it is
+slower (tests/benchmarks/bench_twell_ffn_gpu.py and RESULTS.md, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -133,10 +134,15 @@ def relu_gated_ffn(x, w_gate, w_up, w_down, *, impl: str = "auto", ell_width: in
 # Why the kernels are shaped as they are. At 99% sparsity (56 non-zeros per token at dff 5632)
 # the sparse products do 1% of the dense FLOPs, but each non-zero fetches a whole weight row
 # (d_model values) that no other non-zero of the token shares: about 0.9x the bytes a dense
-# GEMM pulls from L2. So the sparse kernels are bound by where those rows come from: DRAM if the
-# weights (46 MB of W_up and W_down at d=2048) do not stay in L2, L2 if they do. The kernels
-# therefore cut the weights into slices that fit L2 (W_up by hidden columns, W_down^T by
-# d_model columns) and run the whole token batch over one slice before the next.
+# GEMM pulls from L2, and no tiling shares rows at 1% density (a tile of t tokens x t neurons
+# in shared memory holds ~0.01 t^2 non-zeros for 2t rows). So the sparse kernels are bound by
+# the rate of gathering rows from L2: 8.5-9 TB/s on the H200, measured the same for tables of 5.8
+# to 44 MB (bench_twell_ffn_gpu.py's ceiling); the SDDMM and SpMM below run near it. Per-nnz cost
+# is fixed, so the kernels win over dense in proportion to the sparsity: level at 99%, 1.4x
+# forward at 99.5%. The gate GEMM stays dense (cuBLAS), as in the paper.
+# The pack pass is instruction-bound if it touches every column's list slot: it reads the gate
+# once into bit words and per-tile counts (_count_kernel, near copy bandwidth), then walks set
+# bits (_scatter_kernel), so its cost follows the non-zeros.
 #
 # Format (the paper's hybrid training format, written from the gate GEMM's output by _pack):
 #   count_N   int32 [N]        non-zeros of relu(x Wg^T) in each row; a row's list is its non-zero
@@ -177,14 +183,18 @@ _PACK_WARPS = 4
 # rows a pack program takes (a multiple of both blocks): one store of its active columns per 256
 # rows, and a grid whose second dimension stays under CUDA's 65535 for any chunk
 _PACK_ROWS = 256
-# weight bytes per hidden slice of the SDDMM kernels: small enough to stay in the H200's L2 (60 MB)
-# beside the streams of x and the format
+# weight bytes per hidden slice of the SDDMM grid (all tokens pass over one slice of W_up before
+# the next). Off by default: the H200's 60 MB L2 holds all 23 MB of W_up, and 12 MB slices cost
+# more in re-read x rows than they saved (4.9 vs 4.1 ms at 99%, 2026-11-29); for GPUs with less L2.
 _SLICE_BYTES = 1 << 40
 # (non-zeros, d_model columns) per step of the SDDMM and SpMM kernels; the SpMM's d_model columns
-# are also its slice of W (BLOCK_D x dff weights per slice)
+# are also its slice of W (BLOCK_D x dff weights per slice). Chosen by bench_twell_ffn_gpu.py's
+# sweep on the H200 (2026-11-29, at 99%): SDDMM (16, 128) 4.1 ms against 4.2-4.8 for (16, 64),
+# (32, 64), (8, 128), (32, 128), (16, 256), and 5.4-8.9 for wider tiles; SpMM (2, 2048) 3.6 ms
+# against 3.8 for (4, 2048), 4.1 for (1, 2048), 6.0 for (8, 1024), 7.7+ for narrower slices.
 _SDDMM_BLOCKS = (16, 128)
 _SPMM_BLOCKS = (2, 2048)
-_ROW_WARPS = 4
+_ROW_WARPS = 4  # 8 warps: SpMM 5.6 ms
 
 
 def _blocks(d_model: int, which: str) -> tuple[int, int]:

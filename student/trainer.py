@@ -108,11 +108,12 @@ class TrainConfig:
     # l1 * mean over layers of (sum over d_ff of |h|, mean over tokens), the authors' code normalisation.
     sparse_ffn: bool = False
     l1: float = 2e-5  # L1 coefficient of the sparse FFN (used only with sparse_ffn); the paper's conservative value
-    # How a ReLU-gated FFN computes: "dense" (three matmuls; the fastest on the H200 today) or
-    # "twell": at each logging step, layers whose mean non-zeros per token fell under
-    # TWELL_MAX_NNZ switch to kernels/twell_ffn.py's sparse Triton kernels on a GPU (about a fifth
-    # of the activation memory; slower than dense at every sparsity measured so far, RESULTS.md),
-    # the others stay dense; metrics rows record each layer's choice as ffn_kernel.
+    # How a ReLU-gated FFN computes: "dense" (three matmuls) or "twell": at each logging step,
+    # layers whose mean non-zeros per token fell under TWELL_MAX_NNZ switch to
+    # kernels/twell_ffn.py's sparse Triton kernels on a GPU (a fifth of the activation memory;
+    # on the H200 at d=2048, dff=5632 level with dense at 56 non-zeros, 1.3-1.4x faster at 28,
+    # slower above, RESULTS.md), the others stay dense; metrics rows record each layer's choice
+    # as ffn_kernel. Dense stays the default: the kernels are measured at that one shape only.
     sparse_kernel: str = "dense"
 
     def __post_init__(self):
@@ -416,6 +417,8 @@ class FFNWindow:
 
 # The authors route a layer to their sparse kernels once its mean non-zeros per token fall under 50
 # (`sparsity_l0_cutoff` in SakanaAI/sparser-faster-llms' configs; at d_ff = 5632, 99.1% sparse).
+# Our kernels break even with dense near there at that d_ff (56 non-zeros, RESULTS.md); each
+# non-zero costs a fixed gather, so for other widths the break-even is about 1% of d_ff.
 TWELL_MAX_NNZ = 50
 
 
