@@ -381,14 +381,19 @@ def test_fused_arguments_raise(monkeypatch):
 def test_fused_on_gpu_matches_torch_without_host_sync(dtype):
     """Model-sized odd tensors on a GPU: fused=None picks the kernel, which matches the torch path,
     syncs nothing with the host after the first step and allocates nothing of the params' size."""
+    fused_gpu_case(dtype, seed=0)
+
+
+def fused_gpu_case(dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     shapes = [(1537, 4099), (3, 577, 1031), (896,)]
-    params_ref = [torch.randn(shape, device="cuda").to(dtype) for shape in shapes]
+    params_ref = [torch.randn(shape, device="cuda", generator=gen).to(dtype) for shape in shapes]
     params = [p.clone() for p in params_ref]
     opt_ref = AdamW8bit(params_ref, lr=1e-3, weight_decay=0.1, fused=False)
     opt = AdamW8bit(params, lr=1e-3, weight_decay=0.1)
     for step in range(4):
         for p, r in zip(params, params_ref):
-            p.grad = (torch.randn(p.shape, device="cuda") * 1e-3).to(dtype)
+            p.grad = (torch.randn(p.shape, device="cuda", generator=gen) * 1e-3).to(dtype)
             r.grad = p.grad.clone()
         opt_ref.step()
         torch.cuda.synchronize()

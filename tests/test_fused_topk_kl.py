@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kernels.fused_topk_kl as fk
+import kernels.fused_topk_kl_triton as fkt
 from kernels.fused_topk_kl import TAIL_MODES, fused_topk_kl, topk_kl_dense
 
 # Tolerances, in one place: (rtol, atol) on the loss, and on each gradient relative to its largest
@@ -257,7 +258,7 @@ def test_bucket_temperature_by_hand():
 # interpreter (tests/conftest.py), so shapes stay small; the same tolerances apply.
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-_row_pass_impl = fk._row_pass
+_row_pass_impl = fkt._row_pass
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -298,7 +299,7 @@ def test_triton_k_close_to_vocab(tail, dtype):
 @pytest.mark.parametrize("tail", TAIL_MODES)
 def test_triton_vocab_over_several_blocks(tail):
     """V = 2 blocks + a remainder: the online logsumexp carries across blocks; CE at T != 1."""
-    v = 2 * fk._ROW_BLOCK + 811
+    v = 2 * fkt._ROW_BLOCK + 811
     got, want = _triton_vs_dense(torch.float32, 7, n=9, v=v, d=16, chunk_size=4, tail=tail, temperature=0.7,
                                  ce_weight=0.5)
     _assert_close(got, want, torch.float32)
@@ -309,7 +310,7 @@ def test_triton_vocab_over_several_blocks(tail):
 @pytest.mark.parametrize("tail, ce_weight", [("bucket", 0.0), ("unnormalized", 0.3), ("bucket", 1.0)])
 def test_triton_row_kernels_match_dense(row_kernel, dtype, tail, ce_weight, monkeypatch):
     """Both gradient row kernels, at T = 1 where either may run (with CE, without, CE only)."""
-    monkeypatch.setattr(fk, "ROW_KERNEL", row_kernel)
+    monkeypatch.setattr(fkt, "ROW_KERNEL", row_kernel)
     got, want = _triton_vs_dense(dtype, 5, tail=tail, ce_weight=ce_weight)
     _assert_close(got, want, dtype)
 
@@ -318,7 +319,7 @@ def test_triton_row_kernels_match_dense(row_kernel, dtype, tail, ce_weight, monk
 def test_triton_scaled_reference_moves_up(tail, ce_weight):
     """A student logit far above every logit on S (by 25 to 80 nats) in the last of three blocks:
     the scaled row kernel raises its reference there and rescales the blocks written before."""
-    v = 2 * fk._ROW_BLOCK + 811
+    v = 2 * fkt._ROW_BLOCK + 811
     hidden, weight, ids, lp, tl, target, _ = _tinputs(7, n=6, v=v, d=16)
     hidden = hidden / hidden.norm(dim=1, keepdim=True)
     hot = v - 5  # in the last block, outside every row's S
@@ -339,7 +340,7 @@ def test_triton_only_needed_grads(hidden_grad, weight_grad, monkeypatch):
     h = hidden.clone().requires_grad_(hidden_grad)
     w = weight.clone().requires_grad_(weight_grad)
     grad_passes = []
-    monkeypatch.setattr(fk, "_row_pass", lambda *a: (grad_passes.append(a[-1]), _row_pass_impl(*a))[1])
+    monkeypatch.setattr(fkt, "_row_pass", lambda *a: (grad_passes.append(a[-1]), _row_pass_impl(*a))[1])
     loss = fused_topk_kl(h, w, ids, lp, tl, chunk_size=8, impl="triton", **kw)
     _, ref_gh, ref_gw = _loss_and_grads(topk_kl_dense, hidden, weight, ids, lp, tl, **kw)
     torch.testing.assert_close(loss.detach(), topk_kl_dense(hidden, weight, ids, lp, tl, **kw), rtol=1e-5, atol=1e-6)
@@ -357,7 +358,7 @@ def test_triton_only_needed_grads(hidden_grad, weight_grad, monkeypatch):
 def test_triton_no_grad_mode_runs_forward_only(monkeypatch):
     hidden, weight, ids, lp, tl, _, _ = _tinputs(5)
     calls = []
-    monkeypatch.setattr(fk, "_row_pass", lambda *a: (calls.append(a[-1]), _row_pass_impl(*a))[1])
+    monkeypatch.setattr(fkt, "_row_pass", lambda *a: (calls.append(a[-1]), _row_pass_impl(*a))[1])
     with torch.no_grad():
         loss = fused_topk_kl(hidden.requires_grad_(), weight, ids, lp, tl, tail="unnormalized", impl="triton")
     assert calls and not any(calls), "a gradient pass under no_grad"
@@ -394,7 +395,7 @@ def test_triton_bf16_grad_weight_accumulation():
 
 def test_auto_picks_torch_on_cpu(monkeypatch):
     hidden, weight, ids, lp, tl, _, _ = _inputs(5)
-    monkeypatch.setattr(fk, "fused_topk_kl_triton", lambda **kw: pytest.fail("Triton path on the CPU"))
+    monkeypatch.setattr(fkt, "fused_topk_kl_triton", lambda **kw: pytest.fail("Triton path on the CPU"))
     fused_topk_kl(hidden, weight, ids, lp, tl)
 
 
@@ -414,7 +415,7 @@ def test_triton_on_gpu_matches_dense(tail, dtype, temperature, ce_weight):
     """A real GPU, auto dispatch, several chunks and Triton blocks, against the dense reference
     (T = 2 with CE runs the direct row kernel, the others the scaled one, except renorm alone)."""
     hidden, weight, ids, lp, tl, target, mask = (
-        t.cuda() for t in _inputs(100, dtype, n=1031, v=2 * fk._ROW_BLOCK + 77, d=64))
+        t.cuda() for t in _inputs(100, dtype, n=1031, v=2 * fkt._ROW_BLOCK + 77, d=64))
     kw = dict(target_ids=target, mask=mask, tail=tail, temperature=temperature, ce_weight=ce_weight)
     got = _loss_and_grads(fused_topk_kl, hidden, weight, ids, lp, tl, chunk_size=256, **kw)
     want = _loss_and_grads(topk_kl_dense, hidden, weight, ids, lp, tl, **kw)
@@ -428,9 +429,9 @@ def test_triton_on_gpu_matches_dense(tail, dtype, temperature, ce_weight):
 def test_triton_auto_chunks_are_equal_and_capped(num_rows, vocab, element_size):
     """The automatic chunk: the fewest chunks under the byte cap (rounded down to 1,024 rows), equal
     in size up to rounding to 128 rows (no small last chunk beyond that), never over the cap."""
-    rows = fk.triton_chunk_size(num_rows, vocab, element_size)
-    cap = fk._TRITON_CHUNK_BYTES // (element_size * vocab)
-    assert 1 <= rows <= max(num_rows, 1) and rows * vocab * element_size <= fk._TRITON_CHUNK_BYTES
+    rows = fkt.triton_chunk_size(num_rows, vocab, element_size)
+    cap = fkt._TRITON_CHUNK_BYTES // (element_size * vocab)
+    assert 1 <= rows <= max(num_rows, 1) and rows * vocab * element_size <= fkt._TRITON_CHUNK_BYTES
     num_chunks = math.ceil(num_rows / rows)
     step = 1024 if cap >= 1024 else 128 if cap >= 128 else 1
     assert num_chunks == math.ceil(num_rows / (cap // step * step))

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
-import kernels.fused_topk_kl as fk
-from kernels.fused_topk_kl import fused_topk_kl, topk_kl_dense, triton_chunk_size
+import kernels.fused_topk_kl_triton as fkt
+from kernels.fused_topk_kl import fused_topk_kl, topk_kl_dense
+from kernels.fused_topk_kl_triton import triton_chunk_size
 
 GIB = 2**30
 
@@ -131,12 +132,12 @@ def variants(args, hidden, weight, teacher, target):
 
     def ours(impl, chunk_rows=None, row_kernel="scaled"):
         def step():
-            fk.ROW_KERNEL = row_kernel
+            fkt.ROW_KERNEL = row_kernel
             try:
                 loss = fused_topk_kl(h, w, ids, lp, tl, impl=impl, chunk_size=chunk_rows, **kw)
                 loss.backward()
             finally:
-                fk.ROW_KERNEL = "scaled"
+                fkt.ROW_KERNEL = "scaled"
             return loss.detach()
         return step
 

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_fused_kl_gpu as bench  # noqa: E402
 
 import kernels.fused_topk_kl as fk  # noqa: E402
+import kernels.fused_topk_kl_triton as fkt  # noqa: E402
 
 
 def time_row_pass(z0, h, ids, lp, tail_lp, kl_w, ce_w, repeats=20):
@@ -34,7 +35,7 @@ def time_row_pass(z0, h, ids, lp, tail_lp, kl_w, ce_w, repeats=20):
         z.copy_(z0)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        assert fk._row_pass(z, ids, lp, tail_lp, None, kl_w, ce_w, loss, h, sigma, hs, "bucket", 1.0, True)
+        assert fkt._row_pass(z, ids, lp, tail_lp, None, kl_w, ce_w, loss, h, sigma, hs, "bucket", 1.0, True)
         end.record()
         end.synchronize()
         if i >= 3:
@@ -49,7 +50,7 @@ def main():
     ap.add_argument("--warps", default="4,8,16,32")
     args = ap.parse_args()
     report = {"device": torch.cuda.get_device_name(), "copy_GBps": bench.copy_bandwidth() / 1e9, "sweep": []}
-    default = (fk._SCALED_BLOCK, fk._SCALED_WARPS)
+    default = (fkt._SCALED_BLOCK, fkt._SCALED_WARPS)
     best = {}
     for v, c in ((49152, 8192), (151936, 2048)):
         hidden, weight, ids, lp, tl, _, _ = bench.make_inputs(c, v, 2048, 100, torch.bfloat16)
@@ -58,7 +59,7 @@ def main():
         z0 = hidden @ weight.T
         ref = None
         for block, warps in itertools.product(map(int, args.blocks.split(",")), map(int, args.warps.split(","))):
-            fk._SCALED_BLOCK, fk._SCALED_WARPS = block, warps
+            fkt._SCALED_BLOCK, fkt._SCALED_WARPS = block, warps
             ms, z, loss = time_row_pass(z0, hidden, ids, logp.contiguous(), logp_tail, kl_w, kl_w)
             if ref is None:
                 ref = (z.float(), loss.clone())
@@ -74,7 +75,7 @@ def main():
               f"{[r['ms'] for r in rows if (r['block'], r['warps']) == default]}", flush=True)
         del hidden, weight, z0
         torch.cuda.empty_cache()
-    fk._SCALED_BLOCK, fk._SCALED_WARPS = default
+    fkt._SCALED_BLOCK, fkt._SCALED_WARPS = default
 
     # The whole loss at the shapes: default vs each V's best setting, bare, Liger.
     from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
@@ -88,7 +89,7 @@ def main():
 
             def ours(block, warps):
                 def step():
-                    fk._SCALED_BLOCK, fk._SCALED_WARPS = block, warps
+                    fkt._SCALED_BLOCK, fkt._SCALED_WARPS = block, warps
                     loss = fk.fused_topk_kl(h, w, ids, lp, tl, tail="unnormalized", impl="triton", check_ids=False)
                     loss.backward()
                     return loss.detach()
@@ -105,7 +106,7 @@ def main():
                                ("liger", liger)):
                 ms, extra, _ = bench.measure(step, [h, w], 2, 5)
                 out[name], out[name + "_extra_GiB"] = ms, extra / 2**30
-            fk._SCALED_BLOCK, fk._SCALED_WARPS = default
+            fkt._SCALED_BLOCK, fkt._SCALED_WARPS = default
             report["loss"].append(out)
             print(f"V={v} N={n}: bare {out['bare']:.1f} default {out['default']:.1f} ({out['default'] / out['bare']:.3f}x) "
                   f"best {out['best']:.1f} ({out['best'] / out['bare']:.3f}x) liger {out['liger']:.1f} "
