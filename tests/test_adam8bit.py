@@ -281,19 +281,30 @@ def fused_case_params():
 
 def assert_close_but_few(actual, expected, tol, outlier_bound, outlier_bound_is_relative=False):
     """assert_close with tol, except for at most FUSED_OUTLIERS of the elements, each within
-    outlier_bound (absolute, or relative to expected)."""
+    outlier_bound (absolute: a number or a tensor like expected; or relative to expected)."""
     actual, expected = actual.double(), expected.double()
     diff = (actual - expected).abs()
     far = diff > tol["atol"] + tol["rtol"] * expected.abs()
     assert far.double().mean() <= FUSED_OUTLIERS, f"{int(far.sum())} of {far.numel()} elements differ"
     bound = outlier_bound * expected.abs() if outlier_bound_is_relative else outlier_bound
-    assert (diff <= bound).all() if outlier_bound_is_relative else diff.max() <= bound, diff.max()
+    worst = int((diff - bound).argmax()) if torch.is_tensor(bound) else int(diff.argmax())
+    assert (diff <= bound).all(), (f"diff {diff.flatten()[worst]:.3g} at expected {expected.flatten()[worst]:.4g}, "
+                                   f"{int((diff > bound).sum())} elements past the outlier bound")
+
+
+def bf16_ulp(x):
+    """The spacing of bf16 values at |x| (8 significant bits; subnormals not needed here)."""
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(2.0**-126))) - 7)
 
 
 def compare_fused_with_torch(params_ref, opt_ref, params, opt, lr):
     for p_ref, p in zip(params_ref, params):
-        tol = FUSED_PARAM_TOL if p.dtype == torch.float32 else FUSED_BF16_TOL
-        assert_close_but_few(p, p_ref, tol, outlier_bound=lr)
+        if p.dtype == torch.float32:
+            assert_close_but_few(p, p_ref, FUSED_PARAM_TOL, outlier_bound=lr)
+        else:  # an outlier (a code one step apart moves the update by up to lr) is then rounded to
+            # bf16 once per step: lr plus two ulps of the value (on the H200, 2026-11-29, a bound
+            # of lr alone failed 14 of 16 seeds, with largest differences of 2^-9 and 2^-8)
+            assert_close_but_few(p, p_ref, FUSED_BF16_TOL, outlier_bound=lr + 2 * bf16_ulp(p_ref.double()))
         state, ref = opt.state[p], opt_ref.state[p_ref]
         assert state.keys() == ref.keys() and state["step"] == ref["step"]
         if "codes_m" not in state:
@@ -302,7 +313,8 @@ def compare_fused_with_torch(params_ref, opt_ref, params, opt, lr):
             assert_close_but_few(state[f"absmax_{name}"], ref[f"absmax_{name}"], FUSED_ABSMAX_TOL,
                                  outlier_bound=2 * 0.9 / 128, outlier_bound_is_relative=True)
             delta = state[f"codes_{name}"].int() - ref[f"codes_{name}"].int()
-            assert delta.abs().max() <= 1 and (delta != 0).float().mean() <= FUSED_CODES_DIFFERENT, name
+            assert delta.abs().max() <= 1 and (delta != 0).float().mean() <= FUSED_CODES_DIFFERENT, (
+                f"codes_{name}: max step {int(delta.abs().max())}, {int((delta != 0).sum())} of {delta.numel()} differ")
 
 
 @pytest.mark.parametrize("block_size", [256, 100, 1])
@@ -374,10 +386,7 @@ def test_fused_arguments_raise(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.xfail(
-    reason="failed on the H200 on 2026-11-29 (bf16 params, fused vs torch path after 4 steps; the assertion's "
-           "detail was not captured; likely bf16 rounding flips beyond the stated tolerance): to investigate",
-    strict=False))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_on_gpu_matches_torch_without_host_sync(dtype):
     """Model-sized odd tensors on a GPU: fused=None picks the kernel, which matches the torch path,
     syncs nothing with the host after the first step and allocates nothing of the params' size."""
