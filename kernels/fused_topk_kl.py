@@ -396,10 +396,10 @@ def fused_topk_kl(
     0 <= ce_weight < 1 it comes out of the same pass (with ce_weight = 1 it takes a forward-only
     second pass, as its weight in the loss is 0).
 
-    Returns a scalar loss (fp32; fp64 for fp64 inputs), or (loss, kl) with return_kl. Gradients flow to hidden and weight only;
-    the teacher tensors are constants. The Triton path computes both gradients during the
-    forward (only for the inputs that require grad, and none under no_grad) and holds them until
-    backward, which can run once.
+    Returns a scalar loss (fp32; fp64 for fp64 inputs), or (loss, kl) with return_kl. Gradients flow
+    to hidden and weight only; the teacher tensors are constants. The Triton path computes both
+    gradients during the forward (only for the inputs that require grad, and none under no_grad)
+    and holds them until backward, which can run once.
     """
     args = _prepare(dict(locals()))
     return_kl = args.pop("return_kl")

@@ -316,10 +316,11 @@ def _uses_scaled_kernel(write_grad, tail, has_target, inv_temp, dtype) -> bool:
 
 def _row_pass(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss_C, kl_C, h_C, sigma_C, hs_C,
               tail, inv_temp, write_grad):
-    """Per-row loss into loss_C and unweighted KL into kl_C (fp32; 0 on rows of KL weight 0). With write_grad, z_CV (the chunk's input-dtype logits) is
-    overwritten with the gradient G = d loss / d z itself ("direct"; returns False), or with E'
-    such that G = sigma[:, None] * E' ("scaled"; returns True), sigma into sigma_C [C] (fp32) and
-    sigma[:, None] * h_C into hs_C. Without write_grad, z_CV is left with -inf at S."""
+    """Per-row loss into loss_C and unweighted KL into kl_C (fp32; 0 on rows of KL weight 0).
+    With write_grad, z_CV (the chunk's input-dtype logits) is overwritten with the gradient
+    G = d loss / d z itself ("direct"; returns False), or with E' such that G = sigma[:, None] * E'
+    ("scaled"; returns True), sigma into sigma_C [C] (fp32) and sigma[:, None] * h_C into hs_C.
+    Without write_grad, z_CV is left with -inf at S."""
     rows, vocab = z_CV.shape
     k = ids_CK.shape[1]
     has_target = target_C is not None

@@ -176,9 +176,10 @@ def relu_gated_ffn(x, w_gate, w_up, w_down, *, impl: str = "auto", ell_width: in
 # ---------------------------------------------------------------------------------------------
 
 DEFAULT_ELL_WIDTH = 128
-_TILE_F = 256  # hidden columns per TwELL tile (the paper's T_n; a multiple of 32); a pack program reads one tile
-_COUNT_BLOCK_M = 32  # rows a step of _count_kernel and of _scatter_kernel
-_SCATTER_BLOCK_M = 64
+# hidden columns per TwELL tile (the paper's T_n; a multiple of 32): a pack program reads one tile
+_TILE_F = 256
+_COUNT_BLOCK_M = 32  # rows a step of _count_kernel
+_SCATTER_BLOCK_M = 64  # rows a step of _scatter_kernel
 _PACK_WARPS = 4
 # rows a pack program takes (a multiple of both blocks): one store of its active columns per 256
 # rows, and a grid whose second dimension stays under CUDA's 65535 for any chunk
@@ -546,7 +547,8 @@ def _pack(gate_c, words, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_h
     slot[row0:row0 + rows] = torch.where(over, torch.where(b < cap, b, -2), -1)
     counter += over.sum(dtype=torch.int32)
     _scatter_kernel[grid](gate_c, words, start, slot, ell_idx, ell_hg, bk_idx, bk_hg, row0, rows, num_tokens,
-                          d_ff, width, bk_idx.shape[1], num_words, BLOCK_M=_SCATTER_BLOCK_M, ROW_BLOCKS=_PACK_ROWS // _SCATTER_BLOCK_M,
+                          d_ff, width, bk_idx.shape[1], num_words, BLOCK_M=_SCATTER_BLOCK_M,
+                          ROW_BLOCKS=_PACK_ROWS // _SCATTER_BLOCK_M,
                           TILE_F=_TILE_F, num_warps=_PACK_WARPS)
 
 

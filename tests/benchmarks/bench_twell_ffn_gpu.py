@@ -288,7 +288,8 @@ def main():
         b = r["breakdown_fwd_ms"]
         print(f"{r['sparsity_target']:8.3f} {r['ell_width']:5d} {r['nnz_mean']:6.1f} {r['nnz_max']:5.0f} "
               f"{r['overflow_rows']:6d} {r['fallback_rows']:4d} {r['fwd_ms']:7.2f} {r['fwd_speedup']:5.2f} "
-              f"{r['fwd_bwd_ms']:7.2f} {r['fwd_bwd_speedup']:5.2f} {r['saved_bytes'] / 2**30:5.2f}G {r['peak_bytes'] / 2**30:5.2f}G "
+              f"{r['fwd_bwd_ms']:7.2f} {r['fwd_bwd_speedup']:5.2f} {r['saved_bytes'] / 2**30:5.2f}G "
+              f"{r['peak_bytes'] / 2**30:5.2f}G "
               f"{max(r['rel_err_vs_dense_bf16'].values()):7.1e}  {b}")
     for v in result["variants"]:
         print(f"variant {v['label']}: fwd {v['fwd_ms']:.2f} ms, fwd+bwd {v['fwd_bwd_ms']:.2f} ms, "
