@@ -154,8 +154,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(d, h, bias=bias)
         self.down_proj = nn.Linear(h, d, bias=bias)
         self.hidden_act = config.hidden_act
-        # kernels.twell_ffn implementation: "torch" (dense matmuls, the default: faster than the
-        # sparse Triton kernels on the H200 today), "auto" (the Triton kernels on CUDA) or "triton"
+        # kernels.twell_ffn implementation: "torch" (dense matmuls, the default; the Triton kernels
+        # beat them only under ~1% density, RESULTS.md), "auto" (the Triton kernels on CUDA) or "triton"
         self.impl = "torch"
         self.l1: torch.Tensor | None = None
         self.stats = None

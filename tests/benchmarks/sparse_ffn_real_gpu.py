@@ -1,0 +1,166 @@
+"""Real data on one GPU: a student trained on a real cache, dense SwiGLU against the sparse FFN
+(ReLU gate + L1) at several coefficients, same steps, data, seed and settings; then the FFN kernels
+on the trained sparse student's own activations (real trained activations) and on synthetic
+inputs with the same per-row non-zero counts.
+
+Part 1 (train): per run, held-out KL through training, per-layer sparsity, dead neurons and
+non-zeros per token at the end, throughput. Part 2 (kernels, CUDA only): for every FFN layer of
+the sparsest run, its inputs on `--tokens` positions of cached text (the cache's own sequences,
+as the student sees them), timed through kernels/twell_ffn.py's Triton path against the dense
+matmuls (forward and forward+backward, CUDA events, medians), and the Triton path again on
+synthetic inputs whose rows have the same non-zero counts (lognormal-free: the real counts).
+
+    # on the GPU machine, from a clean copy of HEAD beside the cache and student folders of
+    # bench_optimizer_convergence_gpu.py:
+    PYTHONPATH=$PWD python3 tests/benchmarks/sparse_ffn_real_gpu.py --cache ../stdlib512 \\
+        --student ../student135m --runs /tmp/sparse_real --out $OUT/sparse_real.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.twell_ffn import relu_gated_ffn
+from student.data import CacheBatches
+from student.model import Student
+from student.trainer import TrainConfig, train
+from teacher_cache.reader import CacheReader
+
+
+def train_run(args, name, sparse, l1):
+    out = Path(args.runs) / name
+    cfg = TrainConfig(cache=args.cache, student=args.student, out=str(out), steps=args.steps, batch_size=8,
+                      warmup_steps=max(1, args.steps // 10), heldout=args.heldout, eval_every=max(1, args.steps // 4),
+                      log_every=max(1, args.steps // 12), save_every=0, sparse_ffn=sparse, l1=l1, seed=0)
+    t0 = time.perf_counter()
+    train(cfg, progress=False)
+    wall = time.perf_counter() - t0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    tr = [r for r in rows if r["kind"] == "train"]
+    ev = [r for r in rows if r["kind"] == "eval"]
+    rec = {"name": name, "sparse_ffn": sparse, "l1": l1, "wall_s": wall,
+           "heldout_kl": [(r["step"], r["kl"]) for r in ev], "final_heldout_kl": ev[-1]["kl"],
+           "tok_per_s_median": sorted(r["tok_per_s"] for r in tr)[len(tr) // 2]}
+    if sparse:
+        last = tr[-1]
+        rec.update({k: last[k] for k in ("ffn_sparsity", "ffn_nnz", "ffn_dead")})
+        rec["mean_sparsity"] = sum(last["ffn_sparsity"]) / len(last["ffn_sparsity"])
+    return rec, out / "student"
+
+
+def capture_ffn_inputs(folder, cache, tokens, device):
+    """Each FFN layer's input [tokens, d] (bf16) on the cache's first sequences, and its weights."""
+    model = Student.from_pretrained(folder, dtype=torch.bfloat16, device=device).eval()
+    reader = CacheReader(cache)
+    length = len(reader.sequence(0).input_ids)
+    batches = CacheBatches(reader, list(range(min(reader.num_sequences, math.ceil(tokens / length)))), 16,
+                           shuffle=False)
+    inputs = [[] for _ in model.layers]
+    hooks = [layer.mlp.register_forward_pre_hook(lambda m, a, i=i: inputs[i].append(a[0].reshape(-1, a[0].shape[-1])))
+             for i, layer in enumerate(model.layers)]
+    with torch.no_grad():
+        for batch in batches.epoch_batches():
+            model(batch.input_ids.to(device))
+    for h in hooks:
+        h.remove()
+    weights = [(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight)
+               for layer in model.layers]
+    return [torch.cat(x)[:tokens].contiguous() for x in inputs], weights
+
+
+def synthetic_like(x, w_gate, seed=0):
+    """Inputs with the same per-row gate non-zero counts as (x, w_gate), columns from random
+    projections: the last input feature is a per-row threshold and w_gate's last column -1."""
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    n, d = x.shape
+    f = w_gate.shape[0]
+    counts = ((x @ w_gate.t()) > 0).sum(1)
+    x0 = torch.randn(n, d - 1, device=x.device, generator=gen)
+    wg0 = torch.randn(f, d - 1, device=x.device, generator=gen) / math.sqrt(d)
+    desc = torch.sort(x0 @ wg0.t(), dim=1, descending=True).values
+    padded = torch.cat([desc[:, :1] + 1.0, desc, desc[:, -1:] - 1.0], dim=1)
+    thr = 0.5 * (padded.gather(1, counts[:, None]) + padded.gather(1, counts[:, None] + 1))
+    xs = torch.cat([x0, thr], dim=1).to(x.dtype)
+    wgs = torch.cat([wg0, -torch.ones(f, 1, device=x.device)], dim=1).to(x.dtype)
+    return xs, wgs
+
+
+def time_layer(x, w_gate, w_up, w_down, rep_ms):
+    import triton
+
+    params = [t.detach().clone().requires_grad_() for t in (x, w_gate, w_up, w_down)]
+    grad_y = torch.randn_like(x)
+    grad_l1 = torch.tensor(2e-5, device=x.device)
+    out = {}
+    for impl in ("torch", "triton"):
+        def fwd():
+            return relu_gated_ffn(*params, impl=impl)
+
+        def fwd_bwd():
+            y, l1, _ = relu_gated_ffn(*params, impl=impl)
+            torch.autograd.backward([y, l1], [grad_y, grad_l1])
+
+        out[f"{impl}_fwd_ms"] = triton.testing.do_bench(fwd, warmup=10, rep=rep_ms, grad_to_none=params,
+                                                        return_mode="median")
+        out[f"{impl}_fwd_bwd_ms"] = triton.testing.do_bench(fwd_bwd, warmup=10, rep=rep_ms, grad_to_none=params,
+                                                            return_mode="median")
+    y_t = relu_gated_ffn(x, w_gate, w_up, w_down, impl="triton")
+    y_d = relu_gated_ffn(x, w_gate, w_up, w_down, impl="torch")
+    out["rel_err_y"] = ((y_t[0].float() - y_d[0].float()).norm() / y_d[0].float().norm().clamp_min(1e-30)).item()
+    out["nnz_mean"] = float(y_t[2].nnz)
+    out["overflow_rows"] = int(y_t[2].overflow_rows)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache", required=True)
+    ap.add_argument("--student", required=True, help="HF folder of the initial student (config.json suffices)")
+    ap.add_argument("--runs", default="/tmp/sparse_real")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--heldout", type=int, default=32)
+    ap.add_argument("--l1", type=float, nargs="+", default=[2e-5, 1e-3, 1e-2])
+    ap.add_argument("--tokens", type=int, default=131072, help="positions of cached text for the kernel timing")
+    ap.add_argument("--rep-ms", type=int, default=100)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "args": vars(args), "runs": []}
+
+    def save():
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+    folders = {}
+    for name, sparse, l1 in [("dense", False, 0.0)] + [(f"l1={c:g}", True, c) for c in args.l1]:
+        rec, folders[name] = train_run(args, name, sparse, l1)
+        result["runs"].append(rec)
+        print(json.dumps({k: v for k, v in rec.items() if not k.startswith("ffn_")}), flush=True)
+        save()
+    sparse_runs = [r for r in result["runs"] if r["sparse_ffn"]]
+    if not sparse_runs or device != "cuda":
+        return
+    best = max(sparse_runs, key=lambda r: r["mean_sparsity"])
+    xs, weights = capture_ffn_inputs(folders[best["name"]], args.cache, args.tokens, device)
+    result["kernels"] = {"run": best["name"], "tokens": xs[0].shape[0], "layers": []}
+    for i, (x, (wg, wu, wd)) in enumerate(zip(xs, weights)):
+        rec = {"layer": i, "real": time_layer(x, wg, wu, wd, args.rep_ms)}
+        xs_syn, wg_syn = synthetic_like(x, wg)
+        rec["synthetic_same_counts"] = time_layer(xs_syn, wg_syn, wu, wd, args.rep_ms)
+        result["kernels"]["layers"].append(rec)
+        r, s = rec["real"], rec["synthetic_same_counts"]
+        print(f"layer {i:2d} nnz {r['nnz_mean']:7.1f} real: fwd {r['triton_fwd_ms']:.3f} vs {r['torch_fwd_ms']:.3f} ms, "
+              f"f+b {r['triton_fwd_bwd_ms']:.3f} vs {r['torch_fwd_bwd_ms']:.3f}; synthetic: fwd "
+              f"{s['triton_fwd_ms']:.3f}, f+b {s['triton_fwd_bwd_ms']:.3f} (nnz {s['nnz_mean']:.1f})", flush=True)
+        save()
+
+
+if __name__ == "__main__":
+    main()
