@@ -196,6 +196,12 @@ _SLICE_BYTES = 1 << 40
 _SDDMM_BLOCKS = (16, 128)
 _SPMM_BLOCKS = (2, 2048)
 _ROW_WARPS = 4  # 8 warps: SpMM 5.6 ms
+_DH_BLOCK = 64  # list positions a step of _dh_kernel
+_FALLBACK_ROWS = 64  # rows a program of the fallback kernels
+# Above this share of non-zeros the backward takes dh from the dense dy Wd (cuBLAS) instead of the
+# SDDMM. H200, d 2048, dff 5632, 2026-11-29: at 1% the SDDMM took 6.0 ms, dense + _dh_kernel
+# 3.5 + 0.9 ms; at 0.5% the SDDMM ~3 ms. (Set to 0 or 1 to force one path, as the tests do.)
+_DENSE_DH_DENSITY = 0.007
 
 
 def _blocks(d_model: int, which: str) -> tuple[int, int]:
@@ -306,13 +312,13 @@ if triton is not None:
 
     @triton.jit
     def _sddmm_kernel(a_ptr, w_ptr, order_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, ell_u_ptr,
-                      bk_idx_ptr, bk_hg_ptr, bk_u_ptr, l1_ptr, l1_scale_ptr, h_ptr, dhug_ptr,
-                      row0, N, D, F, W, BW, NT, TPS, S,
+                      bk_idx_ptr, bk_hg_ptr, bk_u_ptr, l1_ptr, l1_scale_ptr, h_ptr, dhug_ptr, dell_u_ptr,
+                      dell_g_ptr, dbk_u_ptr, dbk_g_ptr, row0, N, D, F, W, BW, NT, TPS, S,
                       BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         """Token row0 + order[pid0], the list positions in hidden slice pid1 (tiles [pid1*TPS, ...)):
         acc = a_m . w[n] (fp32 sums over BLOCK_D columns a step). Forward (a=x, w=Wu): store
-        u = acc and the slice's sum |round(relu(g) u)|. Backward (a=dy, w=Wd^T): dh = acc + the L1
-        term, scatter h, dh_u, dh_g into the chunk's dense rows. Fallback rows have no list."""
+        u = acc in the format and the slice's sum |round(relu(g) u)|. Backward (a=dy, w=Wd^T):
+        _dh_epilogue with dh = acc. Fallback rows have no list."""
         r = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
         sl = tl.program_id(1)
         m = r + row0
@@ -327,11 +333,10 @@ if triton is not None:
             p = q0 + tl.arange(0, BLOCK_S)
             mp = p < p1
             in_ell, ell_off, in_bk, bk_off = _list_masks(m, p, mp, slot, W, BW)
-            n = tl.load(ell_idx_ptr + ell_off, mask=in_ell, other=0) + \
-                tl.load(bk_idx_ptr + bk_off, mask=in_bk, other=0)
+            n64 = (tl.load(ell_idx_ptr + ell_off, mask=in_ell, other=0) +
+                   tl.load(bk_idx_ptr + bk_off, mask=in_bk, other=0)).to(tl.int64)
             hg = tl.load(ell_hg_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
                 tl.load(bk_hg_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
-            n64 = n.to(tl.int64)
             acc2 = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)  # one reduction per list block
             for k0 in range(0, D, BLOCK_D):
                 k = k0 + tl.arange(0, BLOCK_D)
@@ -344,16 +349,8 @@ if triton is not None:
             if BACKWARD:
                 u = tl.load(ell_u_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
                     tl.load(bk_u_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
-                live = mp & (hg > 0)
-                l1_scale = tl.load(l1_scale_ptr)
-                h = (hg * u).to(dtype).to(tl.float32)
-                sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
-                dh = (acc.to(dtype).to(tl.float32) + l1_scale * sign).to(dtype).to(tl.float32)
-                dhu = (dh * hg).to(dtype)
-                dhg = (dh * u).to(dtype)
-                tl.store(h_ptr + r * F + n64, h.to(dtype), mask=live)
-                tl.store(dhug_ptr + r * 2 * F + n64, dhu, mask=live)
-                tl.store(dhug_ptr + r * 2 * F + F + n64, dhg, mask=live)
+                _dh_epilogue(acc, hg, u, tl.load(l1_scale_ptr), r, n64, mp, in_ell, ell_off, in_bk, bk_off,
+                             h_ptr, dhug_ptr, dell_u_ptr, dell_g_ptr, dbk_u_ptr, dbk_g_ptr, F)
             else:
                 u = acc.to(dtype)
                 tl.store(ell_u_ptr + ell_off, u, mask=in_ell)
@@ -363,13 +360,34 @@ if triton is not None:
             tl.store(l1_ptr + m * S + sl + tl.arange(0, 1), tl.zeros([1], dtype=tl.float32) + tl.sum(l1, axis=0))
 
     @triton.jit
-    def _spmm_kernel(w1_ptr, w2_ptr, order_ptr, count_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, ell_u_ptr,
-                     bk_idx_ptr, bk_hg_ptr, bk_u_ptr, dhug_ptr, out_ptr, row0, D, F, W, BW,
+    def _dh_epilogue(dh_y, hg, u, l1_scale, r, n64, mp, in_ell, ell_off, in_bk, bk_off,
+                     h_ptr, dhug_ptr, dell_u_ptr, dell_g_ptr, dbk_u_ptr, dbk_g_ptr, F):
+        """At list positions with values relu(g), u and dh_y = (dy Wd)[n] (fp32): dh = dh_y + the L1
+        term, dh_u = dh relu(g), dh_g = dh u, each rounded as the dense path rounds. h, dh_u, dh_g
+        go into the chunk's dense rows r at columns n (for the weight-gradient GEMMs), dh_u and dh_g
+        also to the list positions (for the dx SpMM)."""
+        dtype = h_ptr.dtype.element_ty
+        h = (hg * u).to(dtype).to(tl.float32)
+        sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
+        dh = (dh_y.to(dtype).to(tl.float32) + l1_scale * sign).to(dtype).to(tl.float32)
+        dhu = (dh * hg).to(dtype)
+        dhg = (dh * u).to(dtype)
+        tl.store(h_ptr + r * F + n64, h.to(dtype), mask=mp)
+        tl.store(dhug_ptr + r * 2 * F + n64, dhu, mask=mp)
+        tl.store(dhug_ptr + r * 2 * F + F + n64, dhg, mask=mp)
+        tl.store(dell_u_ptr + ell_off, dhu, mask=in_ell)
+        tl.store(dell_g_ptr + ell_off, dhg, mask=in_ell)
+        tl.store(dbk_u_ptr + bk_off, dhu, mask=in_bk)
+        tl.store(dbk_g_ptr + bk_off, dhg, mask=in_bk)
+
+    @triton.jit
+    def _spmm_kernel(w1_ptr, w2_ptr, order_ptr, count_ptr, slot_ptr, ell_idx_ptr, ell_a_ptr, ell_b_ptr,
+                     bk_idx_ptr, bk_a_ptr, bk_b_ptr, out_ptr, row0, D, W, BW,
                      BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         """Token row0 + order[pid0], d_model columns [pid1*BLOCK_D, ...): out = sum over the token's
-        list of v1 w1[n] (+ v2 w2[n]). Forward: v1 = round(relu(g) u), w1 = Wd^T. Backward:
-        v1, v2 = dh_u, dh_g read from the chunk's dense rows, w1, w2 = Wu, Wg. Fallback rows are
-        left to the fallback kernels."""
+        list of a, b (values at the list positions, format layout). Forward: a, b = relu(g), u and
+        out = sum round(a b) w1[n], w1 = Wd^T. Backward: a, b = dh_u, dh_g and
+        out = sum a w1[n] + b w2[n], w1, w2 = Wu, Wg. Fallback rows are left to the fallback kernels."""
         r = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
         m = r + row0
         slot = tl.load(slot_ptr + m)
@@ -386,19 +404,44 @@ if triton is not None:
                    tl.load(bk_idx_ptr + bk_off, mask=in_bk, other=0)).to(tl.int64)
             m2 = mp[:, None] & mk[None, :]
             w1 = tl.load(w1_ptr + n64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
+            a = tl.load(ell_a_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
+                tl.load(bk_a_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
+            b = tl.load(ell_b_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
+                tl.load(bk_b_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
             if BACKWARD:
-                v1 = tl.load(dhug_ptr + r * 2 * F + n64, mask=mp, other=0.0).to(tl.float32)
-                v2 = tl.load(dhug_ptr + r * 2 * F + F + n64, mask=mp, other=0.0).to(tl.float32)
                 w2 = tl.load(w2_ptr + n64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
-                acc2 += w1 * v1[:, None] + w2 * v2[:, None]
+                acc2 += w1 * a[:, None] + w2 * b[:, None]
             else:
-                hg = tl.load(ell_hg_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
-                    tl.load(bk_hg_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
-                u = tl.load(ell_u_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
-                    tl.load(bk_u_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
-                acc2 += w1 * (hg * u).to(dtype).to(tl.float32)[:, None]
+                acc2 += w1 * (a * b).to(dtype).to(tl.float32)[:, None]
         keep = (tl.zeros_like(k) + slot) != -2
         tl.store(out_ptr + m * D + k, tl.sum(acc2, axis=0).to(dtype), mask=mk & keep)
+
+    @triton.jit
+    def _dh_kernel(dh_ptr, count_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, ell_u_ptr, bk_idx_ptr, bk_hg_ptr, bk_u_ptr,
+                   l1_scale_ptr, h_ptr, dhug_ptr, dell_u_ptr, dell_g_ptr, dbk_u_ptr, dbk_g_ptr, row0, F, W, BW,
+                   BLOCK: tl.constexpr):
+        """Chunk row pid, at its list positions: dh = the chunk's dense dy Wd read at n, + the L1
+        term; dh_u = dh relu(g), dh_g = dh u. h, dh_u, dh_g go into the chunk's dense rows (for
+        the weight-gradient GEMMs), dh_u and dh_g also to the list positions (for the dx SpMM).
+        Fallback rows have no list: _fallback_bwd_kernel does theirs."""
+        r = tl.program_id(0).to(tl.int64)
+        m = r + row0
+        slot = tl.load(slot_ptr + m)
+        num = tl.where(slot == -2, 0, tl.load(count_ptr + m))
+        l1_scale = tl.load(l1_scale_ptr)
+        for q0 in range(0, num, BLOCK):
+            p = q0 + tl.arange(0, BLOCK)
+            mp = p < num
+            in_ell, ell_off, in_bk, bk_off = _list_masks(m, p, mp, slot, W, BW)
+            n64 = (tl.load(ell_idx_ptr + ell_off, mask=in_ell, other=0) +
+                   tl.load(bk_idx_ptr + bk_off, mask=in_bk, other=0)).to(tl.int64)
+            hg = tl.load(ell_hg_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
+                tl.load(bk_hg_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
+            u = tl.load(ell_u_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
+                tl.load(bk_u_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
+            dh_y = tl.load(dh_ptr + r * F + n64, mask=mp, other=0.0).to(tl.float32)
+            _dh_epilogue(dh_y, hg, u, l1_scale, r, n64, mp, in_ell, ell_off, in_bk, bk_off,
+                         h_ptr, dhug_ptr, dell_u_ptr, dell_g_ptr, dbk_u_ptr, dbk_g_ptr, F)
 
     @triton.jit
     def _clear_kernel(count_ptr, slot_ptr, ell_idx_ptr, bk_idx_ptr, h_ptr, dhug_ptr, row0, F, W, BW,
@@ -425,13 +468,25 @@ if triton is not None:
             tl.store(dhug_ptr + r * 2 * F + F + n64, zero, mask=mp)
 
     @triton.jit
-    def _fallback_fwd_kernel(x_ptr, wu_ptr, wdt_ptr, g_ptr, slot_ptr, y_ptr, l1_ptr, row0, D, F,
-                             BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Chunk row pid, if it is a fallback row: every hidden column of its gate (read from the
-        chunk's gate g), u = x . Wu[n], h = relu(g) u, y = sum h Wd^T[n], and its sum |h|."""
-        r = tl.program_id(0).to(tl.int64)
+    def _fallback_fwd_kernel(x_ptr, wu_ptr, wdt_ptr, g_ptr, slot_ptr, y_ptr, l1_ptr, row0, C, D, F,
+                             ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Chunk rows [pid*ROWS, ...), for each fallback row among them: every hidden column of its
+        gate (read from the chunk's gate g), u = x . Wu[n], h = relu(g) u, y = sum h Wd^T[n], and
+        its sum |h|. (A program per row would cost a launch of N programs for the rare row.)"""
+        for i in range(ROWS):
+            _fallback_fwd_row(x_ptr, wu_ptr, wdt_ptr, g_ptr, slot_ptr, y_ptr, l1_ptr, row0,
+                              (tl.program_id(0) * ROWS + i).to(tl.int64), C, D, F, BLOCK_S, BLOCK_D)
+
+    @triton.jit
+    def _fallback_row_slot(slot_ptr, m, r, C):
+        """The row's slot, or -1 (not a fallback row) past the chunk's end r >= C."""
+        return tl.where(r < C, tl.load(slot_ptr + tl.minimum(m, m - r + C - 1)), -1)
+
+    @triton.jit
+    def _fallback_fwd_row(x_ptr, wu_ptr, wdt_ptr, g_ptr, slot_ptr, y_ptr, l1_ptr, row0, r, C, D, F,
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         m = row0 + r
-        slot = tl.load(slot_ptr + m)
+        slot = _fallback_row_slot(slot_ptr, m, r, C)
         num = tl.where(slot == -2, F, 0)
         dtype = x_ptr.dtype.element_ty
         k = tl.arange(0, BLOCK_D)
@@ -456,13 +511,20 @@ if triton is not None:
 
     @triton.jit
     def _fallback_bwd_kernel(x_ptr, dy_ptr, wg_ptr, wu_ptr, wdt_ptr, slot_ptr, l1_scale_ptr, h_ptr, dhug_ptr,
-                             dx_ptr, row0, D, F, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Chunk row pid, if it is a fallback row: gate and up recomputed from x at every hidden
-        column, dh (with the L1 term), dh_u, dh_g scattered with h into the chunk's dense rows,
-        and dx = sum dh_u Wu[n] + dh_g Wg[n]."""
-        r = tl.program_id(0).to(tl.int64)
+                             dx_ptr, row0, C, D, F, ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+        """Chunk rows [pid*ROWS, ...), for each fallback row among them: gate and up recomputed
+        from x at every hidden column, dh (with the L1 term), dh_u, dh_g scattered with h into the
+        chunk's dense rows, and dx = sum dh_u Wu[n] + dh_g Wg[n]."""
+        for i in range(ROWS):
+            _fallback_bwd_row(x_ptr, dy_ptr, wg_ptr, wu_ptr, wdt_ptr, slot_ptr, l1_scale_ptr, h_ptr, dhug_ptr,
+                              dx_ptr, row0, (tl.program_id(0) * ROWS + i).to(tl.int64), C, D, F, BLOCK_S, BLOCK_D)
+
+    @triton.jit
+    def _fallback_bwd_row(x_ptr, dy_ptr, wg_ptr, wu_ptr, wdt_ptr, slot_ptr, l1_scale_ptr, h_ptr, dhug_ptr,
+                          dx_ptr, row0, r, C, D, F, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         m = r + row0
-        slot = tl.load(slot_ptr + m)
+        slot = _fallback_row_slot(slot_ptr, m, r, C)
         num = tl.where(slot == -2, F, 0)
         dtype = x_ptr.dtype.element_ty
         l1_scale = tl.load(l1_scale_ptr)
@@ -513,8 +575,8 @@ def _mm_into_fp32(acc, a, b):
     """acc += a @ b with fp32 accumulation, for bf16 / fp16 / fp32 a and b."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-    elif a.is_cuda:
-        acc += torch.mm(a, b, out_dtype=torch.float32)
+    elif a.is_cuda:  # accumulated by cuBLAS (beta = 1): no fp32 temporary and add
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
         acc.addmm_(a.float(), b.float())
 
@@ -585,20 +647,21 @@ class _TwellFFNFunction(torch.autograd.Function):
             gate_c = gate[:rows]
             torch.mm(x[row0:row0 + rows], w_gate.t(), out=gate_c)
             _pack(gate_c, words, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, cap)
-            _fallback_fwd_kernel[(rows,)](x, w_up, w_down_t, gate_c, slot, y, l1_fb, row0, d_model, d_ff,
-                                          BLOCK_S=fb_s, BLOCK_D=fb_d, num_warps=8)
+            _fallback_fwd_kernel[(triton.cdiv(rows, _FALLBACK_ROWS),)](
+                x, w_up, w_down_t, gate_c, slot, y, l1_fb, row0, rows, d_model, d_ff, ROWS=_FALLBACK_ROWS,
+                BLOCK_S=fb_s, BLOCK_D=fb_d, num_warps=8)
         del gate, words
         # longest lists first, so that the few long rows overlap the many short ones
         order = torch.argsort(torch.where(slot == -2, -1, count), descending=True)
         sd_s, sd_d = _blocks(d_model, "sddmm")
         _sddmm_kernel[(num_tokens, slices)](
-            x, w_up, order, start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, l1_part, l1_part, x, x,
+            x, w_up, order, start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, l1_part, *(l1_part,) * 7,
             0, num_tokens, d_model, d_ff, width, bk_width, num_tiles, tiles_per_slice, slices,
             BACKWARD=False, BLOCK_S=sd_s, BLOCK_D=sd_d, num_warps=_ROW_WARPS)
         sp_s, sp_d = _blocks(d_model, "spmm")
         _spmm_kernel[(num_tokens, triton.cdiv(d_model, sp_d))](
-            w_down_t, w_down_t, order, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, x, y,
-            0, d_model, d_ff, width, bk_width, BACKWARD=False, BLOCK_S=sp_s, BLOCK_D=sp_d, num_warps=_ROW_WARPS)
+            w_down_t, w_down_t, order, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, y,
+            0, d_model, width, bk_width, BACKWARD=False, BLOCK_S=sp_s, BLOCK_D=sp_d, num_warps=_ROW_WARPS)
         l1 = (l1_part.sum() + l1_fb.sum()) / max(num_tokens, 1)
         over = counter[0].to(torch.int64)
         stats = (count.float().mean() if num_tokens else torch.zeros((), device=dev),
@@ -618,41 +681,52 @@ class _TwellFFNFunction(torch.autograd.Function):
         dev, dtype = x.device, x.dtype
         chunk = ctx.chunk
         width, bk_width = ell_idx.shape[1], bk_idx.shape[1]
-        num_tiles = start.shape[0] - 1
         grad_y = torch.zeros_like(x) if grad_y is None else grad_y.contiguous()
         l1_scale = torch.zeros(1, dtype=torch.float32, device=dev)
         if grad_l1 is not None:
             l1_scale += grad_l1.float() / max(num_tokens, 1)
         w_down_t = w_down.t().contiguous()
+        num_tiles = start.shape[0] - 1
         slices, tiles_per_slice = _hidden_slices(d_ff, d_model, x.element_size())
         sd_s, sd_d = _blocks(d_model, "sddmm")
-        sp_s, sp_d = _blocks(d_model, "spmm")
         fb_s, fb_d = _fallback_blocks(d_model)
         dx = _new_output(x.shape, dtype, dev)
         rows_max = min(chunk, num_tokens)
+        # dh at the non-zeros: a W_down^T row gathered per non-zero (the SDDMM), or, when the
+        # non-zeros are dense enough that this costs more than the dense product, dy Wd (cuBLAS)
+        # read at them. The choice syncs with the host once, for the number of non-zeros.
+        dense_dh = int(count.sum()) > _DENSE_DH_DENSITY * num_tokens * d_ff
+        dh_buf = torch.empty(rows_max if dense_dh else 0, d_ff, dtype=dtype, device=dev)
         # zeroed once; after each chunk _clear_kernel zeroes only what the chunk wrote
         h_buf = torch.zeros(rows_max, d_ff, dtype=dtype, device=dev)
         dhug_buf = torch.zeros(rows_max, 2 * d_ff, dtype=dtype, device=dev)
+        # dh_u, dh_g at the list positions, for the dx SpMM
+        d_ell_u, d_ell_g = (_new_output(ell_u.shape, dtype, dev) for _ in range(2))
+        d_bk_u, d_bk_g = (_new_output(bk_u.shape, dtype, dev) for _ in range(2))
         single = rows_max >= num_tokens
         acc_dtype = dtype if single else torch.float32
         dw_ug = torch.zeros(2 * d_ff, d_model, dtype=acc_dtype, device=dev)
         dwd = torch.zeros(d_model, d_ff, dtype=acc_dtype, device=dev)
+        dh_outs = (h_buf, dhug_buf, d_ell_u, d_ell_g, d_bk_u, d_bk_g)
         for row0 in range(0, num_tokens, chunk):
             rows = min(chunk, num_tokens - row0)
             h_c, dhug_c = h_buf[:rows], dhug_buf[:rows]
-            key = count[row0:row0 + rows]
-            order = torch.argsort(torch.where(slot[row0:row0 + rows] == -2, -1, key), descending=True)
-            _sddmm_kernel[(rows, slices)](
-                grad_y, w_down_t, order, start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, l1_scale,
-                l1_scale, h_c, dhug_c, row0, num_tokens, d_model, d_ff, width, bk_width, num_tiles,
-                tiles_per_slice, slices, BACKWARD=True, BLOCK_S=sd_s, BLOCK_D=sd_d, num_warps=_ROW_WARPS)
-            _fallback_bwd_kernel[(rows,)](x, grad_y, w_gate, w_up, w_down_t, slot, l1_scale, h_c, dhug_c, dx,
-                                          row0, d_model, d_ff, BLOCK_S=fb_s, BLOCK_D=fb_d, num_warps=8)
-            _spmm_kernel[(rows, triton.cdiv(d_model, sp_d))](
-                w_up, w_gate, order, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, dhug_c, dx,
-                row0, d_model, d_ff, width, bk_width, BACKWARD=True, BLOCK_S=sp_s, BLOCK_D=sp_d,
-                num_warps=_ROW_WARPS)
             x_c, dy_c = x[row0:row0 + rows], grad_y[row0:row0 + rows]
+            if dense_dh:
+                dh_c = dh_buf[:rows]
+                torch.mm(dy_c, w_down, out=dh_c)
+                _dh_kernel[(rows,)](dh_c, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, l1_scale,
+                                    *dh_outs, row0, d_ff, width, bk_width, BLOCK=_DH_BLOCK, num_warps=4)
+            else:
+                key = torch.where(slot[row0:row0 + rows] == -2, -1, count[row0:row0 + rows])
+                _sddmm_kernel[(rows, slices)](
+                    grad_y, w_down_t, torch.argsort(key, descending=True), start, slot, ell_idx, ell_hg, ell_u,
+                    bk_idx, bk_hg, bk_u, l1_scale, l1_scale, *dh_outs, row0, num_tokens, d_model, d_ff, width,
+                    bk_width, num_tiles, tiles_per_slice, slices, BACKWARD=True, BLOCK_S=sd_s, BLOCK_D=sd_d,
+                    num_warps=_ROW_WARPS)
+            _fallback_bwd_kernel[(triton.cdiv(rows, _FALLBACK_ROWS),)](
+                x, grad_y, w_gate, w_up, w_down_t, slot, l1_scale, h_c, dhug_c, dx, row0, rows, d_model, d_ff,
+                ROWS=_FALLBACK_ROWS, BLOCK_S=fb_s, BLOCK_D=fb_d, num_warps=8)
             if single:
                 torch.mm(dhug_c.t(), x_c, out=dw_ug)
                 torch.mm(dy_c.t(), h_c, out=dwd)
@@ -662,6 +736,12 @@ class _TwellFFNFunction(torch.autograd.Function):
             if row0 + rows < num_tokens:
                 _clear_kernel[(rows,)](count, slot, ell_idx, bk_idx, h_c, dhug_c, row0, d_ff, width, bk_width,
                                        BLOCK=64)
+        del dh_buf, h_buf, dhug_buf, dh_outs
+        order = torch.argsort(torch.where(slot == -2, -1, count), descending=True)
+        sp_s, sp_d = _blocks(d_model, "spmm")
+        _spmm_kernel[(num_tokens, triton.cdiv(d_model, sp_d))](
+            w_up, w_gate, order, count, slot, ell_idx, d_ell_u, d_ell_g, bk_idx, d_bk_u, d_bk_g, dx,
+            0, d_model, width, bk_width, BACKWARD=True, BLOCK_S=sp_s, BLOCK_D=sp_d, num_warps=_ROW_WARPS)
         dwu, dwg = dw_ug[:d_ff], dw_ug[d_ff:]
         return dx, dwg.to(dtype), dwu.to(dtype), dwd.to(dtype), None, None, None
 

@@ -136,6 +136,16 @@ def test_odd_shapes_and_chunks(dtype):
     check_against_reference(inputs, dtype, ell_width=7, backup_rows=2, chunk_rows=5)
 
 
+@pytest.mark.parametrize("density", [0.0, 1.0])
+def test_both_ways_to_dh(monkeypatch, density):
+    """The backward's dh from the dense dy Wd (threshold 0) and from the SDDMM (threshold 1), with
+    chunks, ELL, backup and fallback rows."""
+    monkeypatch.setattr(twell, "_DENSE_DH_DENSITY", density)
+    inputs = make_inputs(13, 37, 101, spread_counts(13, 101, 0.8, seed=9), torch.bfloat16)
+    stats = check_against_reference(inputs, torch.bfloat16, ell_width=7, backup_rows=2, chunk_rows=5)
+    assert int(stats.fallback_rows) > 0
+
+
 def test_pack_block_sizes(monkeypatch):
     """The pack kernels with one row a block, two blocks a program (five programs down the rows)
     and tiles narrower than dff (several tiles a row)."""
@@ -155,6 +165,7 @@ def test_hidden_slices_and_blocks(monkeypatch):
     monkeypatch.setattr(twell, "_TILE_F", 32)
     monkeypatch.setattr(twell, "_SLICE_BYTES", 1)
     monkeypatch.setattr(twell, "_blocks", lambda d_model, which: (2, 8))
+    monkeypatch.setattr(twell, "_DENSE_DH_DENSITY", 1.0)  # the backward's SDDMM too
     inputs = make_inputs(11, 20, 101, spread_counts(11, 101, 0.8, seed=8), torch.float32)
     assert twell._hidden_slices(101, 20, 4) == (4, 1)
     stats = check_against_reference(inputs, torch.float32, ell_width=6, backup_rows=2, chunk_rows=4)

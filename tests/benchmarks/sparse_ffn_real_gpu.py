@@ -34,23 +34,27 @@ from student.trainer import TrainConfig, train
 from teacher_cache.reader import CacheReader
 
 
-def train_run(args, name, sparse, l1):
+def train_run(args, name, sparse, l1, kernel="dense"):
     out = Path(args.runs) / name
     cfg = TrainConfig(cache=args.cache, student=args.student, out=str(out), steps=args.steps, batch_size=8,
                       warmup_steps=max(1, args.steps // 10), heldout=args.heldout, eval_every=max(1, args.steps // 4),
-                      log_every=max(1, args.steps // 12), save_every=0, sparse_ffn=sparse, l1=l1, seed=0)
+                      log_every=max(1, args.steps // 12), save_every=0, sparse_ffn=sparse, l1=l1, seed=0,
+                      sparse_kernel=kernel)
     t0 = time.perf_counter()
     train(cfg, progress=False)
     wall = time.perf_counter() - t0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     tr = [r for r in rows if r["kind"] == "train"]
     ev = [r for r in rows if r["kind"] == "eval"]
-    rec = {"name": name, "sparse_ffn": sparse, "l1": l1, "wall_s": wall,
+    rec = {"name": name, "sparse_ffn": sparse, "l1": l1, "sparse_kernel": kernel, "wall_s": wall,
            "heldout_kl": [(r["step"], r["kl"]) for r in ev], "final_heldout_kl": ev[-1]["kl"],
            "tok_per_s_median": sorted(r["tok_per_s"] for r in tr)[len(tr) // 2]}
     if sparse:
         last = tr[-1]
-        rec.update({k: last[k] for k in ("ffn_sparsity", "ffn_nnz", "ffn_dead")})
+        rec.update({k: last[k] for k in ("ffn_sparsity", "ffn_nnz", "ffn_dead", "ffn_kernel") if k in last})
+        # throughput after the first routing (logging) step, where twell layers start to run
+        late = [r["tok_per_s"] for r in tr if r["step"] > cfg.log_every]
+        rec["tok_per_s_median_after_first_log"] = sorted(late)[len(late) // 2] if late else None
         rec["mean_sparsity"] = sum(last["ffn_sparsity"]) / len(last["ffn_sparsity"])
     return rec, out / "student"
 
@@ -127,6 +131,10 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--heldout", type=int, default=32)
     ap.add_argument("--l1", type=float, nargs="+", default=[2e-5, 1e-3, 1e-2])
+    ap.add_argument("--kernels", nargs="+", default=["dense"], choices=["dense", "twell"],
+                    help="--sparse-kernel of each sparse run (each L1 runs once per kernel)")
+    ap.add_argument("--no-dense-run", action="store_true", help="skip the dense SwiGLU run")
+    ap.add_argument("--no-kernel-timing", action="store_true", help="skip part 2")
     ap.add_argument("--tokens", type=int, default=131072, help="positions of cached text for the kernel timing")
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--out", default=None)
@@ -139,13 +147,15 @@ def main():
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
     folders = {}
-    for name, sparse, l1 in [("dense", False, 0.0)] + [(f"l1={c:g}", True, c) for c in args.l1]:
-        rec, folders[name] = train_run(args, name, sparse, l1)
+    plan = [] if args.no_dense_run else [("dense", False, 0.0, "dense")]
+    plan += [(f"l1={c:g}" + ("" if k == "dense" else f",{k}"), True, c, k) for c in args.l1 for k in args.kernels]
+    for name, sparse, l1, kernel in plan:
+        rec, folders[name] = train_run(args, name, sparse, l1, kernel)
         result["runs"].append(rec)
         print(json.dumps({k: v for k, v in rec.items() if not k.startswith("ffn_")}), flush=True)
         save()
     sparse_runs = [r for r in result["runs"] if r["sparse_ffn"]]
-    if not sparse_runs or device != "cuda":
+    if not sparse_runs or device != "cuda" or args.no_kernel_timing:
         return
     best = max(sparse_runs, key=lambda r: r["mean_sparsity"])
     xs, weights = capture_ffn_inputs(folders[best["name"]], args.cache, args.tokens, device)
