@@ -9,10 +9,10 @@ Torch path ("torch"): plain autograd over dense [N, dff] tensors; the reference 
 
 Triton path ("triton"): the hybrid ELL + backup format of the paper and gather kernels for the
 sparse products; see the section below. On the H200 (d=2048, dff=5632, 131k tokens, bf16; dense
-cuBLAS 14.2 ms forward, 42.2 ms forward+backward in the same run) it keeps 0.20x the dense path's
-activations; at 99.5% sparsity it runs the forward in 10.1 ms (1.41x) and forward+backward in
-32.5 ms (1.30x); at 99% it is level with dense (13.6 ms, 1.04x; 42.4 ms, 1.00x); below 99% it is
-slower (tests/benchmarks/bench_twell_ffn_gpu.py and RESULTS.md, 2026-11-29).
+cuBLAS 13.9 ms forward, 41.0 ms forward+backward in the same run) it keeps 0.20x the dense path's
+activations; at 99.5% sparsity it runs the forward in 10.1 ms (1.38x) and forward+backward in
+31.4 ms (1.31x); at 99% it is about level with dense (13.6 ms, 1.03x; 39.4 ms, 1.04x); below 99% it
+is slower (tests/benchmarks/bench_twell_ffn_gpu.py and RESULTS.md, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -164,12 +164,16 @@ def relu_gated_ffn(x, w_gate, w_up, w_down, *, impl: str = "auto", ell_width: in
 # _sddmm_kernel, grid (token, hidden slice): u = x . Wu[n] at the token's non-zeros in the slice,
 # stored in the format, and the row's sum |h| per slice; _spmm_kernel, grid (token, d_model
 # slice): y = sum_n round(relu(g) u) Wd^T[n, slice].
-# Backward, per token chunk: _sddmm_kernel again, with dy and Wd^T: dh = dy . Wd^T[n] + the L1
-# term, dh_u = dh relu(g), dh_g = dh u, scattered with h into zeroed [chunk, dff] and
-# [chunk, 2 dff] buffers (zeroed once; _clear_kernel re-zeroes what a chunk wrote);
-# _fallback_bwd_kernel for fallback rows; _spmm_kernel with Wu and Wg:
-# dx = sum_n dh_u Wu[n] + dh_g Wg[n]; the weight gradients are cuBLAS products of those buffers
-# with dy and x (fp32 accumulation over chunks).
+# Backward, per token chunk: dh at the list positions, either from _sddmm_kernel again (dy and
+# Wd^T) or, above _DENSE_DH_DENSITY non-zeros (where a gathered row per non-zero costs more than
+# the dense product), from cuBLAS's dense dy Wd read at them by _dh_kernel; then (_dh_epilogue)
+# dh += the L1 term, dh_u = dh relu(g), dh_g = dh u, scattered with h into zeroed [chunk, dff] and
+# [chunk, 2 dff] buffers (zeroed once; _clear_kernel re-zeroes what a chunk wrote) and dh_u, dh_g
+# also stored at the list positions; _fallback_bwd_kernel for fallback rows; the weight gradients
+# are cuBLAS products of those buffers with dy and x (fp32 accumulation over chunks). After the
+# chunks, _spmm_kernel with Wu and Wg: dx = sum_n dh_u Wu[n] + dh_g Wg[n].
+# Weight gradients by gathers instead (per neuron, its tokens' x and dy rows: the paper's
+# transposed format) were tried and measured slower: those rows come from DRAM, not L2 (RESULTS.md).
 # Grids put the token index in the fastest dimension, so all tokens pass over one weight slice
 # before the next slice starts; tokens run longest lists first.
 # Saved for backward: x, the weights and the format above; never a dense [N, dff] tensor.

@@ -111,9 +111,10 @@ class TrainConfig:
     # How a ReLU-gated FFN computes: "dense" (three matmuls) or "twell": at each logging step,
     # layers whose mean non-zeros per token fell under TWELL_MAX_NNZ switch to
     # kernels/twell_ffn.py's sparse Triton kernels on a GPU (a fifth of the activation memory;
-    # on the H200 at d=2048, dff=5632 level with dense at 56 non-zeros, 1.3-1.4x faster at 28,
-    # slower above, RESULTS.md), the others stay dense; metrics rows record each layer's choice
-    # as ffn_kernel. Dense stays the default: the kernels are measured at that one shape only.
+    # on the H200 at d=2048, dff=5632 about level with dense at 56 non-zeros, 1.3-1.4x faster at
+    # 28, slower above, RESULTS.md), the others stay dense; metrics rows record each layer's choice
+    # as ffn_kernel. Dense stays the default: through the trainer at the 135M shape (4K tokens a
+    # step) twell ran at 0.65-0.72x dense's tokens/s.
     sparse_kernel: str = "dense"
 
     def __post_init__(self):
