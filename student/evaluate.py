@@ -50,7 +50,7 @@ class _Sums:
         self.ffn = None  # sparse students: [nnz x rows summed [L], active [L, d_ff], rows]
 
     def add_ffn(self, terms: list, num_rows: int) -> None:
-        """terms: per layer (l1, FFNStats) of one forward over num_rows positions (Student.ffn_terms())."""
+        """terms: per layer (l1, FFNStats) of one forward over num_rows real tokens (Student.ffn_terms())."""
         nnz_L = torch.stack([s.nnz for _, s in terms]).double() * num_rows
         active_LF = torch.stack([s.active for _, s in terms])
         if self.ffn is None:
@@ -99,8 +99,8 @@ def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, de
     ce / ppl: cross-entropy of the actual next token (rows that have one). top1: agreement of the
     student's argmax with the teacher's top-1 id. Logits are formed ROW_CHUNK rows at a time; the
     [tokens, V] logits never exist at once. seq_len crops each sequence to its first seq_len rows.
-    A ReLU-gated student also gets ffn_nnz / ffn_sparsity / ffn_dead per layer, counted over every
-    position of the batches (padding of ragged sequences included; packed caches have none).
+    A ReLU-gated student also gets ffn_nnz / ffn_sparsity / ffn_dead per layer, counted over the
+    real tokens of the batches (padding of ragged sequences left out).
     """
     was_training = model.training
     model.eval()
@@ -111,10 +111,10 @@ def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, de
     for batch in data.epoch_batches():
         batch = batch.to(device)
         with amp:
-            hidden = model(batch.input_ids)
+            hidden = model(batch.input_ids, token_mask=batch.mask)
         hidden_ND = hidden.reshape(-1, hidden.shape[-1])
-        if model.config.sparse_ffn:
-            sums.add_ffn(model.ffn_terms(), hidden_ND.shape[0])
+        if model.config.sparse_ffn:  # statistics over the real tokens (the padding rows left out)
+            sums.add_ffn(model.ffn_terms(), batch.num_tokens)
         for lo in range(0, hidden_ND.shape[0], ROW_CHUNK):
             rows = slice(lo, lo + ROW_CHUNK)
             logits_CV = (hidden_ND[rows].float() @ weight.float().T)

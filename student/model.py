@@ -4,6 +4,8 @@ optional store of past keys/values so chunk-recurrent training can reuse it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import os
@@ -145,6 +147,8 @@ class MLP(nn.Module):
     scalar, differentiable: sum over d_ff of |h|, mean over the call's tokens) and `stats`
     (FFNStats: nnz, active neurons, overflow / fallback rows) of that call; a chunked forward
     leaves the last chunk's. The trainer and the evaluation read them; nothing here syncs the host.
+    `row_mask` (bool [N], set by Student.forward from its token_mask): rows that are padding get a
+    zero input, so they have no non-zeros and no |h|, and l1 and nnz are means over the real rows.
     """
 
     def __init__(self, config: StudentConfig):
@@ -159,6 +163,7 @@ class MLP(nn.Module):
         self.impl = "torch"
         self.l1: torch.Tensor | None = None
         self.stats = None
+        self.row_mask: torch.Tensor | None = None
 
     def forward(self, x):
         if self.hidden_act == "silu":
@@ -170,7 +175,14 @@ class MLP(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weights = x.to(dtype), [w.to(dtype) for w in weights]
         x_ND = x.reshape(-1, x.shape[-1])
+        mask = self.row_mask if self.row_mask is not None and self.row_mask.numel() == x_ND.shape[0] else None
+        if mask is not None:
+            x_ND = x_ND * mask[:, None].to(x_ND.dtype)
         y_ND, self.l1, self.stats = relu_gated_ffn(x_ND, *weights, impl=self.impl)
+        if mask is not None:  # padding rows are all zero: the means over all rows, rescaled to the real ones
+            scale = mask.numel() / mask.sum().clamp_min(1)
+            self.l1 = self.l1 * scale
+            self.stats = dataclasses.replace(self.stats, nnz=self.stats.nnz * scale)
         return y_ND.view(x.shape)
 
 
@@ -216,12 +228,17 @@ class Student(nn.Module):
         """[vocab_size, hidden_size]; the embedding matrix when embeddings are tied."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids, position_ids=None, kv_store: KVStore | None = None):
+    def forward(self, input_ids, position_ids=None, kv_store: KVStore | None = None, token_mask=None):
         """input_ids [B, T] int64 -> final hidden states [B, T, hidden_size] (after the last norm).
 
-        position_ids [B, T] default to past_length + arange(T), past_length read from kv_store."""
+        position_ids [B, T] default to past_length + arange(T), past_length read from kv_store.
+        token_mask (bool, [B, T] or [B * T]; False on padding): a ReLU-gated student's FFN
+        statistics and l1 leave the padding rows out (MLP.row_mask); the outputs at real tokens do
+        not change (padding follows them, and attention is causal)."""
         if input_ids.ndim != 2:
             raise DistillUserError(f"`input_ids` must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        for layer in self.layers:
+            layer.mlp.row_mask = None if token_mask is None else token_mask.reshape(-1)
         x = self.embed_tokens(input_ids)
         if position_ids is None:
             past = kv_store.get(0) if kv_store is not None else None

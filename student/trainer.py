@@ -7,8 +7,9 @@ Run directory (`out`):
                       l1 (mean over layers of sum over d_ff of |h|, mean over tokens) and, per layer
                       over the steps since the previous row, ffn_nnz (mean non-zeros of h per token),
                       ffn_sparsity (1 - nnz / d_ff), ffn_dead (share of neurons zero on every token;
-                      counted over every position of the batches, padding included),
-                      ffn_overflow_rows / ffn_fallback_rows (kernel counts); and
+                      counted over the real tokens of the batches, padding left out),
+                      ffn_overflow_rows / ffn_fallback_rows (kernel counts), ffn_reinit (gate
+                      rows moved by dead_reinit); and
                       {"kind": "eval", step, kl, ce, ppl, top1, tokens (+ ffn_nnz, ffn_sparsity,
                       ffn_dead for a sparse student)} rows
   initial_eval.json   the step-0 student on the evaluation sequences
@@ -116,6 +117,11 @@ class TrainConfig:
     # as ffn_kernel. Dense stays the default: through the trainer at the 135M shape (4K tokens a
     # step) twell ran at 0.65-0.72x dense's tokens/s.
     sparse_kernel: str = "dense"
+    # Dead-neuron mitigation of the paper's App. C.3: after each optimizer step, the gate row of
+    # every neuron that fired on no token of the step moves to (1 - r) w + r N(0, 0.02^2); the
+    # paper uses r = 0.1 on ~1M-token steps. 0 turns it off. With small steps more neurons are
+    # silent for a whole step by chance, so more get moved.
+    dead_reinit: float = 0.0
 
     def __post_init__(self):
         if (self.student is None) == (self.teacher is None):
@@ -143,6 +149,10 @@ class TrainConfig:
         _check("sparse_kernel", self.sparse_kernel, lambda v: v in ("dense", "twell"), "'dense' or 'twell'")
         _check("l1", self.l1, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
                "a number >= 0")
+        _check("dead_reinit", self.dead_reinit, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+               and 0 <= v <= 1, "a number in [0, 1]")
+        if self.dead_reinit and not self.sparse_ffn:
+            raise DistillUserError("`dead_reinit` acts on the sparse FFN's gate: add sparse_ffn (--sparse-ffn) or drop it")
         _check("dtype", self.dtype, lambda v: v in ("auto", "float32", "bfloat16"), "'auto', 'float32' or 'bfloat16'")
         if self.heldout == 0:
             raise DistillUserError("`heldout` must be >= 1: evaluation needs held-out sequences")
@@ -239,8 +249,11 @@ def _check_run_dir(out: Path, run: dict) -> None:
         _write_json(path, run)
         return
     old = json.loads(path.read_text())
-    diffs = [f"{k}: {old['config'].get(k)!r} -> {v!r}" for k, v in run["config"].items()
-             if k not in _NON_IDENTITY_FIELDS and old["config"].get(k) != v]
+    # a field added after the run was written reads as its default
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+    was = lambda k: old["config"].get(k, defaults.get(k))
+    diffs = [f"{k}: {was(k)!r} -> {v!r}" for k, v in run["config"].items()
+             if k not in _NON_IDENTITY_FIELDS and was(k) != v]
     diffs += [f"{k}" for k in ("cache_id", "student", "tokenizer_hash") if old.get(k) != run.get(k)]
     if diffs:
         raise RunDirError(f"{out} holds another run (run.json differs in {'; '.join(diffs)}); use a new `out`, "
@@ -380,39 +393,49 @@ class FFNWindow:
         self.active_LF = torch.zeros(num_layers, d_ff, dtype=torch.bool, device=device)
         self.overflow_L = torch.zeros(num_layers, dtype=torch.int64, device=device)
         self.fallback_L = torch.zeros(num_layers, dtype=torch.int64, device=device)
+        self.reinit_L = torch.zeros(num_layers, dtype=torch.int64, device=device)  # gate rows moved (dead_reinit)
         self.calls = 0
         self.l1_last = torch.zeros((), device=device)  # mean over the last step's micro-batches
+        self.step_active_LF = torch.zeros(num_layers, d_ff, dtype=torch.bool, device=device)  # this step only
 
     def add(self, terms: list) -> None:
         """terms: per layer (l1, FFNStats) of one micro-batch (Student.ffn_terms())."""
         self.l1_step += torch.stack([l1.detach() for l1, _ in terms]).mean()
         self.nnz_L += torch.stack([s.nnz for _, s in terms]).to(self.nnz_L)
-        self.active_LF |= torch.stack([s.active for _, s in terms])
+        active_LF = torch.stack([s.active for _, s in terms])
+        self.active_LF |= active_LF
+        self.step_active_LF |= active_LF
         self.overflow_L += torch.stack([s.overflow_rows for _, s in terms])
         self.fallback_L += torch.stack([s.fallback_rows for _, s in terms])
         self.calls += 1
 
-    def end_step(self, grad_accum: int) -> None:
+    def end_step(self, grad_accum: int) -> torch.Tensor:
+        """Close the step; returns its active neurons (bool [L, d_ff]) and starts the next step's."""
         self.l1_last = self.l1_step / grad_accum
         self.l1_step = torch.zeros_like(self.l1_step)
+        active, self.step_active_LF = self.step_active_LF, torch.zeros_like(self.step_active_LF)
+        return active
 
     def row(self) -> dict:
         """The metrics of the window (one host sync), then start a new one."""
         nnz = (self.nnz_L / max(self.calls, 1)).tolist()
         out = {"l1": self.l1_last.item(), "ffn_nnz": nnz, "ffn_sparsity": [1 - n / self.d_ff for n in nnz],
                "ffn_dead": (1 - self.active_LF.float().mean(1)).tolist(),
-               "ffn_overflow_rows": self.overflow_L.tolist(), "ffn_fallback_rows": self.fallback_L.tolist()}
+               "ffn_overflow_rows": self.overflow_L.tolist(), "ffn_fallback_rows": self.fallback_L.tolist(),
+               "ffn_reinit": self.reinit_L.tolist()}
         self.nnz_L.zero_(), self.active_LF.zero_(), self.overflow_L.zero_(), self.fallback_L.zero_()
+        self.reinit_L.zero_()
         self.calls = 0
         return out
 
     def state_dict(self) -> dict:
         return {"nnz_L": self.nnz_L.cpu(), "active_LF": self.active_LF.cpu(), "overflow_L": self.overflow_L.cpu(),
-                "fallback_L": self.fallback_L.cpu(), "calls": self.calls}
+                "fallback_L": self.fallback_L.cpu(), "reinit_L": self.reinit_L.cpu(), "calls": self.calls}
 
     def load_state_dict(self, state: dict) -> None:
-        for name in ("nnz_L", "active_LF", "overflow_L", "fallback_L"):
-            getattr(self, name).copy_(state[name])
+        for name in ("nnz_L", "active_LF", "overflow_L", "fallback_L", "reinit_L"):
+            if name in state:  # reinit_L: not in checkpoints written before dead_reinit existed
+                getattr(self, name).copy_(state[name])
         self.calls = state["calls"]
 
 
@@ -436,6 +459,24 @@ def _ffn_metrics(model: Student, ffn_window: FFNWindow | None, config: TrainConf
     return row
 
 
+# App. C.3 of the paper: the noise the gate rows of dead neurons are pulled toward.
+DEAD_REINIT_STD = 0.02
+
+
+def _reinit_dead_gates(model: Student, active_LF: torch.Tensor, rate: float, seed: int, step: int) -> torch.Tensor:
+    """Gate rows of the neurons inactive in the step (~active_LF) <- (1 - rate) w + rate N(0, 0.02^2),
+    the noise from a generator seeded by (seed, step), so a resumed run draws the same. Returns the
+    number moved per layer (int64 [L], on the device; no host sync)."""
+    gen = torch.Generator(device=active_LF.device).manual_seed(seed * 1_000_003 + step)
+    with torch.no_grad():
+        for layer, active_F in zip(model.layers, active_LF):
+            w = layer.mlp.gate_proj.weight
+            noise = torch.randn(w.shape, generator=gen, device=w.device, dtype=torch.float32) * DEAD_REINIT_STD
+            moved = (1 - rate) * w.float() + rate * noise
+            w.copy_(torch.where(active_F[:, None], w.float(), moved).to(w.dtype))
+    return (~active_LF).sum(dim=1)
+
+
 def _l1_penalty(model: Student) -> torch.Tensor:
     """Mean over layers of the latest forward's per-layer l1 (sum over d_ff of |h|, mean over tokens)."""
     return torch.stack([l1 for l1, _ in model.ffn_terms()]).mean()
@@ -448,7 +489,7 @@ def _step_loss(model, batch, config: TrainConfig, amp):
     """(loss to backpropagate, KL at the training temperature) of one micro-batch; with sparse_ffn the
     loss adds l1 * the mean per-layer L1 of the FFN activations."""
     with amp:
-        hidden = model(batch.input_ids)
+        hidden = model(batch.input_ids, token_mask=batch.mask)
     loss, kl = _distill_loss(model, hidden, batch, config)
     if config.sparse_ffn:
         loss = loss + config.l1 * _l1_penalty(model)
@@ -546,8 +587,7 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
                     ffn_window.add(model.ffn_terms())
                 (loss / config.grad_accum).backward()
                 loss_sum, kl_sum, tokens = loss_sum + loss.item(), kl_sum + kl.item(), tokens + batch.num_tokens
-            if ffn_window is not None:
-                ffn_window.end_step(config.grad_accum)
+            step_active = ffn_window.end_step(config.grad_accum) if ffn_window is not None else None
             max_norm = config.clip_grad if config.clip_grad > 0 else float("inf")
             grad_norm = clip_grad_norm_foreach(model.parameters(), max_norm).item()
             loss_value = loss_sum / config.grad_accum
@@ -562,6 +602,8 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            if config.dead_reinit:
+                ffn_window.reinit_L += _reinit_dead_gates(model, step_active, config.dead_reinit, config.seed, step)
             window_tokens += tokens
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.4f}")

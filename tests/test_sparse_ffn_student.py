@@ -88,6 +88,35 @@ def test_each_layer_reports_its_l1_and_stats_with_gradients():
     assert Student(SMALL).ffn_terms() == []
 
 
+def test_padding_rows_are_left_out_of_l1_and_stats(tiny):  # noqa: F811
+    """A ragged batch with token_mask: each layer's l1, nnz and active neurons are those of the real
+    tokens alone (each sequence run by itself, unpadded), and the real tokens' hidden states do not
+    change. Without the mask the padding rows count."""
+    student, cache, _ = tiny
+    torch.manual_seed(0)
+    model = to_relu_gate(Student.from_pretrained(student))
+    batch = next(iter(CacheBatches(CacheReader(cache), range(24), 6, shuffle=False)))
+    ids, mask = batch.input_ids, batch.mask.view(batch.input_ids.shape)
+    assert not mask.all(), "the batch must have padding"
+    with torch.no_grad():
+        hidden = model(ids, token_mask=batch.mask)
+        terms = [(l1.clone(), stats) for l1, stats in model.ffn_terms()]
+        plain = model(ids)
+        unmasked = [(l1.clone(), stats) for l1, stats in model.ffn_terms()]
+        per_seq = []
+        for b in range(ids.shape[0]):
+            n = int(mask[b].sum())
+            per_seq.append(([x for x in mlp_inputs(model, ids[b:b + 1, :n])], n))
+    torch.testing.assert_close(hidden[mask], plain[mask])
+    for i, (layer, (l1, stats)) in enumerate(zip(model.layers, terms)):
+        h = torch.cat([gated_h(layer.mlp, xs[i]) for xs, _ in per_seq])
+        assert h.shape[0] == int(mask.sum())
+        torch.testing.assert_close(l1, h.abs().sum(-1).mean(), atol=1e-6, rtol=1e-5)
+        assert stats.nnz.item() == pytest.approx((h != 0).sum(-1).float().mean().item(), rel=1e-6)
+        assert torch.equal(stats.active, (h != 0).any(0))
+        assert unmasked[i][1].nnz.item() != pytest.approx(stats.nnz.item(), rel=1e-6)
+
+
 # --- training -----------------------------------------------------------------------------------
 
 
@@ -169,6 +198,55 @@ def test_sparse_kernel_twell_routes_layers_by_their_nonzeros(tiny, tmp_path):  #
     assert state["ffn_impl"] == ["auto" if k == "twell" else "torch" for k in train_rows[-1]["ffn_kernel"]]
 
 
+def test_dead_gate_rows_move_toward_noise_and_live_ones_stay():
+    """App. C.3: rows of neurons inactive in the step <- (1 - r) w + r N(0, 0.02^2), the noise drawn
+    from a generator seeded by (seed, step); active rows are untouched; the counts come back."""
+    from student.trainer import DEAD_REINIT_STD, _reinit_dead_gates
+
+    torch.manual_seed(0)
+    model = Student(SMALL.replace(hidden_act="relu"))
+    before = [layer.mlp.gate_proj.weight.detach().clone() for layer in model.layers]
+    active = torch.ones(2, 48, dtype=torch.bool)
+    active[0, [3, 17]] = False
+    active[1, 40:] = False
+    moved = _reinit_dead_gates(model, active, 0.1, seed=5, step=7)
+    assert moved.tolist() == [2, 8]
+    gen = torch.Generator().manual_seed(5 * 1_000_003 + 7)
+    for layer, w0, act in zip(model.layers, before, active):
+        noise = torch.randn(w0.shape, generator=gen) * DEAD_REINIT_STD
+        w = layer.mlp.gate_proj.weight
+        assert torch.equal(w[act], w0[act])
+        torch.testing.assert_close(w[~act], 0.9 * w0[~act] + 0.1 * noise[~act])
+        assert not torch.equal(w[~act], w0[~act])
+
+
+def test_dead_reinit_revives_dead_neurons_in_a_run_and_is_checked(tiny, tmp_path):  # noqa: F811
+    """Five gate rows zeroed (dead on every token): with dead_reinit they are moved after every step
+    they stay silent, ffn_reinit counts them, and the run's other rows are unchanged by it."""
+    student, cache, _ = tiny
+    start = tmp_path / "start"
+    model = to_relu_gate(Student.from_pretrained(student))
+    with torch.no_grad():
+        model.layers[1].mlp.gate_proj.weight[:5] = 0
+    model.save_pretrained(start)
+    out = tmp_path / "run"
+    train(config(tiny, out, student=str(start), tokenizer=str(student), steps=2, log_every=1, sparse_ffn=True,
+                 l1=0.0, dead_reinit=0.1, eval_every=0), progress=False)
+    first = rows(out)[0]
+    assert first["ffn_reinit"][1] >= 5 and len(first["ffn_reinit"]) == 2
+    saved = Student.from_pretrained(out / "student").layers[1].mlp.gate_proj.weight
+    assert (saved[:5].abs().sum(dim=1) > 0).all(), "the zeroed rows got noise"
+    plain = tmp_path / "plain"
+    train(config(tiny, plain, student=str(start), tokenizer=str(student), steps=2, log_every=1, sparse_ffn=True,
+                 l1=0.0, eval_every=0), progress=False)
+    assert rows(plain)[0]["ffn_reinit"] == [0, 0]
+    assert (Student.from_pretrained(plain / "student").layers[1].mlp.gate_proj.weight[:5] == 0).all()
+    with pytest.raises(DistillUserError, match="`dead_reinit` acts on the sparse FFN's gate"):
+        TrainConfig(cache="c", out="o", student="s", dead_reinit=0.1)
+    with pytest.raises(DistillUserError, match=r"`dead_reinit` must be a number in \[0, 1\], got 2"):
+        TrainConfig(cache="c", out="o", student="s", sparse_ffn=True, dead_reinit=2)
+
+
 def test_recipe_train_section_takes_the_sparse_keys(tmp_path):
     from pipelines.recipe import builtin_recipe, load_recipe, train_config
 
@@ -192,7 +270,7 @@ def test_eval_measures_sparsity_and_dead_neurons_on_the_heldout_sequences(tiny):
     batch = next(CacheBatches(CacheReader(cache), indices, 3, shuffle=False).epoch_batches())
     for layer, x_ND, nnz, sparsity, dead in zip(model.layers, mlp_inputs(model, batch.input_ids), got.ffn_nnz,
                                                 got.ffn_sparsity, got.ffn_dead):
-        h = gated_h(layer.mlp, x_ND)
+        h = gated_h(layer.mlp, x_ND)[batch.mask]  # the real tokens: padding rows are left out
         assert nnz == pytest.approx((h != 0).sum(-1).float().mean().item(), rel=1e-5)
         assert sparsity == pytest.approx(1 - nnz / 48)
         assert dead == pytest.approx(1 - (h != 0).any(0).float().mean().item())
@@ -225,10 +303,10 @@ def test_train_student_cli_takes_sparse_ffn_and_l1(tiny, tmp_path, capsys):  # n
     out = tmp_path / "run"
     code, stdout, err = run_cli(["train-student", "--cache", cache, "--student", student, "--out", out, "--steps", "1",
                                  "--batch-size", "2", "--heldout", "2", "--device", "cpu", "--sparse-ffn",
-                                 "--l1", "1e-4", "-q"], capsys)
+                                 "--l1", "1e-4", "--dead-reinit", "0.1", "-q"], capsys)
     assert code == 0, err
     cfg = json.loads((out / "run.json").read_text())["config"]
-    assert cfg["sparse_ffn"] is True and cfg["l1"] == 1e-4
+    assert cfg["sparse_ffn"] is True and cfg["l1"] == 1e-4 and cfg["dead_reinit"] == 0.1
     assert "FFN sparsity per layer" in stdout
     code, stdout, _ = run_cli(["train-student", "--help"], capsys)
     assert "--sparse-ffn" in stdout and "--l1" in stdout
