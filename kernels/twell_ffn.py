@@ -315,6 +315,11 @@ if triton is not None:
         return in_ell, m * W + p, in_bk, tl.maximum(slot, 0).to(tl.int64) * BW + (p - W)
 
     @triton.jit
+    def _list_load(ell_ptr, bk_ptr, in_ell, ell_off, in_bk, bk_off):
+        """Values at list positions: from the ELL array where in_ell, the backup's where in_bk, else 0."""
+        return tl.load(ell_ptr + ell_off, mask=in_ell, other=0) + tl.load(bk_ptr + bk_off, mask=in_bk, other=0)
+
+    @triton.jit
     def _sddmm_kernel(a_ptr, w_ptr, order_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, ell_u_ptr,
                       bk_idx_ptr, bk_hg_ptr, bk_u_ptr, l1_ptr, l1_scale_ptr, h_ptr, dhug_ptr, dell_u_ptr,
                       dell_g_ptr, dbk_u_ptr, dbk_g_ptr, row0, N, D, F, W, BW, NT, TPS, S,
@@ -337,10 +342,8 @@ if triton is not None:
             p = q0 + tl.arange(0, BLOCK_S)
             mp = p < p1
             in_ell, ell_off, in_bk, bk_off = _list_masks(m, p, mp, slot, W, BW)
-            n64 = (tl.load(ell_idx_ptr + ell_off, mask=in_ell, other=0) +
-                   tl.load(bk_idx_ptr + bk_off, mask=in_bk, other=0)).to(tl.int64)
-            hg = tl.load(ell_hg_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
-                tl.load(bk_hg_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
+            n64 = _list_load(ell_idx_ptr, bk_idx_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.int64)
+            hg = _list_load(ell_hg_ptr, bk_hg_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
             acc2 = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)  # one reduction per list block
             for k0 in range(0, D, BLOCK_D):
                 k = k0 + tl.arange(0, BLOCK_D)
@@ -351,8 +354,7 @@ if triton is not None:
                 acc2 += w * a[None, :]
             acc = tl.sum(acc2, axis=1)
             if BACKWARD:
-                u = tl.load(ell_u_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
-                    tl.load(bk_u_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
+                u = _list_load(ell_u_ptr, bk_u_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
                 _dh_epilogue(acc, hg, u, tl.load(l1_scale_ptr), r, n64, mp, in_ell, ell_off, in_bk, bk_off,
                              h_ptr, dhug_ptr, dell_u_ptr, dell_g_ptr, dbk_u_ptr, dbk_g_ptr, F)
             else:
@@ -404,14 +406,11 @@ if triton is not None:
             p = q0 + tl.arange(0, BLOCK_S)
             mp = p < num
             in_ell, ell_off, in_bk, bk_off = _list_masks(m, p, mp, slot, W, BW)
-            n64 = (tl.load(ell_idx_ptr + ell_off, mask=in_ell, other=0) +
-                   tl.load(bk_idx_ptr + bk_off, mask=in_bk, other=0)).to(tl.int64)
+            n64 = _list_load(ell_idx_ptr, bk_idx_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.int64)
             m2 = mp[:, None] & mk[None, :]
             w1 = tl.load(w1_ptr + n64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
-            a = tl.load(ell_a_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
-                tl.load(bk_a_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
-            b = tl.load(ell_b_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
-                tl.load(bk_b_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
+            a = _list_load(ell_a_ptr, bk_a_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
+            b = _list_load(ell_b_ptr, bk_b_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
             if BACKWARD:
                 w2 = tl.load(w2_ptr + n64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
                 acc2 += w1 * a[:, None] + w2 * b[:, None]
@@ -437,12 +436,9 @@ if triton is not None:
             p = q0 + tl.arange(0, BLOCK)
             mp = p < num
             in_ell, ell_off, in_bk, bk_off = _list_masks(m, p, mp, slot, W, BW)
-            n64 = (tl.load(ell_idx_ptr + ell_off, mask=in_ell, other=0) +
-                   tl.load(bk_idx_ptr + bk_off, mask=in_bk, other=0)).to(tl.int64)
-            hg = tl.load(ell_hg_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
-                tl.load(bk_hg_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
-            u = tl.load(ell_u_ptr + ell_off, mask=in_ell, other=0.0).to(tl.float32) + \
-                tl.load(bk_u_ptr + bk_off, mask=in_bk, other=0.0).to(tl.float32)
+            n64 = _list_load(ell_idx_ptr, bk_idx_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.int64)
+            hg = _list_load(ell_hg_ptr, bk_hg_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
+            u = _list_load(ell_u_ptr, bk_u_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
             dh_y = tl.load(dh_ptr + r * F + n64, mask=mp, other=0.0).to(tl.float32)
             _dh_epilogue(dh_y, hg, u, l1_scale, r, n64, mp, in_ell, ell_off, in_bk, bk_off,
                          h_ptr, dhug_ptr, dell_u_ptr, dell_g_ptr, dbk_u_ptr, dbk_g_ptr, F)
@@ -464,8 +460,7 @@ if triton is not None:
             in_ell, ell_off, in_bk, bk_off = _list_masks(m, p, mp, slot, W, BW)
             in_ell = in_ell & ((tl.zeros_like(p) + slot) != -2)
             in_bk = in_bk & ((tl.zeros_like(p) + slot) != -2)
-            n = tl.load(ell_idx_ptr + ell_off, mask=in_ell, other=0) + \
-                tl.load(bk_idx_ptr + bk_off, mask=in_bk, other=0)
+            n = _list_load(ell_idx_ptr, bk_idx_ptr, in_ell, ell_off, in_bk, bk_off)
             n64 = tl.where((tl.zeros_like(p) + slot) == -2, p, n).to(tl.int64)
             tl.store(h_ptr + r * F + n64, zero, mask=mp)
             tl.store(dhug_ptr + r * 2 * F + n64, zero, mask=mp)
