@@ -137,11 +137,12 @@ def teacher_reference(reader: CacheReader, indices, *, seq_len: int | None = Non
     return sums.result()
 
 
-def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batch_size: int = 8,
+def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batch_size: int | None = None,
                            device: str = "auto", seq_len: int | None = None) -> dict:
     """`distill eval`: evaluate a run directory (its run.json gives the cache, held-out split,
-    evaluation sequences and seq_len; its final student, else its latest checkpoint) or a student
-    HF folder with `cache` (held-out: the `heldout` evenly spaced sequences, default all of them).
+    evaluation sequences, seq_len and batch size; its final student, else its latest checkpoint) or
+    a student HF folder with `cache` (held-out: the `heldout` evenly spaced sequences, default all of
+    them; batch size 8 unless given).
 
     Returns {"teacher": EvalResult, "before": EvalResult | None, "after": EvalResult} for a run
     directory ("before": its step-0 student, recorded by the trainer, on the same sequences; None
@@ -160,6 +161,7 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
         cfg = run["config"]
         cache = cache or cfg["cache"]
         seq_len = seq_len if seq_len is not None else cfg["seq_len"]
+        batch_size = batch_size or cfg.get("batch_size")  # the trainer's own evaluations batch so
         reader = CacheReader(cache)
         held = split_indices(reader.num_sequences, cfg["heldout"])[1]
         if heldout is None:
@@ -190,7 +192,7 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
         raise DistillUserError(f"student {folder} has vocab {model.config.vocab_size}, smaller than the cache's "
                                f"{reader.manifest.spec.tokenizer.vocab_size}; evaluate it against a cache of its tokenizer")
     amp = torch.bfloat16 if torch.device(device).type == "cuda" else None
-    student = evaluate_student(model, reader, held, batch_size=batch_size, device=device, seq_len=seq_len,
+    student = evaluate_student(model, reader, held, batch_size=batch_size or 8, device=device, seq_len=seq_len,
                                autocast_dtype=amp)
     result = {"teacher": teacher_reference(reader, held, seq_len=seq_len)}
     if is_run:

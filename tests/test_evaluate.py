@@ -85,7 +85,8 @@ def test_eval_of_a_run_dir_and_of_a_folder(tiny, tmp_path):  # noqa: F811
     folder = evaluate_run_or_folder(out / "student", cache=cache, heldout=4, device="cpu")
     assert set(folder) == {"teacher", "student", "cache", "num_sequences"} and folder["num_sequences"] == 4
     assert folder["student"].tokens > result["after"].tokens
-    other = evaluate_run_or_folder(out, heldout=4, device="cpu")  # other sequences: no comparable "before"
+    # other sequences: no comparable "before"; a folder batches by 8 unless told, a run by its own size
+    other = evaluate_run_or_folder(out, heldout=4, device="cpu", batch_size=8)
     assert other["before"] is None and other["after"] == folder["student"]
     with pytest.raises(DistillUserError, match="pass the cache"):
         evaluate_run_or_folder(out / "student")

@@ -282,8 +282,8 @@ def test_distill_eval_reports_sparsity_and_overflow_of_a_sparse_run(tiny, tmp_pa
 
     out = tmp_path / "run"
     report = train(config(tiny, out, steps=2, sparse_ffn=True, l1=0.01), progress=False)
-    # The run's batch size: the kernel's [N, d] matmuls round differently for another N.
-    result = evaluate_run_or_folder(out, device="cpu", batch_size=3)
+    # By default at the run's batch size, as the trainer evaluated (other N round differently).
+    result = evaluate_run_or_folder(out, device="cpu")
     assert result["after"] == report.final_eval and result["after"].ffn_sparsity is not None
     assert result["run"]["ffn_overflow_rows"] == [0, 0] and result["run"]["l1"] == 0.01
     code, stdout, _ = run_cli(["eval", out], capsys)
