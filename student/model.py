@@ -5,7 +5,6 @@ optional store of past keys/values so chunk-recurrent training can reuse it."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 import os
