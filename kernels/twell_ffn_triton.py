@@ -1,0 +1,341 @@
+"""The Triton kernels of kernels/twell_ffn.py's sparse path (the TwELL pack, the gather SDDMM and
+SpMM, the backward's dh kernel, the re-zeroing and the fallback kernels).
+
+The format they read and write, why they are shaped as they are and the order in which they run
+are described in kernels/twell_ffn.py, above its block sizes; that module launches them (its
+block sizes and switches reach them as arguments, so the tests and benchmarks set them there).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _positive(g):
+    """g > 0 from the bits: a float is positive iff its bits as a signed int of its width are
+    (-0.0 is negative there, +0.0 zero); no conversion to fp32 per element."""
+    if g.dtype.primitive_bitwidth == 16:
+        bits = g.to(tl.int16, bitcast=True)
+    else:
+        bits = g.to(tl.int32, bitcast=True)
+    return bits > 0
+
+@triton.jit
+def _popc(v):
+    """Set bits of each int32 (SWAR on its unsigned bits)."""
+    v = v.to(tl.uint32, bitcast=True)
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    v = (v + (v >> 4)) & 0x0F0F0F0F
+    return ((v * 0x01010101) >> 24).to(tl.int32)
+
+@triton.jit
+def _count_kernel(g_ptr, tile_count_ptr, words_ptr, active_ptr, row0, C, N, F, NW,
+                  BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr, TILE_F: tl.constexpr):
+    """Hidden tile pid0, rows [pid1*ROW_BLOCKS*BLOCK_M, ...) of the chunk's gate [C, F]: each
+    row's number of positive entries in the tile (TwELL's per-tile count), the positive
+    entries as bits (words [C, NW], bit b of word k: column 32k + b), and the tile's active
+    columns (one store per program)."""
+    t = tl.program_id(0)
+    cols = t * TILE_F + tl.arange(0, TILE_F)
+    wcols = t * (TILE_F // 32) + tl.arange(0, TILE_F // 32)
+    seen = tl.zeros([BLOCK_M, TILE_F], dtype=tl.int32)
+    for i in range(ROW_BLOCKS):
+        r = (tl.program_id(1) * ROW_BLOCKS + i) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m2 = (r < C)[:, None] & (cols < F)[None, :]
+        g = tl.load(g_ptr + r.to(tl.int64)[:, None] * F + cols[None, :], mask=m2, other=0.0)
+        p = (_positive(g) & m2).to(tl.int32)
+        grow = r.to(tl.int64) + row0
+        tl.store(tile_count_ptr + grow + (tl.zeros_like(grow) + t) * N, tl.sum(p, axis=1), mask=r < C)
+        bits = tl.reshape(p << (tl.arange(0, TILE_F) % 32)[None, :], [BLOCK_M, TILE_F // 32, 32])
+        tl.store(words_ptr + r.to(tl.int64)[:, None] * NW + wcols[None, :], tl.sum(bits, axis=2),
+                 mask=(r < C)[:, None])  # distinct bits: the sum is their OR
+        seen = tl.maximum(seen, p)
+    col_any = tl.max(seen, axis=0)
+    tl.store(active_ptr + cols, col_any, mask=col_any > 0)  # every writer stores 1: benign race
+
+@triton.jit
+def _scatter_kernel(g_ptr, words_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, bk_idx_ptr, bk_hg_ptr,
+                    row0, C, N, F, W, BW, NW, BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                    TILE_F: tl.constexpr):
+    """Hidden tile pid0, rows [pid1*ROW_BLOCKS*BLOCK_M, ...) of the chunk: the tile's positive
+    entries, read as bits, at list positions start[tile, row] + their rank in the tile: the
+    ELL buffer below W, the row's backup row from W on (fallback rows keep only their ELL
+    part, which nothing reads). Work goes with the non-zeros, not the columns: a word's set
+    bits are taken lowest first, one per step, for as many steps as the block's fullest word."""
+    t = tl.program_id(0)
+    wk = tl.arange(0, TILE_F // 32)
+    wcols = t * (TILE_F // 32) + wk
+    for i in range(ROW_BLOCKS):
+        r = (tl.program_id(1) * ROW_BLOCKS + i) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = r < C
+        r64 = r.to(tl.int64)
+        w = tl.load(words_ptr + r64[:, None] * NW + wcols[None, :], mask=rmask[:, None], other=0)
+        cnt = _popc(w)
+        grow = r64 + row0
+        first = tl.load(start_ptr + grow + (tl.zeros_like(grow) + t) * N, mask=rmask, other=0)
+        slot = first[:, None] + tl.cumsum(cnt, axis=1) - cnt  # list position of each word's lowest bit
+        bslot = tl.load(slot_ptr + grow, mask=rmask, other=-1)
+        bk_row = tl.maximum(bslot, 0).to(tl.int64)[:, None] * BW
+        for _ in range(0, tl.max(tl.max(cnt, axis=1), axis=0)):
+            live = w != 0
+            col = t * TILE_F + wk[None, :] * 32 + _popc((w & (0 - w)) - 1)
+            hg = tl.load(g_ptr + r64[:, None] * F + col, mask=live, other=0.0)
+            in_ell = live & (slot < W)
+            tl.store(ell_idx_ptr + grow[:, None] * W + slot, col, mask=in_ell)
+            tl.store(ell_hg_ptr + grow[:, None] * W + slot, hg, mask=in_ell)
+            in_bk = live & (slot >= W) & (bslot >= 0)[:, None]
+            tl.store(bk_idx_ptr + bk_row + (slot - W), col, mask=in_bk)
+            tl.store(bk_hg_ptr + bk_row + (slot - W), hg, mask=in_bk)
+            w = w & (w - 1)
+            slot += 1
+
+@triton.jit
+def _list_masks(m, p, mp, slot, W, BW):
+    """Where list positions p of row m live: (in ELL, offset there, in backup, offset there)."""
+    in_ell = mp & (p < W)
+    in_bk = mp & (p >= W)
+    return in_ell, m * W + p, in_bk, tl.maximum(slot, 0).to(tl.int64) * BW + (p - W)
+
+@triton.jit
+def _list_load(ell_ptr, bk_ptr, in_ell, ell_off, in_bk, bk_off):
+    """Values at list positions: from the ELL array where in_ell, the backup's where in_bk, else 0."""
+    return tl.load(ell_ptr + ell_off, mask=in_ell, other=0) + tl.load(bk_ptr + bk_off, mask=in_bk, other=0)
+
+@triton.jit
+def _sddmm_kernel(a_ptr, w_ptr, order_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, ell_u_ptr,
+                  bk_idx_ptr, bk_hg_ptr, bk_u_ptr, l1_ptr, l1_scale_ptr, h_ptr, dhug_ptr, dell_u_ptr,
+                  dell_g_ptr, dbk_u_ptr, dbk_g_ptr, row0, N, D, F, W, BW, NT, TPS, S,
+                  BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token row0 + order[pid0], the list positions in hidden slice pid1 (tiles [pid1*TPS, ...)):
+    acc = a_m . w[n] (fp32 sums over BLOCK_D columns a step). Forward (a=x, w=Wu): store
+    u = acc in the format and the slice's sum |round(relu(g) u)|. Backward (a=dy, w=Wd^T):
+    _dh_epilogue with dh = acc. Fallback rows have no list."""
+    r = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+    sl = tl.program_id(1)
+    m = r + row0
+    slot = tl.load(slot_ptr + m)
+    t0 = sl * TPS
+    t1 = tl.minimum(t0 + TPS, NT)
+    p0 = tl.load(start_ptr + m + (m * 0 + t0) * N)
+    p1 = tl.where(slot == -2, p0, tl.load(start_ptr + m + (m * 0 + t1) * N))
+    dtype = a_ptr.dtype.element_ty
+    l1 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for q0 in range(p0, p1, BLOCK_S):
+        p = q0 + tl.arange(0, BLOCK_S)
+        mp = p < p1
+        in_ell, ell_off, in_bk, bk_off = _list_masks(m, p, mp, slot, W, BW)
+        n64 = _list_load(ell_idx_ptr, bk_idx_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.int64)
+        hg = _list_load(ell_hg_ptr, bk_hg_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
+        acc2 = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)  # one reduction per list block
+        for k0 in range(0, D, BLOCK_D):
+            k = k0 + tl.arange(0, BLOCK_D)
+            mk = k < D
+            a = tl.load(a_ptr + m * D + k, mask=mk, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + n64[:, None] * D + k[None, :], mask=mp[:, None] & mk[None, :],
+                        other=0.0).to(tl.float32)
+            acc2 += w * a[None, :]
+        acc = tl.sum(acc2, axis=1)
+        if BACKWARD:
+            u = _list_load(ell_u_ptr, bk_u_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
+            _dh_epilogue(acc, hg, u, tl.load(l1_scale_ptr), r, n64, mp, in_ell, ell_off, in_bk, bk_off,
+                         h_ptr, dhug_ptr, dell_u_ptr, dell_g_ptr, dbk_u_ptr, dbk_g_ptr, F)
+        else:
+            u = acc.to(dtype)
+            tl.store(ell_u_ptr + ell_off, u, mask=in_ell)
+            tl.store(bk_u_ptr + bk_off, u, mask=in_bk)
+            l1 += tl.abs((hg * u.to(tl.float32)).to(dtype).to(tl.float32))
+    if not BACKWARD:
+        tl.store(l1_ptr + m * S + sl + tl.arange(0, 1), tl.zeros([1], dtype=tl.float32) + tl.sum(l1, axis=0))
+
+@triton.jit
+def _dh_epilogue(dh_y, hg, u, l1_scale, r, n64, mp, in_ell, ell_off, in_bk, bk_off,
+                 h_ptr, dhug_ptr, dell_u_ptr, dell_g_ptr, dbk_u_ptr, dbk_g_ptr, F):
+    """At list positions with values relu(g), u and dh_y = (dy Wd)[n] (fp32): dh = dh_y + the L1
+    term, dh_u = dh relu(g), dh_g = dh u, each rounded as the dense path rounds. h, dh_u, dh_g
+    go into the chunk's dense rows r at columns n (for the weight-gradient GEMMs), dh_u and dh_g
+    also to the list positions (for the dx SpMM)."""
+    dtype = h_ptr.dtype.element_ty
+    h = (hg * u).to(dtype).to(tl.float32)
+    sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
+    dh = (dh_y.to(dtype).to(tl.float32) + l1_scale * sign).to(dtype).to(tl.float32)
+    dhu = (dh * hg).to(dtype)
+    dhg = (dh * u).to(dtype)
+    tl.store(h_ptr + r * F + n64, h.to(dtype), mask=mp)
+    tl.store(dhug_ptr + r * 2 * F + n64, dhu, mask=mp)
+    tl.store(dhug_ptr + r * 2 * F + F + n64, dhg, mask=mp)
+    tl.store(dell_u_ptr + ell_off, dhu, mask=in_ell)
+    tl.store(dell_g_ptr + ell_off, dhg, mask=in_ell)
+    tl.store(dbk_u_ptr + bk_off, dhu, mask=in_bk)
+    tl.store(dbk_g_ptr + bk_off, dhg, mask=in_bk)
+
+@triton.jit
+def _spmm_kernel(w1_ptr, w2_ptr, order_ptr, count_ptr, slot_ptr, ell_idx_ptr, ell_a_ptr, ell_b_ptr,
+                 bk_idx_ptr, bk_a_ptr, bk_b_ptr, out_ptr, row0, D, W, BW,
+                 BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token row0 + order[pid0], d_model columns [pid1*BLOCK_D, ...): out = sum over the token's
+    list of a, b (values at the list positions, format layout). Forward: a, b = relu(g), u and
+    out = sum round(a b) w1[n], w1 = Wd^T. Backward: a, b = dh_u, dh_g and
+    out = sum a w1[n] + b w2[n], w1, w2 = Wu, Wg. Fallback rows are left to the fallback kernels."""
+    r = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+    m = r + row0
+    slot = tl.load(slot_ptr + m)
+    num = tl.where(slot == -2, 0, tl.load(count_ptr + m))
+    dtype = out_ptr.dtype.element_ty
+    k = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mk = k < D
+    acc2 = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)  # reduced over the list once, at the end
+    for q0 in range(0, num, BLOCK_S):
+        p = q0 + tl.arange(0, BLOCK_S)
+        mp = p < num
+        in_ell, ell_off, in_bk, bk_off = _list_masks(m, p, mp, slot, W, BW)
+        n64 = _list_load(ell_idx_ptr, bk_idx_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.int64)
+        m2 = mp[:, None] & mk[None, :]
+        w1 = tl.load(w1_ptr + n64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
+        a = _list_load(ell_a_ptr, bk_a_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
+        b = _list_load(ell_b_ptr, bk_b_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
+        if BACKWARD:
+            w2 = tl.load(w2_ptr + n64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
+            acc2 += w1 * a[:, None] + w2 * b[:, None]
+        else:
+            acc2 += w1 * (a * b).to(dtype).to(tl.float32)[:, None]
+    keep = (tl.zeros_like(k) + slot) != -2
+    tl.store(out_ptr + m * D + k, tl.sum(acc2, axis=0).to(dtype), mask=mk & keep)
+
+@triton.jit
+def _dh_kernel(dh_ptr, count_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, ell_u_ptr, bk_idx_ptr, bk_hg_ptr, bk_u_ptr,
+               l1_scale_ptr, h_ptr, dhug_ptr, dell_u_ptr, dell_g_ptr, dbk_u_ptr, dbk_g_ptr, row0, F, W, BW,
+               BLOCK: tl.constexpr):
+    """Chunk row pid, at its list positions: dh = the chunk's dense dy Wd read at n, + the L1
+    term; dh_u = dh relu(g), dh_g = dh u. h, dh_u, dh_g go into the chunk's dense rows (for
+    the weight-gradient GEMMs), dh_u and dh_g also to the list positions (for the dx SpMM).
+    Fallback rows have no list: _fallback_bwd_kernel does theirs."""
+    r = tl.program_id(0).to(tl.int64)
+    m = r + row0
+    slot = tl.load(slot_ptr + m)
+    num = tl.where(slot == -2, 0, tl.load(count_ptr + m))
+    l1_scale = tl.load(l1_scale_ptr)
+    for q0 in range(0, num, BLOCK):
+        p = q0 + tl.arange(0, BLOCK)
+        mp = p < num
+        in_ell, ell_off, in_bk, bk_off = _list_masks(m, p, mp, slot, W, BW)
+        n64 = _list_load(ell_idx_ptr, bk_idx_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.int64)
+        hg = _list_load(ell_hg_ptr, bk_hg_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
+        u = _list_load(ell_u_ptr, bk_u_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
+        dh_y = tl.load(dh_ptr + r * F + n64, mask=mp, other=0.0).to(tl.float32)
+        _dh_epilogue(dh_y, hg, u, l1_scale, r, n64, mp, in_ell, ell_off, in_bk, bk_off,
+                     h_ptr, dhug_ptr, dell_u_ptr, dell_g_ptr, dbk_u_ptr, dbk_g_ptr, F)
+
+@triton.jit
+def _clear_kernel(count_ptr, slot_ptr, ell_idx_ptr, bk_idx_ptr, h_ptr, dhug_ptr, row0, F, W, BW,
+                  BLOCK: tl.constexpr):
+    """Chunk row pid: zero what the backward wrote into its dense rows (h, dh_u, dh_g at the
+    row's list; the whole row for a fallback row), so the buffers start the next chunk zeroed."""
+    r = tl.program_id(0).to(tl.int64)
+    m = r + row0
+    slot = tl.load(slot_ptr + m)
+    is_fb = slot == -2
+    num = tl.where(is_fb, F, tl.load(count_ptr + m))
+    zero = tl.zeros([BLOCK], dtype=h_ptr.dtype.element_ty)
+    for q0 in range(0, num, BLOCK):
+        p = q0 + tl.arange(0, BLOCK)
+        mp = p < num
+        in_ell, ell_off, in_bk, bk_off = _list_masks(m, p, mp, slot, W, BW)
+        in_ell = in_ell & ((tl.zeros_like(p) + slot) != -2)
+        in_bk = in_bk & ((tl.zeros_like(p) + slot) != -2)
+        n = _list_load(ell_idx_ptr, bk_idx_ptr, in_ell, ell_off, in_bk, bk_off)
+        n64 = tl.where((tl.zeros_like(p) + slot) == -2, p, n).to(tl.int64)
+        tl.store(h_ptr + r * F + n64, zero, mask=mp)
+        tl.store(dhug_ptr + r * 2 * F + n64, zero, mask=mp)
+        tl.store(dhug_ptr + r * 2 * F + F + n64, zero, mask=mp)
+
+@triton.jit
+def _fallback_fwd_kernel(x_ptr, wu_ptr, wdt_ptr, g_ptr, slot_ptr, y_ptr, l1_ptr, row0, C, D, F,
+                         ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Chunk rows [pid*ROWS, ...), for each fallback row among them: every hidden column of its
+    gate (read from the chunk's gate g), u = x . Wu[n], h = relu(g) u, y = sum h Wd^T[n], and
+    its sum |h|. (A program per row would cost a launch of N programs for the rare row.)"""
+    for i in range(ROWS):
+        _fallback_fwd_row(x_ptr, wu_ptr, wdt_ptr, g_ptr, slot_ptr, y_ptr, l1_ptr, row0,
+                          (tl.program_id(0) * ROWS + i).to(tl.int64), C, D, F, BLOCK_S, BLOCK_D)
+
+@triton.jit
+def _fallback_row_slot(slot_ptr, m, r, C):
+    """The row's slot, or -1 (not a fallback row) past the chunk's end r >= C."""
+    return tl.where(r < C, tl.load(slot_ptr + tl.minimum(m, m - r + C - 1)), -1)
+
+@triton.jit
+def _fallback_fwd_row(x_ptr, wu_ptr, wdt_ptr, g_ptr, slot_ptr, y_ptr, l1_ptr, row0, r, C, D, F,
+                      BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    m = row0 + r
+    slot = _fallback_row_slot(slot_ptr, m, r, C)
+    num = tl.where(slot == -2, F, 0)
+    dtype = x_ptr.dtype.element_ty
+    k = tl.arange(0, BLOCK_D)
+    fb_k = (tl.zeros_like(k) + slot) == -2  # block masks: the interpreter wants them
+    mk = (k < D) & fb_k
+    xk = tl.load(x_ptr + m * D + k, mask=mk, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    l1 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, num, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        hg = tl.maximum(tl.load(g_ptr + r * F + s, mask=s < num, other=0.0).to(tl.float32), 0.0)
+        m2 = ((s < num) & (hg > 0))[:, None] & mk[None, :]
+        w_u = tl.load(wu_ptr + s[:, None].to(tl.int64) * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
+        w_d = tl.load(wdt_ptr + s[:, None].to(tl.int64) * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
+        u = tl.sum(w_u * xk[None, :], axis=1).to(dtype)
+        h = (hg * u.to(tl.float32)).to(dtype).to(tl.float32)
+        l1 += tl.abs(h)
+        acc += tl.sum(w_d * h[:, None], axis=0)
+    tl.store(y_ptr + m * D + k, acc.to(dtype), mask=mk)
+    tl.store(l1_ptr + m + tl.arange(0, 1), tl.zeros([1], dtype=tl.float32) + tl.sum(l1, axis=0),
+             mask=(tl.zeros([1], dtype=tl.int32) + slot) == -2)
+
+@triton.jit
+def _fallback_bwd_kernel(x_ptr, dy_ptr, wg_ptr, wu_ptr, wdt_ptr, slot_ptr, l1_scale_ptr, h_ptr, dhug_ptr,
+                         dx_ptr, row0, C, D, F, ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """Chunk rows [pid*ROWS, ...), for each fallback row among them: gate and up recomputed
+    from x at every hidden column, dh (with the L1 term), dh_u, dh_g scattered with h into the
+    chunk's dense rows, and dx = sum dh_u Wu[n] + dh_g Wg[n]."""
+    for i in range(ROWS):
+        _fallback_bwd_row(x_ptr, dy_ptr, wg_ptr, wu_ptr, wdt_ptr, slot_ptr, l1_scale_ptr, h_ptr, dhug_ptr,
+                          dx_ptr, row0, (tl.program_id(0) * ROWS + i).to(tl.int64), C, D, F, BLOCK_S, BLOCK_D)
+
+@triton.jit
+def _fallback_bwd_row(x_ptr, dy_ptr, wg_ptr, wu_ptr, wdt_ptr, slot_ptr, l1_scale_ptr, h_ptr, dhug_ptr,
+                      dx_ptr, row0, r, C, D, F, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    m = r + row0
+    slot = _fallback_row_slot(slot_ptr, m, r, C)
+    num = tl.where(slot == -2, F, 0)
+    dtype = x_ptr.dtype.element_ty
+    l1_scale = tl.load(l1_scale_ptr)
+    k = tl.arange(0, BLOCK_D)
+    mk = (k < D) & ((tl.zeros_like(k) + slot) == -2)
+    dyk = tl.load(dy_ptr + m * D + k, mask=mk, other=0.0).to(tl.float32)
+    xk = tl.load(x_ptr + m * D + k, mask=mk, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        ms = s < num
+        s64 = s.to(tl.int64)
+        m2 = ms[:, None] & mk[None, :]
+        w_d = tl.load(wdt_ptr + s64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
+        w_g = tl.load(wg_ptr + s64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
+        w_u = tl.load(wu_ptr + s64[:, None] * D + k[None, :], mask=m2, other=0.0).to(tl.float32)
+        hg = tl.maximum(tl.sum(w_g * xk[None, :], axis=1).to(dtype).to(tl.float32), 0.0)
+        u = tl.sum(w_u * xk[None, :], axis=1).to(dtype).to(tl.float32)
+        live = ms & (hg > 0)
+        h = (hg * u).to(dtype).to(tl.float32)
+        sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
+        dh_y = tl.sum(w_d * dyk[None, :], axis=1).to(dtype).to(tl.float32)
+        dh = (dh_y + l1_scale * sign).to(dtype).to(tl.float32)
+        dhu = tl.where(live, (dh * hg).to(dtype).to(tl.float32), 0.0)
+        dhg = tl.where(live, (dh * u).to(dtype).to(tl.float32), 0.0)
+        tl.store(h_ptr + r * F + s64, h.to(dtype), mask=live)
+        tl.store(dhug_ptr + r * 2 * F + s64, dhu.to(dtype), mask=live)
+        tl.store(dhug_ptr + r * 2 * F + F + s64, dhg.to(dtype), mask=live)
+        acc += tl.sum(w_u * dhu[:, None] + w_g * dhg[:, None], axis=0)
+    tl.store(dx_ptr + m * D + k, acc.to(dtype), mask=mk)
