@@ -169,7 +169,8 @@ def train_student(
     sparse_ffn: bool = typer.Option(False, "--sparse-ffn/--no-sparse-ffn", help="Sparse FFN (TwELL): ReLU gate (a SwiGLU student is converted, same weights) and an L1 penalty on its activations; logs per-layer sparsity and dead neurons."),
     l1: float = typer.Option(2e-5, "--l1", help="L1 coefficient with --sparse-ffn: loss += l1 * mean over layers of (sum over d_ff of |h|, mean over tokens)."),
     sparse_kernel: str = typer.Option("dense", "--sparse-kernel", help="With --sparse-ffn on a GPU: dense (matmuls) or twell (a layer switches to the sparse Triton kernels once under 50 non-zeros per token: a fifth of its activation memory; on an H200 at hidden 5632 level with dense at 56 non-zeros, 1.3-1.4x faster at 28)."),
-    dead_reinit: float = typer.Option(0.0, "--dead-reinit", help="With --sparse-ffn: after each step, gate rows of neurons silent on every token of the step move to (1-r) w + r N(0, 0.02^2) (the paper's App. C.3 uses 0.1); 0 = off."),
+    dead_reinit: float = typer.Option(0.0, "--dead-reinit", help="With --sparse-ffn: gate rows of neurons silent on every token of a --dead-window move to (1-r) w + r N(0, 0.02^2) when it closes (the paper's App. C.3 uses 0.1); 0 = off."),
+    dead_window: int = typer.Option(1_000_000, "--dead-window", help="With --dead-reinit: tokens (whole steps) a neuron must stay silent to count as dead; the paper's steps are ~1M tokens."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Train a student against a teacher cache; the teacher itself is never loaded.
@@ -203,7 +204,7 @@ def train_student(
         heldout=heldout, eval_every=eval_every, save_every=save_every, optimizer=optimizer, foam_level=foam_level,
         device=device, seed=seed,
         deterministic=deterministic, sparse_ffn=sparse_ffn, l1=l1, sparse_kernel=sparse_kernel,
-        dead_reinit=dead_reinit,
+        dead_reinit=dead_reinit, dead_window=dead_window,
     )
     report = train(config, progress=not quiet)
     resumed = f" (resumed from step {report.resumed_from})" if report.resumed_from else ""

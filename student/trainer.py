@@ -117,11 +117,14 @@ class TrainConfig:
     # as ffn_kernel. Dense stays the default: through the trainer at the 135M shape (4K tokens a
     # step) twell ran at 0.65-0.72x dense's tokens/s.
     sparse_kernel: str = "dense"
-    # Dead-neuron mitigation of the paper's App. C.3: after each optimizer step, the gate row of
-    # every neuron that fired on no token of the step moves to (1 - r) w + r N(0, 0.02^2); the
-    # paper uses r = 0.1 on ~1M-token steps. 0 turns it off. With small steps more neurons are
-    # silent for a whole step by chance, so more get moved.
+    # Dead-neuron mitigation of the paper's App. C.3: the paper calls a neuron dead when it fires on
+    # no token of a ~1M-token step, and after each such step moves its gate row to
+    # (1 - r) w + r N(0, 0.02^2), r = 0.1. Here the judgement covers windows of whole steps holding
+    # at least dead_window tokens (real, not padding): after the step that closes a window, the
+    # neurons silent over all of it move. Steps of 4K tokens each would find ~40% of a 99%-sparse
+    # layer silent by chance (RESULTS.md). dead_reinit = 0 turns it off.
     dead_reinit: float = 0.0
+    dead_window: int = 1_000_000
 
     def __post_init__(self):
         if (self.student is None) == (self.teacher is None):
@@ -151,6 +154,7 @@ class TrainConfig:
                "a number >= 0")
         _check("dead_reinit", self.dead_reinit, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
                and 0 <= v <= 1, "a number in [0, 1]")
+        _check("dead_window", self.dead_window, lambda v: isinstance(v, int) and v >= 1, "an int >= 1 (tokens)")
         if self.dead_reinit and not self.sparse_ffn:
             raise DistillUserError("`dead_reinit` acts on the sparse FFN's gate: add sparse_ffn (--sparse-ffn) or drop it")
         _check("dtype", self.dtype, lambda v: v in ("auto", "float32", "bfloat16"), "'auto', 'float32' or 'bfloat16'")
@@ -396,7 +400,9 @@ class FFNWindow:
         self.reinit_L = torch.zeros(num_layers, dtype=torch.int64, device=device)  # gate rows moved (dead_reinit)
         self.calls = 0
         self.l1_last = torch.zeros((), device=device)  # mean over the last step's micro-batches
-        self.step_active_LF = torch.zeros(num_layers, d_ff, dtype=torch.bool, device=device)  # this step only
+        # Neurons active since the current dead window (TrainConfig.dead_window) began, and its tokens.
+        self.dead_active_LF = torch.zeros(num_layers, d_ff, dtype=torch.bool, device=device)
+        self.dead_tokens = 0
 
     def add(self, terms: list) -> None:
         """terms: per layer (l1, FFNStats) of one micro-batch (Student.ffn_terms())."""
@@ -404,16 +410,22 @@ class FFNWindow:
         self.nnz_L += torch.stack([s.nnz for _, s in terms]).to(self.nnz_L)
         active_LF = torch.stack([s.active for _, s in terms])
         self.active_LF |= active_LF
-        self.step_active_LF |= active_LF
+        self.dead_active_LF |= active_LF
         self.overflow_L += torch.stack([s.overflow_rows for _, s in terms])
         self.fallback_L += torch.stack([s.fallback_rows for _, s in terms])
         self.calls += 1
 
-    def end_step(self, grad_accum: int) -> torch.Tensor:
-        """Close the step; returns its active neurons (bool [L, d_ff]) and starts the next step's."""
+    def end_step(self, grad_accum: int, tokens: int, dead_window: int) -> torch.Tensor | None:
+        """Close the step of `tokens` real tokens. When that closes a dead window (at least
+        `dead_window` tokens since it began), returns the neurons active over the window (bool
+        [L, d_ff]) and starts the next; else None."""
         self.l1_last = self.l1_step / grad_accum
         self.l1_step = torch.zeros_like(self.l1_step)
-        active, self.step_active_LF = self.step_active_LF, torch.zeros_like(self.step_active_LF)
+        self.dead_tokens += tokens
+        if self.dead_tokens < dead_window:
+            return None
+        active, self.dead_active_LF = self.dead_active_LF, torch.zeros_like(self.dead_active_LF)
+        self.dead_tokens = 0
         return active
 
     def row(self) -> dict:
@@ -430,13 +442,15 @@ class FFNWindow:
 
     def state_dict(self) -> dict:
         return {"nnz_L": self.nnz_L.cpu(), "active_LF": self.active_LF.cpu(), "overflow_L": self.overflow_L.cpu(),
-                "fallback_L": self.fallback_L.cpu(), "reinit_L": self.reinit_L.cpu(), "calls": self.calls}
+                "fallback_L": self.fallback_L.cpu(), "reinit_L": self.reinit_L.cpu(), "calls": self.calls,
+                "dead_active_LF": self.dead_active_LF.cpu(), "dead_tokens": self.dead_tokens}
 
     def load_state_dict(self, state: dict) -> None:
-        for name in ("nnz_L", "active_LF", "overflow_L", "fallback_L", "reinit_L"):
-            if name in state:  # reinit_L: not in checkpoints written before dead_reinit existed
+        for name in ("nnz_L", "active_LF", "overflow_L", "fallback_L", "reinit_L", "dead_active_LF"):
+            if name in state:  # checkpoints written before dead_reinit / dead_window lack the last two
                 getattr(self, name).copy_(state[name])
         self.calls = state["calls"]
+        self.dead_tokens = state.get("dead_tokens", 0)
 
 
 # The authors route a layer to their sparse kernels once its mean non-zeros per token fall under 50
@@ -464,7 +478,7 @@ DEAD_REINIT_STD = 0.02
 
 
 def _reinit_dead_gates(model: Student, active_LF: torch.Tensor, rate: float, seed: int, step: int) -> torch.Tensor:
-    """Gate rows of the neurons inactive in the step (~active_LF) <- (1 - rate) w + rate N(0, 0.02^2),
+    """Gate rows of the neurons inactive over the dead window (~active_LF) <- (1 - rate) w + rate N(0, 0.02^2),
     the noise from a generator seeded by (seed, step), so a resumed run draws the same. Returns the
     number moved per layer (int64 [L], on the device; no host sync)."""
     gen = torch.Generator(device=active_LF.device).manual_seed(seed * 1_000_003 + step)
@@ -587,7 +601,8 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
                     ffn_window.add(model.ffn_terms())
                 (loss / config.grad_accum).backward()
                 loss_sum, kl_sum, tokens = loss_sum + loss.item(), kl_sum + kl.item(), tokens + batch.num_tokens
-            step_active = ffn_window.end_step(config.grad_accum) if ffn_window is not None else None
+            window_active = (ffn_window.end_step(config.grad_accum, tokens, config.dead_window)
+                             if ffn_window is not None else None)
             max_norm = config.clip_grad if config.clip_grad > 0 else float("inf")
             grad_norm = clip_grad_norm_foreach(model.parameters(), max_norm).item()
             loss_value = loss_sum / config.grad_accum
@@ -602,8 +617,8 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            if config.dead_reinit:
-                ffn_window.reinit_L += _reinit_dead_gates(model, step_active, config.dead_reinit, config.seed, step)
+            if config.dead_reinit and window_active is not None:
+                ffn_window.reinit_L += _reinit_dead_gates(model, window_active, config.dead_reinit, config.seed, step)
             window_tokens += tokens
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.4f}")

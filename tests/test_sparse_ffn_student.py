@@ -221,8 +221,8 @@ def test_dead_gate_rows_move_toward_noise_and_live_ones_stay():
 
 
 def test_dead_reinit_revives_dead_neurons_in_a_run_and_is_checked(tiny, tmp_path):  # noqa: F811
-    """Five gate rows zeroed (dead on every token): with dead_reinit they are moved after every step
-    they stay silent, ffn_reinit counts them, and the run's other rows are unchanged by it."""
+    """Five gate rows zeroed (dead on every token): with dead_reinit and a one-token window they are
+    moved after every step they stay silent, ffn_reinit counts them, and without it nothing moves."""
     student, cache, _ = tiny
     start = tmp_path / "start"
     model = to_relu_gate(Student.from_pretrained(student))
@@ -231,7 +231,7 @@ def test_dead_reinit_revives_dead_neurons_in_a_run_and_is_checked(tiny, tmp_path
     model.save_pretrained(start)
     out = tmp_path / "run"
     train(config(tiny, out, student=str(start), tokenizer=str(student), steps=2, log_every=1, sparse_ffn=True,
-                 l1=0.0, dead_reinit=0.1, eval_every=0), progress=False)
+                 l1=0.0, dead_reinit=0.1, dead_window=1, eval_every=0), progress=False)
     first = rows(out)[0]
     assert first["ffn_reinit"][1] >= 5 and len(first["ffn_reinit"]) == 2
     saved = Student.from_pretrained(out / "student").layers[1].mlp.gate_proj.weight
@@ -245,6 +245,56 @@ def test_dead_reinit_revives_dead_neurons_in_a_run_and_is_checked(tiny, tmp_path
         TrainConfig(cache="c", out="o", student="s", dead_reinit=0.1)
     with pytest.raises(DistillUserError, match=r"`dead_reinit` must be a number in \[0, 1\], got 2"):
         TrainConfig(cache="c", out="o", student="s", sparse_ffn=True, dead_reinit=2)
+    with pytest.raises(DistillUserError, match=r"`dead_window` must be an int >= 1 \(tokens\), got 0"):
+        TrainConfig(cache="c", out="o", student="s", sparse_ffn=True, dead_reinit=0.1, dead_window=0)
+
+
+def test_dead_window_spans_steps_and_moves_rows_only_when_it_closes(tiny, tmp_path):  # noqa: F811
+    """With a 150-token dead window (a step here holds 3 ragged sequences, 30-72 tokens), gate rows
+    move only after the steps at which the real tokens since the window began reach 150; the
+    first such step moves the five zeroed rows."""
+    student, _, _ = tiny
+    start = tmp_path / "start"
+    model = to_relu_gate(Student.from_pretrained(student))
+    with torch.no_grad():
+        model.layers[1].mlp.gate_proj.weight[:5] = 0
+    model.save_pretrained(start)
+    out = tmp_path / "run"
+    train(config(tiny, out, student=str(start), tokenizer=str(student), steps=8, log_every=1, sparse_ffn=True,
+                 l1=0.0, dead_reinit=0.1, dead_window=150, eval_every=0, save_every=0), progress=False)
+    closes, seen = [], 0
+    for r in rows(out):
+        seen += r["tokens"]
+        if seen >= 150:
+            closes.append(r["step"])
+            seen = 0
+    assert 2 <= len(closes) < 8, "the test needs windows of more than one step"
+    assert all(r["ffn_reinit"] == [0, 0] for r in rows(out) if r["step"] not in closes)
+    assert rows(out)[closes[0] - 1]["ffn_reinit"][1] >= 5
+
+
+def test_dead_window_open_at_a_checkpoint_resumes_where_it_was():
+    """The dead window's neurons and tokens travel in FFNWindow's state: a window restored mid-way
+    closes at the same step with the same active neurons as the one that was never saved."""
+    from kernels.twell_ffn import FFNStats
+    from student.trainer import FFNWindow
+
+    def stats(active):
+        zero = torch.zeros((), dtype=torch.int64)
+        return torch.zeros(()), FFNStats(nnz=active.sum().float(), active=active, overflow_rows=zero,
+                                         fallback_rows=zero)
+
+    first, second = torch.zeros(2, 6, dtype=torch.bool), torch.zeros(2, 6, dtype=torch.bool)
+    first[0, 1], second[1, 4] = True, True
+    kept = FFNWindow(2, 6, "cpu")
+    kept.add([stats(a) for a in first])
+    assert kept.end_step(1, tokens=60, dead_window=100) is None
+    restored = FFNWindow(2, 6, "cpu")
+    restored.load_state_dict(kept.state_dict())
+    for window in (kept, restored):
+        window.add([stats(a) for a in second])
+        assert torch.equal(window.end_step(1, tokens=60, dead_window=100), first | second)
+        assert window.end_step(1, tokens=60, dead_window=100) is None  # a new window began
 
 
 def test_recipe_train_section_takes_the_sparse_keys(tmp_path):
@@ -303,10 +353,11 @@ def test_train_student_cli_takes_sparse_ffn_and_l1(tiny, tmp_path, capsys):  # n
     out = tmp_path / "run"
     code, stdout, err = run_cli(["train-student", "--cache", cache, "--student", student, "--out", out, "--steps", "1",
                                  "--batch-size", "2", "--heldout", "2", "--device", "cpu", "--sparse-ffn",
-                                 "--l1", "1e-4", "--dead-reinit", "0.1", "-q"], capsys)
+                                 "--l1", "1e-4", "--dead-reinit", "0.1", "--dead-window", "4096", "-q"], capsys)
     assert code == 0, err
     cfg = json.loads((out / "run.json").read_text())["config"]
     assert cfg["sparse_ffn"] is True and cfg["l1"] == 1e-4 and cfg["dead_reinit"] == 0.1
+    assert cfg["dead_window"] == 4096
     assert "FFN sparsity per layer" in stdout
     code, stdout, _ = run_cli(["train-student", "--help"], capsys)
     assert "--sparse-ffn" in stdout and "--l1" in stdout

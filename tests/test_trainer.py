@@ -239,9 +239,10 @@ def test_resumed_sparse_run_matches_bit_for_bit(tiny, tmp_path):
     """A sparse FFN run (ReLU gate, L1 penalty) killed after step 5, checkpoint at 4, metrics every
     3 steps, so the sparsity window holding step 4 must travel in the checkpoint: every metric
     (per-layer nnz, dead neurons, reinitialised gate rows, l1), the losses and the weights equal the
-    uninterrupted run's. The dead-neuron mitigation is on: its noise must be drawn the same."""
+    uninterrupted run's. The dead-neuron mitigation is on, judging every step (a one-token window):
+    its noise must be drawn the same. (A window open at the checkpoint: test_sparse_ffn_student.)"""
     kw = dict(steps=6, grad_accum=2, save_every=4, eval_every=0, log_every=3, sparse_ffn=True, l1=0.05,
-              dead_reinit=0.1)
+              dead_reinit=0.1, dead_window=1)
     clean = train(config(tiny, tmp_path / "clean", **kw), progress=False)
     cfg = config(tiny, tmp_path / "killed", **kw)
     assert _train_in_subprocess(cfg, exit_after=5) == 17

@@ -39,7 +39,8 @@ def train_run(args, name, sparse, l1, kernel="dense"):
     cfg = TrainConfig(cache=args.cache, student=args.student, out=str(out), steps=args.steps, batch_size=8,
                       warmup_steps=max(1, args.steps // 10), heldout=args.heldout, eval_every=max(1, args.steps // 4),
                       log_every=max(1, args.steps // 12), save_every=0, sparse_ffn=sparse, l1=l1, seed=0,
-                      sparse_kernel=kernel, dead_reinit=args.dead_reinit if sparse else 0.0)
+                      sparse_kernel=kernel, dead_reinit=args.dead_reinit if sparse else 0.0,
+                      dead_window=args.dead_window)
     t0 = time.perf_counter()
     train(cfg, progress=False)
     wall = time.perf_counter() - t0
@@ -137,6 +138,7 @@ def main():
                     help="--sparse-kernel of each sparse run (each L1 runs once per kernel)")
     ap.add_argument("--no-dense-run", action="store_true", help="skip the dense SwiGLU run")
     ap.add_argument("--dead-reinit", type=float, default=0.0, help="dead_reinit of the sparse runs (App. C.3: 0.1)")
+    ap.add_argument("--dead-window", type=int, default=1_000_000, help="dead_window (tokens) with --dead-reinit")
     ap.add_argument("--no-kernel-timing", action="store_true", help="skip part 2")
     ap.add_argument("--tokens", type=int, default=131072, help="positions of cached text for the kernel timing")
     ap.add_argument("--rep-ms", type=int, default=100)
