@@ -220,25 +220,31 @@ def test_dead_gate_rows_move_toward_noise_and_live_ones_stay():
         assert not torch.equal(w[~act], w0[~act])
 
 
+def _five_dead_rows(tiny, tmp_path, out, **overrides) -> TrainConfig:
+    """A sparse, L1-free run config (a metrics row every step) whose start student has layer 1's
+    first five gate rows zeroed: relu(0) = 0, so those neurons are dead on every token."""
+    student, _, _ = tiny
+    start = tmp_path / "start"
+    if not start.exists():
+        model = to_relu_gate(Student.from_pretrained(student))
+        with torch.no_grad():
+            model.layers[1].mlp.gate_proj.weight[:5] = 0
+        model.save_pretrained(start)
+    return config(tiny, out, student=str(start), tokenizer=str(student), log_every=1, sparse_ffn=True, l1=0.0,
+                  eval_every=0, **overrides)
+
+
 def test_dead_reinit_revives_dead_neurons_in_a_run_and_is_checked(tiny, tmp_path):  # noqa: F811
     """Five gate rows zeroed (dead on every token): with dead_reinit and a one-token window they are
     moved after every step they stay silent, ffn_reinit counts them, and without it nothing moves."""
-    student, cache, _ = tiny
-    start = tmp_path / "start"
-    model = to_relu_gate(Student.from_pretrained(student))
-    with torch.no_grad():
-        model.layers[1].mlp.gate_proj.weight[:5] = 0
-    model.save_pretrained(start)
     out = tmp_path / "run"
-    train(config(tiny, out, student=str(start), tokenizer=str(student), steps=2, log_every=1, sparse_ffn=True,
-                 l1=0.0, dead_reinit=0.1, dead_window=1, eval_every=0), progress=False)
+    train(_five_dead_rows(tiny, tmp_path, out, steps=2, dead_reinit=0.1, dead_window=1), progress=False)
     first = rows(out)[0]
     assert first["ffn_reinit"][1] >= 5 and len(first["ffn_reinit"]) == 2
     saved = Student.from_pretrained(out / "student").layers[1].mlp.gate_proj.weight
     assert (saved[:5].abs().sum(dim=1) > 0).all(), "the zeroed rows got noise"
     plain = tmp_path / "plain"
-    train(config(tiny, plain, student=str(start), tokenizer=str(student), steps=2, log_every=1, sparse_ffn=True,
-                 l1=0.0, eval_every=0), progress=False)
+    train(_five_dead_rows(tiny, tmp_path, plain, steps=2), progress=False)
     assert rows(plain)[0]["ffn_reinit"] == [0, 0]
     assert (Student.from_pretrained(plain / "student").layers[1].mlp.gate_proj.weight[:5] == 0).all()
     with pytest.raises(DistillUserError, match="`dead_reinit` acts on the sparse FFN's gate"):
@@ -253,15 +259,9 @@ def test_dead_window_spans_steps_and_moves_rows_only_when_it_closes(tiny, tmp_pa
     """With a 150-token dead window (a step here holds 3 ragged sequences, 30-72 tokens), gate rows
     move only after the steps at which the real tokens since the window began reach 150; the
     first such step moves the five zeroed rows."""
-    student, _, _ = tiny
-    start = tmp_path / "start"
-    model = to_relu_gate(Student.from_pretrained(student))
-    with torch.no_grad():
-        model.layers[1].mlp.gate_proj.weight[:5] = 0
-    model.save_pretrained(start)
     out = tmp_path / "run"
-    train(config(tiny, out, student=str(start), tokenizer=str(student), steps=8, log_every=1, sparse_ffn=True,
-                 l1=0.0, dead_reinit=0.1, dead_window=150, eval_every=0, save_every=0), progress=False)
+    train(_five_dead_rows(tiny, tmp_path, out, steps=8, dead_reinit=0.1, dead_window=150, save_every=0),
+          progress=False)
     closes, seen = [], 0
     for r in rows(out):
         seen += r["tokens"]
