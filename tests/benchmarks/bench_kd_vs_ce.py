@@ -18,10 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def eval_rows(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in rows if r.get("kind") == "eval"]
+from run_helpers import load_bench_recipe, metric_rows, recipe_train_config
 
 
 def plot(results: dict, path: Path) -> None:
@@ -60,29 +57,22 @@ def main() -> None:
         plot(json.loads((args.out / "kd_vs_ce.json").read_text()), args.out / "kd_vs_ce.png")
         return
 
-    from pipelines.defaults import default_teacher_dir
-    from pipelines.recipe import builtin_recipe, load_recipe, train_config
     from pipelines.stage_one import cache_teacher
     from student.trainer import train
 
-    recipe = load_recipe(args.recipe or builtin_recipe("quickstart"))
-    if args.cache is not None:
-        recipe.stage_one.cache.out = args.cache
-    else:
+    recipe = load_bench_recipe(args.recipe, args.cache)
+    if args.cache is None:
         cache_teacher(recipe.stage_one)
-    if args.steps is not None:
-        recipe.train["steps"] = args.steps
-    if args.eval_every is not None:
-        recipe.train["eval_every"] = args.eval_every
-    teacher_dir = recipe.stage_one.teacher.model or default_teacher_dir()
+    base = recipe_train_config(recipe, args.steps, args.eval_every)
     results = {}
     for name, ce_weight in (("kd", 0.0), ("ce", 1.0)):
-        config = dataclasses.replace(train_config(recipe, teacher_dir), out=args.out / name, ce_weight=ce_weight)
+        config = dataclasses.replace(base, out=args.out / name, ce_weight=ce_weight)
         start = time.perf_counter()
         train(config)
-        results[name] = {"ce_weight": ce_weight, "seconds": time.perf_counter() - start, "eval": eval_rows(args.out / name)}
+        results[name] = {"ce_weight": ce_weight, "seconds": time.perf_counter() - start,
+                         "eval": metric_rows(args.out / name, "eval")}
     results["command"] = " ".join(sys.argv)
-    results["config"] = {k: str(v) for k, v in dataclasses.asdict(train_config(recipe, teacher_dir)).items()}
+    results["config"] = {k: str(v) for k, v in dataclasses.asdict(base).items()}
     (args.out / "kd_vs_ce.json").write_text(json.dumps(results, indent=2))
 
     plot(results, args.out / "kd_vs_ce.png")

@@ -30,22 +30,9 @@ import sys
 import time
 from pathlib import Path
 
+from run_helpers import metric_rows, parse_optimizer_variant
+
 COLORS = {"adamw": "tab:blue", "foam_2": "tab:orange", "foam_4": "tab:green", "adamw8bit": "tab:red"}
-
-
-def parse_variant(spec: str) -> tuple[str, dict]:
-    parts = spec.split(":")
-    kw: dict = {"optimizer": parts[0]}
-    for part in parts[1:]:
-        if part.startswith("lr="):
-            kw["lr"] = float(part[3:])
-        else:
-            kw["foam_level"] = int(part)
-    return spec.replace(":", "_").replace("=", ""), kw
-
-
-def read_rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def family(overrides: dict) -> str:
@@ -152,7 +139,7 @@ def main() -> None:
     }
     slowest = 0.0
     for spec in args.variants.split(","):
-        name, kw = parse_variant(spec)
+        name, kw = parse_optimizer_variant(spec)
         elapsed = time.perf_counter() - t_start
         if args.budget_s is not None and elapsed + 1.1 * slowest > args.budget_s:
             print(f"skip {spec}: {elapsed:.0f} s gone, the slowest run took {slowest:.0f} s, budget "
@@ -169,7 +156,7 @@ def main() -> None:
         report = train(config, progress=False)
         seconds = time.perf_counter() - start
         slowest = max(slowest, seconds)
-        rows = read_rows(out)
+        rows = metric_rows(out)
         train_rows = [r for r in rows if r["kind"] == "train"]
         label = f"{spec.split(':lr=')[0]} lr {config.lr:g}"
         results["runs"][name] = {

@@ -16,11 +16,10 @@ once) into separate OUT dirs; `--merge OTHER_OUT` then adds OTHER_OUT's runs to 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import sys
-import time
 from pathlib import Path
+
+from run_helpers import add_variant_run_args, metric_rows, run_variants
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -30,11 +29,6 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     if kind != "sparse" or not l1:
         raise SystemExit(f"variant must be 'dense' or 'sparse:L1', got {spec!r}")
     return f"sparse_l1_{l1}", {"sparse_ffn": True, "l1": float(l1)}
-
-
-def metric_rows(run_dir: Path, kind: str) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in rows if r.get("kind") == kind]
 
 
 def plot(results: dict, path: Path) -> None:
@@ -62,13 +56,8 @@ def plot(results: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--cache", type=Path, required=True, help="a complete cache of the recipe's teacher")
-    ap.add_argument("--recipe", type=Path, default=None)
-    ap.add_argument("--variants", default="dense,sparse:0,sparse:2e-5,sparse:1e-3")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--eval-every", type=int, default=20)
-    ap.add_argument("--replot", action="store_true", help="only redraw the plot from OUT/sparse_ffn.json")
+    add_variant_run_args(ap, variants="dense,sparse:0,sparse:2e-5,sparse:1e-3", eval_every=20,
+                         results_json="sparse_ffn.json")
     ap.add_argument("--merge", type=Path, action="append", default=[],
                     help="add the runs of another OUT dir's sparse_ffn.json to OUT's, then replot")
     args = ap.parse_args()
@@ -82,34 +71,15 @@ def main() -> None:
         plot(results, args.out / "sparse_ffn.png")
         return
 
-    from pipelines.defaults import default_teacher_dir
-    from pipelines.recipe import builtin_recipe, load_recipe, train_config
-    from student.trainer import train
-
-    recipe = load_recipe(args.recipe or builtin_recipe("quickstart"))
-    recipe.stage_one.cache.out = args.cache
-    for key, value in (("steps", args.steps), ("eval_every", args.eval_every)):
-        if value is not None:
-            recipe.train[key] = value
-    base = train_config(recipe, recipe.stage_one.teacher.model or default_teacher_dir())
-    results = {"command": " ".join(sys.argv), "config": {k: str(v) for k, v in dataclasses.asdict(base).items()},
-               "runs": {}}
-    for spec in args.variants.split(","):
-        name, kw = parse_variant(spec)
-        config = dataclasses.replace(base, out=str(args.out / name), **kw)
-        start = time.perf_counter()
-        train(config)
-        label = "dense (SwiGLU)" if not kw["sparse_ffn"] else f"ReLU gate, L1 {kw['l1']:g}"
-        train_rows = metric_rows(args.out / name, "train")
-        results["runs"][name] = {"label": label, "overrides": kw, "seconds": time.perf_counter() - start,
-                                 "eval": metric_rows(args.out / name, "eval"), "last_train": train_rows[-1]}
-        last = results["runs"][name]["eval"][-1]
-        sparsity = last.get("ffn_sparsity")
-        extra = "" if sparsity is None else (
-            f" sparsity/layer {[round(100 * s, 1) for s in sparsity]}% dead/layer "
+    def describe(spec, config, run_dir):
+        label = f"ReLU gate, L1 {config.l1:g}" if config.sparse_ffn else "dense (SwiGLU)"
+        last = metric_rows(run_dir, "eval")[-1]
+        text = "" if last.get("ffn_sparsity") is None else (
+            f" sparsity/layer {[round(100 * s, 1) for s in last['ffn_sparsity']]}% dead/layer "
             f"{[round(100 * d, 1) for d in last['ffn_dead']]}%")
-        print(f"{label}: step {last['step']} held-out KL {last['kl']:.4f} CE {last['ce']:.4f}{extra}", flush=True)
-        (args.out / "sparse_ffn.json").write_text(json.dumps(results, indent=2))
+        return {"label": label, "last_train": metric_rows(run_dir, "train")[-1]}, text
+
+    results = run_variants(args, parse_variant, describe, "sparse_ffn.json")
     plot(results, args.out / "sparse_ffn.png")
 
 
