@@ -288,6 +288,24 @@ def _pack(gate_c, words, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_h
                           TILE_F=_TILE_F, num_warps=_PACK_WARPS)
 
 
+def _host_value_later(t: torch.Tensor):
+    """Start copying the device scalar t to the host without waiting; returns a function that
+    waits for the copy (done long before, in a training step) and gives its value as an int. On
+    the CPU it reads t directly."""
+    if not t.is_cuda:
+        return lambda: int(t)
+    host = torch.empty((), dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def value() -> int:
+        copied.synchronize()
+        return int(host)
+
+    return value
+
+
 class _TwellFFNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, ell_width, backup_rows, chunk_rows):
@@ -343,6 +361,7 @@ class _TwellFFNFunction(torch.autograd.Function):
         ctx.save_for_backward(x, w_gate, w_up, w_down, count, slot, start, ell_idx, ell_hg, ell_u,
                               bk_idx, bk_hg, bk_u)
         ctx.chunk = chunk
+        ctx.nnz_total = _host_value_later(count.sum())  # for the backward's choice of dh route
         ctx.mark_non_differentiable(*stats)
         return (y, l1) + stats
 
@@ -368,8 +387,10 @@ class _TwellFFNFunction(torch.autograd.Function):
         rows_max = min(chunk, num_tokens)
         # dh at the non-zeros: a W_down^T row gathered per non-zero (the SDDMM), or, when the
         # non-zeros are dense enough that this costs more than the dense product, dy Wd (cuBLAS)
-        # read at them. The choice syncs with the host once, for the number of non-zeros.
-        dense_dh = int(count.sum()) > _DENSE_DH_DENSITY * num_tokens * d_ff
+        # read at them. The choice needs the number of non-zeros on the host. The forward started
+        # that copy, so this waits only for the GPU to have passed this layer's forward (long done
+        # by now in a training step), not for all the work queued before this backward.
+        dense_dh = ctx.nnz_total() > _DENSE_DH_DENSITY * num_tokens * d_ff
         dh_buf = torch.empty(rows_max if dense_dh else 0, d_ff, dtype=dtype, device=dev)
         # zeroed once; after each chunk _clear_kernel zeroes only what the chunk wrote
         h_buf = torch.zeros(rows_max, d_ff, dtype=dtype, device=dev)

@@ -230,3 +230,24 @@ def test_gpu_matches_reference(dtype, sparsity):
     stats = check_against_reference(inputs, dtype, ell_width=32, backup_rows=backup, chunk_rows=1024)
     over, fallback = expected_overflow(inputs, 32, backup)
     assert (int(stats.overflow_rows), int(stats.fallback_rows)) == (over, fallback)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("density", [0.0, 1.0])  # _DENSE_DH_DENSITY: dh by the dense product / by the SDDMM
+def test_gpu_backward_does_not_sync_the_host(monkeypatch, density):
+    """The backward reads one number on the host (the non-zero count that picks the dh route), from
+    a copy the forward started: under CUDA's sync debug mode a synchronizing call raises."""
+    monkeypatch.setattr(twell, "_DENSE_DH_DENSITY", density)
+    num_tokens, d_model, d_ff = 3000, 256, 1408
+    counts = spread_counts(num_tokens, d_ff, 0.99, seed=5)
+    params = [t.requires_grad_() for t in make_inputs(num_tokens, d_model, d_ff, counts, torch.bfloat16, "cuda")]
+    y, l1, _ = relu_gated_ffn(*params, impl="triton", ell_width=32, backup_rows=40, chunk_rows=1024)
+    loss = y.float().sum() + 0.7 * l1
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(bool(torch.isfinite(p.grad).all()) for p in params)
