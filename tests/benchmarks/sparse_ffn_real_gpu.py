@@ -5,7 +5,7 @@ inputs with the same per-row non-zero counts.
 
 Part 1 (train): per run, held-out KL through training, per-layer sparsity, dead neurons and
 non-zeros per token at the end, throughput. Part 2 (kernels, CUDA only): for every FFN layer of
-the sparsest run, its inputs on `--tokens` positions of cached text (the cache's own sequences,
+the sparsest run (or of every sparse run, --time-runs all), its inputs on `--tokens` positions of cached text (the cache's own sequences,
 as the student sees them), timed through kernels/twell_ffn.py's Triton path against the dense
 matmuls (forward and forward+backward, CUDA events, medians), and the Triton path again on
 synthetic inputs whose rows have the same non-zero counts (lognormal-free: the real counts).
@@ -14,6 +14,8 @@ synthetic inputs whose rows have the same non-zero counts (lognormal-free: the r
     # bench_optimizer_convergence_gpu.py:
     PYTHONPATH=$PWD python3 tests/benchmarks/sparse_ffn_real_gpu.py --cache ../stdlib512 \\
         --student ../student135m --runs /tmp/sparse_real --out $OUT/sparse_real.json
+    # the same student config reshaped to the issue's FFN (d 2048, d_ff 5632), 6 layers:
+    ... --shape 2048,5632,6 --l1 3e-3 1e-2 3e-2 --time-runs all
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import datetime
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -60,6 +63,22 @@ def train_run(args, name, sparse, l1, kernel="dense"):
         rec["tok_per_s_median_after_first_log"] = sorted(late)[len(late) // 2] if late else None
         rec["mean_sparsity"] = sum(last["ffn_sparsity"]) / len(last["ffn_sparsity"])
     return rec, out / "student"
+
+
+def reshaped_student(folder, shape, runs):
+    """A copy of the student folder whose config has `shape` = (d_model, d_ff, layers): 64-wide
+    heads, 4 query heads per KV head; the tokenizer files are copied as they are."""
+    d_model, d_ff, layers = shape
+    heads = d_model // 64
+    if d_model % 64 or heads % 4:
+        raise SystemExit(f"--shape: d_model {d_model} must be a multiple of 256 (64-wide heads, 4 per KV head)")
+    out = Path(runs) / f"student_{d_model}x{d_ff}x{layers}"
+    shutil.copytree(folder, out, dirs_exist_ok=True)
+    config = json.loads((out / "config.json").read_text())
+    config.update(hidden_size=d_model, intermediate_size=d_ff, num_hidden_layers=layers, head_dim=64,
+                  num_attention_heads=heads, num_key_value_heads=heads // 4)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return str(out)
 
 
 def capture_ffn_inputs(folder, cache, tokens, device):
@@ -130,6 +149,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", required=True)
     ap.add_argument("--student", required=True, help="HF folder of the initial student (config.json suffices)")
+    ap.add_argument("--shape", default=None, metavar="D_MODEL,D_FF,LAYERS",
+                    help="train the student's config reshaped to this (e.g. the issue's 2048,5632,6)")
     ap.add_argument("--runs", default="/tmp/sparse_real")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--heldout", type=int, default=32)
@@ -140,11 +161,15 @@ def main():
     ap.add_argument("--dead-reinit", type=float, default=0.0, help="dead_reinit of the sparse runs (App. C.3: 0.1)")
     ap.add_argument("--dead-window", type=int, default=1_000_000, help="dead_window (tokens) with --dead-reinit")
     ap.add_argument("--no-kernel-timing", action="store_true", help="skip part 2")
+    ap.add_argument("--time-runs", default="sparsest", choices=["sparsest", "all"],
+                    help="part 2 on the sparsest sparse run only, or on every sparse run")
     ap.add_argument("--tokens", type=int, default=131072, help="positions of cached text for the kernel timing")
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.shape:
+        args.student = reshaped_student(args.student, [int(v) for v in args.shape.split(",")], args.runs)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "args": vars(args), "runs": []}
 
@@ -162,19 +187,24 @@ def main():
     sparse_runs = [r for r in result["runs"] if r["sparse_ffn"]]
     if not sparse_runs or device != "cuda" or args.no_kernel_timing:
         return
-    best = max(sparse_runs, key=lambda r: r["mean_sparsity"])
-    xs, weights = capture_ffn_inputs(folders[best["name"]], args.cache, args.tokens, device)
-    result["kernels"] = {"run": best["name"], "tokens": xs[0].shape[0], "layers": []}
-    for i, (x, (wg, wu, wd)) in enumerate(zip(xs, weights)):
-        rec = {"layer": i, "real": time_layer(x, wg, wu, wd, args.rep_ms)}
-        xs_syn, wg_syn = synthetic_like(x, wg)
-        rec["synthetic_same_counts"] = time_layer(xs_syn, wg_syn, wu, wd, args.rep_ms)
-        result["kernels"]["layers"].append(rec)
-        r, s = rec["real"], rec["synthetic_same_counts"]
-        print(f"layer {i:2d} nnz {r['nnz_mean']:7.1f} real: fwd {r['triton_fwd_ms']:.3f} vs {r['torch_fwd_ms']:.3f} ms, "
-              f"f+b {r['triton_fwd_bwd_ms']:.3f} vs {r['torch_fwd_bwd_ms']:.3f}; synthetic: fwd "
-              f"{s['triton_fwd_ms']:.3f}, f+b {s['triton_fwd_bwd_ms']:.3f} (nnz {s['nnz_mean']:.1f})", flush=True)
-        save()
+    timed = sparse_runs if args.time_runs == "all" else [max(sparse_runs, key=lambda r: r["mean_sparsity"])]
+    result["kernels"] = []
+    for run in timed:
+        xs, weights = capture_ffn_inputs(folders[run["name"]], args.cache, args.tokens, device)
+        entry = {"run": run["name"], "tokens": xs[0].shape[0], "layers": []}
+        result["kernels"].append(entry)
+        for i, (x, (wg, wu, wd)) in enumerate(zip(xs, weights)):
+            rec = {"layer": i, "real": time_layer(x, wg, wu, wd, args.rep_ms)}
+            xs_syn, wg_syn = synthetic_like(x, wg)
+            rec["synthetic_same_counts"] = time_layer(xs_syn, wg_syn, wu, wd, args.rep_ms)
+            entry["layers"].append(rec)
+            r, s = rec["real"], rec["synthetic_same_counts"]
+            print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:7.1f} real: fwd {r['triton_fwd_ms']:.3f} vs "
+                  f"{r['torch_fwd_ms']:.3f} ms, f+b {r['triton_fwd_bwd_ms']:.3f} vs {r['torch_fwd_bwd_ms']:.3f}; "
+                  f"synthetic: fwd {s['triton_fwd_ms']:.3f}, f+b {s['triton_fwd_bwd_ms']:.3f} (nnz {s['nnz_mean']:.1f})",
+                  flush=True)
+            save()
+        del xs, weights
 
 
 if __name__ == "__main__":
