@@ -205,6 +205,14 @@ _SLICE_BYTES = 1 << 40
 # against 3.8 for (4, 2048), 4.1 for (1, 2048), 6.0 for (8, 1024), 7.7+ for narrower slices.
 _SDDMM_BLOCKS = (16, 128)
 _SPMM_BLOCKS = (2, 2048)
+# The longest lists, the first 1/_WIDE_ROWS_DIV of the rows in count order, run in launches of
+# their own with more programs a row: the SDDMM one per hidden tile, the SpMM one per
+# _SPMM_WIDE_BLOCKS[1] columns of d_model. With a program per row, one row of thousands of
+# non-zeros held its program for milliseconds after all other rows were done: on real trained
+# activations at d 2048 / dff 5632 (RESULTS.md), 4 such rows of 131,072 took the forward from
+# 5.9 to 11.0 ms. Not tuned (2026-11-29).
+_WIDE_ROWS_DIV = 64
+_SPMM_WIDE_BLOCKS = (32, 128)
 _ROW_WARPS = 4  # 8 warps: SpMM 5.6 ms
 _DH_BLOCK = 64  # list positions a step of _dh_kernel
 _FALLBACK_ROWS = 64  # rows a program of the fallback kernels
@@ -217,7 +225,7 @@ _DENSE_DH_DENSITY = 0.007
 def _blocks(d_model: int, which: str) -> tuple[int, int]:
     """(BLOCK_S, BLOCK_D) of the SDDMM / SpMM kernels; under the interpreter small d_model blocks,
     so the tests' small shapes still run several d_model steps and slices."""
-    block_s, block_d = _SDDMM_BLOCKS if which == "sddmm" else _SPMM_BLOCKS
+    block_s, block_d = {"sddmm": _SDDMM_BLOCKS, "spmm": _SPMM_BLOCKS, "spmm_wide": _SPMM_WIDE_BLOCKS}[which]
     if os.environ.get("TRITON_INTERPRET") == "1":
         block_s, block_d = 8, 16
     return block_s, min(block_d, triton.next_power_of_2(d_model))
@@ -288,6 +296,55 @@ def _pack(gate_c, words, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_h
                           TILE_F=_TILE_F, num_warps=_PACK_WARPS)
 
 
+def _wide_rows(rows: int) -> int:
+    """How many of `rows` rows, the longest lists first, the wide launches take."""
+    return min(rows, -(-rows // _WIDE_ROWS_DIV))
+
+
+def _sddmm(a, w, order, fmt, row0, d_model, d_ff, bwd_outs=None):
+    """_sddmm_kernel over the rows in `order` (longest lists first): the first _wide_rows a
+    program per hidden tile, the rest a program per row and hidden slice. Forward (bwd_outs
+    None): returns the sum of |h| over the rows (fp32, on the device). Backward: bwd_outs =
+    (l1_scale, h, dh_ug, d_ell_u, d_ell_g, d_bk_u, d_bk_g)."""
+    start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u = fmt
+    num_tokens, width = ell_idx.shape
+    num_tiles = start.shape[0] - 1
+    slices, tiles_per_slice = _hidden_slices(d_ff, d_model, a.element_size())
+    block_s, block_d = _blocks(d_model, "sddmm")
+    wide = _wide_rows(order.numel())
+    l1 = torch.zeros((), dtype=torch.float32, device=a.device)
+    for part, (grid_s, per) in ((order[:wide], (num_tiles, 1)), (order[wide:], (slices, tiles_per_slice))):
+        if part.numel() == 0:
+            continue
+        if bwd_outs is None:
+            l1_part = torch.empty(part.numel(), grid_s, dtype=torch.float32, device=a.device)
+            outs = (l1_part,) * 8
+        else:
+            outs = (bwd_outs[0],) + tuple(bwd_outs)
+        _sddmm_kernel[(part.numel(), grid_s)](
+            a, w, part, start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, *outs, row0, num_tokens, d_model,
+            d_ff, width, bk_idx.shape[1], num_tiles, per, grid_s, BACKWARD=bwd_outs is not None, BLOCK_S=block_s,
+            BLOCK_D=block_d, num_warps=_ROW_WARPS)
+        if bwd_outs is None:
+            l1 = l1 + l1_part.sum()
+    return l1
+
+
+def _spmm(w1, w2, order, count, slot, ell_idx, ell_a, ell_b, bk_idx, bk_a, bk_b, out, backward):
+    """_spmm_kernel over the rows in `order` (longest lists first): the first _wide_rows with
+    narrow d_model slices (more programs a row), the rest with the usual ones."""
+    d_model = out.shape[1]
+    wide = _wide_rows(order.numel())
+    for part, which in ((order[:wide], "spmm_wide"), (order[wide:], "spmm")):
+        if part.numel() == 0:
+            continue
+        block_s, block_d = _blocks(d_model, which)
+        _spmm_kernel[(part.numel(), triton.cdiv(d_model, block_d))](
+            w1, w2, part, count, slot, ell_idx, ell_a, ell_b, bk_idx, bk_a, bk_b, out, 0, d_model,
+            ell_idx.shape[1], bk_idx.shape[1], BACKWARD=backward, BLOCK_S=block_s, BLOCK_D=block_d,
+            num_warps=_ROW_WARPS)
+
+
 def _host_value_later(t: torch.Tensor):
     """Start copying the device scalar t to the host without waiting; returns a function that
     waits for the copy (done long before, in a training step) and gives its value as an int. On
@@ -326,8 +383,6 @@ class _TwellFFNFunction(torch.autograd.Function):
         bk_u = torch.empty(max(cap, 1), bk_width, dtype=dtype, device=dev)
         counter = torch.zeros(1, **i32)
         active = torch.zeros(d_ff, **i32)
-        slices, tiles_per_slice = _hidden_slices(d_ff, d_model, x.element_size())
-        l1_part = torch.empty(num_tokens, slices, dtype=torch.float32, device=dev)
         l1_fb = torch.zeros(num_tokens, dtype=torch.float32, device=dev)
         y = _new_output((num_tokens, d_model), dtype, dev)
         w_down_t = w_down.t().contiguous()
@@ -345,16 +400,10 @@ class _TwellFFNFunction(torch.autograd.Function):
         del gate, words
         # longest lists first, so that the few long rows overlap the many short ones
         order = torch.argsort(torch.where(slot == -2, -1, count), descending=True)
-        sd_s, sd_d = _blocks(d_model, "sddmm")
-        _sddmm_kernel[(num_tokens, slices)](
-            x, w_up, order, start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, l1_part, *(l1_part,) * 7,
-            0, num_tokens, d_model, d_ff, width, bk_width, num_tiles, tiles_per_slice, slices,
-            BACKWARD=False, BLOCK_S=sd_s, BLOCK_D=sd_d, num_warps=_ROW_WARPS)
-        sp_s, sp_d = _blocks(d_model, "spmm")
-        _spmm_kernel[(num_tokens, triton.cdiv(d_model, sp_d))](
-            w_down_t, w_down_t, order, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, y,
-            0, d_model, width, bk_width, BACKWARD=False, BLOCK_S=sp_s, BLOCK_D=sp_d, num_warps=_ROW_WARPS)
-        l1 = (l1_part.sum() + l1_fb.sum()) / max(num_tokens, 1)
+        fmt = (start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u)
+        l1_lists = _sddmm(x, w_up, order, fmt, 0, d_model, d_ff)
+        _spmm(w_down_t, w_down_t, order, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, y, backward=False)
+        l1 = (l1_lists + l1_fb.sum()) / max(num_tokens, 1)
         over = counter[0].to(torch.int64)
         stats = (count.float().mean() if num_tokens else torch.zeros((), device=dev),
                  active.bool(), over, (over - cap).clamp(min=0))
@@ -379,9 +428,6 @@ class _TwellFFNFunction(torch.autograd.Function):
         if grad_l1 is not None:
             l1_scale += grad_l1.float() / max(num_tokens, 1)
         w_down_t = w_down.t().contiguous()
-        num_tiles = start.shape[0] - 1
-        slices, tiles_per_slice = _hidden_slices(d_ff, d_model, x.element_size())
-        sd_s, sd_d = _blocks(d_model, "sddmm")
         fb_s, fb_d = _fallback_blocks(d_model)
         dx = _new_output(x.shape, dtype, dev)
         rows_max = min(chunk, num_tokens)
@@ -414,11 +460,9 @@ class _TwellFFNFunction(torch.autograd.Function):
                                     *dh_outs, row0, d_ff, width, bk_width, BLOCK=_DH_BLOCK, num_warps=4)
             else:
                 key = torch.where(slot[row0:row0 + rows] == -2, -1, count[row0:row0 + rows])
-                _sddmm_kernel[(rows, slices)](
-                    grad_y, w_down_t, torch.argsort(key, descending=True), start, slot, ell_idx, ell_hg, ell_u,
-                    bk_idx, bk_hg, bk_u, l1_scale, l1_scale, *dh_outs, row0, num_tokens, d_model, d_ff, width,
-                    bk_width, num_tiles, tiles_per_slice, slices, BACKWARD=True, BLOCK_S=sd_s, BLOCK_D=sd_d,
-                    num_warps=_ROW_WARPS)
+                fmt = (start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u)
+                _sddmm(grad_y, w_down_t, torch.argsort(key, descending=True), fmt, row0, d_model, d_ff,
+                       bwd_outs=(l1_scale, *dh_outs))
             _fallback_bwd_kernel[(triton.cdiv(rows, _FALLBACK_ROWS),)](
                 x, grad_y, w_gate, w_up, w_down_t, slot, l1_scale, h_c, dhug_c, dx, row0, rows, d_model, d_ff,
                 ROWS=_FALLBACK_ROWS, BLOCK_S=fb_s, BLOCK_D=fb_d, num_warps=8)
@@ -433,10 +477,7 @@ class _TwellFFNFunction(torch.autograd.Function):
                                        BLOCK=64)
         del dh_buf, h_buf, dhug_buf, dh_outs
         order = torch.argsort(torch.where(slot == -2, -1, count), descending=True)
-        sp_s, sp_d = _blocks(d_model, "spmm")
-        _spmm_kernel[(num_tokens, triton.cdiv(d_model, sp_d))](
-            w_up, w_gate, order, count, slot, ell_idx, d_ell_u, d_ell_g, bk_idx, d_bk_u, d_bk_g, dx,
-            0, d_model, width, bk_width, BACKWARD=True, BLOCK_S=sp_s, BLOCK_D=sp_d, num_warps=_ROW_WARPS)
+        _spmm(w_up, w_gate, order, count, slot, ell_idx, d_ell_u, d_ell_g, bk_idx, d_bk_u, d_bk_g, dx, backward=True)
         dwu, dwg = dw_ug[:d_ff], dw_ug[d_ff:]
         return dx, dwg.to(dtype), dwu.to(dtype), dwd.to(dtype), None, None, None
 

@@ -111,7 +111,7 @@ def _sddmm_kernel(a_ptr, w_ptr, order_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell
                   BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Token row0 + order[pid0], the list positions in hidden slice pid1 (tiles [pid1*TPS, ...)):
     acc = a_m . w[n] (fp32 sums over BLOCK_D columns a step). Forward (a=x, w=Wu): store
-    u = acc in the format and the slice's sum |round(relu(g) u)|. Backward (a=dy, w=Wd^T):
+    u = acc in the format and the slice's sum |round(relu(g) u)| at l1[pid0, pid1]. Backward (a=dy, w=Wd^T):
     _dh_epilogue with dh = acc. Fallback rows have no list."""
     r = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
     sl = tl.program_id(1)
@@ -148,7 +148,8 @@ def _sddmm_kernel(a_ptr, w_ptr, order_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell
             tl.store(bk_u_ptr + bk_off, u, mask=in_bk)
             l1 += tl.abs((hg * u.to(tl.float32)).to(dtype).to(tl.float32))
     if not BACKWARD:
-        tl.store(l1_ptr + m * S + sl + tl.arange(0, 1), tl.zeros([1], dtype=tl.float32) + tl.sum(l1, axis=0))
+        tl.store(l1_ptr + tl.program_id(0).to(tl.int64) * S + sl + tl.arange(0, 1),
+                 tl.zeros([1], dtype=tl.float32) + tl.sum(l1, axis=0))
 
 @triton.jit
 def _dh_epilogue(dh_y, hg, u, l1_scale, r, n64, mp, in_ell, ell_off, in_bk, bk_off,

@@ -5,10 +5,11 @@ inputs with the same per-row non-zero counts.
 
 Part 1 (train): per run, held-out KL through training, per-layer sparsity, dead neurons and
 non-zeros per token at the end, throughput. Part 2 (kernels, CUDA only): for every FFN layer of
-the sparsest run (or of every sparse run, --time-runs all), its inputs on `--tokens` positions of cached text (the cache's own sequences,
-as the student sees them), timed through kernels/twell_ffn.py's Triton path against the dense
-matmuls (forward and forward+backward, CUDA events, medians), and the Triton path again on
-synthetic inputs whose rows have the same non-zero counts (lognormal-free: the real counts).
+the sparsest run (or of every sparse run, --time-runs all), its inputs on `--tokens` positions of
+cached text (the cache's own sequences, as the student sees them), timed through
+kernels/twell_ffn.py's Triton path against the dense gated FFN through cuBLAS (forward and
+forward+backward, CUDA events, medians), and the Triton path again on synthetic inputs whose rows
+have the same non-zero counts (lognormal-free: the real counts).
 
     # on the GPU machine, from a clean copy of HEAD beside the cache and student folders of
     # bench_optimizer_convergence_gpu.py:
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+import kernels.twell_ffn as twell
 from kernels.twell_ffn import relu_gated_ffn
 from student.data import CacheBatches
 from student.model import Student
@@ -118,30 +120,42 @@ def synthetic_like(x, w_gate, seed=0):
     return xs, wgs
 
 
-def time_layer(x, w_gate, w_up, w_down, rep_ms):
+def time_layer(x, w_gate, w_up, w_down, rep_ms, one_wide_row=True):
+    """Forward and forward+backward (medians, ms) of the dense gated FFN through cuBLAS (the
+    issue's peer, no L1 term) and of the Triton path; with one_wide_row, the Triton path again
+    with the wide launches for the longest list only (as before they existed)."""
     import triton
+
+    from bench_twell_ffn_gpu import dense_ffn
 
     params = [t.detach().clone().requires_grad_() for t in (x, w_gate, w_up, w_down)]
     grad_y = torch.randn_like(x)
     grad_l1 = torch.tensor(2e-5, device=x.device)
+
+    def sparse():
+        return relu_gated_ffn(*params, impl="triton")[:2]
+
+    variants = {"dense": (lambda: (dense_ffn(*params),), (grad_y,)), "triton": (sparse, (grad_y, grad_l1))}
+    if one_wide_row:
+        variants["triton_one_wide_row"] = variants["triton"]
     out = {}
-    for impl in ("torch", "triton"):
-        def fwd():
-            return relu_gated_ffn(*params, impl=impl)
-
-        def fwd_bwd():
-            y, l1, _ = relu_gated_ffn(*params, impl=impl)
-            torch.autograd.backward([y, l1], [grad_y, grad_l1])
-
-        out[f"{impl}_fwd_ms"] = triton.testing.do_bench(fwd, warmup=10, rep=rep_ms, grad_to_none=params,
-                                                        return_mode="median")
-        out[f"{impl}_fwd_bwd_ms"] = triton.testing.do_bench(fwd_bwd, warmup=10, rep=rep_ms, grad_to_none=params,
+    for name, (fwd, grads) in variants.items():
+        saved = twell._WIDE_ROWS_DIV
+        twell._WIDE_ROWS_DIV = 1 << 40 if name == "triton_one_wide_row" else saved
+        try:
+            out[f"{name}_fwd_ms"] = triton.testing.do_bench(fwd, warmup=10, rep=rep_ms, grad_to_none=params,
                                                             return_mode="median")
+            out[f"{name}_fwd_bwd_ms"] = triton.testing.do_bench(
+                lambda: torch.autograd.backward(fwd(), grads), warmup=10, rep=rep_ms, grad_to_none=params,
+                return_mode="median")
+        finally:
+            twell._WIDE_ROWS_DIV = saved
     y_t = relu_gated_ffn(x, w_gate, w_up, w_down, impl="triton")
     y_d = relu_gated_ffn(x, w_gate, w_up, w_down, impl="torch")
     out["rel_err_y"] = ((y_t[0].float() - y_d[0].float()).norm() / y_d[0].float().norm().clamp_min(1e-30)).item()
     out["nnz_mean"] = float(y_t[2].nnz)
     out["overflow_rows"] = int(y_t[2].overflow_rows)
+    out["nnz_max"] = int(((x @ w_gate.t()) > 0).sum(1).max())
     return out
 
 
@@ -196,13 +210,14 @@ def main():
         for i, (x, (wg, wu, wd)) in enumerate(zip(xs, weights)):
             rec = {"layer": i, "real": time_layer(x, wg, wu, wd, args.rep_ms)}
             xs_syn, wg_syn = synthetic_like(x, wg)
-            rec["synthetic_same_counts"] = time_layer(xs_syn, wg_syn, wu, wd, args.rep_ms)
+            rec["synthetic_same_counts"] = time_layer(xs_syn, wg_syn, wu, wd, args.rep_ms, one_wide_row=False)
             entry["layers"].append(rec)
             r, s = rec["real"], rec["synthetic_same_counts"]
-            print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:7.1f} real: fwd {r['triton_fwd_ms']:.3f} vs "
-                  f"{r['torch_fwd_ms']:.3f} ms, f+b {r['triton_fwd_bwd_ms']:.3f} vs {r['torch_fwd_bwd_ms']:.3f}; "
-                  f"synthetic: fwd {s['triton_fwd_ms']:.3f}, f+b {s['triton_fwd_bwd_ms']:.3f} (nnz {s['nnz_mean']:.1f})",
-                  flush=True)
+            print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:6.1f} (max {r['nnz_max']:4d}, {r['overflow_rows']:4d} "
+                  f"rows > W): dense fwd {r['dense_fwd_ms']:.2f} f+b {r['dense_fwd_bwd_ms']:.2f} | twell fwd "
+                  f"{r['triton_fwd_ms']:.2f} f+b {r['triton_fwd_bwd_ms']:.2f} | one wide row fwd "
+                  f"{r['triton_one_wide_row_fwd_ms']:.2f} f+b {r['triton_one_wide_row_fwd_bwd_ms']:.2f} | "
+                  f"synthetic fwd {s['triton_fwd_ms']:.2f} f+b {s['triton_fwd_bwd_ms']:.2f}", flush=True)
             save()
         del xs, weights
 
