@@ -205,13 +205,15 @@ _SLICE_BYTES = 1 << 40
 # against 3.8 for (4, 2048), 4.1 for (1, 2048), 6.0 for (8, 1024), 7.7+ for narrower slices.
 _SDDMM_BLOCKS = (16, 128)
 _SPMM_BLOCKS = (2, 2048)
-# The longest lists, the first 1/_WIDE_ROWS_DIV of the rows in count order, run in launches of
-# their own with more programs a row: the SDDMM one per hidden tile, the SpMM one per
-# _SPMM_WIDE_BLOCKS[1] columns of d_model. With a program per row, one row of thousands of
-# non-zeros held its program for milliseconds after all other rows were done: on real trained
-# activations at d 2048 / dff 5632 (RESULTS.md), 4 such rows of 131,072 took the forward from
-# 5.9 to 11.0 ms. Not tuned (2026-11-29).
+# Lists longer than _LONG_LIST among the first 1/_WIDE_ROWS_DIV of the rows in count order run in
+# launches of their own with more programs a row: the SDDMM one per hidden tile, the SpMM one per
+# _SPMM_WIDE_BLOCKS[1] columns of d_model. With a program per row, such a row holds its program
+# for about a microsecond per non-zero: on real trained activations at d 2048 / dff 5632 (RESULTS.md),
+# 4 rows of thousands of non-zeros in 131,072 took the forward from 5.9 to 11.0 ms. Only long
+# lists: splitting the longest 1/64 of the rows whatever their length cost 0.3 ms at 99% on the
+# synthetic benchmark (rows up to 2,949 there, which overlap the other rows' work). Not tuned.
 _WIDE_ROWS_DIV = 64
+_LONG_LIST = 512
 _SPMM_WIDE_BLOCKS = (32, 128)
 _ROW_WARPS = 4  # 8 warps: SpMM 5.6 ms
 _DH_BLOCK = 64  # list positions a step of _dh_kernel
@@ -297,15 +299,15 @@ def _pack(gate_c, words, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_h
 
 
 def _wide_rows(rows: int) -> int:
-    """How many of `rows` rows, the longest lists first, the wide launches take."""
+    """How many of `rows` rows, the longest lists first, the wide launches look at."""
     return min(rows, -(-rows // _WIDE_ROWS_DIV))
 
 
 def _sddmm(a, w, order, fmt, row0, d_model, d_ff, bwd_outs=None):
-    """_sddmm_kernel over the rows in `order` (longest lists first): the first _wide_rows a
-    program per hidden tile, the rest a program per row and hidden slice. Forward (bwd_outs
-    None): returns the sum of |h| over the rows (fp32, on the device). Backward: bwd_outs =
-    (l1_scale, h, dh_ug, d_ell_u, d_ell_g, d_bk_u, d_bk_g)."""
+    """_sddmm_kernel over the rows in `order` (longest lists first): a program per row and hidden
+    slice, except for lists over _LONG_LIST among the first _wide_rows, which get a program per
+    hidden tile. Forward (bwd_outs None): returns the sum of |h| over the rows (fp32, on the
+    device). Backward: bwd_outs = (l1_scale, h, dh_ug, d_ell_u, d_ell_g, d_bk_u, d_bk_g)."""
     start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u = fmt
     num_tokens, width = ell_idx.shape
     num_tiles = start.shape[0] - 1
@@ -313,36 +315,36 @@ def _sddmm(a, w, order, fmt, row0, d_model, d_ff, bwd_outs=None):
     block_s, block_d = _blocks(d_model, "sddmm")
     wide = _wide_rows(order.numel())
     l1 = torch.zeros((), dtype=torch.float32, device=a.device)
-    for part, (grid_s, per) in ((order[:wide], (num_tiles, 1)), (order[wide:], (slices, tiles_per_slice))):
-        if part.numel() == 0:
+    for rows, grid_s, per, is_wide in ((order.numel(), slices, tiles_per_slice, False), (wide, num_tiles, 1, True)):
+        if rows == 0:
             continue
         if bwd_outs is None:
-            l1_part = torch.empty(part.numel(), grid_s, dtype=torch.float32, device=a.device)
+            l1_part = torch.empty(rows, grid_s, dtype=torch.float32, device=a.device)
             outs = (l1_part,) * 8
         else:
             outs = (bwd_outs[0],) + tuple(bwd_outs)
-        _sddmm_kernel[(part.numel(), grid_s)](
-            a, w, part, start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, *outs, row0, num_tokens, d_model,
-            d_ff, width, bk_idx.shape[1], num_tiles, per, grid_s, BACKWARD=bwd_outs is not None, BLOCK_S=block_s,
-            BLOCK_D=block_d, num_warps=_ROW_WARPS)
+        _sddmm_kernel[(rows, grid_s)](
+            a, w, order, start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, *outs, row0, num_tokens, d_model,
+            d_ff, width, bk_idx.shape[1], num_tiles, per, grid_s, wide, _LONG_LIST, WIDE=is_wide,
+            BACKWARD=bwd_outs is not None, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=_ROW_WARPS)
         if bwd_outs is None:
             l1 = l1 + l1_part.sum()
     return l1
 
 
 def _spmm(w1, w2, order, count, slot, ell_idx, ell_a, ell_b, bk_idx, bk_a, bk_b, out, backward):
-    """_spmm_kernel over the rows in `order` (longest lists first): the first _wide_rows with
-    narrow d_model slices (more programs a row), the rest with the usual ones."""
+    """_spmm_kernel over the rows in `order` (longest lists first): lists over _LONG_LIST among
+    the first _wide_rows with narrow d_model slices (more programs a row), the rest as usual."""
     d_model = out.shape[1]
     wide = _wide_rows(order.numel())
-    for part, which in ((order[:wide], "spmm_wide"), (order[wide:], "spmm")):
-        if part.numel() == 0:
+    for rows, which in ((order.numel(), "spmm"), (wide, "spmm_wide")):
+        if rows == 0:
             continue
         block_s, block_d = _blocks(d_model, which)
-        _spmm_kernel[(part.numel(), triton.cdiv(d_model, block_d))](
-            w1, w2, part, count, slot, ell_idx, ell_a, ell_b, bk_idx, bk_a, bk_b, out, 0, d_model,
-            ell_idx.shape[1], bk_idx.shape[1], BACKWARD=backward, BLOCK_S=block_s, BLOCK_D=block_d,
-            num_warps=_ROW_WARPS)
+        _spmm_kernel[(rows, triton.cdiv(d_model, block_d))](
+            w1, w2, order, count, slot, ell_idx, ell_a, ell_b, bk_idx, bk_a, bk_b, out, 0, d_model,
+            ell_idx.shape[1], bk_idx.shape[1], wide, _LONG_LIST, WIDE=which == "spmm_wide", BACKWARD=backward,
+            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=_ROW_WARPS)
 
 
 def _host_value_later(t: torch.Tensor):

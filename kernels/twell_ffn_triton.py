@@ -105,14 +105,24 @@ def _list_load(ell_ptr, bk_ptr, in_ell, ell_off, in_bk, bk_off):
     return tl.load(ell_ptr + ell_off, mask=in_ell, other=0) + tl.load(bk_ptr + bk_off, mask=in_bk, other=0)
 
 @triton.jit
+def _long_list_elsewhere(count, wide_rows, long_list, WIDE: tl.constexpr):
+    """Whether this program's row (the pid0-th in count order, `count` non-zeros) is left to the
+    other launch: lists over long_list among the first wide_rows go to the wide launch."""
+    is_long = (count > long_list) & (tl.program_id(0) < wide_rows)
+    if WIDE:
+        return is_long == 0
+    return is_long
+
+@triton.jit
 def _sddmm_kernel(a_ptr, w_ptr, order_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, ell_u_ptr,
                   bk_idx_ptr, bk_hg_ptr, bk_u_ptr, l1_ptr, l1_scale_ptr, h_ptr, dhug_ptr, dell_u_ptr,
-                  dell_g_ptr, dbk_u_ptr, dbk_g_ptr, row0, N, D, F, W, BW, NT, TPS, S,
-                  BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                  dell_g_ptr, dbk_u_ptr, dbk_g_ptr, row0, N, D, F, W, BW, NT, TPS, S, wide_rows, long_list,
+                  WIDE: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Token row0 + order[pid0], the list positions in hidden slice pid1 (tiles [pid1*TPS, ...)):
     acc = a_m . w[n] (fp32 sums over BLOCK_D columns a step). Forward (a=x, w=Wu): store
     u = acc in the format and the slice's sum |round(relu(g) u)| at l1[pid0, pid1]. Backward (a=dy, w=Wd^T):
-    _dh_epilogue with dh = acc. Fallback rows have no list."""
+    _dh_epilogue with dh = acc. Fallback rows have no list. _long_list_elsewhere says which
+    launch takes a row."""
     r = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
     sl = tl.program_id(1)
     m = r + row0
@@ -120,7 +130,8 @@ def _sddmm_kernel(a_ptr, w_ptr, order_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell
     t0 = sl * TPS
     t1 = tl.minimum(t0 + TPS, NT)
     p0 = tl.load(start_ptr + m + (m * 0 + t0) * N)
-    p1 = tl.where(slot == -2, p0, tl.load(start_ptr + m + (m * 0 + t1) * N))
+    elsewhere = _long_list_elsewhere(tl.load(start_ptr + m + (m * 0 + NT) * N), wide_rows, long_list, WIDE)
+    p1 = tl.where((slot == -2) | elsewhere, p0, tl.load(start_ptr + m + (m * 0 + t1) * N))
     dtype = a_ptr.dtype.element_ty
     l1 = tl.zeros([BLOCK_S], dtype=tl.float32)
     for q0 in range(p0, p1, BLOCK_S):
@@ -174,16 +185,19 @@ def _dh_epilogue(dh_y, hg, u, l1_scale, r, n64, mp, in_ell, ell_off, in_bk, bk_o
 
 @triton.jit
 def _spmm_kernel(w1_ptr, w2_ptr, order_ptr, count_ptr, slot_ptr, ell_idx_ptr, ell_a_ptr, ell_b_ptr,
-                 bk_idx_ptr, bk_a_ptr, bk_b_ptr, out_ptr, row0, D, W, BW,
-                 BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                 bk_idx_ptr, bk_a_ptr, bk_b_ptr, out_ptr, row0, D, W, BW, wide_rows, long_list,
+                 WIDE: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Token row0 + order[pid0], d_model columns [pid1*BLOCK_D, ...): out = sum over the token's
     list of a, b (values at the list positions, format layout). Forward: a, b = relu(g), u and
     out = sum round(a b) w1[n], w1 = Wd^T. Backward: a, b = dh_u, dh_g and
-    out = sum a w1[n] + b w2[n], w1, w2 = Wu, Wg. Fallback rows are left to the fallback kernels."""
+    out = sum a w1[n] + b w2[n], w1, w2 = Wu, Wg. Fallback rows are left to the fallback kernels,
+    and a row that _long_list_elsewhere gives to the other launch to that launch."""
     r = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
     m = r + row0
     slot = tl.load(slot_ptr + m)
-    num = tl.where(slot == -2, 0, tl.load(count_ptr + m))
+    num = tl.load(count_ptr + m)
+    skip = (slot == -2) | _long_list_elsewhere(num, wide_rows, long_list, WIDE)
+    num = tl.where(skip, 0, num)
     dtype = out_ptr.dtype.element_ty
     k = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mk = k < D
@@ -202,7 +216,7 @@ def _spmm_kernel(w1_ptr, w2_ptr, order_ptr, count_ptr, slot_ptr, ell_idx_ptr, el
             acc2 += w1 * a[:, None] + w2 * b[:, None]
         else:
             acc2 += w1 * (a * b).to(dtype).to(tl.float32)[:, None]
-    keep = (tl.zeros_like(k) + slot) != -2
+    keep = (tl.zeros_like(k) + skip.to(tl.int32)) == 0
     tl.store(out_ptr + m * D + k, tl.sum(acc2, axis=0).to(dtype), mask=mk & keep)
 
 @triton.jit

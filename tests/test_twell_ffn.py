@@ -173,19 +173,23 @@ def test_hidden_slices_and_blocks(monkeypatch):
     assert (int(stats.overflow_rows), int(stats.fallback_rows)) == (over, fallback) and fallback > 0
 
 
-@pytest.mark.parametrize("div", [1, 3])
+@pytest.mark.parametrize("div, long_list", [(1, 0), (3, 20)])
 @pytest.mark.parametrize("density", [0.0, 1.0])
-def test_wide_launches_for_the_longest_lists(monkeypatch, div, density):
-    """Every row (div 1) or the longest third of each launch's rows (div 3) through the wide
-    launches: a program per 32-column tile in the SDDMM, per 8 d_model columns in the SpMM; the
-    rest through the usual ones. ELL, backup and fallback rows, chunks of 5, both dh routes."""
+def test_wide_launches_for_the_longest_lists(monkeypatch, div, long_list, density):
+    """Lists longer than long_list among the first 1/div of each launch's rows (all rows; lists
+    over 20 among the longest third) through the wide launches, a program per 32-column tile
+    in the SDDMM and per 8 d_model columns in the SpMM; the rest through the usual ones. ELL,
+    backup and fallback rows, chunks of 5, both dh routes."""
     monkeypatch.setattr(twell, "_WIDE_ROWS_DIV", div)
+    monkeypatch.setattr(twell, "_LONG_LIST", long_list)
     monkeypatch.setattr(twell, "_TILE_F", 32)
     monkeypatch.setattr(twell, "_DENSE_DH_DENSITY", density)
     blocks = {"sddmm": (4, 16), "spmm": (4, 32), "spmm_wide": (2, 8)}
     monkeypatch.setattr(twell, "_blocks", lambda d_model, which: blocks[which])
     assert twell._wide_rows(13) == (13 if div == 1 else 5)
-    inputs = make_inputs(13, 37, 101, spread_counts(13, 101, 0.8, seed=10), torch.bfloat16)
+    counts = spread_counts(13, 101, 0.8, seed=10)
+    assert 0 < int((counts > long_list).sum()) < 13, "some lists must go each way"
+    inputs = make_inputs(13, 37, 101, counts, torch.bfloat16)
     stats = check_against_reference(inputs, torch.bfloat16, ell_width=7, backup_rows=2, chunk_rows=5)
     assert int(stats.overflow_rows) > int(stats.fallback_rows) > 0
 

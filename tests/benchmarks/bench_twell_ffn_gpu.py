@@ -184,7 +184,7 @@ def run_config(params, grad_y, l1_coef, rep_ms, label, **kw):
     return {"label": label, "fwd_ms": fwd_ms, "fwd_bwd_ms": fb_ms}
 
 
-VARIANT_KEYS = ("_DENSE_DH_DENSITY", "_DH_BLOCK", "_SDDMM_BLOCKS", "_SPMM_BLOCKS", "_WIDE_ROWS_DIV")
+VARIANT_KEYS = ("_DENSE_DH_DENSITY", "_DH_BLOCK", "_SDDMM_BLOCKS", "_SPMM_BLOCKS", "_WIDE_ROWS_DIV", "_LONG_LIST")
 
 
 def set_variant(values):
@@ -210,11 +210,11 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args()
-    # one setting changed at a time from the defaults: the wide launches for one row only (as before
-    # they existed) and for the longest 1/16 of the rows (the dh route and block and the forward
-    # kernels' sweeps of earlier commits are in RESULTS.md)
+    # one setting changed at a time from the defaults: the wide launches for one row only (about as
+    # before they existed) and for lists over 128 (the dh route and block and the forward kernels'
+    # sweeps of earlier commits are in RESULTS.md)
     defaults = tuple(getattr(twell, key) for key in VARIANT_KEYS)
-    changes = [(4, 1 << 40), (4, 16)]
+    changes = [(4, 1 << 40), (5, 128)]
     args.variant_list = [defaults[:i] + (v,) + defaults[i + 1:] for i, v in changes]
     l1_coef = 2e-5
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
