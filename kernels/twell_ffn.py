@@ -207,12 +207,13 @@ _SDDMM_BLOCKS = (16, 128)
 _SPMM_BLOCKS = (2, 2048)
 # Lists longer than _LONG_LIST among the first 1/_WIDE_ROWS_DIV of the rows in count order run in
 # launches of their own with more programs a row: the SDDMM one per hidden tile, the SpMM one per
-# _SPMM_WIDE_BLOCKS[1] columns of d_model. With a program per row, such a row holds its program
-# for about a microsecond per non-zero: on real trained activations at d 2048 / dff 5632 (RESULTS.md),
-# 4 rows of thousands of non-zeros in 131,072 took the forward from 5.9 to 11.0 ms. Only long
-# lists: splitting the longest 1/64 of the rows whatever their length cost 0.3 ms at 99% on the
-# synthetic benchmark (rows up to 2,949 there, which overlap the other rows' work). Not tuned.
-_WIDE_ROWS_DIV = 64
+# _SPMM_WIDE_BLOCKS[1] columns of d_model. With a program per row, a row of thousands of
+# non-zeros holds its program for about a microsecond per non-zero. H200, real trained activations
+# at d 2048 / dff 5632 (RESULTS.md, 2026-11-29), two layers with a few rows of 5,600 non-zeros:
+# forward 7.7 and 7.0 ms, against 10.0 and 10.7 with the longest row alone in the wide launches;
+# the other layers and the synthetic benchmark at 99% within 0.3 ms either way. With every row
+# among the longest 1/64 split whatever its length, the synthetic 99% forward lost 0.3 ms.
+_WIDE_ROWS_DIV = 512
 _LONG_LIST = 512
 _SPMM_WIDE_BLOCKS = (32, 128)
 _ROW_WARPS = 4  # 8 warps: SpMM 5.6 ms
