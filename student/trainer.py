@@ -113,7 +113,8 @@ class TrainConfig:
     # layers whose mean non-zeros per token fell under TWELL_MAX_NNZ switch to
     # kernels/twell_ffn.py's sparse Triton kernels on a GPU (a fifth of the activation memory;
     # on the H200 at d=2048, dff=5632 about level with dense at 56 non-zeros, 1.3-1.4x faster at
-    # 28, slower above, RESULTS.md), the others stay dense; metrics rows record each layer's choice
+    # 28, 1.4-1.6x at 18-27 on a trained student's own activations, slower above 56, RESULTS.md),
+    # the others stay dense; metrics rows record each layer's choice
     # as ffn_kernel. Dense stays the default: through the trainer at the 135M shape (4K tokens a
     # step) twell ran at 0.65-0.75x dense's tokens/s (RESULTS.md).
     sparse_kernel: str = "dense"
