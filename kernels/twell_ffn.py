@@ -169,7 +169,8 @@ def relu_gated_ffn(x, w_gate, w_up, w_down, *, impl: str = "auto", ell_width: in
 # (_scatter_kernel); _fallback_fwd_kernel for the chunk's fallback rows (which need its gate). Then
 # _sddmm_kernel, grid (token, hidden slice): u = x . Wu[n] at the token's non-zeros in the slice,
 # stored in the format, and the row's sum |h| per slice; _spmm_kernel, grid (token, d_model
-# slice): y = sum_n round(relu(g) u) Wd^T[n, slice].
+# slice): y = sum_n round(relu(g) u) Wd^T[n, slice]. Each runs as two launches (_sddmm, _spmm):
+# the few longest lists get more programs a row (see _WIDE_ROWS_DIV), every other row one.
 # Backward, per token chunk: dh at the list positions, either from _sddmm_kernel again (dy and
 # Wd^T) or, above _DENSE_DH_DENSITY non-zeros (where a gathered row per non-zero costs more than
 # the dense product), from cuBLAS's dense dy Wd read at them by _dh_kernel; then (_dh_epilogue)

@@ -120,9 +120,9 @@ def _sddmm_kernel(a_ptr, w_ptr, order_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell
                   WIDE: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Token row0 + order[pid0], the list positions in hidden slice pid1 (tiles [pid1*TPS, ...)):
     acc = a_m . w[n] (fp32 sums over BLOCK_D columns a step). Forward (a=x, w=Wu): store
-    u = acc in the format and the slice's sum |round(relu(g) u)| at l1[pid0, pid1]. Backward (a=dy, w=Wd^T):
-    _dh_epilogue with dh = acc. Fallback rows have no list. _long_list_elsewhere says which
-    launch takes a row."""
+    u = acc in the format and the slice's sum |round(relu(g) u)| at l1[pid0, pid1]. Backward
+    (a=dy, w=Wd^T): _dh_epilogue with dh = acc. Fallback rows have no list.
+    _long_list_elsewhere says which launch takes a row."""
     r = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
     sl = tl.program_id(1)
     m = r + row0
