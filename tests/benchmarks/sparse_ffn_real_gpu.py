@@ -221,8 +221,8 @@ def main():
             rec["synthetic_same_counts"] = time_layer(xs_syn, wg_syn, wu, wd, args.rep_ms, one_wide_row=False)
             entry["layers"].append(rec)
             r, s = rec["real"], rec["synthetic_same_counts"]
-            print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:6.1f} (max {r['nnz_max']:4d}, {r['overflow_rows']:4d} "
-                  f"rows > W): dense fwd {r['dense_fwd_ms']:.2f} f+b {r['dense_fwd_bwd_ms']:.2f} | twell fwd "
+            print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:6.1f} (max {r['nnz_max']:4d}, "
+                  f"{r['overflow_rows']:4d} rows > W): dense fwd {r['dense_fwd_ms']:.2f} f+b {r['dense_fwd_bwd_ms']:.2f} | twell fwd "
                   f"{r['triton_fwd_ms']:.2f} f+b {r['triton_fwd_bwd_ms']:.2f} | one wide row fwd "
                   f"{r['triton_one_wide_row_fwd_ms']:.2f} f+b {r['triton_one_wide_row_fwd_bwd_ms']:.2f} | "
                   f"synthetic fwd {s['triton_fwd_ms']:.2f} f+b {s['triton_fwd_bwd_ms']:.2f}", flush=True)
