@@ -453,6 +453,7 @@ class _TwellFFNFunction(torch.autograd.Function):
         dw_ug = torch.zeros(2 * d_ff, d_model, dtype=acc_dtype, device=dev)
         dwd = torch.zeros(d_model, d_ff, dtype=acc_dtype, device=dev)
         dh_outs = (h_buf, dhug_buf, d_ell_u, d_ell_g, d_bk_u, d_bk_g)
+        fmt = (start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u)
         for row0 in range(0, num_tokens, chunk):
             rows = min(chunk, num_tokens - row0)
             h_c, dhug_c = h_buf[:rows], dhug_buf[:rows]
@@ -464,7 +465,6 @@ class _TwellFFNFunction(torch.autograd.Function):
                                     *dh_outs, row0, d_ff, width, bk_width, BLOCK=_DH_BLOCK, num_warps=4)
             else:
                 key = torch.where(slot[row0:row0 + rows] == -2, -1, count[row0:row0 + rows])
-                fmt = (start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u)
                 _sddmm(grad_y, w_down_t, torch.argsort(key, descending=True), fmt, row0, d_model, d_ff,
                        bwd_outs=(l1_scale, *dh_outs))
             _fallback_bwd_kernel[(triton.cdiv(rows, _FALLBACK_ROWS),)](

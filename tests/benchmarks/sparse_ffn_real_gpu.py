@@ -103,13 +103,13 @@ def capture_ffn_inputs(folder, cache, tokens, device):
     return [torch.cat(x)[:tokens].contiguous() for x in inputs], weights
 
 
-def synthetic_like(x, w_gate, seed=0):
-    """Inputs with the same per-row gate non-zero counts as (x, w_gate), columns from random
-    projections: the last input feature is a per-row threshold and w_gate's last column -1."""
+def synthetic_like(x, w_gate, counts, seed=0):
+    """Inputs shaped like (x, w_gate) whose rows have `counts` positive gate entries (the real
+    layer's), columns from random projections: the last input feature is a per-row threshold and
+    w_gate's last column -1."""
     gen = torch.Generator(device=x.device).manual_seed(seed)
     n, d = x.shape
     f = w_gate.shape[0]
-    counts = ((x @ w_gate.t()) > 0).sum(1)
     x0 = torch.randn(n, d - 1, device=x.device, generator=gen)
     wg0 = torch.randn(f, d - 1, device=x.device, generator=gen) / math.sqrt(d)
     desc = torch.sort(x0 @ wg0.t(), dim=1, descending=True).values
@@ -155,7 +155,6 @@ def time_layer(x, w_gate, w_up, w_down, rep_ms, one_wide_row=True):
     out["rel_err_y"] = ((y_t[0].float() - y_d[0].float()).norm() / y_d[0].float().norm().clamp_min(1e-30)).item()
     out["nnz_mean"] = float(y_t[2].nnz)
     out["overflow_rows"] = int(y_t[2].overflow_rows)
-    out["nnz_max"] = int(((x @ w_gate.t()) > 0).sum(1).max())
     return out
 
 
@@ -211,17 +210,18 @@ def main():
         entry = {"run": run["name"], "tokens": xs[0].shape[0], "layers": []}
         result["kernels"].append(entry)
         for i, (x, (wg, wu, wd)) in enumerate(zip(xs, weights)):
-            density = ((x @ wg.t()) > 0).float().mean().item()
+            counts = ((x @ wg.t()) > 0).sum(1)
+            density = counts.float().mean().item() / wg.shape[0]
             if density > args.max_density:  # rows far over the ELL width: the row-serial fallback path
                 entry["layers"].append({"layer": i, "skipped_density": density})
                 print(f"{run['name']} layer {i:2d}: density {density:.3f} > --max-density, not timed", flush=True)
                 continue
-            rec = {"layer": i, "real": time_layer(x, wg, wu, wd, args.rep_ms)}
-            xs_syn, wg_syn = synthetic_like(x, wg)
+            rec = {"layer": i, "nnz_max": int(counts.max()), "real": time_layer(x, wg, wu, wd, args.rep_ms)}
+            xs_syn, wg_syn = synthetic_like(x, wg, counts)
             rec["synthetic_same_counts"] = time_layer(xs_syn, wg_syn, wu, wd, args.rep_ms, one_wide_row=False)
             entry["layers"].append(rec)
             r, s = rec["real"], rec["synthetic_same_counts"]
-            print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:6.1f} (max {r['nnz_max']:4d}, "
+            print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:6.1f} (max {rec['nnz_max']:4d}, "
                   f"{r['overflow_rows']:4d} rows > W): dense fwd {r['dense_fwd_ms']:.2f} f+b {r['dense_fwd_bwd_ms']:.2f} | twell fwd "
                   f"{r['triton_fwd_ms']:.2f} f+b {r['triton_fwd_bwd_ms']:.2f} | one wide row fwd "
                   f"{r['triton_one_wide_row_fwd_ms']:.2f} f+b {r['triton_one_wide_row_fwd_bwd_ms']:.2f} | "
