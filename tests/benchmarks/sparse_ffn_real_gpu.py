@@ -9,7 +9,11 @@ the sparsest run (or of every sparse run, --time-runs all), its inputs on `--tok
 cached text (the cache's own sequences, as the student sees them), timed through
 kernels/twell_ffn.py's Triton path against the dense gated FFN through cuBLAS (forward and
 forward+backward, CUDA events, medians), and the Triton path again on synthetic inputs whose rows
-have the same non-zero counts (lognormal-free: the real counts).
+have the same non-zero counts (lognormal-free: the real counts). Each layer gets the ELL width a
+caller would pick from its mean count (bench_twell_ffn_gpu.ell_width_for) and a backup that holds
+every row over it, so no row takes the fallback path. Per layer, also how many distinct neurons
+fire in blocks of 16 / 64 / 128 consecutive tokens, real against synthetic: the rows a kernel that
+shared weight rows across a block of tokens would still fetch, per token.
 
     # on the GPU machine, from a clean copy of HEAD beside the cache and student folders of
     # bench_optimizer_convergence_gpu.py:
@@ -120,20 +124,33 @@ def synthetic_like(x, w_gate, counts, seed=0):
     return xs, wgs
 
 
-def time_layer(x, w_gate, w_up, w_down, rep_ms, one_wide_row=True):
+def union_per_token(pos_NF, blocks=(16, 64, 128)):
+    """Mean distinct active columns per token over blocks of b consecutive rows of the boolean
+    gate pattern, for each b (b = 1 would be the mean non-zeros per token)."""
+    n = pos_NF.shape[0]
+    return {b: (pos_NF[:n - n % b].view(-1, b, pos_NF.shape[1]).any(dim=1).sum(dim=1).float().mean() / b).item()
+            for b in blocks}
+
+
+def time_layer(x, w_gate, w_up, w_down, rep_ms, counts, one_wide_row=False):
     """Forward and forward+backward (medians, ms) of the dense gated FFN through cuBLAS (the
-    issue's peer, no L1 term) and of the Triton path; with one_wide_row, the Triton path again
+    issue's peer, no L1 term) and of the Triton path, with the ELL width a caller would pick for
+    these counts and a backup for every row over it; with one_wide_row, the Triton path again
     with the wide launches for the longest list only (as before they existed)."""
     import triton
+    from bench_twell_ffn_gpu import dense_ffn, ell_width_for
 
-    from bench_twell_ffn_gpu import dense_ffn
+    d_ff = w_gate.shape[0]
+    width = ell_width_for(1.0 - counts.float().mean().item() / d_ff, d_ff)
+    backup = max(-(-x.shape[0] // 8), int((counts > width).sum()))
+    kw = {"impl": "triton", "ell_width": width, "backup_rows": backup}
 
     params = [t.detach().clone().requires_grad_() for t in (x, w_gate, w_up, w_down)]
     grad_y = torch.randn_like(x)
     grad_l1 = torch.tensor(2e-5, device=x.device)
 
     def sparse():
-        return relu_gated_ffn(*params, impl="triton")[:2]
+        return relu_gated_ffn(*params, **kw)[:2]
 
     variants = {"dense": (lambda: (dense_ffn(*params),), (grad_y,)), "triton": (sparse, (grad_y, grad_l1))}
     if one_wide_row:
@@ -150,11 +167,13 @@ def time_layer(x, w_gate, w_up, w_down, rep_ms, one_wide_row=True):
                 return_mode="median")
         finally:
             twell._WIDE_ROWS_DIV = saved
-    y_t = relu_gated_ffn(x, w_gate, w_up, w_down, impl="triton")
+    y_t = relu_gated_ffn(x, w_gate, w_up, w_down, **kw)
     y_d = relu_gated_ffn(x, w_gate, w_up, w_down, impl="torch")
     out["rel_err_y"] = ((y_t[0].float() - y_d[0].float()).norm() / y_d[0].float().norm().clamp_min(1e-30)).item()
     out["nnz_mean"] = float(y_t[2].nnz)
+    out["ell_width"], out["backup_rows"] = width, backup
     out["overflow_rows"] = int(y_t[2].overflow_rows)
+    out["fallback_rows"] = int(y_t[2].fallback_rows)
     return out
 
 
@@ -176,9 +195,11 @@ def main():
     ap.add_argument("--no-kernel-timing", action="store_true", help="skip part 2")
     ap.add_argument("--time-runs", default="sparsest", choices=["sparsest", "all"],
                     help="part 2 on the sparsest sparse run only, or on every sparse run")
-    ap.add_argument("--max-density", type=float, default=0.05,
-                    help="part 2 skips layers with more non-zeros than this share (their rows would overflow the "
-                         "ELL width and the backup into the slow fallback path: 61%% sparse took 0.9 s forward)")
+    ap.add_argument("--max-density", type=float, default=0.12,
+                    help="part 2 skips layers with more non-zeros than this share (the sparse path at 90%% "
+                         "sparsity already takes 5x dense's time)")
+    ap.add_argument("--one-wide-row", action="store_true",
+                    help="part 2 also times the real inputs with only the longest list in the wide launches")
     ap.add_argument("--tokens", type=int, default=131072, help="positions of cached text for the kernel timing")
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--out", default=None)
@@ -210,22 +231,31 @@ def main():
         entry = {"run": run["name"], "tokens": xs[0].shape[0], "layers": []}
         result["kernels"].append(entry)
         for i, (x, (wg, wu, wd)) in enumerate(zip(xs, weights)):
-            counts = ((x @ wg.t()) > 0).sum(1)
+            pos = (x @ wg.t()) > 0
+            counts = pos.sum(1)
             density = counts.float().mean().item() / wg.shape[0]
-            if density > args.max_density:  # rows far over the ELL width: the row-serial fallback path
-                entry["layers"].append({"layer": i, "skipped_density": density})
+            union = union_per_token(pos)
+            del pos
+            if density > args.max_density:
+                entry["layers"].append({"layer": i, "skipped_density": density, "union_per_token": union})
                 print(f"{run['name']} layer {i:2d}: density {density:.3f} > --max-density, not timed", flush=True)
                 continue
-            rec = {"layer": i, "nnz_max": int(counts.max()), "real": time_layer(x, wg, wu, wd, args.rep_ms)}
+            rec = {"layer": i, "nnz_max": int(counts.max()), "union_per_token": union,
+                   "real": time_layer(x, wg, wu, wd, args.rep_ms, counts, one_wide_row=args.one_wide_row)}
             xs_syn, wg_syn = synthetic_like(x, wg, counts)
-            rec["synthetic_same_counts"] = time_layer(xs_syn, wg_syn, wu, wd, args.rep_ms, one_wide_row=False)
+            rec["synthetic_union_per_token"] = union_per_token((xs_syn @ wg_syn.t()) > 0)
+            rec["synthetic_same_counts"] = time_layer(xs_syn, wg_syn, wu, wd, args.rep_ms, counts)
             entry["layers"].append(rec)
             r, s = rec["real"], rec["synthetic_same_counts"]
-            print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:6.1f} (max {rec['nnz_max']:4d}, "
-                  f"{r['overflow_rows']:4d} rows > W): dense fwd {r['dense_fwd_ms']:.2f} f+b {r['dense_fwd_bwd_ms']:.2f} | twell fwd "
-                  f"{r['triton_fwd_ms']:.2f} f+b {r['triton_fwd_bwd_ms']:.2f} | one wide row fwd "
-                  f"{r['triton_one_wide_row_fwd_ms']:.2f} f+b {r['triton_one_wide_row_fwd_bwd_ms']:.2f} | "
-                  f"synthetic fwd {s['triton_fwd_ms']:.2f} f+b {s['triton_fwd_bwd_ms']:.2f}", flush=True)
+            wide = (f" | one wide row fwd {r['triton_one_wide_row_fwd_ms']:.2f} "
+                    f"f+b {r['triton_one_wide_row_fwd_bwd_ms']:.2f}" if args.one_wide_row else "")
+            unions = " ".join(f"{b}:{u:.1f}/{rec['synthetic_union_per_token'][b]:.1f}" for b, u in union.items())
+            print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:6.1f} (max {rec['nnz_max']:4d}, W {r['ell_width']}, "
+                  f"{r['overflow_rows']} rows > W, {r['fallback_rows']} fallback): dense fwd {r['dense_fwd_ms']:.2f} "
+                  f"f+b {r['dense_fwd_bwd_ms']:.2f} | twell fwd {r['triton_fwd_ms']:.2f} "
+                  f"f+b {r['triton_fwd_bwd_ms']:.2f}{wide} | synthetic fwd {s['triton_fwd_ms']:.2f} "
+                  f"f+b {s['triton_fwd_bwd_ms']:.2f} | distinct neurons per token in blocks, real/synthetic "
+                  f"{unions}", flush=True)
             save()
         del xs, weights
 
