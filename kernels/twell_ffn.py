@@ -30,11 +30,25 @@ except ImportError:  # the torch path needs no Triton
 
 if triton is not None:  # the kernels, in a file of their own
     from kernels.twell_ffn_triton import (
-        _count_kernel, _scatter_kernel, _sddmm_kernel, _spmm_kernel,
-        _dh_kernel, _clear_kernel, _fallback_fwd_kernel, _fallback_bwd_kernel,
+        _clear_kernel,
+        _count_kernel,
+        _dh_kernel,
+        _fallback_bwd_kernel,
+        _fallback_fwd_kernel,
+        _scatter_kernel,
+        _sddmm_kernel,
+        _spmm_kernel,
+        _union_down_kernel,
+        _union_kernel,
+        _union_up_kernel,
     )
 
 IMPLS = ("auto", "torch", "triton")
+
+
+def _interpreted() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (the tests, on a machine without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass
@@ -105,7 +119,7 @@ def _validate(x, w_gate, w_up, w_down, impl, ell_width, backup_rows, chunk_rows)
             raise ValueError("impl='triton' needs the triton package (pip install triton), or use impl='torch'")
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"impl='triton' takes fp32, bf16 or fp16 inputs, got {x.dtype}; use impl='torch'")
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if not x.is_cuda and not _interpreted():
             raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}; "
                              "use impl='torch'")
 
@@ -226,11 +240,34 @@ _FALLBACK_ROWS = 64  # rows a program of the fallback kernels
 _DENSE_DH_DENSITY = 0.007
 
 
+# The forward's products over blocks of tokens (_UNION_FORWARD; else the gather SDDMM and SpMM):
+# a block of _UNION_BM consecutive tokens takes the union of its rows' non-zero columns, and the
+# tensor cores compute u and y over every (token, union column) pair, each weight row fetched
+# once for the block instead of once per non-zero. Real activations share neurons across nearby
+# tokens: at 99.1% sparsity (50 non-zeros a token) a block of 64 tokens of a trained student
+# fires 19.6 distinct neurons per token, synthetic rows with the same counts 37.6 (RESULTS.md,
+# 2026-11-30). (union columns, d_model columns) a step of _union_up_kernel; (union columns,
+# d_model columns) a step and slice of _union_down_kernel.
+_UNION_FORWARD = True
+_UNION_BM = 64
+_UNION_UP_BLOCKS = (128, 64)
+_UNION_DOWN_BLOCKS = (64, 256)
+_UNION_WARPS = (4, 8)  # up, down
+
+
+def _union_blocks(d_model: int) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """(BM, up blocks, down blocks); small ones under the interpreter, so the tests' small shapes
+    run several blocks, steps and slices (tl.dot needs 16 or more each way)."""
+    if _interpreted():
+        return 16, (16, 16), (16, 16)
+    return _UNION_BM, _UNION_UP_BLOCKS, _UNION_DOWN_BLOCKS
+
+
 def _blocks(d_model: int, which: str) -> tuple[int, int]:
     """(BLOCK_S, BLOCK_D) of the SDDMM / SpMM kernels; under the interpreter small d_model blocks,
     so the tests' small shapes still run several d_model steps and slices."""
     block_s, block_d = {"sddmm": _SDDMM_BLOCKS, "spmm": _SPMM_BLOCKS, "spmm_wide": _SPMM_WIDE_BLOCKS}[which]
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _interpreted():
         block_s, block_d = 8, 16
     return block_s, min(block_d, triton.next_power_of_2(d_model))
 
@@ -273,7 +310,7 @@ def _fallback_blocks(d_model: int) -> tuple[int, int]:
     return max(2, min(32, 4096 // block_d)), block_d
 
 
-def _pack(gate_c, words, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, cap):
+def _pack(gate_c, words, wpos, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, cap):
     """The chunk's gate [rows, dff] -> its rows of the format (no host sync): per-tile counts
     (_count_kernel, into start[1:]), their running sums over tiles (start), backup rows handed out
     in token order to rows with count > W (counter holds the number handed out so far; beyond cap:
@@ -294,10 +331,33 @@ def _pack(gate_c, words, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_h
     b = counter + torch.cumsum(over, dim=0, dtype=torch.int32) - 1
     slot[row0:row0 + rows] = torch.where(over, torch.where(b < cap, b, -2), -1)
     counter += over.sum(dtype=torch.int32)
-    _scatter_kernel[grid](gate_c, words, start, slot, ell_idx, ell_hg, bk_idx, bk_hg, row0, rows, num_tokens,
+    _scatter_kernel[grid](gate_c, words, wpos, start, slot, ell_idx, ell_hg, bk_idx, bk_hg, row0, rows, num_tokens,
                           d_ff, width, bk_idx.shape[1], num_words, BLOCK_M=_SCATTER_BLOCK_M,
                           ROW_BLOCKS=_PACK_ROWS // _SCATTER_BLOCK_M,
                           TILE_F=_TILE_F, num_warps=_PACK_WARPS)
+
+
+def _union_forward(x, w_up, w_down_t, gate_c, words, wpos, row0, fmt, ucnt, ucols, h_buf, y):
+    """The chunk's y rows and u at its lists by blocks of tokens (see _UNION_FORWARD): each block's
+    union columns (_union_kernel), u and h over them (_union_up_kernel), y (_union_down_kernel).
+    Every row is computed here, fallback rows too. Returns the chunk's sum of |h| (on the device)."""
+    rows, d_ff = gate_c.shape
+    d_model = x.shape[1]
+    _, slot, ell_idx, _, ell_u, bk_idx, _, bk_u = fmt
+    bm, (bn, bk), (bq, bd) = _union_blocks(d_model)
+    nb = triton.cdiv(rows, bm)
+    num_words = words.shape[1]
+    _union_kernel[(nb,)](words, ucnt, ucols, rows, d_ff, num_words, BM=bm,
+                         NWP=triton.next_power_of_2(num_words), num_warps=4)
+    nj = triton.cdiv(d_ff, bn)
+    l1_part = torch.empty(nb, nj, dtype=torch.float32, device=x.device)
+    _union_up_kernel[(nj, nb)](x, w_up, gate_c, words, wpos, slot, ucnt, ucols, ell_u, bk_u, h_buf, l1_part,
+                               row0, rows, d_model, d_ff, num_words, ell_idx.shape[1], bk_idx.shape[1],
+                               BM=bm, BN=bn, BK=bk, UPCAST=_interpreted(), num_warps=_UNION_WARPS[0])
+    _union_down_kernel[(triton.cdiv(d_model, bd), nb)](h_buf, w_down_t, ucnt, ucols, y, row0, rows, d_model, d_ff,
+                                                      BM=bm, BK=bq, BD=bd, UPCAST=_interpreted(),
+                                                      num_warps=_UNION_WARPS[1])
+    return l1_part.sum()
 
 
 def _wide_rows(rows: int) -> int:
@@ -391,23 +451,40 @@ class _TwellFFNFunction(torch.autograd.Function):
         y = _new_output((num_tokens, d_model), dtype, dev)
         w_down_t = w_down.t().contiguous()
         fb_s, fb_d = _fallback_blocks(d_model)
-        gate = torch.empty(min(chunk, num_tokens), d_ff, dtype=dtype, device=dev)
-        words = torch.empty(min(chunk, num_tokens), num_tiles * _TILE_F // 32, **i32)
+        rows_max = min(chunk, num_tokens)
+        gate = torch.empty(rows_max, d_ff, dtype=dtype, device=dev)
+        words = torch.empty(rows_max, num_tiles * _TILE_F // 32, **i32)
+        wpos = torch.empty_like(words)
+        fmt = (start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u)
+        union = _UNION_FORWARD
+        if union:  # the union path's transients: a block's columns, h at them
+            blocks = triton.cdiv(rows_max, _union_blocks(d_model)[0])
+            ucnt, ucols = torch.empty(blocks, **i32), torch.empty(blocks, d_ff, **i32)
+            h_buf = torch.empty(rows_max, d_ff, dtype=dtype, device=dev)
+            l1_union = torch.zeros((), dtype=torch.float32, device=dev)
         for row0 in range(0, num_tokens, chunk):
             rows = min(chunk, num_tokens - row0)
             gate_c = gate[:rows]
             torch.mm(x[row0:row0 + rows], w_gate.t(), out=gate_c)
-            _pack(gate_c, words, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, cap)
+            _pack(gate_c, words, wpos, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active,
+                  cap)
+            if union:
+                l1_union += _union_forward(x, w_up, w_down_t, gate_c, words, wpos, row0, fmt, ucnt, ucols, h_buf, y)
+                continue
             _fallback_fwd_kernel[(triton.cdiv(rows, _FALLBACK_ROWS),)](
                 x, w_up, w_down_t, gate_c, slot, y, l1_fb, row0, rows, d_model, d_ff, ROWS=_FALLBACK_ROWS,
                 BLOCK_S=fb_s, BLOCK_D=fb_d, num_warps=8)
-        del gate, words
-        # longest lists first, so that the few long rows overlap the many short ones
-        order = torch.argsort(torch.where(slot == -2, -1, count), descending=True)
-        fmt = (start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u)
-        l1_lists = _sddmm(x, w_up, order, fmt, 0, d_model, d_ff)
-        _spmm(w_down_t, w_down_t, order, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, y, backward=False)
-        l1 = (l1_lists + l1_fb.sum()) / max(num_tokens, 1)
+        del gate, words, wpos
+        if union:
+            del ucnt, ucols, h_buf
+            l1 = l1_union / max(num_tokens, 1)
+        else:
+            # longest lists first, so that the few long rows overlap the many short ones
+            order = torch.argsort(torch.where(slot == -2, -1, count), descending=True)
+            l1_lists = _sddmm(x, w_up, order, fmt, 0, d_model, d_ff)
+            _spmm(w_down_t, w_down_t, order, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, y,
+                  backward=False)
+            l1 = (l1_lists + l1_fb.sum()) / max(num_tokens, 1)
         over = counter[0].to(torch.int64)
         stats = (count.float().mean() if num_tokens else torch.zeros((), device=dev),
                  active.bool(), over, (over - cap).clamp(min=0))

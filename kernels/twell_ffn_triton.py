@@ -57,14 +57,16 @@ def _count_kernel(g_ptr, tile_count_ptr, words_ptr, active_ptr, row0, C, N, F, N
     tl.store(active_ptr + cols, col_any, mask=col_any > 0)  # every writer stores 1: benign race
 
 @triton.jit
-def _scatter_kernel(g_ptr, words_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, bk_idx_ptr, bk_hg_ptr,
-                    row0, C, N, F, W, BW, NW, BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+def _scatter_kernel(g_ptr, words_ptr, wpos_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, bk_idx_ptr,
+                    bk_hg_ptr, row0, C, N, F, W, BW, NW, BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr,
                     TILE_F: tl.constexpr):
     """Hidden tile pid0, rows [pid1*ROW_BLOCKS*BLOCK_M, ...) of the chunk: the tile's positive
     entries, read as bits, at list positions start[tile, row] + their rank in the tile: the
     ELL buffer below W, the row's backup row from W on (fallback rows keep only their ELL
     part, which nothing reads). Work goes with the non-zeros, not the columns: a word's set
-    bits are taken lowest first, one per step, for as many steps as the block's fullest word."""
+    bits are taken lowest first, one per step, for as many steps as the block's fullest word.
+    Also the list position of each word's lowest column (wpos [C, NW], like words), for
+    _union_up_kernel."""
     t = tl.program_id(0)
     wk = tl.arange(0, TILE_F // 32)
     wcols = t * (TILE_F // 32) + wk
@@ -77,6 +79,7 @@ def _scatter_kernel(g_ptr, words_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell_hg_p
         grow = r64 + row0
         first = tl.load(start_ptr + grow + (tl.zeros_like(grow) + t) * N, mask=rmask, other=0)
         slot = first[:, None] + tl.cumsum(cnt, axis=1) - cnt  # list position of each word's lowest bit
+        tl.store(wpos_ptr + r64[:, None] * NW + wcols[None, :], slot, mask=rmask[:, None])
         bslot = tl.load(slot_ptr + grow, mask=rmask, other=-1)
         bk_row = tl.maximum(bslot, 0).to(tl.int64)[:, None] * BW
         for _ in range(0, tl.max(tl.max(cnt, axis=1), axis=0)):
@@ -354,3 +357,100 @@ def _fallback_bwd_row(x_ptr, dy_ptr, wg_ptr, wu_ptr, wdt_ptr, slot_ptr, l1_scale
         tl.store(dhug_ptr + r * 2 * F + F + s64, dhg.to(dtype), mask=live)
         acc += tl.sum(w_u * dhu[:, None] + w_g * dhg[:, None], axis=0)
     tl.store(dx_ptr + m * D + k, acc.to(dtype), mask=mk)
+
+
+@triton.jit
+def _union_kernel(words_ptr, ucnt_ptr, ucols_ptr, C, F, NW, BM: tl.constexpr, NWP: tl.constexpr):
+    """Token block pid (chunk rows [pid*BM, ...)): the columns where any of its rows' gate is
+    positive (the OR of their bit words), ascending, into ucols[pid, :ucnt[pid]]."""
+    b = tl.program_id(0).to(tl.int64)
+    wk = tl.arange(0, NWP)
+    acc = tl.zeros([NWP], dtype=tl.int32)
+    for i in range(BM):
+        r = b * BM + i
+        acc |= tl.load(words_ptr + r * NW + wk, mask=(wk < NW) & ((tl.zeros_like(wk) + r) < C), other=0)
+    cnt = _popc(acc)
+    pos = tl.cumsum(cnt, axis=0) - cnt
+    tl.store(ucnt_ptr + b + tl.arange(0, 1), tl.zeros([1], dtype=tl.int32) + tl.sum(cnt, axis=0))
+    for _ in range(0, tl.max(cnt, axis=0)):
+        live = acc != 0
+        tl.store(ucols_ptr + b * F + pos, wk * 32 + _popc((acc & (0 - acc)) - 1), mask=live)
+        acc = acc & (acc - 1)
+        pos += 1
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b in fp32; fp32 inputs in full precision (not TF32). UPCAST: bf16 / fp16 inputs
+    as fp32 (the same products and fp32 sums), for Triton's CPU interpreter, whose tl.dot reads
+    bf16 inputs wrongly (checked with triton 3.6: errors of 1e10 on a 16 x 16 product)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+@triton.jit
+def _union_up_kernel(x_ptr, wu_ptr, g_ptr, words_ptr, wpos_ptr, slot_ptr, ucnt_ptr, ucols_ptr, ell_u_ptr,
+                     bk_u_ptr, h_ptr, l1_ptr, row0, C, D, F, NW, W, BW,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+    """Token block pid1, its union columns [pid0*BN, ...): u = x W_up^T on the tensor cores over
+    every (row, column) pair of the block, the rows' weights shared. At the pairs whose gate is
+    positive: h = round(relu(g) u) into h's row at the union position (zero elsewhere, for
+    _union_down_kernel), u into the row's list (position from wpos and the word's lower bits;
+    fallback rows keep no list), and the program's sum |h| at l1[pid1, pid0]."""
+    j = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    n_u = tl.load(ucnt_ptr + b)
+    q = j * BN + tl.arange(0, BN)
+    mq = q < n_u
+    cols = tl.load(ucols_ptr + b * F + q, mask=mq, other=0).to(tl.int64)
+    r = b * BM + tl.arange(0, BM)
+    mr = r < C
+    m = r + row0
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, tl.where(j * BN < n_u, D, 0), BK):
+        k = k0 + tl.arange(0, BK)
+        mk = k < D
+        a = tl.load(x_ptr + m[:, None] * D + k[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
+        w = tl.load(wu_ptr + cols[None, :] * D + k[:, None], mask=mk[:, None] & mq[None, :], other=0.0)
+        acc = _dot(a, w, acc, UPCAST)
+    dtype = x_ptr.dtype.element_ty
+    m2 = mr[:, None] & mq[None, :]
+    g = tl.load(g_ptr + r[:, None] * F + cols[None, :], mask=m2, other=0.0)
+    pos = _positive(g) & m2
+    u = acc.to(dtype)
+    h = tl.where(pos, (g.to(tl.float32) * u.to(tl.float32)).to(dtype), 0.0)
+    tl.store(h_ptr + r[:, None] * F + q[None, :], h.to(dtype), mask=m2)
+    tl.store(l1_ptr + b * tl.num_programs(0) + j + tl.arange(0, 1),
+             tl.zeros([1], dtype=tl.float32) + tl.sum(tl.sum(tl.abs(h.to(tl.float32)), axis=1), axis=0))
+    word_off = r[:, None] * NW + (cols >> 5)[None, :]
+    word = tl.load(words_ptr + word_off, mask=pos, other=0).to(tl.uint32, bitcast=True)
+    below = (tl.full([BM, BN], 1, tl.uint32) << (cols & 31).to(tl.uint32)[None, :]) - 1
+    p = tl.load(wpos_ptr + word_off, mask=pos, other=0) + _popc((word & below).to(tl.int32, bitcast=True))
+    slot = tl.load(slot_ptr + m, mask=mr, other=-2)
+    in_ell = pos & (p < W) & (slot != -2)[:, None]
+    in_bk = pos & (p >= W) & (slot >= 0)[:, None]
+    tl.store(ell_u_ptr + m[:, None] * W + p, u, mask=in_ell)
+    tl.store(bk_u_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * BW + (p - W), u, mask=in_bk)
+
+@triton.jit
+def _union_down_kernel(h_ptr, wdt_ptr, ucnt_ptr, ucols_ptr, y_ptr, row0, C, D, F,
+                       BM: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
+    """Token block pid1, d_model columns [pid0*BD, ...): y = h W_down^T over the block's union
+    columns (h as _union_up_kernel left it), the rows' weights shared."""
+    b = tl.program_id(1).to(tl.int64)
+    n_u = tl.load(ucnt_ptr + b)
+    r = b * BM + tl.arange(0, BM)
+    mr = r < C
+    k = tl.program_id(0) * BD + tl.arange(0, BD)
+    mk = k < D
+    acc = tl.zeros([BM, BD], dtype=tl.float32)
+    for q0 in range(0, n_u, BK):
+        q = q0 + tl.arange(0, BK)
+        mq = q < n_u
+        cols = tl.load(ucols_ptr + b * F + q, mask=mq, other=0).to(tl.int64)
+        h = tl.load(h_ptr + r[:, None] * F + q[None, :], mask=mr[:, None] & mq[None, :], other=0.0)
+        w = tl.load(wdt_ptr + cols[:, None] * D + k[None, :], mask=mq[:, None] & mk[None, :], other=0.0)
+        acc = _dot(h, w, acc, UPCAST)
+    tl.store(y_ptr + (r + row0)[:, None] * D + k[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mr[:, None] & mk[None, :])

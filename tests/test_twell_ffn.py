@@ -83,7 +83,9 @@ def rel_err(a, b):
 NAMES = ("y", "l1", "grad_x", "grad_w_gate", "grad_w_up", "grad_w_down")
 
 
-def check_against_reference(inputs, dtype, **kwargs):
+def check_against_reference(inputs, dtype, outputs=None, **kwargs):
+    """Asserts the triton path's outputs within the bounds above; returns its stats (and, into
+    the list `outputs` when given, its outputs)."""
     twell._POISON_OUTPUTS = True
     try:
         out, stats = run("triton", inputs, **kwargs)
@@ -97,6 +99,8 @@ def check_against_reference(inputs, dtype, **kwargs):
         assert rel_err(a, e) < bound, f"{name}: rel err {rel_err(a, e):.2e} >= {bound:.2e} (dense {dtype})"
     torch.testing.assert_close(stats.nnz, ref_stats.nnz)
     assert torch.equal(stats.active, ref_stats.active)
+    if outputs is not None:
+        outputs.extend(out)
     return stats
 
 
@@ -161,7 +165,9 @@ def test_pack_block_sizes(monkeypatch):
 def test_hidden_slices_and_blocks(monkeypatch):
     """One hidden slice per 32-column tile (4 slices), 2 non-zeros and 8 d_model columns a step:
     each row's list is cut at tile starts, each d_model row spans 3 steps (SDDMM) and 3 slices
-    (SpMM), with rows in the ELL buffer, the backup and the fallback, in chunks of 4 tokens."""
+    (SpMM), with rows in the ELL buffer, the backup and the fallback, in chunks of 4 tokens.
+    The forward by the gather kernels too (not by blocks of tokens)."""
+    monkeypatch.setattr(twell, "_UNION_FORWARD", False)
     monkeypatch.setattr(twell, "_TILE_F", 32)
     monkeypatch.setattr(twell, "_SLICE_BYTES", 1)
     monkeypatch.setattr(twell, "_blocks", lambda d_model, which: (2, 8))
@@ -179,7 +185,8 @@ def test_wide_launches_for_the_longest_lists(monkeypatch, div, long_list, densit
     """Lists longer than long_list among the first 1/div of each launch's rows (all rows; lists
     over 20 among the longest third) through the wide launches, a program per 32-column tile
     in the SDDMM and per 8 d_model columns in the SpMM; the rest through the usual ones. ELL,
-    backup and fallback rows, chunks of 5, both dh routes."""
+    backup and fallback rows, chunks of 5, both dh routes; the forward by the gather kernels too."""
+    monkeypatch.setattr(twell, "_UNION_FORWARD", False)
     monkeypatch.setattr(twell, "_WIDE_ROWS_DIV", div)
     monkeypatch.setattr(twell, "_LONG_LIST", long_list)
     monkeypatch.setattr(twell, "_TILE_F", 32)
@@ -192,6 +199,30 @@ def test_wide_launches_for_the_longest_lists(monkeypatch, div, long_list, densit
     inputs = make_inputs(13, 37, 101, counts, torch.bfloat16)
     stats = check_against_reference(inputs, torch.bfloat16, ell_width=7, backup_rows=2, chunk_rows=5)
     assert int(stats.overflow_rows) > int(stats.fallback_rows) > 0
+
+
+@pytest.mark.parametrize("dtype, sparsity", [(torch.float32, 0.8), (torch.bfloat16, 0.8), (torch.float32, 0.97)])
+def test_forward_by_blocks_of_tokens(monkeypatch, dtype, sparsity):
+    """The forward by blocks of tokens over their union columns (16 tokens a block under the
+    interpreter, 16 x 16 steps): 41 tokens in chunks of 23 (a chunk ends inside a block, a
+    block is partial), unions of most of the 101 columns (several programs and steps a block)
+    or, at 97%, of far fewer (a row's own columns count), d_model 37 (three slices, the last
+    partial), 32-column tiles (u's list positions across tiles and words), rows in the ELL
+    buffer, the backup and the fallback; the same as the gather kernels' forward, and both
+    equal to the reference."""
+    monkeypatch.setattr(twell, "_TILE_F", 32)
+    counts = spread_counts(41, 101, sparsity, seed=11)
+    inputs = make_inputs(41, 37, 101, counts, dtype)
+    width = 7 if sparsity < 0.9 else 2
+    outs = {True: [], False: []}
+    for union in (True, False):
+        monkeypatch.setattr(twell, "_UNION_FORWARD", union)
+        stats = check_against_reference(inputs, dtype, outputs=outs[union], ell_width=width, backup_rows=3,
+                                        chunk_rows=23)
+        over, fallback = expected_overflow(inputs, width, 3)
+        assert (int(stats.overflow_rows), int(stats.fallback_rows)) == (over, fallback) and fallback > 0
+    for name, a, b in zip(NAMES, outs[True], outs[False]):
+        assert rel_err(a, b) < (1e-6 if dtype == torch.float32 else 1e-2), name
 
 
 def test_slices_follow_the_byte_budget(monkeypatch):

@@ -184,7 +184,8 @@ def run_config(params, grad_y, l1_coef, rep_ms, label, **kw):
     return {"label": label, "fwd_ms": fwd_ms, "fwd_bwd_ms": fb_ms}
 
 
-VARIANT_KEYS = ("_DENSE_DH_DENSITY", "_DH_BLOCK", "_SDDMM_BLOCKS", "_SPMM_BLOCKS", "_WIDE_ROWS_DIV", "_LONG_LIST")
+VARIANT_KEYS = ("_DENSE_DH_DENSITY", "_DH_BLOCK", "_SDDMM_BLOCKS", "_SPMM_BLOCKS", "_WIDE_ROWS_DIV", "_LONG_LIST",
+                "_UNION_FORWARD", "_UNION_BM", "_UNION_UP_BLOCKS", "_UNION_DOWN_BLOCKS", "_UNION_WARPS")
 
 
 def set_variant(values):
@@ -210,11 +211,12 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args()
-    # one setting changed at a time from the defaults: the wide launches for one row only (about as
-    # before they existed) and for lists over 128 (the dh route and block and the forward kernels'
-    # sweeps of earlier commits are in RESULTS.md)
+    # one setting changed at a time from the defaults: the forward by the gather kernels instead of
+    # by blocks of tokens, and the blocks' sizes (the dh route, the gather kernels' blocks and the
+    # wide launches were swept at earlier commits: RESULTS.md)
     defaults = tuple(getattr(twell, key) for key in VARIANT_KEYS)
-    changes = [(4, 1 << 40), (5, 128)]
+    changes = [(6, False), (7, 32), (7, 128), (8, (64, 64)), (8, (128, 32)), (8, (256, 64)), (9, (64, 128)),
+               (9, (32, 256)), (9, (128, 128)), (10, (8, 8)), (10, (4, 4))]
     args.variant_list = [defaults[:i] + (v,) + defaults[i + 1:] for i, v in changes]
     l1_coef = 2e-5
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

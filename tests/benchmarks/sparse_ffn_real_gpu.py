@@ -152,13 +152,16 @@ def time_layer(x, w_gate, w_up, w_down, rep_ms, counts, one_wide_row=False):
     def sparse():
         return relu_gated_ffn(*params, **kw)[:2]
 
-    variants = {"dense": (lambda: (dense_ffn(*params),), (grad_y,)), "triton": (sparse, (grad_y, grad_l1))}
+    variants = {"dense": (lambda: (dense_ffn(*params),), (grad_y,)), "triton": (sparse, (grad_y, grad_l1)),
+                "triton_gather": (sparse, (grad_y, grad_l1))}
     if one_wide_row:
         variants["triton_one_wide_row"] = variants["triton"]
     out = {}
     for name, (fwd, grads) in variants.items():
-        saved = twell._WIDE_ROWS_DIV
-        twell._WIDE_ROWS_DIV = 1 << 40 if name == "triton_one_wide_row" else saved
+        saved = twell._WIDE_ROWS_DIV, twell._UNION_FORWARD
+        if name == "triton_one_wide_row":
+            twell._WIDE_ROWS_DIV = 1 << 40
+        twell._UNION_FORWARD = saved[1] and name != "triton_gather"  # the forward by the gather kernels
         try:
             out[f"{name}_fwd_ms"] = triton.testing.do_bench(fwd, warmup=10, rep=rep_ms, grad_to_none=params,
                                                             return_mode="median")
@@ -166,7 +169,7 @@ def time_layer(x, w_gate, w_up, w_down, rep_ms, counts, one_wide_row=False):
                 lambda: torch.autograd.backward(fwd(), grads), warmup=10, rep=rep_ms, grad_to_none=params,
                 return_mode="median")
         finally:
-            twell._WIDE_ROWS_DIV = saved
+            twell._WIDE_ROWS_DIV, twell._UNION_FORWARD = saved
     y_t = relu_gated_ffn(x, w_gate, w_up, w_down, **kw)
     y_d = relu_gated_ffn(x, w_gate, w_up, w_down, impl="torch")
     out["rel_err_y"] = ((y_t[0].float() - y_d[0].float()).norm() / y_d[0].float().norm().clamp_min(1e-30)).item()
@@ -253,8 +256,10 @@ def main():
             print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:6.1f} (max {rec['nnz_max']:4d}, W {r['ell_width']}, "
                   f"{r['overflow_rows']} rows > W, {r['fallback_rows']} fallback): dense fwd {r['dense_fwd_ms']:.2f} "
                   f"f+b {r['dense_fwd_bwd_ms']:.2f} | twell fwd {r['triton_fwd_ms']:.2f} "
-                  f"f+b {r['triton_fwd_bwd_ms']:.2f}{wide} | synthetic fwd {s['triton_fwd_ms']:.2f} "
-                  f"f+b {s['triton_fwd_bwd_ms']:.2f} | distinct neurons per token in blocks, real/synthetic "
+                  f"f+b {r['triton_fwd_bwd_ms']:.2f} (gather fwd {r['triton_gather_fwd_ms']:.2f} "
+                  f"f+b {r['triton_gather_fwd_bwd_ms']:.2f}){wide} | synthetic fwd {s['triton_fwd_ms']:.2f} "
+                  f"f+b {s['triton_fwd_bwd_ms']:.2f} (gather {s['triton_gather_fwd_ms']:.2f} "
+                  f"{s['triton_gather_fwd_bwd_ms']:.2f}) | distinct neurons per token in blocks, real/synthetic "
                   f"{unions}", flush=True)
             save()
         del xs, weights
