@@ -253,6 +253,9 @@ _UNION_BM = 64
 _UNION_UP_BLOCKS = (128, 64)
 _UNION_DOWN_BLOCKS = (64, 256)
 _UNION_WARPS = (4, 8)  # up, down
+_UNION_STAGES = (3, 3)  # up, down
+# programs a block in _union_up_kernel, each taking every _UNION_SPLIT-th step of BN union columns
+_UNION_SPLIT = 4
 
 
 def _union_blocks(d_model: int) -> tuple[int, tuple[int, int], tuple[int, int]]:
@@ -349,14 +352,15 @@ def _union_forward(x, w_up, w_down_t, gate_c, words, wpos, row0, fmt, ucnt, ucol
     num_words = words.shape[1]
     _union_kernel[(nb,)](words, ucnt, ucols, rows, d_ff, num_words, BM=bm,
                          NWP=triton.next_power_of_2(num_words), num_warps=4)
-    nj = triton.cdiv(d_ff, bn)
-    l1_part = torch.empty(nb, nj, dtype=torch.float32, device=x.device)
-    _union_up_kernel[(nj, nb)](x, w_up, gate_c, words, wpos, slot, ucnt, ucols, ell_u, bk_u, h_buf, l1_part,
-                               row0, rows, d_model, d_ff, num_words, ell_idx.shape[1], bk_idx.shape[1],
-                               BM=bm, BN=bn, BK=bk, UPCAST=_interpreted(), num_warps=_UNION_WARPS[0])
-    _union_down_kernel[(triton.cdiv(d_model, bd), nb)](h_buf, w_down_t, ucnt, ucols, y, row0, rows, d_model, d_ff,
-                                                      BM=bm, BK=bq, BD=bd, UPCAST=_interpreted(),
-                                                      num_warps=_UNION_WARPS[1])
+    l1_part = torch.empty(nb, _UNION_SPLIT, dtype=torch.float32, device=x.device)
+    off64 = rows * d_ff >= 2**31
+    _union_up_kernel[(_UNION_SPLIT, nb)](
+        x, w_up, gate_c, words, wpos, slot, ucnt, ucols, ell_u, bk_u, h_buf, l1_part, row0, rows, d_model, d_ff,
+        num_words, ell_idx.shape[1], bk_idx.shape[1], BM=bm, BN=bn, BK=bk, SPLIT=_UNION_SPLIT, OFF64=off64,
+        UPCAST=_interpreted(), num_warps=_UNION_WARPS[0], num_stages=_UNION_STAGES[0])
+    _union_down_kernel[(triton.cdiv(d_model, bd), nb)](
+        h_buf, w_down_t, ucnt, ucols, y, row0, rows, d_model, d_ff, BM=bm, BK=bq, BD=bd, OFF64=off64,
+        UPCAST=_interpreted(), num_warps=_UNION_WARPS[1], num_stages=_UNION_STAGES[1])
     return l1_part.sum()
 
 

@@ -391,57 +391,69 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 @triton.jit
 def _union_up_kernel(x_ptr, wu_ptr, g_ptr, words_ptr, wpos_ptr, slot_ptr, ucnt_ptr, ucols_ptr, ell_u_ptr,
-                     bk_u_ptr, h_ptr, l1_ptr, row0, C, D, F, NW, W, BW,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
-    """Token block pid1, its union columns [pid0*BN, ...): u = x W_up^T on the tensor cores over
-    every (row, column) pair of the block, the rows' weights shared. At the pairs whose gate is
-    positive: h = round(relu(g) u) into h's row at the union position (zero elsewhere, for
-    _union_down_kernel), u into the row's list (position from wpos and the word's lower bits;
-    fallback rows keep no list), and the program's sum |h| at l1[pid1, pid0]."""
-    j = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+                     bk_u_ptr, h_ptr, l1_ptr, row0, C, D, F, NW, W, BW, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, SPLIT: tl.constexpr, OFF64: tl.constexpr, UPCAST: tl.constexpr):
+    """Token block pid1, its union columns [j*BN, ...) for j = pid0, pid0 + SPLIT, ...: u = x W_up^T
+    on the tensor cores over every (row, column) pair of the block, the rows' weights shared. At
+    the pairs whose gate is positive: h = round(relu(g) u) into h's row at the union position
+    (zero elsewhere, for _union_down_kernel), u into the row's list (position from wpos and the
+    word's lower bits; fallback rows keep no list); the program's sum |h| at l1[pid1, pid0].
+    OFF64: chunk offsets r * F need 64 bits."""
+    b = tl.program_id(1)
     n_u = tl.load(ucnt_ptr + b)
-    q = j * BN + tl.arange(0, BN)
-    mq = q < n_u
-    cols = tl.load(ucols_ptr + b * F + q, mask=mq, other=0).to(tl.int64)
     r = b * BM + tl.arange(0, BM)
     mr = r < C
-    m = r + row0
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, tl.where(j * BN < n_u, D, 0), BK):
-        k = k0 + tl.arange(0, BK)
-        mk = k < D
-        a = tl.load(x_ptr + m[:, None] * D + k[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
-        w = tl.load(wu_ptr + cols[None, :] * D + k[:, None], mask=mk[:, None] & mq[None, :], other=0.0)
-        acc = _dot(a, w, acc, UPCAST)
-    dtype = x_ptr.dtype.element_ty
-    m2 = mr[:, None] & mq[None, :]
-    g = tl.load(g_ptr + r[:, None] * F + cols[None, :], mask=m2, other=0.0)
-    pos = _positive(g) & m2
-    u = acc.to(dtype)
-    h = tl.where(pos, (g.to(tl.float32) * u.to(tl.float32)).to(dtype), 0.0)
-    tl.store(h_ptr + r[:, None] * F + q[None, :], h.to(dtype), mask=m2)
-    tl.store(l1_ptr + b * tl.num_programs(0) + j + tl.arange(0, 1),
-             tl.zeros([1], dtype=tl.float32) + tl.sum(tl.sum(tl.abs(h.to(tl.float32)), axis=1), axis=0))
-    word_off = r[:, None] * NW + (cols >> 5)[None, :]
-    word = tl.load(words_ptr + word_off, mask=pos, other=0).to(tl.uint32, bitcast=True)
-    below = (tl.full([BM, BN], 1, tl.uint32) << (cols & 31).to(tl.uint32)[None, :]) - 1
-    p = tl.load(wpos_ptr + word_off, mask=pos, other=0) + _popc((word & below).to(tl.int32, bitcast=True))
+    m = r.to(tl.int64) + row0
+    if OFF64:
+        r_f = r.to(tl.int64) * F
+    else:
+        r_f = r * F
     slot = tl.load(slot_ptr + m, mask=mr, other=-2)
-    in_ell = pos & (p < W) & (slot != -2)[:, None]
-    in_bk = pos & (p >= W) & (slot >= 0)[:, None]
-    tl.store(ell_u_ptr + m[:, None] * W + p, u, mask=in_ell)
-    tl.store(bk_u_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * BW + (p - W), u, mask=in_bk)
+    dtype = x_ptr.dtype.element_ty
+    l1 = tl.zeros([BM], dtype=tl.float32)
+    for j in range(tl.program_id(0), tl.cdiv(n_u, BN), SPLIT):
+        q = j * BN + tl.arange(0, BN)
+        mq = q < n_u
+        cols = tl.load(ucols_ptr + b * F + q, mask=mq, other=0)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            k = k0 + tl.arange(0, BK)
+            mk = k < D
+            a = tl.load(x_ptr + m[:, None] * D + k[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
+            w = tl.load(wu_ptr + cols.to(tl.int64)[:, None] * D + k[None, :], mask=mq[:, None] & mk[None, :],
+                        other=0.0)
+            acc = _dot(a, tl.trans(w), acc, UPCAST)
+        m2 = mr[:, None] & mq[None, :]
+        word_off = r[:, None] * NW + (cols >> 5)[None, :]
+        word = tl.load(words_ptr + word_off, mask=m2, other=0)
+        pos = ((word >> (cols & 31)[None, :]) & 1) != 0
+        g = tl.load(g_ptr + r_f[:, None] + cols[None, :], mask=pos, other=0.0)
+        u = acc.to(dtype)
+        h = tl.where(pos, (g.to(tl.float32) * u.to(tl.float32)).to(dtype), 0.0).to(dtype)
+        tl.store(h_ptr + r_f[:, None] + q[None, :], h, mask=m2)
+        l1 += tl.sum(tl.abs(h.to(tl.float32)), axis=1)
+        below = (tl.full([BM, BN], 1, tl.uint32) << (cols & 31).to(tl.uint32)[None, :]) - 1
+        p = tl.load(wpos_ptr + word_off, mask=pos, other=0) + _popc(word & below.to(tl.int32, bitcast=True))
+        in_ell = pos & (p < W) & (slot != -2)[:, None]
+        in_bk = pos & (p >= W) & (slot >= 0)[:, None]
+        tl.store(ell_u_ptr + m[:, None] * W + p, u, mask=in_ell)
+        tl.store(bk_u_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * BW + (p - W), u, mask=in_bk)
+    tl.store(l1_ptr + b * SPLIT + tl.program_id(0) + tl.arange(0, 1),
+             tl.zeros([1], dtype=tl.float32) + tl.sum(l1, axis=0))
 
 @triton.jit
-def _union_down_kernel(h_ptr, wdt_ptr, ucnt_ptr, ucols_ptr, y_ptr, row0, C, D, F,
-                       BM: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr):
+def _union_down_kernel(h_ptr, wdt_ptr, ucnt_ptr, ucols_ptr, y_ptr, row0, C, D, F, BM: tl.constexpr,
+                       BK: tl.constexpr, BD: tl.constexpr, OFF64: tl.constexpr, UPCAST: tl.constexpr):
     """Token block pid1, d_model columns [pid0*BD, ...): y = h W_down^T over the block's union
     columns (h as _union_up_kernel left it), the rows' weights shared."""
-    b = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(1)
     n_u = tl.load(ucnt_ptr + b)
     r = b * BM + tl.arange(0, BM)
     mr = r < C
+    if OFF64:
+        r_f = r.to(tl.int64) * F
+    else:
+        r_f = r * F
     k = tl.program_id(0) * BD + tl.arange(0, BD)
     mk = k < D
     acc = tl.zeros([BM, BD], dtype=tl.float32)
@@ -449,8 +461,8 @@ def _union_down_kernel(h_ptr, wdt_ptr, ucnt_ptr, ucols_ptr, y_ptr, row0, C, D, F
         q = q0 + tl.arange(0, BK)
         mq = q < n_u
         cols = tl.load(ucols_ptr + b * F + q, mask=mq, other=0).to(tl.int64)
-        h = tl.load(h_ptr + r[:, None] * F + q[None, :], mask=mr[:, None] & mq[None, :], other=0.0)
+        h = tl.load(h_ptr + r_f[:, None] + q[None, :], mask=mr[:, None] & mq[None, :], other=0.0)
         w = tl.load(wdt_ptr + cols[:, None] * D + k[None, :], mask=mq[:, None] & mk[None, :], other=0.0)
         acc = _dot(h, w, acc, UPCAST)
-    tl.store(y_ptr + (r + row0)[:, None] * D + k[None, :], acc.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + (r.to(tl.int64) + row0)[:, None] * D + k[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mr[:, None] & mk[None, :])

@@ -185,7 +185,8 @@ def run_config(params, grad_y, l1_coef, rep_ms, label, **kw):
 
 
 VARIANT_KEYS = ("_DENSE_DH_DENSITY", "_DH_BLOCK", "_SDDMM_BLOCKS", "_SPMM_BLOCKS", "_WIDE_ROWS_DIV", "_LONG_LIST",
-                "_UNION_FORWARD", "_UNION_BM", "_UNION_UP_BLOCKS", "_UNION_DOWN_BLOCKS", "_UNION_WARPS")
+                "_UNION_FORWARD", "_UNION_BM", "_UNION_UP_BLOCKS", "_UNION_DOWN_BLOCKS", "_UNION_WARPS", "_UNION_SPLIT",
+                "_UNION_STAGES")
 
 
 def set_variant(values):
@@ -215,8 +216,8 @@ def main():
     # by blocks of tokens, and the blocks' sizes (the dh route, the gather kernels' blocks and the
     # wide launches were swept at earlier commits: RESULTS.md)
     defaults = tuple(getattr(twell, key) for key in VARIANT_KEYS)
-    changes = [(6, False), (7, 32), (7, 128), (8, (64, 64)), (8, (128, 32)), (8, (256, 64)), (9, (64, 128)),
-               (9, (32, 256)), (9, (128, 128)), (10, (8, 8)), (10, (4, 4))]
+    changes = [(6, False), (7, 32), (8, (64, 64)), (8, (128, 32)), (8, (64, 128)), (9, (64, 128)),
+               (9, (128, 128)), (10, (8, 8)), (10, (4, 4)), (11, 1), (11, 8), (12, (4, 4)), (12, (2, 2))]
     args.variant_list = [defaults[:i] + (v,) + defaults[i + 1:] for i, v in changes]
     l1_coef = 2e-5
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
