@@ -12,7 +12,7 @@ forward+backward, CUDA events, medians), and the Triton path again on synthetic 
 have the same non-zero counts (lognormal-free: the real counts). Each layer gets the ELL width a
 caller would pick from its mean count (bench_twell_ffn_gpu.ell_width_for) and a backup that holds
 every row over it, so no row takes the fallback path. Per layer, also how many distinct neurons
-fire in blocks of 16 / 64 / 128 consecutive tokens, real against synthetic: the rows a kernel that
+fire in blocks of 16 / 32 / 64 / 128 consecutive tokens, real against synthetic: the rows a kernel that
 shared weight rows across a block of tokens would still fetch, per token.
 
     # on the GPU machine, from a clean copy of HEAD beside the cache and student folders of
@@ -124,7 +124,7 @@ def synthetic_like(x, w_gate, counts, seed=0):
     return xs, wgs
 
 
-def union_per_token(pos_NF, blocks=(16, 64, 128)):
+def union_per_token(pos_NF, blocks=(16, 32, 64, 128)):
     """Mean distinct active columns per token over blocks of b consecutive rows of the boolean
     gate pattern, for each b (b = 1 would be the mean non-zeros per token)."""
     n = pos_NF.shape[0]
