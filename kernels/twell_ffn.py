@@ -240,15 +240,20 @@ _FALLBACK_ROWS = 64  # rows a program of the fallback kernels
 _DENSE_DH_DENSITY = 0.007
 
 
-# The forward's products over blocks of tokens (_UNION_FORWARD; else the gather SDDMM and SpMM):
-# a block of _UNION_BM consecutive tokens takes the union of its rows' non-zero columns, and the
-# tensor cores compute u and y over every (token, union column) pair, each weight row fetched
-# once for the block instead of once per non-zero. Real activations share neurons across nearby
-# tokens: at 99.1% sparsity (50 non-zeros a token) a block of 64 tokens of a trained student
-# fires 19.6 distinct neurons per token, synthetic rows with the same counts 37.6 (RESULTS.md,
-# 2026-11-30). (union columns, d_model columns) a step of _union_up_kernel; (union columns,
-# d_model columns) a step and slice of _union_down_kernel.
-_UNION_FORWARD = True
+# The forward's products over blocks of tokens (_UNION_FORWARD; off by default: the gather SDDMM
+# and SpMM): a block of _UNION_BM consecutive tokens takes the union of its rows' non-zero
+# columns, and the tensor cores compute u and y over every (token, union column) pair, each weight
+# row fetched once a block instead of once per non-zero, but x (or h) re-read for every step of
+# union columns. It pays only where a block's tokens share neurons. H200, d 2048 / dff 5632,
+# 131,072 tokens, bf16 (RESULTS.md, 2026-11-30): a trained student's layers at 98.8-99.0% (55-65
+# non-zeros a token, 29-30 distinct neurons a token in blocks of 32): forward 12.8-13.2 ms
+# against 13.5-14.5 by the gathers (dense 14.0-14.7); at 99.5-99.6% within 0.35 ms of the
+# gathers; at 91%, 36 against 72 ms. Synthetic rows with the same counts (random columns: 47-53
+# distinct neurons a token in blocks of 32) run 3.5-4 ms slower than by the gathers, and the
+# issue's synthetic benchmark at 99% takes 17.2 against 13.5 ms. (union columns, d_model columns)
+# a step of _union_up_kernel; (union columns, d_model columns) a step and slice of
+# _union_down_kernel.
+_UNION_FORWARD = False
 _UNION_BM = 32
 _UNION_UP_BLOCKS = (128, 64)
 _UNION_DOWN_BLOCKS = (64, 256)

@@ -274,7 +274,9 @@ def test_auto_on_cpu_is_torch_and_bad_inputs_raise():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("sparsity", [0.0, 0.9, 0.99, 0.999])
-def test_gpu_matches_reference(dtype, sparsity):
+@pytest.mark.parametrize("union", [False, True])  # the forward by gathers / by blocks of tokens
+def test_gpu_matches_reference(monkeypatch, dtype, sparsity, union):
+    monkeypatch.setattr(twell, "_UNION_FORWARD", union)
     num_tokens, d_model, d_ff = 3000, 256, 1408
     counts = spread_counts(num_tokens, d_ff, sparsity, seed=5)
     inputs = make_inputs(num_tokens, d_model, d_ff, counts, dtype, device="cuda")
