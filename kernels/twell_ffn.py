@@ -13,7 +13,9 @@ sparse products (kernels in kernels/twell_ffn_triton.py); see the section below.
 same run) it keeps 0.20x the dense path's activations; at 99.5% sparsity it runs the forward in 10.1
 ms (1.38x) and forward+backward in 31.4 ms (1.31x); at 99% it is about level with dense (13.6 ms,
 1.03x; 39.4 ms, 1.04x); below 99% it is slower (tests/benchmarks/bench_twell_ffn_gpu.py and
-RESULTS.md, 2026-11-29).
+RESULTS.md, 2026-11-29). An opt-in forward by blocks of tokens (_UNION_FORWARD, below) shares
+weight rows across a block's tokens on the tensor cores: faster than the gathers on real trained
+activations from 98.3% to 99.4% sparse, slower on random columns (RESULTS.md, 2026-11-30).
 """
 
 from __future__ import annotations
@@ -185,6 +187,10 @@ def relu_gated_ffn(x, w_gate, w_up, w_down, *, impl: str = "auto", ell_width: in
 # stored in the format, and the row's sum |h| per slice; _spmm_kernel, grid (token, d_model
 # slice): y = sum_n round(relu(g) u) Wd^T[n, slice]. Each runs as two launches (_sddmm, _spmm):
 # the few longest lists get more programs a row (see _WIDE_ROWS_DIV), every other row one.
+# With _UNION_FORWARD, after _pack each chunk goes through _union_forward instead (every row,
+# fallback rows too; see the block sizes below), which also stores u into the lists: their
+# positions come from the scatter pass's per-word list positions (wpos, a transient like the bit
+# words).
 # Backward, per token chunk: dh at the list positions, either from _sddmm_kernel again (dy and
 # Wd^T) or, above _DENSE_DH_DENSITY non-zeros (where a gathered row per non-zero costs more than
 # the dense product), from cuBLAS's dense dy Wd read at them by _dh_kernel; then (_dh_epilogue)
