@@ -212,13 +212,23 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args()
-    # one setting changed at a time from the defaults: the forward by the gather kernels instead of
-    # by blocks of tokens, and the blocks' sizes (the dh route, the gather kernels' blocks and the
-    # wide launches were swept at earlier commits: RESULTS.md)
+    # the forward by blocks of tokens (off by default) at its defaults, then with one or two
+    # settings changed (the gather kernels' blocks, the dh route and the wide launches were swept
+    # at earlier commits: RESULTS.md)
     defaults = tuple(getattr(twell, key) for key in VARIANT_KEYS)
-    changes = [(6, False), (7, 32), (8, (64, 64)), (8, (128, 32)), (8, (64, 128)), (9, (64, 128)),
-               (9, (128, 128)), (10, (8, 8)), (10, (4, 4)), (11, 1), (11, 8), (12, (4, 4)), (12, (2, 2))]
-    args.variant_list = [defaults[:i] + (v,) + defaults[i + 1:] for i, v in changes]
+    names = {key: i for i, key in enumerate(VARIANT_KEYS)}
+    blocks = {"_UNION_FORWARD": True}
+    changes = [{}, {"_UNION_UP_BLOCKS": (128, 128)}, {"_UNION_UP_BLOCKS": (64, 128)},
+               {"_UNION_UP_BLOCKS": (256, 64), "_UNION_WARPS": (8, 8)},
+               {"_UNION_BM": 64, "_UNION_UP_BLOCKS": (256, 64), "_UNION_WARPS": (8, 8)},
+               {"_UNION_BM": 16}, {"_UNION_STAGES": (4, 4)}, {"_UNION_SPLIT": 8},
+               {"_UNION_DOWN_BLOCKS": (128, 256)}, {"_UNION_DOWN_BLOCKS": (64, 512)}]
+    args.variant_list = []
+    for change in changes:
+        values = list(defaults)
+        for key, value in {**blocks, **change}.items():
+            values[names[key]] = value
+        args.variant_list.append(tuple(values))
     l1_coef = 2e-5
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": args.commit, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
