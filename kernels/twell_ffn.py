@@ -260,7 +260,7 @@ _DENSE_DH_DENSITY = 0.007
 # a step of _union_up_kernel; (union columns, d_model columns) a step and slice of
 # _union_down_kernel.
 _UNION_FORWARD = False
-_UNION_BM = 32
+_UNION_BM = 16
 _UNION_UP_BLOCKS = (128, 64)
 _UNION_DOWN_BLOCKS = (64, 256)
 _UNION_WARPS = (4, 8)  # up, down

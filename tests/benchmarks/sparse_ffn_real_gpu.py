@@ -152,16 +152,18 @@ def time_layer(x, w_gate, w_up, w_down, rep_ms, counts, one_wide_row=False):
     def sparse():
         return relu_gated_ffn(*params, **kw)[:2]
 
-    variants = {"dense": (lambda: (dense_ffn(*params),), (grad_y,)), "triton": (sparse, (grad_y, grad_l1)),
-                "triton_gather": (sparse, (grad_y, grad_l1))}
+    # the forward by the gather kernels / by blocks of tokens (_UNION_FORWARD), whichever the default is
+    variants = {"dense": (lambda: (dense_ffn(*params),), (grad_y,)), "triton_gather": (sparse, (grad_y, grad_l1)),
+                "triton_blocks": (sparse, (grad_y, grad_l1))}
     if one_wide_row:
-        variants["triton_one_wide_row"] = variants["triton"]
+        variants["triton_one_wide_row"] = (sparse, (grad_y, grad_l1))
     out = {}
     for name, (fwd, grads) in variants.items():
         saved = twell._WIDE_ROWS_DIV, twell._UNION_FORWARD
         if name == "triton_one_wide_row":
             twell._WIDE_ROWS_DIV = 1 << 40
-        twell._UNION_FORWARD = saved[1] and name != "triton_gather"  # the forward by the gather kernels
+        if name in ("triton_gather", "triton_blocks"):
+            twell._UNION_FORWARD = name == "triton_blocks"
         try:
             out[f"{name}_fwd_ms"] = triton.testing.do_bench(fwd, warmup=10, rep=rep_ms, grad_to_none=params,
                                                             return_mode="median")
@@ -170,9 +172,16 @@ def time_layer(x, w_gate, w_up, w_down, rep_ms, counts, one_wide_row=False):
                 return_mode="median")
         finally:
             twell._WIDE_ROWS_DIV, twell._UNION_FORWARD = saved
-    y_t = relu_gated_ffn(x, w_gate, w_up, w_down, **kw)
     y_d = relu_gated_ffn(x, w_gate, w_up, w_down, impl="torch")
-    out["rel_err_y"] = ((y_t[0].float() - y_d[0].float()).norm() / y_d[0].float().norm().clamp_min(1e-30)).item()
+    saved = twell._UNION_FORWARD
+    try:
+        for union in (False, True):
+            twell._UNION_FORWARD = union
+            y_t = relu_gated_ffn(x, w_gate, w_up, w_down, **kw)
+            err = (y_t[0].float() - y_d[0].float()).norm() / y_d[0].float().norm().clamp_min(1e-30)
+            out["rel_err_y_blocks" if union else "rel_err_y"] = err.item()
+    finally:
+        twell._UNION_FORWARD = saved
     out["nnz_mean"] = float(y_t[2].nnz)
     out["ell_width"], out["backup_rows"] = width, backup
     out["overflow_rows"] = int(y_t[2].overflow_rows)
@@ -255,11 +264,11 @@ def main():
             unions = " ".join(f"{b}:{u:.1f}/{rec['synthetic_union_per_token'][b]:.1f}" for b, u in union.items())
             print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:6.1f} (max {rec['nnz_max']:4d}, W {r['ell_width']}, "
                   f"{r['overflow_rows']} rows > W, {r['fallback_rows']} fallback): dense fwd {r['dense_fwd_ms']:.2f} "
-                  f"f+b {r['dense_fwd_bwd_ms']:.2f} | twell fwd {r['triton_fwd_ms']:.2f} "
-                  f"f+b {r['triton_fwd_bwd_ms']:.2f} (gather fwd {r['triton_gather_fwd_ms']:.2f} "
-                  f"f+b {r['triton_gather_fwd_bwd_ms']:.2f}){wide} | synthetic fwd {s['triton_fwd_ms']:.2f} "
-                  f"f+b {s['triton_fwd_bwd_ms']:.2f} (gather {s['triton_gather_fwd_ms']:.2f} "
-                  f"{s['triton_gather_fwd_bwd_ms']:.2f}) | distinct neurons per token in blocks, real/synthetic "
+                  f"f+b {r['dense_fwd_bwd_ms']:.2f} | twell fwd / f+b: gathers {r['triton_gather_fwd_ms']:.2f} "
+                  f"{r['triton_gather_fwd_bwd_ms']:.2f}, blocks {r['triton_blocks_fwd_ms']:.2f} "
+                  f"{r['triton_blocks_fwd_bwd_ms']:.2f}{wide} | synthetic: gathers {s['triton_gather_fwd_ms']:.2f} "
+                  f"{s['triton_gather_fwd_bwd_ms']:.2f}, blocks {s['triton_blocks_fwd_ms']:.2f} "
+                  f"{s['triton_blocks_fwd_bwd_ms']:.2f} | distinct neurons per token in blocks, real/synthetic "
                   f"{unions}", flush=True)
             save()
         del xs, weights
