@@ -259,7 +259,7 @@ _DENSE_DH_DENSITY = 0.007
 # issue's synthetic benchmark at 99% takes 17.2 against 13.5 ms. (union columns, d_model columns)
 # a step of _union_up_kernel; (union columns, d_model columns) a step and slice of
 # _union_down_kernel.
-_UNION_FORWARD = False
+_UNION_FORWARD = True
 _UNION_BM = 16
 _UNION_UP_BLOCKS = (128, 64)
 _UNION_DOWN_BLOCKS = (64, 256)
