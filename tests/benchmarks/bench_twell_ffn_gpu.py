@@ -212,17 +212,15 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args()
-    # the forward by blocks of tokens (off by default) at its defaults, then with one or two
-    # settings changed (the gather kernels' blocks, the dh route and the wide launches were swept
+    # the forward by the gathers, then by blocks of tokens with one to three settings changed (the gather kernels' blocks, the dh route and the wide launches were swept
     # at earlier commits: RESULTS.md)
     defaults = tuple(getattr(twell, key) for key in VARIANT_KEYS)
     names = {key: i for i, key in enumerate(VARIANT_KEYS)}
     blocks = {"_UNION_FORWARD": True}
-    changes = [{}, {"_UNION_UP_BLOCKS": (128, 128)}, {"_UNION_UP_BLOCKS": (64, 128)},
-               {"_UNION_UP_BLOCKS": (256, 64), "_UNION_WARPS": (8, 8)},
-               {"_UNION_BM": 64, "_UNION_UP_BLOCKS": (256, 64), "_UNION_WARPS": (8, 8)},
-               {"_UNION_BM": 16}, {"_UNION_STAGES": (4, 4)}, {"_UNION_SPLIT": 8},
-               {"_UNION_DOWN_BLOCKS": (128, 256)}, {"_UNION_DOWN_BLOCKS": (64, 512)}]
+    changes = [{"_UNION_FORWARD": False}, {"_UNION_UP_BLOCKS": (128, 128)}, {"_UNION_UP_BLOCKS": (64, 128)},
+               {"_UNION_UP_BLOCKS": (256, 64), "_UNION_WARPS": (8, 8)}, {"_UNION_DOWN_BLOCKS": (64, 128)},
+               {"_UNION_DOWN_BLOCKS": (32, 256)}, {"_UNION_DOWN_BLOCKS": (128, 256)}, {"_UNION_STAGES": (4, 4)},
+               {"_UNION_SPLIT": 8}, {"_UNION_UP_BLOCKS": (128, 128), "_UNION_STAGES": (4, 4), "_UNION_SPLIT": 8}]
     args.variant_list = []
     for change in changes:
         values = list(defaults)
