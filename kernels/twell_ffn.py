@@ -261,7 +261,7 @@ _DENSE_DH_DENSITY = 0.007
 # _union_down_kernel.
 _UNION_FORWARD = True
 _UNION_BM = 16
-_UNION_UP_BLOCKS = (128, 64)
+_UNION_UP_BLOCKS = (128, 128)
 _UNION_DOWN_BLOCKS = (64, 256)
 _UNION_WARPS = (4, 8)  # up, down
 _UNION_STAGES = (3, 3)  # up, down
