@@ -7,15 +7,15 @@ over layers and adds coef * l1 to its loss). Weights use the nn.Linear layouts: 
 
 Torch path ("torch"): plain autograd over dense [N, dff] tensors; the reference and the CPU path.
 
-Triton path ("triton"): the hybrid ELL + backup format of the paper and gather kernels for the
-sparse products (kernels in kernels/twell_ffn_triton.py); see the section below. On the H200
-(d=2048, dff=5632, 131k tokens, bf16; dense cuBLAS 13.9 ms forward, 41.0 ms forward+backward in the
-same run) it keeps 0.20x the dense path's activations; at 99.5% sparsity it runs the forward in 10.1
-ms (1.38x) and forward+backward in 31.4 ms (1.31x); at 99% it is about level with dense (13.6 ms,
-1.03x; 39.4 ms, 1.04x); below 99% it is slower (tests/benchmarks/bench_twell_ffn_gpu.py and
-RESULTS.md, 2026-11-29). An opt-in forward by blocks of tokens (_UNION_FORWARD, below) shares
-weight rows across a block's tokens on the tensor cores: faster than the gathers on real trained
-activations from 98.3% to 99.4% sparse, slower on random columns (RESULTS.md, 2026-11-30).
+Triton path ("triton"): the hybrid ELL + backup format of the paper; the forward's sparse
+products by blocks of tokens on the tensor cores (with _UNION_FORWARD off, by gather kernels), the
+backward's by gather kernels (all in kernels/twell_ffn_triton.py); see the section below. On the
+H200 (d=2048, dff=5632, 131k tokens, bf16; tests/benchmarks/sparse_ffn_real_gpu.py,
+bench_twell_ffn_gpu.py, RESULTS.md 2026-11-30) it keeps 0.20x the dense path's activations. On a
+trained student's own activations at 99.1% sparsity it runs the forward 1.24x faster than dense
+cuBLAS and forward+backward 1.12-1.13x; at 99.4-99.6% about 1.4-1.6x. On synthetic inputs
+(random columns): 0.94-0.97x forward and 1.00x forward+backward at 99%, 1.29x / 1.35x at 99.5%;
+below 99% slower than dense.
 """
 
 from __future__ import annotations
@@ -156,12 +156,15 @@ def relu_gated_ffn(x, w_gate, w_up, w_down, *, impl: str = "auto", ell_width: in
 # Why the kernels are shaped as they are. At 99% sparsity (56 non-zeros per token at dff 5632)
 # the sparse products do 1% of the dense FLOPs, but each non-zero fetches a whole weight row
 # (d_model values) that no other non-zero of the token shares: about 0.9x the bytes a dense
-# GEMM pulls from L2, and no tiling shares rows at 1% density (a tile of t tokens x t neurons
-# in shared memory holds ~0.01 t^2 non-zeros for 2t rows). So the sparse kernels are bound by
-# the rate of gathering rows from L2: 8.5-9 TB/s on the H200, measured the same for tables of 5.8
-# to 44 MB (bench_twell_ffn_gpu.py's ceiling); the SDDMM and SpMM below run near it. Per-nnz cost
-# is fixed, so the kernels win over dense in proportion to the sparsity: level at 99%, 1.4x
-# forward at 99.5%. The gate GEMM stays dense (cuBLAS), as in the paper.
+# GEMM pulls from L2. So the gather kernels (the SDDMM and SpMM below) are bound by the rate of
+# gathering rows from L2: 8.5-9 TB/s on the H200, measured the same for tables of 5.8 to 44 MB
+# (bench_twell_ffn_gpu.py's ceiling), and they run near it. Their per-nnz cost is fixed, so they
+# win over dense in proportion to the sparsity: level at 99%, 1.4x forward at 99.5%. Rows can
+# be shared across tokens: a block of consecutive tokens and the union of their columns, on the
+# tensor cores (the forward by blocks, _UNION_FORWARD below). On random columns the union is
+# nearly the block's non-zeros, but trained activations share neurons between nearby tokens (a
+# real 99% layer: 33 distinct neurons a token in blocks of 16, against 50 non-zeros), so there
+# it fetches about a third fewer rows. The gate GEMM stays dense (cuBLAS), as in the paper.
 # The pack pass is instruction-bound if it touches every column's list slot: it reads the gate
 # once into bit words and per-tile counts (_count_kernel, near copy bandwidth), then walks set
 # bits (_scatter_kernel), so its cost follows the non-zeros.
@@ -246,19 +249,22 @@ _FALLBACK_ROWS = 64  # rows a program of the fallback kernels
 _DENSE_DH_DENSITY = 0.007
 
 
-# The forward's products over blocks of tokens (_UNION_FORWARD; off by default: the gather SDDMM
-# and SpMM): a block of _UNION_BM consecutive tokens takes the union of its rows' non-zero
-# columns, and the tensor cores compute u and y over every (token, union column) pair, each weight
-# row fetched once a block instead of once per non-zero, but x (or h) re-read for every step of
-# union columns. It pays only where a block's tokens share neurons. H200, d 2048 / dff 5632,
-# 131,072 tokens, bf16 (RESULTS.md, 2026-11-30): a trained student's layers at 98.8-99.0% (55-65
-# non-zeros a token, 29-30 distinct neurons a token in blocks of 32): forward 12.8-13.2 ms
-# against 13.5-14.5 by the gathers (dense 14.0-14.7); at 99.5-99.6% within 0.35 ms of the
-# gathers; at 91%, 36 against 72 ms. Synthetic rows with the same counts (random columns: 47-53
-# distinct neurons a token in blocks of 32) run 3.5-4 ms slower than by the gathers, and the
-# issue's synthetic benchmark at 99% takes 17.2 against 13.5 ms. (union columns, d_model columns)
-# a step of _union_up_kernel; (union columns, d_model columns) a step and slice of
-# _union_down_kernel.
+# The forward's products over blocks of tokens (_UNION_FORWARD; else the gather SDDMM and SpMM):
+# a block of _UNION_BM consecutive tokens takes the union of its rows' non-zero columns, and the
+# tensor cores compute u and y over every (token, union column) pair, each weight row fetched
+# once a block instead of once per non-zero, but x (or h) re-read for every step of union
+# columns. It pays where a block's tokens share neurons, as trained activations do. H200, d 2048
+# / dff 5632, 131,072 tokens, bf16 (RESULTS.md, 2026-11-30, these settings): a trained student's
+# layers at 99.1% (50-51 non-zeros a token, 33 distinct neurons a token in blocks of 16): forward
+# 11.5-11.6 ms against 12.7-12.8 by the gathers and 14.3 dense (1.236x, 1.245x); at 98.5-98.9%,
+# 12.0-13.6 against 13.8-16.9 ms; at 99.4-99.6% (another student, steps of 64 columns) within
+# 0.45 ms of the gathers, mostly faster; at 91%, 39 against 73 ms. On random columns with the
+# same counts (46-73 distinct neurons a token in blocks of 16) 0.7-1 ms slower than the gathers;
+# on the synthetic benchmark 14.3-14.9 against 13.5 ms at 99%, 10.7 against 10.0 at 99.5%. Settings from sweeps at 99% on
+# random columns: blocks of 16 (32: +2.6 ms, 64: about +5), up steps of 128 x 128 (128 x 64:
+# +0.6 ms); the down kernel's steps, warps, stages and programs a block moved it by < 0.4 ms.
+# (union columns, d_model columns) a step of _union_up_kernel; (union columns, d_model columns)
+# a step and slice of _union_down_kernel.
 _UNION_FORWARD = True
 _UNION_BM = 16
 _UNION_UP_BLOCKS = (128, 128)
