@@ -259,10 +259,12 @@ _DENSE_DH_DENSITY = 0.007
 # 11.5-11.6 ms against 12.7-12.8 by the gathers and 14.3 dense (1.236x, 1.245x); at 98.5-98.9%,
 # 12.0-13.6 against 13.8-16.9 ms; at 99.4-99.6% (another student, steps of 64 columns) within
 # 0.45 ms of the gathers, mostly faster; at 91%, 39 against 73 ms. On random columns with the
-# same counts (46-73 distinct neurons a token in blocks of 16) 0.7-1 ms slower than the gathers;
-# on the synthetic benchmark 14.3-14.9 against 13.5 ms at 99%, 10.7 against 10.0 at 99.5%. Settings from sweeps at 99% on
-# random columns: blocks of 16 (32: +2.6 ms, 64: about +5), up steps of 128 x 128 (128 x 64:
-# +0.6 ms); the down kernel's steps, warps, stages and programs a block moved it by < 0.4 ms.
+# same counts (46-73 distinct neurons a token in blocks of 16) 0.4-1 ms slower than the gathers;
+# on the synthetic benchmark 14.3-14.9 against 13.5 ms at 99%, 10.7 against 10.0 at 99.5%.
+# Settings from sweeps at 99% on random columns: blocks of 16 (32: +2.6 ms, 64: about +5), up
+# steps of 128 x 128 (128 x 64: +0.6 ms); the down kernel's steps, warps, stages and programs a
+# block moved it by < 0.4 ms. A chunk of more than 65535 blocks (the grids' second dimension)
+# takes the gathers.
 # (union columns, d_model columns) a step of _union_up_kernel; (union columns, d_model columns)
 # a step and slice of _union_down_kernel.
 _UNION_FORWARD = True
@@ -477,9 +479,9 @@ class _TwellFFNFunction(torch.autograd.Function):
         words = torch.empty(rows_max, num_tiles * _TILE_F // 32, **i32)
         wpos = torch.empty_like(words)
         fmt = (start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u)
-        union = _UNION_FORWARD
+        blocks = triton.cdiv(rows_max, _union_blocks(d_model)[0])
+        union = _UNION_FORWARD and blocks <= 65535
         if union:  # the union path's transients: a block's columns, h at them
-            blocks = triton.cdiv(rows_max, _union_blocks(d_model)[0])
             ucnt, ucols = torch.empty(blocks, **i32), torch.empty(blocks, d_ff, **i32)
             h_buf = torch.empty(rows_max, d_ff, dtype=dtype, device=dev)
             l1_union = torch.zeros((), dtype=torch.float32, device=dev)
