@@ -12,8 +12,8 @@ forward+backward, CUDA events, medians), and the Triton path again on synthetic 
 have the same non-zero counts (lognormal-free: the real counts). Each layer gets the ELL width a
 caller would pick from its mean count (bench_twell_ffn_gpu.ell_width_for) and a backup that holds
 every row over it, so no row takes the fallback path. Per layer, also how many distinct neurons
-fire in blocks of 16 / 32 / 64 / 128 consecutive tokens, real against synthetic: the rows a kernel that
-shared weight rows across a block of tokens would still fetch, per token.
+fire in blocks of 16 / 32 / 64 / 128 consecutive tokens, real against synthetic: the rows a
+kernel that shared weight rows across a block of tokens would still fetch, per token.
 
     # on the GPU machine, from a clean copy of HEAD beside the cache and student folders of
     # bench_optimizer_convergence_gpu.py:
@@ -26,6 +26,7 @@ shared weight rows across a block of tokens would still fetch, per token.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -124,6 +125,19 @@ def synthetic_like(x, w_gate, counts, seed=0):
     return xs, wgs
 
 
+@contextlib.contextmanager
+def kernel_settings(**values):
+    """kernels/twell_ffn.py's module settings set to `values` inside the block, restored after."""
+    saved = {key: getattr(twell, key) for key in values}
+    for key, value in values.items():
+        setattr(twell, key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(twell, key, value)
+
+
 def union_per_token(pos_NF, blocks=(16, 32, 64, 128)):
     """Mean distinct active columns per token over blocks of b consecutive rows of the boolean
     gate pattern, for each b (b = 1 would be the mean non-zeros per token)."""
@@ -157,31 +171,22 @@ def time_layer(x, w_gate, w_up, w_down, rep_ms, counts, one_wide_row=False):
                 "triton_blocks": (sparse, (grad_y, grad_l1))}
     if one_wide_row:
         variants["triton_one_wide_row"] = (sparse, (grad_y, grad_l1))
+    settings = {"dense": {}, "triton_gather": {"_UNION_FORWARD": False}, "triton_blocks": {"_UNION_FORWARD": True},
+                "triton_one_wide_row": {"_WIDE_ROWS_DIV": 1 << 40}}
     out = {}
     for name, (fwd, grads) in variants.items():
-        saved = twell._WIDE_ROWS_DIV, twell._UNION_FORWARD
-        if name == "triton_one_wide_row":
-            twell._WIDE_ROWS_DIV = 1 << 40
-        if name in ("triton_gather", "triton_blocks"):
-            twell._UNION_FORWARD = name == "triton_blocks"
-        try:
+        with kernel_settings(**settings[name]):
             out[f"{name}_fwd_ms"] = triton.testing.do_bench(fwd, warmup=10, rep=rep_ms, grad_to_none=params,
                                                             return_mode="median")
             out[f"{name}_fwd_bwd_ms"] = triton.testing.do_bench(
                 lambda: torch.autograd.backward(fwd(), grads), warmup=10, rep=rep_ms, grad_to_none=params,
                 return_mode="median")
-        finally:
-            twell._WIDE_ROWS_DIV, twell._UNION_FORWARD = saved
     y_d = relu_gated_ffn(x, w_gate, w_up, w_down, impl="torch")
-    saved = twell._UNION_FORWARD
-    try:
-        for union in (False, True):
-            twell._UNION_FORWARD = union
+    for union in (False, True):
+        with kernel_settings(_UNION_FORWARD=union):
             y_t = relu_gated_ffn(x, w_gate, w_up, w_down, **kw)
-            err = (y_t[0].float() - y_d[0].float()).norm() / y_d[0].float().norm().clamp_min(1e-30)
-            out["rel_err_y_blocks" if union else "rel_err_y"] = err.item()
-    finally:
-        twell._UNION_FORWARD = saved
+        err = (y_t[0].float() - y_d[0].float()).norm() / y_d[0].float().norm().clamp_min(1e-30)
+        out["rel_err_y_blocks" if union else "rel_err_y"] = err.item()
     out["nnz_mean"] = float(y_t[2].nnz)
     out["ell_width"], out["backup_rows"] = width, backup
     out["overflow_rows"] = int(y_t[2].overflow_rows)
