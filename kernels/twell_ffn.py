@@ -40,6 +40,7 @@ if triton is not None:  # the kernels, in a file of their own
         _scatter_kernel,
         _sddmm_kernel,
         _spmm_kernel,
+        _union_dh_kernel,
         _union_down_kernel,
         _union_kernel,
         _union_up_kernel,
@@ -268,6 +269,7 @@ _DENSE_DH_DENSITY = 0.007
 # (union columns, d_model columns) a step of _union_up_kernel; (union columns, d_model columns)
 # a step and slice of _union_down_kernel.
 _UNION_FORWARD = True
+_UNION_BACKWARD = True
 _UNION_BM = 16
 _UNION_UP_BLOCKS = (128, 128)
 _UNION_DOWN_BLOCKS = (64, 256)
@@ -356,7 +358,7 @@ def _pack(gate_c, words, wpos, row0, count, slot, start, ell_idx, ell_hg, bk_idx
     _scatter_kernel[grid](gate_c, words, wpos, start, slot, ell_idx, ell_hg, bk_idx, bk_hg, row0, rows, num_tokens,
                           d_ff, width, bk_idx.shape[1], num_words, BLOCK_M=_SCATTER_BLOCK_M,
                           ROW_BLOCKS=_PACK_ROWS // _SCATTER_BLOCK_M,
-                          TILE_F=_TILE_F, num_warps=_PACK_WARPS)
+                          TILE_F=_TILE_F, LISTS=True, num_warps=_PACK_WARPS)
 
 
 def _union_forward(x, w_up, w_down_t, gate_c, words, wpos, row0, fmt, ucnt, ucols, h_buf, y):
@@ -378,9 +380,41 @@ def _union_forward(x, w_up, w_down_t, gate_c, words, wpos, row0, fmt, ucnt, ucol
         num_words, ell_idx.shape[1], bk_idx.shape[1], BM=bm, BN=bn, BK=bk, SPLIT=_UNION_SPLIT, OFF64=off64,
         UPCAST=_interpreted(), num_warps=_UNION_WARPS[0], num_stages=_UNION_STAGES[0])
     _union_down_kernel[(triton.cdiv(d_model, bd), nb)](
-        h_buf, w_down_t, ucnt, ucols, y, row0, rows, d_model, d_ff, BM=bm, BK=bq, BD=bd, OFF64=off64,
-        UPCAST=_interpreted(), num_warps=_UNION_WARPS[1], num_stages=_UNION_STAGES[1])
+        h_buf, w_down_t, h_buf, w_down_t, slot, ucnt, ucols, y, row0, rows, d_model, d_ff, BM=bm, BK=bq, BD=bd,
+        TWO=False, OFF64=off64, UPCAST=_interpreted(), num_warps=_UNION_WARPS[1], num_stages=_UNION_STAGES[1])
     return l1_part.sum()
+
+
+def _union_backward(dy, w_gate, w_up, w_down_t, words, wpos, row0, fmt, l1_scale, ucnt, ucols, h_c, dhug_c,
+                    dhu_buf, dhg_buf, dx):
+    """The chunk's dx rows and its dense h, dh_u, dh_g rows by blocks of tokens (see
+    _UNION_BACKWARD): the list positions of each word again (_scatter_kernel without the lists),
+    each block's union columns (_union_kernel), dh_y = dy W_down over them and h, dh_u, dh_g at the
+    rows' lists (_union_dh_kernel), dx = dh_u W_up + dh_g W_gate over them (_union_down_kernel).
+    Fallback rows are left to _fallback_bwd_kernel."""
+    rows, d_model = h_c.shape[0], dy.shape[1]
+    d_ff = w_gate.shape[0]
+    start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u = fmt
+    num_tokens, width = ell_idx.shape
+    num_words = words.shape[1]
+    grid = (start.shape[0] - 1, triton.cdiv(rows, _PACK_ROWS))
+    _scatter_kernel[grid](words, words, wpos, start, slot, ell_idx, ell_hg, bk_idx, bk_hg, row0, rows, num_tokens,
+                          d_ff, width, bk_idx.shape[1], num_words, BLOCK_M=_SCATTER_BLOCK_M,
+                          ROW_BLOCKS=_PACK_ROWS // _SCATTER_BLOCK_M, TILE_F=_TILE_F, LISTS=False,
+                          num_warps=_PACK_WARPS)
+    bm, (bn, bk), (bq, bd) = _union_blocks(d_model)
+    nb = triton.cdiv(rows, bm)
+    _union_kernel[(nb,)](words, ucnt, ucols, rows, d_ff, num_words, BM=bm,
+                         NWP=triton.next_power_of_2(num_words), num_warps=4)
+    _union_dh_kernel[(_UNION_SPLIT, nb)](
+        dy, w_down_t, words, wpos, slot, ucnt, ucols, ell_hg, ell_u, bk_hg, bk_u, l1_scale, h_c, dhug_c, dhu_buf,
+        dhg_buf, row0, rows, d_model, d_ff, num_words, width, bk_idx.shape[1], BM=bm, BN=bn, BK=bk,
+        SPLIT=_UNION_SPLIT, OFF64=rows * 2 * d_ff >= 2**31, UPCAST=_interpreted(), num_warps=_UNION_WARPS[0],
+        num_stages=_UNION_STAGES[0])
+    _union_down_kernel[(triton.cdiv(d_model, bd), nb)](
+        dhu_buf, w_up, dhg_buf, w_gate, slot, ucnt, ucols, dx, row0, rows, d_model, d_ff, BM=bm, BK=bq, BD=bd,
+        TWO=True, OFF64=rows * d_ff >= 2**31, UPCAST=_interpreted(), num_warps=_UNION_WARPS[1],
+        num_stages=_UNION_STAGES[1])
 
 
 def _wide_rows(rows: int) -> int:
@@ -476,11 +510,14 @@ class _TwellFFNFunction(torch.autograd.Function):
         fb_s, fb_d = _fallback_blocks(d_model)
         rows_max = min(chunk, num_tokens)
         gate = torch.empty(rows_max, d_ff, dtype=dtype, device=dev)
-        words = torch.empty(rows_max, num_tiles * _TILE_F // 32, **i32)
-        wpos = torch.empty_like(words)
         fmt = (start, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u)
         blocks = triton.cdiv(rows_max, _union_blocks(d_model)[0])
         union = _UNION_FORWARD and blocks <= 65535
+        union_bwd = _UNION_BACKWARD and blocks <= 65535
+        # the bit words: every row's, saved for the backward by blocks; else a chunk's
+        num_words = num_tiles * _TILE_F // 32
+        words = torch.empty(num_tokens if union_bwd else rows_max, num_words, **i32)
+        wpos = torch.empty(rows_max, num_words, **i32)
         if union:  # the union path's transients: a block's columns, h at them
             ucnt, ucols = torch.empty(blocks, **i32), torch.empty(blocks, d_ff, **i32)
             h_buf = torch.empty(rows_max, d_ff, dtype=dtype, device=dev)
@@ -488,16 +525,20 @@ class _TwellFFNFunction(torch.autograd.Function):
         for row0 in range(0, num_tokens, chunk):
             rows = min(chunk, num_tokens - row0)
             gate_c = gate[:rows]
+            words_c = words[row0:] if union_bwd else words
             torch.mm(x[row0:row0 + rows], w_gate.t(), out=gate_c)
-            _pack(gate_c, words, wpos, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active,
+            _pack(gate_c, words_c, wpos, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active,
                   cap)
             if union:
-                l1_union += _union_forward(x, w_up, w_down_t, gate_c, words, wpos, row0, fmt, ucnt, ucols, h_buf, y)
+                l1_union += _union_forward(x, w_up, w_down_t, gate_c, words_c, wpos, row0, fmt, ucnt, ucols, h_buf,
+                                           y)
                 continue
             _fallback_fwd_kernel[(triton.cdiv(rows, _FALLBACK_ROWS),)](
                 x, w_up, w_down_t, gate_c, slot, y, l1_fb, row0, rows, d_model, d_ff, ROWS=_FALLBACK_ROWS,
                 BLOCK_S=fb_s, BLOCK_D=fb_d, num_warps=8)
-        del gate, words, wpos
+        del gate, wpos
+        if not union_bwd:
+            words = words[:0]
         if union:
             del ucnt, ucols, h_buf
             l1 = l1_union / max(num_tokens, 1)
@@ -512,16 +553,18 @@ class _TwellFFNFunction(torch.autograd.Function):
         stats = (count.float().mean() if num_tokens else torch.zeros((), device=dev),
                  active.bool(), over, (over - cap).clamp(min=0))
         ctx.save_for_backward(x, w_gate, w_up, w_down, count, slot, start, ell_idx, ell_hg, ell_u,
-                              bk_idx, bk_hg, bk_u)
+                              bk_idx, bk_hg, bk_u, words)
         ctx.chunk = chunk
-        ctx.nnz_total = _host_value_later(count.sum())  # for the backward's choice of dh route
+        ctx.union_bwd = union_bwd
+        if not union_bwd:  # for the gather backward's choice of dh route
+            ctx.nnz_total = _host_value_later(count.sum())
         ctx.mark_non_differentiable(*stats)
         return (y, l1) + stats
 
     @staticmethod
     def backward(ctx, grad_y, grad_l1, *unused):
         (x, w_gate, w_up, w_down, count, slot, start, ell_idx, ell_hg, ell_u,
-         bk_idx, bk_hg, bk_u) = ctx.saved_tensors
+         bk_idx, bk_hg, bk_u, words) = ctx.saved_tensors
         num_tokens, d_model = x.shape
         d_ff = w_gate.shape[0]
         dev, dtype = x.device, x.dtype
@@ -540,14 +583,23 @@ class _TwellFFNFunction(torch.autograd.Function):
         # read at them. The choice needs the number of non-zeros on the host. The forward started
         # that copy, so this waits only for the GPU to have passed this layer's forward (long done
         # by now in a training step), not for all the work queued before this backward.
-        dense_dh = ctx.nnz_total() > _DENSE_DH_DENSITY * num_tokens * d_ff
+        # By blocks of tokens (ctx.union_bwd) none of this: dh_y over the blocks' union columns.
+        union = ctx.union_bwd
+        dense_dh = not union and ctx.nnz_total() > _DENSE_DH_DENSITY * num_tokens * d_ff
         dh_buf = torch.empty(rows_max if dense_dh else 0, d_ff, dtype=dtype, device=dev)
         # zeroed once; after each chunk _clear_kernel zeroes only what the chunk wrote
         h_buf = torch.zeros(rows_max, d_ff, dtype=dtype, device=dev)
         dhug_buf = torch.zeros(rows_max, 2 * d_ff, dtype=dtype, device=dev)
-        # dh_u, dh_g at the list positions, for the dx SpMM
-        d_ell_u, d_ell_g = (_new_output(ell_u.shape, dtype, dev) for _ in range(2))
-        d_bk_u, d_bk_g = (_new_output(bk_u.shape, dtype, dev) for _ in range(2))
+        # dh_u, dh_g at the list positions, for the dx SpMM; by blocks, at the union positions
+        lists = (0, 0) if union else ell_u.shape
+        d_ell_u, d_ell_g = (_new_output(lists, dtype, dev) for _ in range(2))
+        d_bk_u, d_bk_g = (_new_output((0, 0) if union else bk_u.shape, dtype, dev) for _ in range(2))
+        if union:
+            blocks = triton.cdiv(rows_max, _union_blocks(d_model)[0])
+            i32 = {"dtype": torch.int32, "device": dev}
+            ucnt, ucols = torch.empty(blocks, **i32), torch.empty(blocks, d_ff, **i32)
+            wpos = torch.empty(rows_max, words.shape[1], **i32)
+            dhu_buf, dhg_buf = (torch.empty(rows_max, d_ff, dtype=dtype, device=dev) for _ in range(2))
         single = rows_max >= num_tokens
         acc_dtype = dtype if single else torch.float32
         dw_ug = torch.zeros(2 * d_ff, d_model, dtype=acc_dtype, device=dev)
@@ -558,7 +610,10 @@ class _TwellFFNFunction(torch.autograd.Function):
             rows = min(chunk, num_tokens - row0)
             h_c, dhug_c = h_buf[:rows], dhug_buf[:rows]
             x_c, dy_c = x[row0:row0 + rows], grad_y[row0:row0 + rows]
-            if dense_dh:
+            if union:
+                _union_backward(grad_y, w_gate, w_up, w_down_t, words[row0:], wpos, row0, fmt, l1_scale, ucnt,
+                                ucols, h_c, dhug_c, dhu_buf, dhg_buf, dx)
+            elif dense_dh:
                 dh_c = dh_buf[:rows]
                 torch.mm(dy_c, w_down, out=dh_c)
                 _dh_kernel[(rows,)](dh_c, count, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, l1_scale,
@@ -580,8 +635,10 @@ class _TwellFFNFunction(torch.autograd.Function):
                 _clear_kernel[(rows,)](count, slot, ell_idx, bk_idx, h_c, dhug_c, row0, d_ff, width, bk_width,
                                        BLOCK=64)
         del dh_buf, h_buf, dhug_buf, dh_outs
-        order = torch.argsort(torch.where(slot == -2, -1, count), descending=True)
-        _spmm(w_up, w_gate, order, count, slot, ell_idx, d_ell_u, d_ell_g, bk_idx, d_bk_u, d_bk_g, dx, backward=True)
+        if not union:
+            order = torch.argsort(torch.where(slot == -2, -1, count), descending=True)
+            _spmm(w_up, w_gate, order, count, slot, ell_idx, d_ell_u, d_ell_g, bk_idx, d_bk_u, d_bk_g, dx,
+                  backward=True)
         dwu, dwg = dw_ug[:d_ff], dw_ug[d_ff:]
         return dx, dwg.to(dtype), dwu.to(dtype), dwd.to(dtype), None, None, None
 

@@ -59,14 +59,14 @@ def _count_kernel(g_ptr, tile_count_ptr, words_ptr, active_ptr, row0, C, N, F, N
 @triton.jit
 def _scatter_kernel(g_ptr, words_ptr, wpos_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, bk_idx_ptr,
                     bk_hg_ptr, row0, C, N, F, W, BW, NW, BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                    TILE_F: tl.constexpr):
+                    TILE_F: tl.constexpr, LISTS: tl.constexpr):
     """Hidden tile pid0, rows [pid1*ROW_BLOCKS*BLOCK_M, ...) of the chunk: the tile's positive
     entries, read as bits, at list positions start[tile, row] + their rank in the tile: the
     ELL buffer below W, the row's backup row from W on (fallback rows keep only their ELL
     part, which nothing reads). Work goes with the non-zeros, not the columns: a word's set
     bits are taken lowest first, one per step, for as many steps as the block's fullest word.
     Also the list position of each word's lowest column (wpos [C, NW], like words), for
-    _union_up_kernel."""
+    _union_up_kernel and _union_dh_kernel. LISTS False: wpos only (the backward by blocks)."""
     t = tl.program_id(0)
     wk = tl.arange(0, TILE_F // 32)
     wcols = t * (TILE_F // 32) + wk
@@ -80,20 +80,21 @@ def _scatter_kernel(g_ptr, words_ptr, wpos_ptr, start_ptr, slot_ptr, ell_idx_ptr
         first = tl.load(start_ptr + grow + (tl.zeros_like(grow) + t) * N, mask=rmask, other=0)
         slot = first[:, None] + tl.cumsum(cnt, axis=1) - cnt  # list position of each word's lowest bit
         tl.store(wpos_ptr + r64[:, None] * NW + wcols[None, :], slot, mask=rmask[:, None])
-        bslot = tl.load(slot_ptr + grow, mask=rmask, other=-1)
-        bk_row = tl.maximum(bslot, 0).to(tl.int64)[:, None] * BW
-        for _ in range(0, tl.max(tl.max(cnt, axis=1), axis=0)):
-            live = w != 0
-            col = t * TILE_F + wk[None, :] * 32 + _popc((w & (0 - w)) - 1)
-            hg = tl.load(g_ptr + r64[:, None] * F + col, mask=live, other=0.0)
-            in_ell = live & (slot < W)
-            tl.store(ell_idx_ptr + grow[:, None] * W + slot, col, mask=in_ell)
-            tl.store(ell_hg_ptr + grow[:, None] * W + slot, hg, mask=in_ell)
-            in_bk = live & (slot >= W) & (bslot >= 0)[:, None]
-            tl.store(bk_idx_ptr + bk_row + (slot - W), col, mask=in_bk)
-            tl.store(bk_hg_ptr + bk_row + (slot - W), hg, mask=in_bk)
-            w = w & (w - 1)
-            slot += 1
+        if LISTS:
+            bslot = tl.load(slot_ptr + grow, mask=rmask, other=-1)
+            bk_row = tl.maximum(bslot, 0).to(tl.int64)[:, None] * BW
+            for _ in range(0, tl.max(tl.max(cnt, axis=1), axis=0)):
+                live = w != 0
+                col = t * TILE_F + wk[None, :] * 32 + _popc((w & (0 - w)) - 1)
+                hg = tl.load(g_ptr + r64[:, None] * F + col, mask=live, other=0.0)
+                in_ell = live & (slot < W)
+                tl.store(ell_idx_ptr + grow[:, None] * W + slot, col, mask=in_ell)
+                tl.store(ell_hg_ptr + grow[:, None] * W + slot, hg, mask=in_ell)
+                in_bk = live & (slot >= W) & (bslot >= 0)[:, None]
+                tl.store(bk_idx_ptr + bk_row + (slot - W), col, mask=in_bk)
+                tl.store(bk_hg_ptr + bk_row + (slot - W), hg, mask=in_bk)
+                w = w & (w - 1)
+                slot += 1
 
 @triton.jit
 def _list_masks(m, p, mp, slot, W, BW):
@@ -166,19 +167,23 @@ def _sddmm_kernel(a_ptr, w_ptr, order_ptr, start_ptr, slot_ptr, ell_idx_ptr, ell
                  tl.zeros([1], dtype=tl.float32) + tl.sum(l1, axis=0))
 
 @triton.jit
+def _dh_values(dh_y, hg, u, l1_scale, dtype):
+    """From relu(g), u and dh_y = (dy Wd)[n] (fp32): h, dh_u = dh relu(g), dh_g = dh u in dtype,
+    with dh = dh_y + the L1 term, each rounded as the dense path rounds."""
+    h = (hg * u).to(dtype).to(tl.float32)
+    sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
+    dh = (dh_y.to(dtype).to(tl.float32) + l1_scale * sign).to(dtype).to(tl.float32)
+    return h.to(dtype), (dh * hg).to(dtype), (dh * u).to(dtype)
+
+@triton.jit
 def _dh_epilogue(dh_y, hg, u, l1_scale, r, n64, mp, in_ell, ell_off, in_bk, bk_off,
                  h_ptr, dhug_ptr, dell_u_ptr, dell_g_ptr, dbk_u_ptr, dbk_g_ptr, F):
     """At list positions with values relu(g), u and dh_y = (dy Wd)[n] (fp32): dh = dh_y + the L1
     term, dh_u = dh relu(g), dh_g = dh u, each rounded as the dense path rounds. h, dh_u, dh_g
     go into the chunk's dense rows r at columns n (for the weight-gradient GEMMs), dh_u and dh_g
     also to the list positions (for the dx SpMM)."""
-    dtype = h_ptr.dtype.element_ty
-    h = (hg * u).to(dtype).to(tl.float32)
-    sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
-    dh = (dh_y.to(dtype).to(tl.float32) + l1_scale * sign).to(dtype).to(tl.float32)
-    dhu = (dh * hg).to(dtype)
-    dhg = (dh * u).to(dtype)
-    tl.store(h_ptr + r * F + n64, h.to(dtype), mask=mp)
+    h, dhu, dhg = _dh_values(dh_y, hg, u, l1_scale, h_ptr.dtype.element_ty)
+    tl.store(h_ptr + r * F + n64, h, mask=mp)
     tl.store(dhug_ptr + r * 2 * F + n64, dhu, mask=mp)
     tl.store(dhug_ptr + r * 2 * F + F + n64, dhg, mask=mp)
     tl.store(dell_u_ptr + ell_off, dhu, mask=in_ell)
@@ -390,6 +395,33 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc)
 
 @triton.jit
+def _rows_times_union(a_ptr, w_ptr, m, mr, cols, mq, D, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      UPCAST: tl.constexpr):
+    """[BM, BN] fp32: a's rows m times w's rows cols (both [*, D]) over d_model, on the tensor
+    cores; the block's rows share each fetched weight row."""
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        k = k0 + tl.arange(0, BK)
+        mk = k < D
+        a = tl.load(a_ptr + m[:, None] * D + k[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
+        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * D + k[None, :], mask=mq[:, None] & mk[None, :],
+                    other=0.0)
+        acc = _dot(a, tl.trans(w), acc, UPCAST)
+    return acc
+
+@triton.jit
+def _union_pattern(words_ptr, wpos_ptr, r, cols, m2, NW):
+    """For chunk rows r and union columns cols: whether the row's gate is positive there (its
+    bit word), and where the column sits in the row's list (the word's list position from wpos
+    plus the set bits below it)."""
+    word_off = r[:, None] * NW + (cols >> 5)[None, :]
+    word = tl.load(words_ptr + word_off, mask=m2, other=0)
+    pos = ((word >> (cols & 31)[None, :]) & 1) != 0
+    below = (tl.full(pos.shape, 1, tl.uint32) << (cols & 31).to(tl.uint32)[None, :]) - 1
+    p = tl.load(wpos_ptr + word_off, mask=pos, other=0) + _popc(word & below.to(tl.int32, bitcast=True))
+    return pos, p
+
+@triton.jit
 def _union_up_kernel(x_ptr, wu_ptr, g_ptr, words_ptr, wpos_ptr, slot_ptr, ucnt_ptr, ucols_ptr, ell_u_ptr,
                      bk_u_ptr, h_ptr, l1_ptr, row0, C, D, F, NW, W, BW, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, SPLIT: tl.constexpr, OFF64: tl.constexpr, UPCAST: tl.constexpr):
@@ -415,25 +447,14 @@ def _union_up_kernel(x_ptr, wu_ptr, g_ptr, words_ptr, wpos_ptr, slot_ptr, ucnt_p
         q = j * BN + tl.arange(0, BN)
         mq = q < n_u
         cols = tl.load(ucols_ptr + b * F + q, mask=mq, other=0)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, D, BK):
-            k = k0 + tl.arange(0, BK)
-            mk = k < D
-            a = tl.load(x_ptr + m[:, None] * D + k[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
-            w = tl.load(wu_ptr + cols.to(tl.int64)[:, None] * D + k[None, :], mask=mq[:, None] & mk[None, :],
-                        other=0.0)
-            acc = _dot(a, tl.trans(w), acc, UPCAST)
+        acc = _rows_times_union(x_ptr, wu_ptr, m, mr, cols, mq, D, BM, BN, BK, UPCAST)
         m2 = mr[:, None] & mq[None, :]
-        word_off = r[:, None] * NW + (cols >> 5)[None, :]
-        word = tl.load(words_ptr + word_off, mask=m2, other=0)
-        pos = ((word >> (cols & 31)[None, :]) & 1) != 0
+        pos, p = _union_pattern(words_ptr, wpos_ptr, r, cols, m2, NW)
         g = tl.load(g_ptr + r_f[:, None] + cols[None, :], mask=pos, other=0.0)
         u = acc.to(dtype)
         h = tl.where(pos, (g.to(tl.float32) * u.to(tl.float32)).to(dtype), 0.0).to(dtype)
         tl.store(h_ptr + r_f[:, None] + q[None, :], h, mask=m2)
         l1 += tl.sum(tl.abs(h.to(tl.float32)), axis=1)
-        below = (tl.full([BM, BN], 1, tl.uint32) << (cols & 31).to(tl.uint32)[None, :]) - 1
-        p = tl.load(wpos_ptr + word_off, mask=pos, other=0) + _popc(word & below.to(tl.int32, bitcast=True))
         in_ell = pos & (p < W) & (slot != -2)[:, None]
         in_bk = pos & (p >= W) & (slot >= 0)[:, None]
         tl.store(ell_u_ptr + m[:, None] * W + p, u, mask=in_ell)
@@ -442,14 +463,65 @@ def _union_up_kernel(x_ptr, wu_ptr, g_ptr, words_ptr, wpos_ptr, slot_ptr, ucnt_p
              tl.zeros([1], dtype=tl.float32) + tl.sum(l1, axis=0))
 
 @triton.jit
-def _union_down_kernel(h_ptr, wdt_ptr, ucnt_ptr, ucols_ptr, y_ptr, row0, C, D, F, BM: tl.constexpr,
-                       BK: tl.constexpr, BD: tl.constexpr, OFF64: tl.constexpr, UPCAST: tl.constexpr):
-    """Token block pid1, d_model columns [pid0*BD, ...): y = h W_down^T over the block's union
-    columns (h as _union_up_kernel left it), the rows' weights shared."""
+def _union_dh_kernel(dy_ptr, wdt_ptr, words_ptr, wpos_ptr, slot_ptr, ucnt_ptr, ucols_ptr, ell_hg_ptr, ell_u_ptr,
+                     bk_hg_ptr, bk_u_ptr, l1_scale_ptr, h_ptr, dhug_ptr, dhu_ptr, dhg_ptr, row0, C, D, F, NW, W,
+                     BW, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                     OFF64: tl.constexpr, UPCAST: tl.constexpr):
+    """The backward's _union_up_kernel: token block pid1, union columns [j*BN, ...) for
+    j = pid0, pid0 + SPLIT, ...: dh_y = dy W_down over every (row, column) pair of the block,
+    then, at the pairs in the rows' lists (relu(g) and u read there), h, dh_u and dh_g as
+    _dh_values gives them: into the chunk's dense rows at the columns (for the weight-gradient
+    GEMMs) and at the union positions (zero elsewhere, for the dx product by blocks). Fallback
+    rows are left to _fallback_bwd_kernel. OFF64: dense offsets r * 2F need 64 bits."""
     b = tl.program_id(1)
     n_u = tl.load(ucnt_ptr + b)
     r = b * BM + tl.arange(0, BM)
     mr = r < C
+    m = r.to(tl.int64) + row0
+    if OFF64:
+        r_f = r.to(tl.int64) * F
+    else:
+        r_f = r * F
+    slot = tl.load(slot_ptr + m, mask=mr, other=-2)
+    l1_scale = tl.load(l1_scale_ptr)
+    dtype = dy_ptr.dtype.element_ty
+    for j in range(tl.program_id(0), tl.cdiv(n_u, BN), SPLIT):
+        q = j * BN + tl.arange(0, BN)
+        mq = q < n_u
+        cols = tl.load(ucols_ptr + b * F + q, mask=mq, other=0)
+        dh_y = _rows_times_union(dy_ptr, wdt_ptr, m, mr, cols, mq, D, BM, BN, BK, UPCAST)
+        m2 = mr[:, None] & mq[None, :]
+        pos, p = _union_pattern(words_ptr, wpos_ptr, r, cols, m2, NW)
+        pos = pos & (slot != -2)[:, None]
+        in_ell = pos & (p < W)
+        in_bk = pos & (p >= W) & (slot >= 0)[:, None]
+        ell_off = m[:, None] * W + p
+        bk_off = tl.maximum(slot, 0).to(tl.int64)[:, None] * BW + (p - W)
+        hg = _list_load(ell_hg_ptr, bk_hg_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
+        u = _list_load(ell_u_ptr, bk_u_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
+        h, dhu, dhg = _dh_values(dh_y, hg, u, l1_scale, dtype)
+        dhu = tl.where(pos, dhu, 0.0).to(dtype)
+        dhg = tl.where(pos, dhg, 0.0).to(dtype)
+        tl.store(h_ptr + r_f[:, None] + cols[None, :], h, mask=pos)
+        tl.store(dhug_ptr + 2 * r_f[:, None] + cols[None, :], dhu, mask=pos)
+        tl.store(dhug_ptr + 2 * r_f[:, None] + F + cols[None, :], dhg, mask=pos)
+        tl.store(dhu_ptr + r_f[:, None] + q[None, :], dhu, mask=m2)
+        tl.store(dhg_ptr + r_f[:, None] + q[None, :], dhg, mask=m2)
+
+@triton.jit
+def _union_down_kernel(a_ptr, w_ptr, a2_ptr, w2_ptr, slot_ptr, ucnt_ptr, ucols_ptr, out_ptr, row0, C, D, F,
+                       BM: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, TWO: tl.constexpr,
+                       OFF64: tl.constexpr, UPCAST: tl.constexpr):
+    """Token block pid1, d_model columns [pid0*BD, ...): out = a w over the block's union columns
+    (a at the union positions, [C, F]; w's rows at the columns, [F, D]), the rows' weights
+    shared. Forward: a = h as _union_up_kernel left it, w = W_down^T: y. TWO (the backward):
+    + a2 w2, with a, a2 = dh_u, dh_g from _union_dh_kernel and w, w2 = W_up, W_gate: dx, except
+    at fallback rows (_fallback_bwd_kernel's)."""
+    b = tl.program_id(1)
+    n_u = tl.load(ucnt_ptr + b)
+    r = b * BM + tl.arange(0, BM)
+    mr = r < C
+    m = r.to(tl.int64) + row0
     if OFF64:
         r_f = r.to(tl.int64) * F
     else:
@@ -461,8 +533,14 @@ def _union_down_kernel(h_ptr, wdt_ptr, ucnt_ptr, ucols_ptr, y_ptr, row0, C, D, F
         q = q0 + tl.arange(0, BK)
         mq = q < n_u
         cols = tl.load(ucols_ptr + b * F + q, mask=mq, other=0).to(tl.int64)
-        h = tl.load(h_ptr + r_f[:, None] + q[None, :], mask=mr[:, None] & mq[None, :], other=0.0)
-        w = tl.load(wdt_ptr + cols[:, None] * D + k[None, :], mask=mq[:, None] & mk[None, :], other=0.0)
-        acc = _dot(h, w, acc, UPCAST)
-    tl.store(y_ptr + (r.to(tl.int64) + row0)[:, None] * D + k[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mr[:, None] & mk[None, :])
+        mw = mq[:, None] & mk[None, :]
+        a = tl.load(a_ptr + r_f[:, None] + q[None, :], mask=mr[:, None] & mq[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * D + k[None, :], mask=mw, other=0.0)
+        acc = _dot(a, w, acc, UPCAST)
+        if TWO:
+            a2 = tl.load(a2_ptr + r_f[:, None] + q[None, :], mask=mr[:, None] & mq[None, :], other=0.0)
+            w2 = tl.load(w2_ptr + cols[:, None] * D + k[None, :], mask=mw, other=0.0)
+            acc = _dot(a2, w2, acc, UPCAST)
+    if TWO:
+        mr = mr & (tl.load(slot_ptr + m, mask=mr, other=-2) != -2)
+    tl.store(out_ptr + m[:, None] * D + k[None, :], acc.to(out_ptr.dtype.element_ty), mask=mr[:, None] & mk[None, :])

@@ -142,8 +142,9 @@ def test_odd_shapes_and_chunks(dtype):
 
 @pytest.mark.parametrize("density", [0.0, 1.0])
 def test_both_ways_to_dh(monkeypatch, density):
-    """The backward's dh from the dense dy Wd (threshold 0) and from the SDDMM (threshold 1), with
-    chunks, ELL, backup and fallback rows."""
+    """The gather backward's dh from the dense dy Wd (threshold 0) and from the SDDMM (threshold 1),
+    with chunks, ELL, backup and fallback rows."""
+    monkeypatch.setattr(twell, "_UNION_BACKWARD", False)
     monkeypatch.setattr(twell, "_DENSE_DH_DENSITY", density)
     inputs = make_inputs(13, 37, 101, spread_counts(13, 101, 0.8, seed=9), torch.bfloat16)
     stats = check_against_reference(inputs, torch.bfloat16, ell_width=7, backup_rows=2, chunk_rows=5)
@@ -166,8 +167,9 @@ def test_hidden_slices_and_blocks(monkeypatch):
     """One hidden slice per 32-column tile (4 slices), 2 non-zeros and 8 d_model columns a step:
     each row's list is cut at tile starts, each d_model row spans 3 steps (SDDMM) and 3 slices
     (SpMM), with rows in the ELL buffer, the backup and the fallback, in chunks of 4 tokens.
-    The forward by the gather kernels too (not by blocks of tokens)."""
+    Forward and backward by the gather kernels (not by blocks of tokens)."""
     monkeypatch.setattr(twell, "_UNION_FORWARD", False)
+    monkeypatch.setattr(twell, "_UNION_BACKWARD", False)
     monkeypatch.setattr(twell, "_TILE_F", 32)
     monkeypatch.setattr(twell, "_SLICE_BYTES", 1)
     monkeypatch.setattr(twell, "_blocks", lambda d_model, which: (2, 8))
@@ -185,8 +187,9 @@ def test_wide_launches_for_the_longest_lists(monkeypatch, div, long_list, densit
     """Lists longer than long_list among the first 1/div of each launch's rows (all rows; lists
     over 20 among the longest third) through the wide launches, a program per 32-column tile
     in the SDDMM and per 8 d_model columns in the SpMM; the rest through the usual ones. ELL,
-    backup and fallback rows, chunks of 5, both dh routes; the forward by the gather kernels too."""
+    backup and fallback rows, chunks of 5, both dh routes; forward and backward by the gathers."""
     monkeypatch.setattr(twell, "_UNION_FORWARD", False)
+    monkeypatch.setattr(twell, "_UNION_BACKWARD", False)
     monkeypatch.setattr(twell, "_WIDE_ROWS_DIV", div)
     monkeypatch.setattr(twell, "_LONG_LIST", long_list)
     monkeypatch.setattr(twell, "_TILE_F", 32)
@@ -202,27 +205,31 @@ def test_wide_launches_for_the_longest_lists(monkeypatch, div, long_list, densit
 
 
 @pytest.mark.parametrize("dtype, sparsity", [(torch.float32, 0.8), (torch.bfloat16, 0.8), (torch.float32, 0.97)])
-def test_forward_by_blocks_of_tokens(monkeypatch, dtype, sparsity):
-    """The forward by blocks of tokens over their union columns (16 tokens a block under the
-    interpreter, 16 x 16 steps): 41 tokens in chunks of 23 (a chunk ends inside a block, a
+def test_by_blocks_of_tokens(monkeypatch, dtype, sparsity):
+    """Forward and backward by blocks of tokens over their union columns (16 tokens a block under
+    the interpreter, 16 x 16 steps): 41 tokens in chunks of 23 (a chunk ends inside a block, a
     block is partial), unions of most of the 101 columns (several programs and steps a block)
     or, at 97%, of far fewer (a row's own columns count), d_model 37 (three slices, the last
-    partial), 32-column tiles (u's list positions across tiles and words), rows in the ELL
-    buffer, the backup and the fallback; the same as the gather kernels' forward, and both
-    equal to the reference."""
+    partial), 32-column tiles (list positions across tiles and words), rows in the ELL buffer,
+    the backup and the fallback; the same as the gather kernels' forward and backward, and both
+    equal to the reference. Also the gather forward with the backward by blocks (the bit words
+    it saves)."""
     monkeypatch.setattr(twell, "_TILE_F", 32)
     counts = spread_counts(41, 101, sparsity, seed=11)
     inputs = make_inputs(41, 37, 101, counts, dtype)
     width = 7 if sparsity < 0.9 else 2
-    outs = {True: [], False: []}
-    for union in (True, False):
-        monkeypatch.setattr(twell, "_UNION_FORWARD", union)
-        stats = check_against_reference(inputs, dtype, outputs=outs[union], ell_width=width, backup_rows=3,
-                                        chunk_rows=23)
+    ways = [(True, True), (False, False)] + ([(False, True)] if dtype == torch.float32 else [])
+    outs = {way: [] for way in ways}
+    for forward, backward in ways:
+        monkeypatch.setattr(twell, "_UNION_FORWARD", forward)
+        monkeypatch.setattr(twell, "_UNION_BACKWARD", backward)
+        stats = check_against_reference(inputs, dtype, outputs=outs[forward, backward], ell_width=width,
+                                        backup_rows=3, chunk_rows=23)
         over, fallback = expected_overflow(inputs, width, 3)
         assert (int(stats.overflow_rows), int(stats.fallback_rows)) == (over, fallback) and fallback > 0
-    for name, a, b in zip(NAMES, outs[True], outs[False]):
-        assert rel_err(a, b) < (1e-6 if dtype == torch.float32 else 1e-2), name
+    for way in ways[1:]:
+        for name, a, b in zip(NAMES, outs[True, True], outs[way]):
+            assert rel_err(a, b) < (1e-6 if dtype == torch.float32 else 1e-2), (name, way)
 
 
 def test_slices_follow_the_byte_budget(monkeypatch):
@@ -274,9 +281,10 @@ def test_auto_on_cpu_is_torch_and_bad_inputs_raise():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("sparsity", [0.0, 0.9, 0.99, 0.999])
-@pytest.mark.parametrize("union", [False, True])  # the forward by gathers / by blocks of tokens
+@pytest.mark.parametrize("union", [False, True])  # forward and backward by gathers / by blocks of tokens
 def test_gpu_matches_reference(monkeypatch, dtype, sparsity, union):
     monkeypatch.setattr(twell, "_UNION_FORWARD", union)
+    monkeypatch.setattr(twell, "_UNION_BACKWARD", union)
     num_tokens, d_model, d_ff = 3000, 256, 1408
     counts = spread_counts(num_tokens, d_ff, sparsity, seed=5)
     inputs = make_inputs(num_tokens, d_model, d_ff, counts, dtype, device="cuda")
@@ -288,11 +296,14 @@ def test_gpu_matches_reference(monkeypatch, dtype, sparsity, union):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("density", [0.0, 1.0])  # _DENSE_DH_DENSITY: dh by the dense product / by the SDDMM
-def test_gpu_backward_does_not_sync_the_host(monkeypatch, density):
-    """The backward reads one number on the host (the non-zero count that picks the dh route), from
-    a copy the forward started: under CUDA's sync debug mode a synchronizing call raises."""
-    monkeypatch.setattr(twell, "_DENSE_DH_DENSITY", density)
+@pytest.mark.parametrize("density", [0.0, 1.0, None])  # _DENSE_DH_DENSITY: dh by the dense product /
+def test_gpu_backward_does_not_sync_the_host(monkeypatch, density):  # by the SDDMM; None: by blocks
+    """The gather backward reads one number on the host (the non-zero count that picks the dh
+    route), from a copy the forward started; the backward by blocks reads none: under CUDA's sync
+    debug mode a synchronizing call raises."""
+    monkeypatch.setattr(twell, "_UNION_BACKWARD", density is None)
+    if density is not None:
+        monkeypatch.setattr(twell, "_DENSE_DH_DENSITY", density)
     num_tokens, d_model, d_ff = 3000, 256, 1408
     counts = spread_counts(num_tokens, d_ff, 0.99, seed=5)
     params = [t.requires_grad_() for t in make_inputs(num_tokens, d_model, d_ff, counts, torch.bfloat16, "cuda")]

@@ -185,7 +185,7 @@ def run_config(params, grad_y, l1_coef, rep_ms, label, **kw):
 
 
 VARIANT_KEYS = ("_DENSE_DH_DENSITY", "_DH_BLOCK", "_SDDMM_BLOCKS", "_SPMM_BLOCKS", "_WIDE_ROWS_DIV", "_LONG_LIST",
-                "_UNION_FORWARD", "_UNION_BM", "_UNION_UP_BLOCKS", "_UNION_DOWN_BLOCKS", "_UNION_WARPS", "_UNION_SPLIT",
+                "_UNION_FORWARD", "_UNION_BACKWARD", "_UNION_BM", "_UNION_UP_BLOCKS", "_UNION_DOWN_BLOCKS", "_UNION_WARPS", "_UNION_SPLIT",
                 "_UNION_STAGES")
 
 
@@ -212,15 +212,16 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args()
-    # the forward by the gathers, then by blocks of tokens with one to three settings changed (the gather kernels' blocks, the dh route and the wide launches were swept
-    # at earlier commits: RESULTS.md)
+    # forward and backward by the gathers; the forward by blocks with the gather backward; then both
+    # by blocks with one setting changed (the gather kernels' blocks, the dh route and the wide
+    # launches were swept at earlier commits: RESULTS.md)
     defaults = tuple(getattr(twell, key) for key in VARIANT_KEYS)
     names = {key: i for i, key in enumerate(VARIANT_KEYS)}
-    blocks = {"_UNION_FORWARD": True}
-    changes = [{"_UNION_FORWARD": False}, {"_UNION_UP_BLOCKS": (128, 128)}, {"_UNION_UP_BLOCKS": (64, 128)},
-               {"_UNION_UP_BLOCKS": (256, 64), "_UNION_WARPS": (8, 8)}, {"_UNION_DOWN_BLOCKS": (64, 128)},
-               {"_UNION_DOWN_BLOCKS": (32, 256)}, {"_UNION_DOWN_BLOCKS": (128, 256)}, {"_UNION_STAGES": (4, 4)},
-               {"_UNION_SPLIT": 8}, {"_UNION_UP_BLOCKS": (128, 128), "_UNION_STAGES": (4, 4), "_UNION_SPLIT": 8}]
+    blocks = {"_UNION_FORWARD": True, "_UNION_BACKWARD": True}
+    changes = [{"_UNION_FORWARD": False, "_UNION_BACKWARD": False}, {"_UNION_BACKWARD": False},
+               {"_UNION_UP_BLOCKS": (64, 128)}, {"_UNION_DOWN_BLOCKS": (64, 128)},
+               {"_UNION_DOWN_BLOCKS": (32, 256)}, {"_UNION_DOWN_BLOCKS": (128, 256)}, {"_UNION_WARPS": (4, 4)},
+               {"_UNION_WARPS": (8, 8)}, {"_UNION_STAGES": (4, 4)}, {"_UNION_SPLIT": 8}]
     args.variant_list = []
     for change in changes:
         values = list(defaults)

@@ -166,13 +166,15 @@ def time_layer(x, w_gate, w_up, w_down, rep_ms, counts, one_wide_row=False):
     def sparse():
         return relu_gated_ffn(*params, **kw)[:2]
 
-    # the forward by the gather kernels / by blocks of tokens (_UNION_FORWARD), whichever the default is
+    # forward and backward by the gather kernels; the forward by blocks of tokens with the gather
+    # backward; both by blocks (_UNION_FORWARD, _UNION_BACKWARD), whichever the default is
     variants = {"dense": (lambda: (dense_ffn(*params),), (grad_y,)), "triton_gather": (sparse, (grad_y, grad_l1)),
-                "triton_blocks": (sparse, (grad_y, grad_l1))}
+                "triton_blocks_fwd": (sparse, (grad_y, grad_l1)), "triton_blocks": (sparse, (grad_y, grad_l1))}
     if one_wide_row:
         variants["triton_one_wide_row"] = (sparse, (grad_y, grad_l1))
-    settings = {"dense": {}, "triton_gather": {"_UNION_FORWARD": False}, "triton_blocks": {"_UNION_FORWARD": True},
-                "triton_one_wide_row": {"_WIDE_ROWS_DIV": 1 << 40}}
+    ways = {"triton_gather": (False, False), "triton_blocks_fwd": (True, False), "triton_blocks": (True, True)}
+    settings = {"dense": {}, "triton_one_wide_row": {"_WIDE_ROWS_DIV": 1 << 40}}
+    settings.update({name: {"_UNION_FORWARD": f, "_UNION_BACKWARD": b} for name, (f, b) in ways.items()})
     out = {}
     for name, (fwd, grads) in variants.items():
         with kernel_settings(**settings[name]):
@@ -181,16 +183,27 @@ def time_layer(x, w_gate, w_up, w_down, rep_ms, counts, one_wide_row=False):
             out[f"{name}_fwd_bwd_ms"] = triton.testing.do_bench(
                 lambda: torch.autograd.backward(fwd(), grads), warmup=10, rep=rep_ms, grad_to_none=params,
                 return_mode="median")
-    y_d = relu_gated_ffn(x, w_gate, w_up, w_down, impl="torch")
-    for union in (False, True):
-        with kernel_settings(_UNION_FORWARD=union):
-            y_t = relu_gated_ffn(x, w_gate, w_up, w_down, **kw)
-        err = (y_t[0].float() - y_d[0].float()).norm() / y_d[0].float().norm().clamp_min(1e-30)
-        out["rel_err_y_blocks" if union else "rel_err_y"] = err.item()
-    out["nnz_mean"] = float(y_t[2].nnz)
+
+    # y and the four gradients against the torch path, relative errors
+    def outputs(**kwargs):
+        ps = [t.detach().clone().requires_grad_() for t in (x, w_gate, w_up, w_down)]
+        y, l1, stats = relu_gated_ffn(*ps, **kwargs)
+        torch.autograd.backward((y, l1), (grad_y, grad_l1))
+        return [y.detach()] + [p.grad for p in ps], stats
+
+    ref, _ = outputs(impl="torch")
+    for suffix, name in (("", "triton_gather"), ("_blocks", "triton_blocks")):
+        with kernel_settings(**settings[name]):
+            got, stats = outputs(**kw)
+        for what, a, b in zip(("y", "dx", "dwg", "dwu", "dwd"), got, ref):
+            err = (a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)
+            out[f"rel_err_{what}{suffix}"] = err.item()
+        del got
+    del ref
+    out["nnz_mean"] = float(stats.nnz)
     out["ell_width"], out["backup_rows"] = width, backup
-    out["overflow_rows"] = int(y_t[2].overflow_rows)
-    out["fallback_rows"] = int(y_t[2].fallback_rows)
+    out["overflow_rows"] = int(stats.overflow_rows)
+    out["fallback_rows"] = int(stats.fallback_rows)
     return out
 
 
@@ -270,11 +283,12 @@ def main():
             print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:6.1f} (max {rec['nnz_max']:4d}, W {r['ell_width']}, "
                   f"{r['overflow_rows']} rows > W, {r['fallback_rows']} fallback): dense fwd {r['dense_fwd_ms']:.2f} "
                   f"f+b {r['dense_fwd_bwd_ms']:.2f} | twell fwd / f+b: gathers {r['triton_gather_fwd_ms']:.2f} "
-                  f"{r['triton_gather_fwd_bwd_ms']:.2f}, blocks {r['triton_blocks_fwd_ms']:.2f} "
-                  f"{r['triton_blocks_fwd_bwd_ms']:.2f}{wide} | synthetic: gathers {s['triton_gather_fwd_ms']:.2f} "
-                  f"{s['triton_gather_fwd_bwd_ms']:.2f}, blocks {s['triton_blocks_fwd_ms']:.2f} "
+                  f"{r['triton_gather_fwd_bwd_ms']:.2f}, blocks fwd only {r['triton_blocks_fwd_fwd_bwd_ms']:.2f}, "
+                  f"blocks {r['triton_blocks_fwd_ms']:.2f} {r['triton_blocks_fwd_bwd_ms']:.2f}{wide} | synthetic: "
+                  f"gathers {s['triton_gather_fwd_ms']:.2f} {s['triton_gather_fwd_bwd_ms']:.2f}, blocks fwd only "
+                  f"{s['triton_blocks_fwd_fwd_bwd_ms']:.2f}, blocks {s['triton_blocks_fwd_ms']:.2f} "
                   f"{s['triton_blocks_fwd_bwd_ms']:.2f} | distinct neurons per token in blocks, real/synthetic "
-                  f"{unions}", flush=True)
+                  f"{unions} | dx err blocks {r['rel_err_dx_blocks']:.1e} gathers {r['rel_err_dx']:.1e}", flush=True)
             save()
         del xs, weights
 
