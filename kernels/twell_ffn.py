@@ -277,6 +277,9 @@ _UNION_WARPS = (4, 8)  # up, down
 _UNION_STAGES = (3, 3)  # up, down
 # programs a block in _union_up_kernel, each taking every _UNION_SPLIT-th step of BN union columns
 _UNION_SPLIT = 4
+# _union_down_kernel's grid with the d_model slices outermost: all blocks pass over one slice of
+# the weights before the next
+_UNION_SLICES_OUTER = False
 
 
 def _union_blocks(d_model: int) -> tuple[int, tuple[int, int], tuple[int, int]]:
@@ -379,10 +382,16 @@ def _union_forward(x, w_up, w_down_t, gate_c, words, wpos, row0, fmt, ucnt, ucol
         x, w_up, gate_c, words, wpos, slot, ucnt, ucols, ell_u, bk_u, h_buf, l1_part, row0, rows, d_model, d_ff,
         num_words, ell_idx.shape[1], bk_idx.shape[1], BM=bm, BN=bn, BK=bk, SPLIT=_UNION_SPLIT, OFF64=off64,
         UPCAST=_interpreted(), num_warps=_UNION_WARPS[0], num_stages=_UNION_STAGES[0])
-    _union_down_kernel[(triton.cdiv(d_model, bd), nb)](
+    _union_down_kernel[_down_grid(d_model, bd, nb)](
         h_buf, w_down_t, h_buf, w_down_t, slot, ucnt, ucols, y, row0, rows, d_model, d_ff, BM=bm, BK=bq, BD=bd,
-        TWO=False, OFF64=off64, UPCAST=_interpreted(), num_warps=_UNION_WARPS[1], num_stages=_UNION_STAGES[1])
+        TWO=False, SLICES_OUTER=_UNION_SLICES_OUTER, OFF64=off64, UPCAST=_interpreted(), num_warps=_UNION_WARPS[1],
+        num_stages=_UNION_STAGES[1])
     return l1_part.sum()
+
+
+def _down_grid(d_model: int, bd: int, nb: int) -> tuple[int, int]:
+    slices = triton.cdiv(d_model, bd)
+    return (nb, slices) if _UNION_SLICES_OUTER else (slices, nb)
 
 
 def _union_backward(dy, w_gate, w_up, w_down_t, words, wpos, row0, fmt, l1_scale, ucnt, ucols, h_c, dhug_c,
@@ -411,10 +420,10 @@ def _union_backward(dy, w_gate, w_up, w_down_t, words, wpos, row0, fmt, l1_scale
         dhg_buf, row0, rows, d_model, d_ff, num_words, width, bk_idx.shape[1], BM=bm, BN=bn, BK=bk,
         SPLIT=_UNION_SPLIT, OFF64=rows * 2 * d_ff >= 2**31, UPCAST=_interpreted(), num_warps=_UNION_WARPS[0],
         num_stages=_UNION_STAGES[0])
-    _union_down_kernel[(triton.cdiv(d_model, bd), nb)](
+    _union_down_kernel[_down_grid(d_model, bd, nb)](
         dhu_buf, w_up, dhg_buf, w_gate, slot, ucnt, ucols, dx, row0, rows, d_model, d_ff, BM=bm, BK=bq, BD=bd,
-        TWO=True, OFF64=rows * d_ff >= 2**31, UPCAST=_interpreted(), num_warps=_UNION_WARPS[1],
-        num_stages=_UNION_STAGES[1])
+        TWO=True, SLICES_OUTER=_UNION_SLICES_OUTER, OFF64=rows * d_ff >= 2**31, UPCAST=_interpreted(),
+        num_warps=_UNION_WARPS[1], num_stages=_UNION_STAGES[1])
 
 
 def _wide_rows(rows: int) -> int:

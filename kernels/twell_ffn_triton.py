@@ -511,13 +511,17 @@ def _union_dh_kernel(dy_ptr, wdt_ptr, words_ptr, wpos_ptr, slot_ptr, ucnt_ptr, u
 @triton.jit
 def _union_down_kernel(a_ptr, w_ptr, a2_ptr, w2_ptr, slot_ptr, ucnt_ptr, ucols_ptr, out_ptr, row0, C, D, F,
                        BM: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, TWO: tl.constexpr,
-                       OFF64: tl.constexpr, UPCAST: tl.constexpr):
-    """Token block pid1, d_model columns [pid0*BD, ...): out = a w over the block's union columns
+                       SLICES_OUTER: tl.constexpr, OFF64: tl.constexpr, UPCAST: tl.constexpr):
+    """Token block pid1, d_model columns [pid0*BD, ...) (SLICES_OUTER: the other way round, so all
+    blocks pass over one slice of the weights before the next): out = a w over the block's union columns
     (a at the union positions, [C, F]; w's rows at the columns, [F, D]), the rows' weights
     shared. Forward: a = h as _union_up_kernel left it, w = W_down^T: y. TWO (the backward):
     + a2 w2, with a, a2 = dh_u, dh_g from _union_dh_kernel and w, w2 = W_up, W_gate: dx, except
     at fallback rows (_fallback_bwd_kernel's)."""
-    b = tl.program_id(1)
+    if SLICES_OUTER:
+        b, ds = tl.program_id(0), tl.program_id(1)
+    else:
+        b, ds = tl.program_id(1), tl.program_id(0)
     n_u = tl.load(ucnt_ptr + b)
     r = b * BM + tl.arange(0, BM)
     mr = r < C
@@ -526,7 +530,7 @@ def _union_down_kernel(a_ptr, w_ptr, a2_ptr, w2_ptr, slot_ptr, ucnt_ptr, ucols_p
         r_f = r.to(tl.int64) * F
     else:
         r_f = r * F
-    k = tl.program_id(0) * BD + tl.arange(0, BD)
+    k = ds * BD + tl.arange(0, BD)
     mk = k < D
     acc = tl.zeros([BM, BD], dtype=tl.float32)
     for q0 in range(0, n_u, BK):

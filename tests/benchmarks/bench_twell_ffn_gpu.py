@@ -186,7 +186,7 @@ def run_config(params, grad_y, l1_coef, rep_ms, label, **kw):
 
 VARIANT_KEYS = ("_DENSE_DH_DENSITY", "_DH_BLOCK", "_SDDMM_BLOCKS", "_SPMM_BLOCKS", "_WIDE_ROWS_DIV", "_LONG_LIST",
                 "_UNION_FORWARD", "_UNION_BACKWARD", "_UNION_BM", "_UNION_UP_BLOCKS", "_UNION_DOWN_BLOCKS", "_UNION_WARPS", "_UNION_SPLIT",
-                "_UNION_STAGES")
+                "_UNION_STAGES", "_UNION_SLICES_OUTER")
 
 
 def set_variant(values):
@@ -218,10 +218,12 @@ def main():
     defaults = tuple(getattr(twell, key) for key in VARIANT_KEYS)
     names = {key: i for i, key in enumerate(VARIANT_KEYS)}
     blocks = {"_UNION_FORWARD": True, "_UNION_BACKWARD": True}
-    changes = [{"_UNION_FORWARD": False, "_UNION_BACKWARD": False}, {"_UNION_BACKWARD": False},
-               {"_UNION_UP_BLOCKS": (64, 128)}, {"_UNION_DOWN_BLOCKS": (64, 128)},
-               {"_UNION_DOWN_BLOCKS": (32, 256)}, {"_UNION_DOWN_BLOCKS": (128, 256)}, {"_UNION_WARPS": (4, 4)},
-               {"_UNION_WARPS": (8, 8)}, {"_UNION_STAGES": (4, 4)}, {"_UNION_SPLIT": 8}]
+    outer = {"_UNION_SLICES_OUTER": True}
+    changes = [{"_UNION_FORWARD": False, "_UNION_BACKWARD": False}, {"_UNION_BACKWARD": False}, outer,
+               {**outer, "_UNION_DOWN_BLOCKS": (64, 512)}, {**outer, "_UNION_DOWN_BLOCKS": (32, 512)},
+               {**outer, "_UNION_DOWN_BLOCKS": (64, 1024)}, {**outer, "_UNION_DOWN_BLOCKS": (32, 256)},
+               {**outer, "_UNION_DOWN_BLOCKS": (64, 128)}, {"_UNION_DOWN_BLOCKS": (32, 256)},
+               {**outer, "_UNION_WARPS": (4, 4)}]
     args.variant_list = []
     for change in changes:
         values = list(defaults)
