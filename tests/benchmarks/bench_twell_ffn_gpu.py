@@ -221,7 +221,7 @@ def main():
     outer = {"_UNION_SLICES_OUTER": True}
     changes = [{"_UNION_FORWARD": False, "_UNION_BACKWARD": False}, {"_UNION_BACKWARD": False}, outer,
                {**outer, "_UNION_DOWN_BLOCKS": (64, 512)}, {**outer, "_UNION_DOWN_BLOCKS": (32, 512)},
-               {**outer, "_UNION_DOWN_BLOCKS": (64, 1024)}, {**outer, "_UNION_DOWN_BLOCKS": (32, 256)},
+               {**outer, "_UNION_DOWN_BLOCKS": (32, 256)},
                {**outer, "_UNION_DOWN_BLOCKS": (64, 128)}, {"_UNION_DOWN_BLOCKS": (32, 256)},
                {**outer, "_UNION_WARPS": (4, 4)}]
     args.variant_list = []

@@ -146,11 +146,12 @@ def union_per_token(pos_NF, blocks=(16, 32, 64, 128)):
             for b in blocks}
 
 
-def time_layer(x, w_gate, w_up, w_down, rep_ms, counts, one_wide_row=False):
+def time_layer(x, w_gate, w_up, w_down, rep_ms, counts, one_wide_row=False, blocks_settings=()):
     """Forward and forward+backward (medians, ms) of the dense gated FFN through cuBLAS (the
     issue's peer, no L1 term) and of the Triton path, with the ELL width a caller would pick for
     these counts and a backup for every row over it; with one_wide_row, the Triton path again
-    with the wide launches for the longest list only (as before they existed)."""
+    with the wide launches for the longest list only (as before they existed); for each dict of
+    blocks_settings, the Triton path by blocks again with those kernels/twell_ffn.py settings."""
     import triton
     from bench_twell_ffn_gpu import dense_ffn, ell_width_for
 
@@ -175,6 +176,9 @@ def time_layer(x, w_gate, w_up, w_down, rep_ms, counts, one_wide_row=False):
     ways = {"triton_gather": (False, False), "triton_blocks_fwd": (True, False), "triton_blocks": (True, True)}
     settings = {"dense": {}, "triton_one_wide_row": {"_WIDE_ROWS_DIV": 1 << 40}}
     settings.update({name: {"_UNION_FORWARD": f, "_UNION_BACKWARD": b} for name, (f, b) in ways.items()})
+    for i, values in enumerate(blocks_settings):
+        variants[f"triton_blocks_v{i}"] = (sparse, (grad_y, grad_l1))
+        settings[f"triton_blocks_v{i}"] = {"_UNION_FORWARD": True, "_UNION_BACKWARD": True, **values}
     out = {}
     for name, (fwd, grads) in variants.items():
         with kernel_settings(**settings[name]):
@@ -228,6 +232,9 @@ def main():
     ap.add_argument("--max-density", type=float, default=0.12,
                     help="part 2 skips layers with more non-zeros than this share (the sparse path at 90%% "
                          "sparsity already takes 5x dense's time)")
+    ap.add_argument("--blocks-settings", nargs="+", type=json.loads, default=[], metavar="JSON",
+                    help="time the real inputs by blocks again with these kernels/twell_ffn.py settings each, "
+                         """e.g. '{"_UNION_BM": 32}' (lists for tuples)""")
     ap.add_argument("--one-wide-row", action="store_true",
                     help="part 2 also times the real inputs with only the longest list in the wide launches")
     ap.add_argument("--tokens", type=int, default=131072, help="positions of cached text for the kernel timing")
@@ -271,7 +278,9 @@ def main():
                 print(f"{run['name']} layer {i:2d}: density {density:.3f} > --max-density, not timed", flush=True)
                 continue
             rec = {"layer": i, "nnz_max": int(counts.max()), "union_per_token": union,
-                   "real": time_layer(x, wg, wu, wd, args.rep_ms, counts, one_wide_row=args.one_wide_row)}
+                   "real": time_layer(x, wg, wu, wd, args.rep_ms, counts, one_wide_row=args.one_wide_row,
+                                      blocks_settings=[{k: tuple(v) if isinstance(v, list) else v
+                                                        for k, v in d.items()} for d in args.blocks_settings])}
             xs_syn, wg_syn = synthetic_like(x, wg, counts)
             rec["synthetic_union_per_token"] = union_per_token((xs_syn @ wg_syn.t()) > 0)
             rec["synthetic_same_counts"] = time_layer(xs_syn, wg_syn, wu, wd, args.rep_ms, counts)
@@ -279,6 +288,9 @@ def main():
             r, s = rec["real"], rec["synthetic_same_counts"]
             wide = (f" | one wide row fwd {r['triton_one_wide_row_fwd_ms']:.2f} "
                     f"f+b {r['triton_one_wide_row_fwd_bwd_ms']:.2f}" if args.one_wide_row else "")
+            for i, values in enumerate(args.blocks_settings):
+                wide += (f" | {values} fwd {r[f'triton_blocks_v{i}_fwd_ms']:.2f} "
+                         f"f+b {r[f'triton_blocks_v{i}_fwd_bwd_ms']:.2f}")
             unions = " ".join(f"{b}:{u:.1f}/{rec['synthetic_union_per_token'][b]:.1f}" for b, u in union.items())
             print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:6.1f} (max {rec['nnz_max']:4d}, W {r['ell_width']}, "
                   f"{r['overflow_rows']} rows > W, {r['fallback_rows']} fallback): dense fwd {r['dense_fwd_ms']:.2f} "
