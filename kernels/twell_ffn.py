@@ -244,6 +244,7 @@ _SPMM_WIDE_BLOCKS = (32, 128)
 _ROW_WARPS = 4  # 8 warps: SpMM 5.6 ms
 _DH_BLOCK = 64  # list positions a step of _dh_kernel
 _FALLBACK_ROWS = 64  # rows a program of the fallback kernels
+_CLEAR_ROWS = 16  # rows a program of _clear_kernel
 # Above this share of non-zeros the backward takes dh from the dense dy Wd (cuBLAS) instead of the
 # SDDMM. H200, d 2048, dff 5632, 2026-11-29: at 1% the SDDMM took 6.0 ms, dense + _dh_kernel
 # 3.5 + 0.9 ms; at 0.5% the SDDMM ~3 ms. (Set to 0 or 1 to force one path, as the tests do.)
@@ -641,8 +642,9 @@ class _TwellFFNFunction(torch.autograd.Function):
                 _mm_into_fp32(dw_ug, dhug_c.t(), x_c)
                 _mm_into_fp32(dwd, dy_c.t(), h_c)
             if row0 + rows < num_tokens:
-                _clear_kernel[(rows,)](count, slot, ell_idx, bk_idx, h_c, dhug_c, row0, d_ff, width, bk_width,
-                                       BLOCK=64)
+                _clear_kernel[(triton.cdiv(rows, _CLEAR_ROWS),)](
+                    count, slot, ell_idx, bk_idx, h_c, dhug_c, row0, rows, d_ff, width, bk_width, ROWS=_CLEAR_ROWS,
+                    BLOCK=64)
         del dh_buf, h_buf, dhug_buf, dh_outs
         if not union:
             order = torch.argsort(torch.where(slot == -2, -1, count), descending=True)

@@ -288,9 +288,9 @@ def main():
             r, s = rec["real"], rec["synthetic_same_counts"]
             wide = (f" | one wide row fwd {r['triton_one_wide_row_fwd_ms']:.2f} "
                     f"f+b {r['triton_one_wide_row_fwd_bwd_ms']:.2f}" if args.one_wide_row else "")
-            for i, values in enumerate(args.blocks_settings):
-                wide += (f" | {values} fwd {r[f'triton_blocks_v{i}_fwd_ms']:.2f} "
-                         f"f+b {r[f'triton_blocks_v{i}_fwd_bwd_ms']:.2f}")
+            for v, values in enumerate(args.blocks_settings):  # (i is the layer)
+                wide += (f" | {values} fwd {r[f'triton_blocks_v{v}_fwd_ms']:.2f} "
+                         f"f+b {r[f'triton_blocks_v{v}_fwd_bwd_ms']:.2f}")
             unions = " ".join(f"{b}:{u:.1f}/{rec['synthetic_union_per_token'][b]:.1f}" for b, u in union.items())
             print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:6.1f} (max {rec['nnz_max']:4d}, W {r['ell_width']}, "
                   f"{r['overflow_rows']} rows > W, {r['fallback_rows']} fallback): dense fwd {r['dense_fwd_ms']:.2f} "
