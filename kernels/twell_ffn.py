@@ -7,15 +7,15 @@ over layers and adds coef * l1 to its loss). Weights use the nn.Linear layouts: 
 
 Torch path ("torch"): plain autograd over dense [N, dff] tensors; the reference and the CPU path.
 
-Triton path ("triton"): the hybrid ELL + backup format of the paper; the forward's sparse
-products by blocks of tokens on the tensor cores (with _UNION_FORWARD off, by gather kernels), the
-backward's by gather kernels (all in kernels/twell_ffn_triton.py); see the section below. On the
-H200 (d=2048, dff=5632, 131k tokens, bf16; tests/benchmarks/sparse_ffn_real_gpu.py,
-bench_twell_ffn_gpu.py, RESULTS.md 2026-11-30) it keeps 0.20x the dense path's activations. On a
-trained student's own activations at 99.1% sparsity it runs the forward 1.24x faster than dense
-cuBLAS and forward+backward 1.12-1.13x; at 99.4-99.6% about 1.4-1.6x. On synthetic inputs
-(random columns): 0.94-0.97x forward and 1.00x forward+backward at 99%, 1.29x / 1.35x at 99.5%;
-below 99% slower than dense.
+Triton path ("triton"): the hybrid ELL + backup format of the paper; the sparse products of the
+forward and the backward by blocks of tokens on the tensor cores (with _UNION_FORWARD /
+_UNION_BACKWARD off, by gather kernels; all in kernels/twell_ffn_triton.py); see the section
+below. On the H200 (d=2048, dff=5632, 131k tokens, bf16; tests/benchmarks/sparse_ffn_real_gpu.py,
+bench_twell_ffn_gpu.py, RESULTS.md 2026-11-30) it keeps 0.22x the dense path's activations. On
+trained students' own activations at 98.9-99.1% sparsity it runs the forward 1.16-1.24x faster
+than dense cuBLAS and forward+backward 1.16-1.20x; at 99.4-99.6% about 1.3-1.6x. On synthetic
+inputs (random columns): 0.96-0.97x forward and 0.97-1.03x forward+backward at 99%, 1.33x /
+1.38x at 99.5%; below 99% slower than dense.
 """
 
 from __future__ import annotations
@@ -203,11 +203,20 @@ def relu_gated_ffn(x, w_gate, w_up, w_down, *, impl: str = "auto", ell_width: in
 # also stored at the list positions; _fallback_bwd_kernel for fallback rows; the weight gradients
 # are cuBLAS products of those buffers with dy and x (fp32 accumulation over chunks). After the
 # chunks, _spmm_kernel with Wu and Wg: dx = sum_n dh_u Wu[n] + dh_g Wg[n].
+# With _UNION_BACKWARD, each chunk goes through _union_backward instead of the dh route and the
+# SpMM: per block of tokens, its union columns again (from the bit words, which the forward then
+# keeps for every row: dff / 8 bytes a token) and the per-word list positions (the scatter pass
+# without its lists); _union_dh_kernel computes dh_y = dy Wd over every (token, union column) pair
+# on the tensor cores, reads relu(g) and u at the rows' list positions and writes h, dh_u, dh_g
+# into the dense chunk buffers (for the weight-gradient GEMMs, as before) and dh_u, dh_g at the
+# union positions; _union_down_kernel with two operands then computes dx = dh_u Wu + dh_g Wg over
+# the union columns. Fallback rows are still _fallback_bwd_kernel's.
 # Weight gradients by gathers instead (per neuron, its tokens' x and dy rows: the paper's
 # transposed format) were tried and measured slower: those rows come from DRAM, not L2 (RESULTS.md).
 # Grids put the token index in the fastest dimension, so all tokens pass over one weight slice
 # before the next slice starts; tokens run longest lists first.
-# Saved for backward: x, the weights and the format above; never a dense [N, dff] tensor.
+# Saved for backward: x, the weights, the format above and (by blocks) the bit words; never a
+# dense [N, dff] tensor.
 # ---------------------------------------------------------------------------------------------
 
 DEFAULT_ELL_WIDTH = 128
@@ -244,7 +253,9 @@ _SPMM_WIDE_BLOCKS = (32, 128)
 _ROW_WARPS = 4  # 8 warps: SpMM 5.6 ms
 _DH_BLOCK = 64  # list positions a step of _dh_kernel
 _FALLBACK_ROWS = 64  # rows a program of the fallback kernels
-_CLEAR_ROWS = 16  # rows a program of _clear_kernel
+# rows a program of _clear_kernel. H200, 131k tokens at 99% (RESULTS.md, 2026-11-30): 0.69 ms at
+# one row, 0.79 at 16, 0.83 at 64 (the scattered stores bound it, not the launches)
+_CLEAR_ROWS = 1
 # Above this share of non-zeros the backward takes dh from the dense dy Wd (cuBLAS) instead of the
 # SDDMM. H200, d 2048, dff 5632, 2026-11-29: at 1% the SDDMM took 6.0 ms, dense + _dh_kernel
 # 3.5 + 0.9 ms; at 0.5% the SDDMM ~3 ms. (Set to 0 or 1 to force one path, as the tests do.)
@@ -265,8 +276,13 @@ _DENSE_DH_DENSITY = 0.007
 # on the synthetic benchmark 14.3-14.9 against 13.5 ms at 99%, 10.7 against 10.0 at 99.5%.
 # Settings from sweeps at 99% on random columns: blocks of 16 (32: +2.6 ms, 64: about +5), up
 # steps of 128 x 128 (128 x 64: +0.6 ms); the down kernel's steps, warps, stages and programs a
-# block moved it by < 0.4 ms. A chunk of more than 65535 blocks (the grids' second dimension)
-# takes the gathers.
+# block moved it by < 0.4 ms. On the real layers, blocks of 32 lost 0.3-0.8 ms forward and
+# 0.4-1.3 ms forward+backward though they fetch a fifth fewer rows. A chunk of more than 65535
+# blocks (the grids' second dimension) takes the gathers.
+# The backward by blocks (_UNION_BACKWARD; H200, same shape, RESULTS.md 2026-11-30): on the real
+# layers at 98.9-99.1% forward+backward 33.9-34.7 ms against 36.1-36.8 with the gather backward
+# and 39.5-41.3 dense; on random columns at 99% 42.7-43.1 against 40.4-40.7 (the dx product
+# fetches the rows of two weights, Wu and Wg, at about 6.4 TB/s from L2: 10 ms there).
 # (union columns, d_model columns) a step of _union_up_kernel; (union columns, d_model columns)
 # a step and slice of _union_down_kernel.
 _UNION_FORWARD = True

@@ -256,7 +256,7 @@ def _clear_kernel(count_ptr, slot_ptr, ell_idx_ptr, bk_idx_ptr, h_ptr, dhug_ptr,
                   ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Chunk rows [pid*ROWS, ...): zero what the backward wrote into their dense rows (h, dh_u,
     dh_g at the row's list; the whole row for a fallback row), so the buffers start the next
-    chunk zeroed. (A program per row: 0.7 ms of launches for 131k rows at 99%.)"""
+    chunk zeroed."""
     for i in range(ROWS):
         r = (tl.program_id(0) * ROWS + i).to(tl.int64)
         m = r + row0
