@@ -291,7 +291,10 @@ _UNION_BM = 16
 _UNION_UP_BLOCKS = (128, 128)
 _UNION_DOWN_BLOCKS = (64, 256)
 _UNION_WARPS = (4, 8)  # up, down
-_UNION_STAGES = (3, 3)  # up, down
+# up (and dh), down (and dx). On the real layers (RESULTS.md, 2026-11-30) the down kernels' two
+# stages took 0.3-0.5 ms off the forward and 1.3-2 ms off forward+backward against (3, 3); (2, 2),
+# (4, 2), (2, 1), (1, 1) were no better
+_UNION_STAGES = (3, 2)
 # programs a block in _union_up_kernel, each taking every _UNION_SPLIT-th step of BN union columns
 _UNION_SPLIT = 4
 # _union_down_kernel's grid with the d_model slices outermost: all blocks pass over one slice of
