@@ -12,10 +12,10 @@ forward and the backward by blocks of tokens on the tensor cores (with _UNION_FO
 _UNION_BACKWARD off, by gather kernels; all in kernels/twell_ffn_triton.py); see the section
 below. On the H200 (d=2048, dff=5632, 131k tokens, bf16; tests/benchmarks/sparse_ffn_real_gpu.py,
 bench_twell_ffn_gpu.py, RESULTS.md 2026-11-30) it keeps 0.22x the dense path's activations. On
-trained students' own activations at 98.9-99.1% sparsity it runs the forward 1.16-1.24x faster
-than dense cuBLAS and forward+backward 1.16-1.20x; at 99.4-99.6% about 1.3-1.6x. On synthetic
-inputs (random columns): 0.96-0.97x forward and 0.97-1.03x forward+backward at 99%, 1.33x /
-1.38x at 99.5%; below 99% slower than dense.
+a trained student's own activations at 99.1% sparsity it runs the forward 1.23-1.31x faster than
+dense cuBLAS and forward+backward 1.23-1.29x (four calls), at 98.9% 1.17-1.28x and 1.19-1.23x.
+On synthetic inputs (random columns): 1.00x forward and 1.03x forward+backward at 99%, 1.36x /
+1.36x at 99.5%; below 99% slower than dense.
 """
 
 from __future__ import annotations
@@ -279,10 +279,11 @@ _DENSE_DH_DENSITY = 0.007
 # block moved it by < 0.4 ms. On the real layers, blocks of 32 lost 0.3-0.8 ms forward and
 # 0.4-1.3 ms forward+backward though they fetch a fifth fewer rows. A chunk of more than 65535
 # blocks (the grids' second dimension) takes the gathers.
-# The backward by blocks (_UNION_BACKWARD; H200, same shape, RESULTS.md 2026-11-30): on the real
-# layers at 98.9-99.1% forward+backward 33.9-34.7 ms against 36.1-36.8 with the gather backward
-# and 39.5-41.3 dense; on random columns at 99% 42.7-43.1 against 40.4-40.7 (the dx product
-# fetches the rows of two weights, Wu and Wg, at about 6.4 TB/s from L2: 10 ms there).
+# The backward by blocks (_UNION_BACKWARD; H200, same shape, RESULTS.md 2026-11-30), with the
+# stages below: on a real layer at 99.1% forward+backward 31.8-32.1 ms against 34.7-35.5 with
+# the gather backward and 39.5-41.0 dense; on random columns at 99%, 39.9 against 39.5-39.9 for
+# forward and backward by the gathers (at three stages down, 42.7-43.1 against 40.4-40.7 with
+# the gather backward: the dx product fetches the rows of two weights, Wu and Wg).
 # (union columns, d_model columns) a step of _union_up_kernel; (union columns, d_model columns)
 # a step and slice of _union_down_kernel.
 _UNION_FORWARD = True
