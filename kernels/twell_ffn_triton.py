@@ -397,6 +397,17 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc)
 
 @triton.jit
+def _block_rows(ucnt_ptr, b, row0, C, F, BM: tl.constexpr, OFF64: tl.constexpr):
+    """Token block b's union size, chunk rows r (and which exist), token rows m and r * F (in
+    64 bits when OFF64)."""
+    r = b * BM + tl.arange(0, BM)
+    if OFF64:
+        r_f = r.to(tl.int64) * F
+    else:
+        r_f = r * F
+    return tl.load(ucnt_ptr + b), r, r < C, r.to(tl.int64) + row0, r_f
+
+@triton.jit
 def _rows_times_union(a_ptr, w_ptr, m, mr, cols, mq, D, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       UPCAST: tl.constexpr):
     """[BM, BN] fp32: a's rows m times w's rows cols (both [*, D]) over d_model, on the tensor
@@ -434,14 +445,7 @@ def _union_up_kernel(x_ptr, wu_ptr, g_ptr, words_ptr, wpos_ptr, slot_ptr, ucnt_p
     word's lower bits; fallback rows keep no list); the program's sum |h| at l1[pid1, pid0].
     OFF64: chunk offsets r * F need 64 bits."""
     b = tl.program_id(1)
-    n_u = tl.load(ucnt_ptr + b)
-    r = b * BM + tl.arange(0, BM)
-    mr = r < C
-    m = r.to(tl.int64) + row0
-    if OFF64:
-        r_f = r.to(tl.int64) * F
-    else:
-        r_f = r * F
+    n_u, r, mr, m, r_f = _block_rows(ucnt_ptr, b, row0, C, F, BM, OFF64)
     slot = tl.load(slot_ptr + m, mask=mr, other=-2)
     dtype = x_ptr.dtype.element_ty
     l1 = tl.zeros([BM], dtype=tl.float32)
@@ -476,14 +480,7 @@ def _union_dh_kernel(dy_ptr, wdt_ptr, words_ptr, wpos_ptr, slot_ptr, ucnt_ptr, u
     GEMMs) and at the union positions (zero elsewhere, for the dx product by blocks). Fallback
     rows are left to _fallback_bwd_kernel. OFF64: dense offsets r * 2F need 64 bits."""
     b = tl.program_id(1)
-    n_u = tl.load(ucnt_ptr + b)
-    r = b * BM + tl.arange(0, BM)
-    mr = r < C
-    m = r.to(tl.int64) + row0
-    if OFF64:
-        r_f = r.to(tl.int64) * F
-    else:
-        r_f = r * F
+    n_u, r, mr, m, r_f = _block_rows(ucnt_ptr, b, row0, C, F, BM, OFF64)
     slot = tl.load(slot_ptr + m, mask=mr, other=-2)
     l1_scale = tl.load(l1_scale_ptr)
     dtype = dy_ptr.dtype.element_ty
@@ -524,14 +521,7 @@ def _union_down_kernel(a_ptr, w_ptr, a2_ptr, w2_ptr, slot_ptr, ucnt_ptr, ucols_p
         b, ds = tl.program_id(0), tl.program_id(1)
     else:
         b, ds = tl.program_id(1), tl.program_id(0)
-    n_u = tl.load(ucnt_ptr + b)
-    r = b * BM + tl.arange(0, BM)
-    mr = r < C
-    m = r.to(tl.int64) + row0
-    if OFF64:
-        r_f = r.to(tl.int64) * F
-    else:
-        r_f = r * F
+    n_u, r, mr, m, r_f = _block_rows(ucnt_ptr, b, row0, C, F, BM, OFF64)
     k = ds * BD + tl.arange(0, BD)
     mk = k < D
     acc = tl.zeros([BM, BD], dtype=tl.float32)
