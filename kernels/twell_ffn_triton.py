@@ -1,5 +1,6 @@
 """The Triton kernels of kernels/twell_ffn.py's sparse path (the TwELL pack, the gather SDDMM and
-SpMM, the backward's dh kernel, the re-zeroing and the fallback kernels).
+SpMM, the backward's dh kernel, the re-zeroing, the fallback kernels, and the kernels by blocks
+of tokens: their union columns, u / h and dh on them, and y / dx over them).
 
 The format they read and write, why they are shaped as they are and the order in which they run
 are described in kernels/twell_ffn.py, above its block sizes; that module launches them (its
