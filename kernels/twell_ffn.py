@@ -267,13 +267,15 @@ _DENSE_DH_DENSITY = 0.007
 # tensor cores compute u and y over every (token, union column) pair, each weight row fetched
 # once a block instead of once per non-zero, but x (or h) re-read for every step of union
 # columns. It pays where a block's tokens share neurons, as trained activations do. H200, d 2048
-# / dff 5632, 131,072 tokens, bf16 (RESULTS.md, 2026-11-30, these settings): a trained student's
+# / dff 5632, 131,072 tokens, bf16 (RESULTS.md, 2026-11-30, three down stages): a trained student's
 # layers at 99.1% (50-51 non-zeros a token, 33 distinct neurons a token in blocks of 16): forward
 # 11.5-11.6 ms against 12.7-12.8 by the gathers and 14.3 dense (1.236x, 1.245x); at 98.5-98.9%,
 # 12.0-13.6 against 13.8-16.9 ms; at 99.4-99.6% (another student, steps of 64 columns) within
 # 0.45 ms of the gathers, mostly faster; at 91%, 39 against 73 ms. On random columns with the
 # same counts (46-73 distinct neurons a token in blocks of 16) 0.4-1 ms slower than the gathers;
-# on the synthetic benchmark 14.3-14.9 against 13.5 ms at 99%, 10.7 against 10.0 at 99.5%.
+# on the synthetic benchmark 14.3-14.9 against 13.5 ms at 99%, 10.7 against 10.0 at 99.5%. With
+# two down stages (_UNION_STAGES): another student's layer at 99.1%, 11.1-11.3 ms against
+# 12.8-13.0 by the gathers and 13.9-14.6 dense; synthetic 13.7 ms at 99%, 10.0 at 99.5%.
 # Settings from sweeps at 99% on random columns: blocks of 16 (32: +2.6 ms, 64: about +5), up
 # steps of 128 x 128 (128 x 64: +0.6 ms); the down kernel's steps, warps, stages and programs a
 # block moved it by < 0.4 ms. On the real layers, blocks of 32 lost 0.3-0.8 ms forward and
