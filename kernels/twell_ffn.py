@@ -413,6 +413,7 @@ def _union_forward(x, w_up, w_down_t, gate_c, words, wpos, row0, fmt, ucnt, ucol
 
 
 def _down_grid(d_model: int, bd: int, nb: int) -> tuple[int, int]:
+    """_union_down_kernel's grid: (d_model slices, blocks), or the other way round (_UNION_SLICES_OUTER)."""
     slices = triton.cdiv(d_model, bd)
     return (nb, slices) if _UNION_SLICES_OUTER else (slices, nb)
 
@@ -569,8 +570,8 @@ class _TwellFFNFunction(torch.autograd.Function):
                 x, w_up, w_down_t, gate_c, slot, y, l1_fb, row0, rows, d_model, d_ff, ROWS=_FALLBACK_ROWS,
                 BLOCK_S=fb_s, BLOCK_D=fb_d, num_warps=8)
         del gate, wpos
-        if not union_bwd:
-            words = words[:0]
+        if not union_bwd:  # nothing to keep (a view would keep the chunk's buffer alive)
+            words = words.new_empty(0, num_words)
         if union:
             del ucnt, ucols, h_buf
             l1 = l1_union / max(num_tokens, 1)
