@@ -253,9 +253,6 @@ _SPMM_WIDE_BLOCKS = (32, 128)
 _ROW_WARPS = 4  # 8 warps: SpMM 5.6 ms
 _DH_BLOCK = 64  # list positions a step of _dh_kernel
 _FALLBACK_ROWS = 64  # rows a program of the fallback kernels
-# rows a program of _clear_kernel. H200, 131k tokens at 99% (RESULTS.md, 2026-11-30): 0.69 ms at
-# one row, 0.79 at 16, 0.83 at 64 (the scattered stores bound it, not the launches)
-_CLEAR_ROWS = 1
 # Above this share of non-zeros the backward takes dh from the dense dy Wd (cuBLAS) instead of the
 # SDDMM. H200, d 2048, dff 5632, 2026-11-29: at 1% the SDDMM took 6.0 ms, dense + _dh_kernel
 # 3.5 + 0.9 ms; at 0.5% the SDDMM ~3 ms. (Set to 0 or 1 to force one path, as the tests do.)
@@ -301,7 +298,8 @@ _UNION_STAGES = (3, 2)
 # programs a block in _union_up_kernel, each taking every _UNION_SPLIT-th step of BN union columns
 _UNION_SPLIT = 4
 # _union_down_kernel's grid with the d_model slices outermost: all blocks pass over one slice of
-# the weights before the next
+# the weights before the next. Off: on the H200 the down kernels took the same time either way
+# (14.43 against 14.44 ms in forward+backward at 99%, RESULTS.md 2026-11-30); for GPUs with less L2.
 _UNION_SLICES_OUTER = False
 
 
@@ -624,9 +622,9 @@ class _TwellFFNFunction(torch.autograd.Function):
         h_buf = torch.zeros(rows_max, d_ff, dtype=dtype, device=dev)
         dhug_buf = torch.zeros(rows_max, 2 * d_ff, dtype=dtype, device=dev)
         # dh_u, dh_g at the list positions, for the dx SpMM; by blocks, at the union positions
-        lists = (0, 0) if union else ell_u.shape
-        d_ell_u, d_ell_g = (_new_output(lists, dtype, dev) for _ in range(2))
-        d_bk_u, d_bk_g = (_new_output((0, 0) if union else bk_u.shape, dtype, dev) for _ in range(2))
+        ell_shape, bk_shape = ((0, 0), (0, 0)) if union else (ell_u.shape, bk_u.shape)
+        d_ell_u, d_ell_g = (_new_output(ell_shape, dtype, dev) for _ in range(2))
+        d_bk_u, d_bk_g = (_new_output(bk_shape, dtype, dev) for _ in range(2))
         if union:
             blocks = triton.cdiv(rows_max, _union_blocks(d_model)[0])
             i32 = {"dtype": torch.int32, "device": dev}
@@ -665,9 +663,8 @@ class _TwellFFNFunction(torch.autograd.Function):
                 _mm_into_fp32(dw_ug, dhug_c.t(), x_c)
                 _mm_into_fp32(dwd, dy_c.t(), h_c)
             if row0 + rows < num_tokens:
-                _clear_kernel[(triton.cdiv(rows, _CLEAR_ROWS),)](
-                    count, slot, ell_idx, bk_idx, h_c, dhug_c, row0, rows, d_ff, width, bk_width, ROWS=_CLEAR_ROWS,
-                    BLOCK=64)
+                _clear_kernel[(rows,)](count, slot, ell_idx, bk_idx, h_c, dhug_c, row0, d_ff, width, bk_width,
+                                       BLOCK=64)
         del dh_buf, h_buf, dhug_buf, dh_outs
         if not union:
             order = torch.argsort(torch.where(slot == -2, -1, count), descending=True)

@@ -253,29 +253,27 @@ def _dh_kernel(dh_ptr, count_ptr, slot_ptr, ell_idx_ptr, ell_hg_ptr, ell_u_ptr, 
                      h_ptr, dhug_ptr, dell_u_ptr, dell_g_ptr, dbk_u_ptr, dbk_g_ptr, F)
 
 @triton.jit
-def _clear_kernel(count_ptr, slot_ptr, ell_idx_ptr, bk_idx_ptr, h_ptr, dhug_ptr, row0, C, F, W, BW,
-                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Chunk rows [pid*ROWS, ...): zero what the backward wrote into their dense rows (h, dh_u,
-    dh_g at the row's list; the whole row for a fallback row), so the buffers start the next
-    chunk zeroed."""
-    for i in range(ROWS):
-        r = (tl.program_id(0) * ROWS + i).to(tl.int64)
-        m = r + row0
-        slot = tl.load(slot_ptr + tl.minimum(m, m - r + C - 1))  # a row past the chunk reads a valid one
-        is_fb = slot == -2
-        num = tl.where(r < C, tl.where(is_fb, F, tl.load(count_ptr + tl.minimum(m, m - r + C - 1))), 0)
-        zero = tl.zeros([BLOCK], dtype=h_ptr.dtype.element_ty)
-        for q0 in range(0, num, BLOCK):
-            p = q0 + tl.arange(0, BLOCK)
-            mp = p < num
-            in_ell, ell_off, in_bk, bk_off = _list_masks(m, p, mp, slot, W, BW)
-            in_ell = in_ell & ((tl.zeros_like(p) + slot) != -2)
-            in_bk = in_bk & ((tl.zeros_like(p) + slot) != -2)
-            n = _list_load(ell_idx_ptr, bk_idx_ptr, in_ell, ell_off, in_bk, bk_off)
-            n64 = tl.where((tl.zeros_like(p) + slot) == -2, p, n).to(tl.int64)
-            tl.store(h_ptr + r * F + n64, zero, mask=mp)
-            tl.store(dhug_ptr + r * 2 * F + n64, zero, mask=mp)
-            tl.store(dhug_ptr + r * 2 * F + F + n64, zero, mask=mp)
+def _clear_kernel(count_ptr, slot_ptr, ell_idx_ptr, bk_idx_ptr, h_ptr, dhug_ptr, row0, F, W, BW,
+                  BLOCK: tl.constexpr):
+    """Chunk row pid: zero what the backward wrote into its dense rows (h, dh_u, dh_g at the
+    row's list; the whole row for a fallback row), so the buffers start the next chunk zeroed."""
+    r = tl.program_id(0).to(tl.int64)
+    m = r + row0
+    slot = tl.load(slot_ptr + m)
+    is_fb = slot == -2
+    num = tl.where(is_fb, F, tl.load(count_ptr + m))
+    zero = tl.zeros([BLOCK], dtype=h_ptr.dtype.element_ty)
+    for q0 in range(0, num, BLOCK):
+        p = q0 + tl.arange(0, BLOCK)
+        mp = p < num
+        in_ell, ell_off, in_bk, bk_off = _list_masks(m, p, mp, slot, W, BW)
+        in_ell = in_ell & ((tl.zeros_like(p) + slot) != -2)
+        in_bk = in_bk & ((tl.zeros_like(p) + slot) != -2)
+        n = _list_load(ell_idx_ptr, bk_idx_ptr, in_ell, ell_off, in_bk, bk_off)
+        n64 = tl.where((tl.zeros_like(p) + slot) == -2, p, n).to(tl.int64)
+        tl.store(h_ptr + r * F + n64, zero, mask=mp)
+        tl.store(dhug_ptr + r * 2 * F + n64, zero, mask=mp)
+        tl.store(dhug_ptr + r * 2 * F + F + n64, zero, mask=mp)
 
 @triton.jit
 def _fallback_fwd_kernel(x_ptr, wu_ptr, wdt_ptr, g_ptr, slot_ptr, y_ptr, l1_ptr, row0, C, D, F,
@@ -522,7 +520,7 @@ def _union_down_kernel(a_ptr, w_ptr, a2_ptr, w2_ptr, slot_ptr, ucnt_ptr, ucols_p
         b, ds = tl.program_id(0), tl.program_id(1)
     else:
         b, ds = tl.program_id(1), tl.program_id(0)
-    n_u, r, mr, m, r_f = _block_rows(ucnt_ptr, b, row0, C, F, BM, OFF64)
+    n_u, _, mr, m, r_f = _block_rows(ucnt_ptr, b, row0, C, F, BM, OFF64)
     k = ds * BD + tl.arange(0, BD)
     mk = k < D
     acc = tl.zeros([BM, BD], dtype=tl.float32)

@@ -186,7 +186,7 @@ def run_config(params, grad_y, l1_coef, rep_ms, label, **kw):
 
 VARIANT_KEYS = ("_DENSE_DH_DENSITY", "_DH_BLOCK", "_SDDMM_BLOCKS", "_SPMM_BLOCKS", "_WIDE_ROWS_DIV", "_LONG_LIST",
                 "_UNION_FORWARD", "_UNION_BACKWARD", "_UNION_BM", "_UNION_UP_BLOCKS", "_UNION_DOWN_BLOCKS", "_UNION_WARPS", "_UNION_SPLIT",
-                "_UNION_STAGES", "_UNION_SLICES_OUTER", "_CLEAR_ROWS")
+                "_UNION_STAGES", "_UNION_SLICES_OUTER")
 
 
 def set_variant(values):
@@ -220,8 +220,8 @@ def main():
     blocks = {"_UNION_FORWARD": True, "_UNION_BACKWARD": True}
     outer = {"_UNION_SLICES_OUTER": True}
     changes = [{"_UNION_FORWARD": False, "_UNION_BACKWARD": False}, {"_UNION_BACKWARD": False},
-               {"_CLEAR_ROWS": 1}, {"_CLEAR_ROWS": 64}, {"_UNION_DOWN_BLOCKS": (32, 256)}, {"_UNION_WARPS": (4, 4)},
-               {"_UNION_SLICES_OUTER": True}]
+               {"_UNION_DOWN_BLOCKS": (32, 256)}, {"_UNION_WARPS": (4, 4)},
+               outer]
     args.variant_list = []
     for change in changes:
         values = list(defaults)
