@@ -192,9 +192,10 @@ def relu_gated_ffn(x, w_gate, w_up, w_down, *, impl: str = "auto", ell_width: in
 # slice): y = sum_n round(relu(g) u) Wd^T[n, slice]. Each runs as two launches (_sddmm, _spmm):
 # the few longest lists get more programs a row (see _WIDE_ROWS_DIV), every other row one.
 # With _UNION_FORWARD, after _pack each chunk goes through _union_forward instead (every row,
-# fallback rows too; see the block sizes below), which also stores u into the lists: their
-# positions come from the scatter pass's per-word list positions (wpos, a transient like the bit
-# words).
+# fallback rows too; see the block sizes below), which writes the lists itself (column, relu(g)
+# and u, where its up kernel has them at hand): the scatter pass then only gives each word's
+# list position (wpos, a transient like the bit words). That took the forward's scatter pass
+# from 0.54 to 0.07 ms at 131,072 tokens (H200, RESULTS.md 2026-11-30).
 # Backward, per token chunk: dh at the list positions, either from _sddmm_kernel again (dy and
 # Wd^T) or, above _DENSE_DH_DENSITY non-zeros (where a gathered row per non-zero costs more than
 # the dense product), from cuBLAS's dense dy Wd read at them by _dh_kernel; then (_dh_epilogue)
@@ -358,11 +359,13 @@ def _fallback_blocks(d_model: int) -> tuple[int, int]:
     return max(2, min(32, 4096 // block_d)), block_d
 
 
-def _pack(gate_c, words, wpos, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, cap):
+def _pack(gate_c, words, wpos, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active, cap,
+          lists=True):
     """The chunk's gate [rows, dff] -> its rows of the format (no host sync): per-tile counts
     (_count_kernel, into start[1:]), their running sums over tiles (start), backup rows handed out
     in token order to rows with count > W (counter holds the number handed out so far; beyond cap:
-    fallback), then the lists (_scatter_kernel)."""
+    fallback), then the lists (_scatter_kernel; without `lists` only the words' list positions,
+    wpos: the forward by blocks writes the lists itself, in _union_up_kernel)."""
     rows, d_ff = gate_c.shape
     num_tokens, width = ell_idx.shape
     num_tiles = start.shape[0] - 1
@@ -382,7 +385,7 @@ def _pack(gate_c, words, wpos, row0, count, slot, start, ell_idx, ell_hg, bk_idx
     _scatter_kernel[grid](gate_c, words, wpos, start, slot, ell_idx, ell_hg, bk_idx, bk_hg, row0, rows, num_tokens,
                           d_ff, width, bk_idx.shape[1], num_words, BLOCK_M=_SCATTER_BLOCK_M,
                           ROW_BLOCKS=_PACK_ROWS // _SCATTER_BLOCK_M,
-                          TILE_F=_TILE_F, LISTS=True, num_warps=_PACK_WARPS)
+                          TILE_F=_TILE_F, LISTS=lists, num_warps=_PACK_WARPS)
 
 
 def _union_forward(x, w_up, w_down_t, gate_c, words, wpos, row0, fmt, ucnt, ucols, h_buf, y):
@@ -391,7 +394,7 @@ def _union_forward(x, w_up, w_down_t, gate_c, words, wpos, row0, fmt, ucnt, ucol
     Every row is computed here, fallback rows too. Returns the chunk's sum of |h| (on the device)."""
     rows, d_ff = gate_c.shape
     d_model = x.shape[1]
-    _, slot, ell_idx, _, ell_u, bk_idx, _, bk_u = fmt
+    _, slot, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u = fmt
     bm, (bn, bk), (bq, bd) = _union_blocks(d_model)
     nb = triton.cdiv(rows, bm)
     num_words = words.shape[1]
@@ -400,9 +403,10 @@ def _union_forward(x, w_up, w_down_t, gate_c, words, wpos, row0, fmt, ucnt, ucol
     l1_part = torch.empty(nb, _UNION_SPLIT, dtype=torch.float32, device=x.device)
     off64 = rows * d_ff >= 2**31
     _union_up_kernel[(_UNION_SPLIT, nb)](
-        x, w_up, gate_c, words, wpos, slot, ucnt, ucols, ell_u, bk_u, h_buf, l1_part, row0, rows, d_model, d_ff,
-        num_words, ell_idx.shape[1], bk_idx.shape[1], BM=bm, BN=bn, BK=bk, SPLIT=_UNION_SPLIT, OFF64=off64,
-        UPCAST=_interpreted(), num_warps=_UNION_WARPS[0], num_stages=_UNION_STAGES[0])
+        x, w_up, gate_c, words, wpos, slot, ucnt, ucols, ell_idx, ell_hg, ell_u, bk_idx, bk_hg, bk_u, h_buf, l1_part,
+        row0, rows, d_model, d_ff, num_words, ell_idx.shape[1], bk_idx.shape[1], BM=bm, BN=bn, BK=bk,
+        SPLIT=_UNION_SPLIT, OFF64=off64, UPCAST=_interpreted(), num_warps=_UNION_WARPS[0],
+        num_stages=_UNION_STAGES[0])
     _union_down_kernel[_down_grid(d_model, bd, nb)](
         h_buf, w_down_t, h_buf, w_down_t, slot, ucnt, ucols, y, row0, rows, d_model, d_ff, BM=bm, BK=bq, BD=bd,
         TWO=False, SLICES_OUTER=_UNION_SLICES_OUTER, OFF64=off64, UPCAST=_interpreted(), num_warps=_UNION_WARPS[1],
@@ -559,7 +563,7 @@ class _TwellFFNFunction(torch.autograd.Function):
             words_c = words[row0:] if union_bwd else words
             torch.mm(x[row0:row0 + rows], w_gate.t(), out=gate_c)
             _pack(gate_c, words_c, wpos, row0, count, slot, start, ell_idx, ell_hg, bk_idx, bk_hg, counter, active,
-                  cap)
+                  cap, lists=not union)
             if union:
                 l1_union += _union_forward(x, w_up, w_down_t, gate_c, words_c, wpos, row0, fmt, ucnt, ucols, h_buf,
                                            y)

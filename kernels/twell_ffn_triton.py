@@ -434,15 +434,16 @@ def _union_pattern(words_ptr, wpos_ptr, r, cols, m2, NW):
     return pos, p
 
 @triton.jit
-def _union_up_kernel(x_ptr, wu_ptr, g_ptr, words_ptr, wpos_ptr, slot_ptr, ucnt_ptr, ucols_ptr, ell_u_ptr,
-                     bk_u_ptr, h_ptr, l1_ptr, row0, C, D, F, NW, W, BW, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, SPLIT: tl.constexpr, OFF64: tl.constexpr, UPCAST: tl.constexpr):
+def _union_up_kernel(x_ptr, wu_ptr, g_ptr, words_ptr, wpos_ptr, slot_ptr, ucnt_ptr, ucols_ptr, ell_idx_ptr,
+                     ell_hg_ptr, ell_u_ptr, bk_idx_ptr, bk_hg_ptr, bk_u_ptr, h_ptr, l1_ptr, row0, C, D, F, NW, W,
+                     BW, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                     OFF64: tl.constexpr, UPCAST: tl.constexpr):
     """Token block pid1, its union columns [j*BN, ...) for j = pid0, pid0 + SPLIT, ...: u = x W_up^T
     on the tensor cores over every (row, column) pair of the block, the rows' weights shared. At
     the pairs whose gate is positive: h = round(relu(g) u) into h's row at the union position
-    (zero elsewhere, for _union_down_kernel), u into the row's list (position from wpos and the
-    word's lower bits; fallback rows keep no list); the program's sum |h| at l1[pid1, pid0].
-    OFF64: chunk offsets r * F need 64 bits."""
+    (zero elsewhere, for _union_down_kernel), the column, relu(g) and u into the row's list
+    (position from wpos and the word's lower bits; fallback rows keep no list); the program's sum
+    |h| at l1[pid1, pid0]. OFF64: chunk offsets r * F need 64 bits."""
     b = tl.program_id(1)
     n_u, r, mr, m, r_f = _block_rows(ucnt_ptr, b, row0, C, F, BM, OFF64)
     slot = tl.load(slot_ptr + m, mask=mr, other=-2)
@@ -462,8 +463,15 @@ def _union_up_kernel(x_ptr, wu_ptr, g_ptr, words_ptr, wpos_ptr, slot_ptr, ucnt_p
         l1 += tl.sum(tl.abs(h.to(tl.float32)), axis=1)
         in_ell = pos & (p < W) & (slot != -2)[:, None]
         in_bk = pos & (p >= W) & (slot >= 0)[:, None]
-        tl.store(ell_u_ptr + m[:, None] * W + p, u, mask=in_ell)
-        tl.store(bk_u_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * BW + (p - W), u, mask=in_bk)
+        ell_off = m[:, None] * W + p
+        bk_off = tl.maximum(slot, 0).to(tl.int64)[:, None] * BW + (p - W)
+        col = tl.broadcast_to(cols[None, :], (BM, BN))
+        tl.store(ell_idx_ptr + ell_off, col, mask=in_ell)
+        tl.store(ell_hg_ptr + ell_off, g, mask=in_ell)
+        tl.store(ell_u_ptr + ell_off, u, mask=in_ell)
+        tl.store(bk_idx_ptr + bk_off, col, mask=in_bk)
+        tl.store(bk_hg_ptr + bk_off, g, mask=in_bk)
+        tl.store(bk_u_ptr + bk_off, u, mask=in_bk)
     tl.store(l1_ptr + b * SPLIT + tl.program_id(0) + tl.arange(0, 1),
              tl.zeros([1], dtype=tl.float32) + tl.sum(l1, axis=0))
 

@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import math
+import re
 
 import torch
 import triton
@@ -117,7 +118,8 @@ def memory(fwd, params, grad_of_outputs):
 
 def breakdown(fn, iters=5):
     """Device time per kernel family (ms per call) over `iters` calls of fn, from torch.profiler:
-    the cuBLAS GEMMs, each Triton kernel, and the rest (memsets, argsort, copies, reductions)."""
+    the cuBLAS GEMMs, each of our Triton kernels (by its name), and the rest (memsets, argsort,
+    copies, reductions)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -125,13 +127,11 @@ def breakdown(fn, iters=5):
             fn()
         torch.cuda.synchronize()
     out, other = {}, {}
-    families = ("_count_kernel", "_scatter_kernel", "_sddmm_kernel", "_spmm_kernel", "_dh_kernel", "_clear_kernel",
-                "_fallback_fwd_kernel", "_fallback_bwd_kernel")
     for evt in prof.key_averages():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
         name, ms = evt.key, evt.self_device_time_total / 1e3 / iters
-        fam = next((k for k in families if k in name), None)
+        fam = name if re.fullmatch(r"_[a-z0-9_]+_kernel", name) else None  # ours (Triton names them so)
         if fam is None and any(k in name.lower() for k in ("gemm", "nvjet", "sm90", "cutlass", "xmma")):
             fam = "gemm"
         if fam is None:

@@ -1,6 +1,8 @@
 """The TwELL pack step alone on one gate chunk (kernels/twell_ffn.py `_pack`: per-tile counts,
-on-device running sums, scatter into the ELL / backup lists) against what the same bytes cost in
-plain torch: the compare-and-count, torch.nonzero_static (CUB select, no host sync) and a copy.
+on-device running sums, scatter into the ELL / backup lists, or only the words' list positions as
+the path by blocks takes it) against what the same bytes cost in plain torch: the
+compare-and-count, torch.nonzero_static (CUB select, no host sync), a copy and a sum (one read);
+and the count pass alone at other block sizes.
 
 Chunk: the forward's default chunk at dff 5632 (23,831 rows), bf16, per-row counts lognormal
 (sigma 0.8) with mean (1 - sparsity) * dff, as in bench_twell_ffn_gpu.py. Times: CUDA events
@@ -41,7 +43,8 @@ def pack_buffers(rows, d_ff, width=128):
                 bk_idx=torch.empty(cap, d_ff - width, **i32),
                 bk_hg=torch.empty(cap, d_ff - width, dtype=torch.bfloat16, device="cuda"),
                 counter=torch.zeros(1, **i32), active=torch.zeros(d_ff, **i32), cap=cap,
-                words=torch.empty(rows, tiles * twell._TILE_F // 32, **i32))
+                words=torch.empty(rows, tiles * twell._TILE_F // 32, **i32),
+                wpos=torch.empty(rows, tiles * twell._TILE_F // 32, **i32))
 
 
 def main():
@@ -56,17 +59,16 @@ def main():
         g = gate_chunk(args.rows, args.d_ff, sparsity)
         b = pack_buffers(args.rows, args.d_ff)
 
-        def pack():
+        def pack(lists=True):
             b["counter"].zero_()
-            twell._pack(g, b["words"], 0, b["count"], b["slot"], b["start"], b["ell_idx"], b["ell_hg"], b["bk_idx"],
-                        b["bk_hg"], b["counter"], b["active"], b["cap"])
+            twell._pack(g, b["words"], b["wpos"], 0, b["count"], b["slot"], b["start"], b["ell_idx"], b["ell_hg"],
+                        b["bk_idx"], b["bk_hg"], b["counter"], b["active"], b["cap"], lists)
 
-        def count_only():
-            grid = (b["start"].shape[0] - 1, triton.cdiv(args.rows, twell._PACK_ROWS))
+        def count_only(block_m=twell._COUNT_BLOCK_M, rows=twell._PACK_ROWS, warps=twell._PACK_WARPS):
+            grid = (b["start"].shape[0] - 1, triton.cdiv(args.rows, rows))
             twell._count_kernel[grid](g, b["start"][1:], b["words"], b["active"], 0, args.rows, args.rows, args.d_ff,
-                                      b["words"].shape[1],
-                                      BLOCK_M=twell._COUNT_BLOCK_M, ROW_BLOCKS=twell._PACK_ROWS // twell._COUNT_BLOCK_M,
-                                      TILE_F=twell._TILE_F, num_warps=twell._PACK_WARPS)
+                                      b["words"].shape[1], BLOCK_M=block_m, ROW_BLOCKS=rows // block_m,
+                                      TILE_F=twell._TILE_F, num_warps=warps)
 
         pack()  # check the lists against torch once
         nz = torch.nonzero(g > 0)
@@ -79,7 +81,12 @@ def main():
         assert torch.equal(b["ell_idx"][nz[in_ell, 0], pos[in_ell]].long(), nz[in_ell, 1]), "ELL columns differ"
         rec = {"sparsity": sparsity, "gate_bytes": g.numel() * 2}
         rec["pack_ms"] = bench(pack)
+        rec["pack_without_lists_ms"] = bench(lambda: pack(lists=False))
         rec["count_kernel_ms"] = bench(count_only)
+        for block_m, rows, warps in ((16, 256, 4), (64, 256, 4), (32, 128, 4), (32, 512, 4), (32, 256, 2),
+                                     (32, 256, 8), (64, 512, 8)):
+            rec[f"count_kernel_bm{block_m}_rows{rows}_warps{warps}_ms"] = bench(lambda: count_only(block_m, rows, warps))
+        rec["torch_sum_ms"] = bench(lambda: g.sum(dtype=torch.float32))  # reads the chunk once
         for bm in (32, 128):
             old = twell._SCATTER_BLOCK_M
             twell._SCATTER_BLOCK_M = bm

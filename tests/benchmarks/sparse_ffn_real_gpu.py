@@ -146,14 +146,16 @@ def union_per_token(pos_NF, blocks=(16, 32, 64, 128)):
             for b in blocks}
 
 
-def time_layer(x, w_gate, w_up, w_down, rep_ms, counts, one_wide_row=False, blocks_settings=()):
+def time_layer(x, w_gate, w_up, w_down, rep_ms, counts, one_wide_row=False, blocks_settings=(), profile=False):
     """Forward and forward+backward (medians, ms) of the dense gated FFN through cuBLAS (the
     issue's peer, no L1 term) and of the Triton path, with the ELL width a caller would pick for
     these counts and a backup for every row over it; with one_wide_row, the Triton path again
     with the wide launches for the longest list only (as before they existed); for each dict of
-    blocks_settings, the Triton path by blocks again with those kernels/twell_ffn.py settings."""
+    blocks_settings, the Triton path by blocks again with those kernels/twell_ffn.py settings; with
+    profile, device time per kernel (torch.profiler) of dense, of the default path and of those
+    settings, forward and forward+backward."""
     import triton
-    from bench_twell_ffn_gpu import dense_ffn, ell_width_for
+    from bench_twell_ffn_gpu import breakdown, dense_ffn, ell_width_for
 
     d_ff = w_gate.shape[0]
     width = ell_width_for(1.0 - counts.float().mean().item() / d_ff, d_ff)
@@ -187,6 +189,11 @@ def time_layer(x, w_gate, w_up, w_down, rep_ms, counts, one_wide_row=False, bloc
             out[f"{name}_fwd_bwd_ms"] = triton.testing.do_bench(
                 lambda: torch.autograd.backward(fwd(), grads), warmup=10, rep=rep_ms, grad_to_none=params,
                 return_mode="median")
+            if profile and (name in ("dense", "triton_blocks") or name.startswith("triton_blocks_v")):
+                out[f"{name}_fwd_profile"] = breakdown(fwd)
+                out[f"{name}_fwd_bwd_profile"] = breakdown(lambda: torch.autograd.backward(fwd(), grads))
+                for p in params:
+                    p.grad = None
 
     # y and the four gradients against the torch path, relative errors
     def outputs(**kwargs):
@@ -237,6 +244,10 @@ def main():
                          """e.g. '{"_UNION_BM": 32}' (lists for tuples)""")
     ap.add_argument("--one-wide-row", action="store_true",
                     help="part 2 also times the real inputs with only the longest list in the wide launches")
+    ap.add_argument("--layers", type=int, nargs="+", default=None, help="part 2 on these layers only")
+    ap.add_argument("--no-synthetic", action="store_true", help="part 2 without the synthetic inputs")
+    ap.add_argument("--profile", action="store_true",
+                    help="part 2 also gives each kernel's device time (torch.profiler), dense and by blocks")
     ap.add_argument("--tokens", type=int, default=131072, help="positions of cached text for the kernel timing")
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--out", default=None)
@@ -268,6 +279,8 @@ def main():
         entry = {"run": run["name"], "tokens": xs[0].shape[0], "layers": []}
         result["kernels"].append(entry)
         for i, (x, (wg, wu, wd)) in enumerate(zip(xs, weights)):
+            if args.layers is not None and i not in args.layers:
+                continue
             pos = (x @ wg.t()) > 0
             counts = pos.sum(1)
             density = counts.float().mean().item() / wg.shape[0]
@@ -280,18 +293,23 @@ def main():
             rec = {"layer": i, "nnz_max": int(counts.max()), "union_per_token": union,
                    "real": time_layer(x, wg, wu, wd, args.rep_ms, counts, one_wide_row=args.one_wide_row,
                                       blocks_settings=[{k: tuple(v) if isinstance(v, list) else v
-                                                        for k, v in d.items()} for d in args.blocks_settings])}
-            xs_syn, wg_syn = synthetic_like(x, wg, counts)
-            rec["synthetic_union_per_token"] = union_per_token((xs_syn @ wg_syn.t()) > 0)
-            rec["synthetic_same_counts"] = time_layer(xs_syn, wg_syn, wu, wd, args.rep_ms, counts)
+                                                        for k, v in d.items()} for d in args.blocks_settings],
+                                      profile=args.profile)}
+            if not args.no_synthetic:
+                xs_syn, wg_syn = synthetic_like(x, wg, counts)
+                rec["synthetic_union_per_token"] = union_per_token((xs_syn @ wg_syn.t()) > 0)
+                rec["synthetic_same_counts"] = time_layer(xs_syn, wg_syn, wu, wd, args.rep_ms, counts,
+                                                          profile=args.profile)
             entry["layers"].append(rec)
-            r, s = rec["real"], rec["synthetic_same_counts"]
+            r = rec["real"]
+            s = rec.get("synthetic_same_counts", {k: math.nan for k in r})
+            syn_union = rec.get("synthetic_union_per_token", {b: math.nan for b in union})
             wide = (f" | one wide row fwd {r['triton_one_wide_row_fwd_ms']:.2f} "
                     f"f+b {r['triton_one_wide_row_fwd_bwd_ms']:.2f}" if args.one_wide_row else "")
             for v, values in enumerate(args.blocks_settings):  # (i is the layer)
                 wide += (f" | {values} fwd {r[f'triton_blocks_v{v}_fwd_ms']:.2f} "
                          f"f+b {r[f'triton_blocks_v{v}_fwd_bwd_ms']:.2f}")
-            unions = " ".join(f"{b}:{u:.1f}/{rec['synthetic_union_per_token'][b]:.1f}" for b, u in union.items())
+            unions = " ".join(f"{b}:{u:.1f}/{syn_union[b]:.1f}" for b, u in union.items())
             print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:6.1f} (max {rec['nnz_max']:4d}, W {r['ell_width']}, "
                   f"{r['overflow_rows']} rows > W, {r['fallback_rows']} fallback): dense fwd {r['dense_fwd_ms']:.2f} "
                   f"f+b {r['dense_fwd_bwd_ms']:.2f} | twell fwd / f+b: gathers {r['triton_gather_fwd_ms']:.2f} "
@@ -301,6 +319,10 @@ def main():
                   f"{s['triton_blocks_fwd_fwd_bwd_ms']:.2f}, blocks {s['triton_blocks_fwd_ms']:.2f} "
                   f"{s['triton_blocks_fwd_bwd_ms']:.2f} | distinct neurons per token in blocks, real/synthetic "
                   f"{unions} | dx err blocks {r['rel_err_dx_blocks']:.1e} gathers {r['rel_err_dx']:.1e}", flush=True)
+            if args.profile:
+                for key in [k for k in r if k.endswith("_profile")]:
+                    print(f"  real {key}: {json.dumps({k: v for k, v in r[key].items() if k != 'other_top'})}",
+                          flush=True)
             save()
         del xs, weights
 
