@@ -273,7 +273,10 @@ _DENSE_DH_DENSITY = 0.007
 # same counts (46-73 distinct neurons a token in blocks of 16) 0.4-1 ms slower than the gathers;
 # on the synthetic benchmark 14.3-14.9 against 13.5 ms at 99%, 10.7 against 10.0 at 99.5%. With
 # two down stages (_UNION_STAGES): another student's layer at 99.1%, 11.1-11.3 ms against
-# 12.8-13.0 by the gathers and 13.9-14.6 dense; synthetic 13.7 ms at 99%, 10.0 at 99.5%.
+# 12.8-13.0 by the gathers and 13.9-14.6 dense; synthetic 13.7 ms at 99%, 10.0 at 99.5%. With
+# the lists written by the up kernel and its product on wgmma (_rows_times_union): layers at
+# 99.0-99.1%, 10.75-10.81 ms against 13.1-13.5 by the gathers and 14.1-14.2 dense; synthetic
+# 13.0 ms at 99%, 9.7 at 99.5% (RESULTS.md, 2026-11-30, the lists / wgmma section).
 # Settings from sweeps at 99% on random columns: blocks of 16 (32: +2.6 ms, 64: about +5), up
 # steps of 128 x 128 (128 x 64: +0.6 ms); the down kernel's steps, warps, stages and programs a
 # block moved it by < 0.4 ms. On the real layers, blocks of 32 lost 0.3-0.8 ms forward and

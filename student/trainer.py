@@ -116,8 +116,8 @@ class TrainConfig:
     # 28, 1.4-1.6x at 18-27 on a trained student's own activations, slower above 56, RESULTS.md),
     # the others stay dense; metrics rows record each layer's choice as ffn_kernel. Dense stays the
     # default: through the trainer (4K tokens a step) twell ran at 0.65-0.75x dense's tokens/s at
-    # the 135M shape and 0.72x at d=2048, dff=5632; the kernels pay only from about 16K tokens a
-    # call (batch_size x seq_len), at 99.5% (RESULTS.md).
+    # the 135M shape and 0.72-0.84x at d=2048, dff=5632; the kernels pay only from about 16K tokens
+    # a call (batch_size x seq_len), at 99.5% (RESULTS.md).
     sparse_kernel: str = "dense"
     # Dead-neuron mitigation of the paper's App. C.3: the paper calls a neuron dead when it fires on
     # no token of a ~1M-token step, and after each such step moves its gate row to

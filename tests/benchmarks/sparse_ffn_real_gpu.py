@@ -21,6 +21,8 @@ kernel that shared weight rows across a block of tokens would still fetch, per t
         --student ../student135m --runs /tmp/sparse_real --out $OUT/sparse_real.json
     # the same student config reshaped to the issue's FFN (d 2048, d_ff 5632), 6 layers:
     ... --shape 2048,5632,6 --l1 3e-3 1e-2 3e-2 --time-runs all
+    # two layers only, real inputs only, with each kernel's device time:
+    ... --shape 2048,5632,6 --l1 5e-4 --no-dense-run --time-runs all --layers 2 3 --no-synthetic --profile
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def train_run(args, name, sparse, l1, kernel="dense"):
     if sparse:
         last = tr[-1]
         rec.update({k: last[k] for k in ("ffn_sparsity", "ffn_nnz", "ffn_dead", "ffn_kernel") if k in last})
+        if "ffn_kernel" in last:  # the routing of each logging window: (step, layers on the kernels)
+            rec["twell_layers_by_step"] = [(r["step"], r["ffn_kernel"].count("twell")) for r in tr]
         rec["mean_dead"] = sum(last["ffn_dead"]) / len(last["ffn_dead"])
         rec["reinit_rows_total"] = sum(sum(r.get("ffn_reinit", [0])) for r in tr)
         # throughput after the first routing (logging) step, where twell layers start to run
