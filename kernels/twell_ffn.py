@@ -277,7 +277,8 @@ _DENSE_DH_DENSITY = 0.007
 # the lists written by the up kernel and its product on wgmma (_rows_times_union): layers at
 # 99.0-99.1%, 10.75-10.81 ms against 13.1-13.5 by the gathers and 14.1-14.2 dense; synthetic
 # 13.0 ms at 99%, 9.7 at 99.5% (RESULTS.md, 2026-11-30, the lists / wgmma section).
-# Settings from sweeps at 99% on random columns: blocks of 16 (32: +2.6 ms, 64: about +5), up
+# Settings from sweeps at 99% on random columns: blocks of 16 (32: +2.6 ms, 64: about +5; with
+# the up product on wgmma, on a real layer at 99.1%: 32 +1.8 ms, 64 +7.2 ms forward), up
 # steps of 128 x 128 (128 x 64: +0.6 ms); the down kernel's steps, warps, stages and programs a
 # block moved it by < 0.4 ms. On the real layers, blocks of 32 lost 0.3-0.8 ms forward and
 # 0.4-1.3 ms forward+backward though they fetch a fifth fewer rows. A chunk of more than 65535

@@ -244,8 +244,8 @@ def main():
                     help="part 2 skips layers with more non-zeros than this share (the sparse path at 90%% "
                          "sparsity already takes 5x dense's time)")
     ap.add_argument("--blocks-settings", nargs="+", type=json.loads, default=[], metavar="JSON",
-                    help="time the real inputs by blocks again with these kernels/twell_ffn.py settings each, "
-                         """e.g. '{"_UNION_BM": 32}' (lists for tuples)""")
+                    help="time the real (and synthetic) inputs by blocks again with these kernels/twell_ffn.py "
+                         """settings each, e.g. '{"_UNION_BM": 32}' (lists for tuples)""")
     ap.add_argument("--one-wide-row", action="store_true",
                     help="part 2 also times the real inputs with only the longest list in the wide launches")
     ap.add_argument("--layers", type=int, nargs="+", default=None, help="part 2 on these layers only")
@@ -282,6 +282,8 @@ def main():
         xs, weights = capture_ffn_inputs(folders[run["name"]], args.cache, args.tokens, device)
         entry = {"run": run["name"], "tokens": xs[0].shape[0], "layers": []}
         result["kernels"].append(entry)
+        blocks_settings = [{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+                           for d in args.blocks_settings]
         for i, (x, (wg, wu, wd)) in enumerate(zip(xs, weights)):
             if args.layers is not None and i not in args.layers:
                 continue
@@ -296,14 +298,12 @@ def main():
                 continue
             rec = {"layer": i, "nnz_max": int(counts.max()), "union_per_token": union,
                    "real": time_layer(x, wg, wu, wd, args.rep_ms, counts, one_wide_row=args.one_wide_row,
-                                      blocks_settings=[{k: tuple(v) if isinstance(v, list) else v
-                                                        for k, v in d.items()} for d in args.blocks_settings],
-                                      profile=args.profile)}
+                                      blocks_settings=blocks_settings, profile=args.profile)}
             if not args.no_synthetic:
                 xs_syn, wg_syn = synthetic_like(x, wg, counts)
                 rec["synthetic_union_per_token"] = union_per_token((xs_syn @ wg_syn.t()) > 0)
                 rec["synthetic_same_counts"] = time_layer(xs_syn, wg_syn, wu, wd, args.rep_ms, counts,
-                                                          profile=args.profile)
+                                                          blocks_settings=blocks_settings, profile=args.profile)
             entry["layers"].append(rec)
             r = rec["real"]
             s = rec.get("synthetic_same_counts", {k: math.nan for k in r})
@@ -313,6 +313,9 @@ def main():
             for v, values in enumerate(args.blocks_settings):  # (i is the layer)
                 wide += (f" | {values} fwd {r[f'triton_blocks_v{v}_fwd_ms']:.2f} "
                          f"f+b {r[f'triton_blocks_v{v}_fwd_bwd_ms']:.2f}")
+                if f"triton_blocks_v{v}_fwd_ms" in s:
+                    wide += (f" (synthetic {s[f'triton_blocks_v{v}_fwd_ms']:.2f} "
+                             f"{s[f'triton_blocks_v{v}_fwd_bwd_ms']:.2f})")
             unions = " ".join(f"{b}:{u:.1f}/{syn_union[b]:.1f}" for b, u in union.items())
             print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:6.1f} (max {rec['nnz_max']:4d}, W {r['ell_width']}, "
                   f"{r['overflow_rows']} rows > W, {r['fallback_rows']} fallback): dense fwd {r['dense_fwd_ms']:.2f} "
