@@ -213,8 +213,8 @@ def test_by_blocks_of_tokens(monkeypatch, dtype, sparsity):
     partial), 32-column tiles (list positions across tiles and words), rows in the ELL buffer,
     the backup and the fallback; the same as the gather kernels' forward and backward, and both
     equal to the reference. Also each direction by blocks with the other by gathers: the bit words
-    the gather forward saves, the column lists the forward by blocks writes only for a gather
-    backward."""
+    the gather forward saves, and the lists the forward by blocks writes in its up kernel, which
+    the gather backward reads."""
     monkeypatch.setattr(twell, "_TILE_F", 32)
     counts = spread_counts(41, 101, sparsity, seed=11)
     inputs = make_inputs(41, 37, 101, counts, dtype)
