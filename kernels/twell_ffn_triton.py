@@ -465,10 +465,9 @@ def _union_up_kernel(x_ptr, wu_ptr, g_ptr, words_ptr, wpos_ptr, slot_ptr, ucnt_p
         h = tl.where(pos, (g.to(tl.float32) * u.to(tl.float32)).to(dtype), 0.0).to(dtype)
         tl.store(h_ptr + r_f[:, None] + q[None, :], h, mask=m2)
         l1 += tl.sum(tl.abs(h.to(tl.float32)), axis=1)
-        in_ell = pos & (p < W) & (slot != -2)[:, None]
-        in_bk = pos & (p >= W) & (slot >= 0)[:, None]
-        ell_off = m[:, None] * W + p
-        bk_off = tl.maximum(slot, 0).to(tl.int64)[:, None] * BW + (p - W)
+        in_ell, ell_off, in_bk, bk_off = _list_masks(m[:, None], p, pos & (slot != -2)[:, None], slot[:, None], W,
+                                                     BW)
+        in_bk = in_bk & (slot >= 0)[:, None]
         col = tl.broadcast_to(cols[None, :], (BM, BN))
         tl.store(ell_idx_ptr + ell_off, col, mask=in_ell)
         tl.store(ell_hg_ptr + ell_off, g, mask=in_ell)
@@ -503,10 +502,8 @@ def _union_dh_kernel(dy_ptr, wdt_ptr, words_ptr, wpos_ptr, slot_ptr, ucnt_ptr, u
         m2 = mr[:, None] & mq[None, :]
         pos, p = _union_pattern(words_ptr, wpos_ptr, r, cols, m2, NW)
         pos = pos & (slot != -2)[:, None]
-        in_ell = pos & (p < W)
-        in_bk = pos & (p >= W) & (slot >= 0)[:, None]
-        ell_off = m[:, None] * W + p
-        bk_off = tl.maximum(slot, 0).to(tl.int64)[:, None] * BW + (p - W)
+        in_ell, ell_off, in_bk, bk_off = _list_masks(m[:, None], p, pos, slot[:, None], W, BW)
+        in_bk = in_bk & (slot >= 0)[:, None]
         hg = _list_load(ell_hg_ptr, bk_hg_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
         u = _list_load(ell_u_ptr, bk_u_ptr, in_ell, ell_off, in_bk, bk_off).to(tl.float32)
         h, dhu, dhg = _dh_values(dh_y, hg, u, l1_scale, dtype)
