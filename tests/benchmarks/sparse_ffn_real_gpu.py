@@ -312,10 +312,8 @@ def main():
                     f"f+b {r['triton_one_wide_row_fwd_bwd_ms']:.2f}" if args.one_wide_row else "")
             for v, values in enumerate(args.blocks_settings):  # (i is the layer)
                 wide += (f" | {values} fwd {r[f'triton_blocks_v{v}_fwd_ms']:.2f} "
-                         f"f+b {r[f'triton_blocks_v{v}_fwd_bwd_ms']:.2f}")
-                if f"triton_blocks_v{v}_fwd_ms" in s:
-                    wide += (f" (synthetic {s[f'triton_blocks_v{v}_fwd_ms']:.2f} "
-                             f"{s[f'triton_blocks_v{v}_fwd_bwd_ms']:.2f})")
+                         f"f+b {r[f'triton_blocks_v{v}_fwd_bwd_ms']:.2f} (synthetic "
+                         f"{s[f'triton_blocks_v{v}_fwd_ms']:.2f} {s[f'triton_blocks_v{v}_fwd_bwd_ms']:.2f})")
             unions = " ".join(f"{b}:{u:.1f}/{syn_union[b]:.1f}" for b, u in union.items())
             print(f"{run['name']} layer {i:2d} nnz {r['nnz_mean']:6.1f} (max {rec['nnz_max']:4d}, W {r['ell_width']}, "
                   f"{r['overflow_rows']} rows > W, {r['fallback_rows']} fallback): dense fwd {r['dense_fwd_ms']:.2f} "
