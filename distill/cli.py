@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 
 app = typer.Typer(
     add_completion=False,

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from pipelines.corpus_sources import FORMATS, Source, iter_documents, resolve_sources
 from pipelines.defaults import default_corpus_dir
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 
 _ENCODING_ERRORS = ("strict", "replace", "ignore")
 # Characters tokenised per batch: at most this many, so the progress bar moves and memory stays

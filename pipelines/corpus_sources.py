@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 
 FORMATS = ("auto", "text", "json", "jsonl", "parquet", "arrow", "hf-dataset")
 _SUFFIX_FORMATS = {".json": "json", ".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}

@@ -8,7 +8,7 @@ import os
 import sysconfig
 from pathlib import Path
 
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 
 DEFAULT_TEACHER_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from teacher_cache.build import CacheConfig
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 
 from pipelines.corpus import CorpusConfig
 from pipelines.stage_one import StageOneConfig, TeacherConfig

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from teacher_cache.backends import BACKENDS, canonical_dtype, check_model_dir, weights_hash
 from teacher_cache.build import BuildReport, CacheConfig, build_cache, cache_identity, complete_cache_id
-from teacher_cache.errors import DistillUserError
+from distill.devices import resolve_device, resolve_dtype
+from distill.errors import DistillUserError
 from teacher_cache.identity import tokenizer_info
-from teacher_cache.manifest import write_json_atomic
+from distill.files import atomic_write_json
 
 from pipelines.corpus import CorpusConfig, prepare_corpus
 
@@ -49,7 +50,6 @@ class StageOneConfig:
 
 def cache_teacher(config: StageOneConfig, progress: bool = True) -> BuildReport:
     """Run the teacher once over the corpus and write (or resume, or reuse) the cache."""
-    import torch
     from transformers import AutoTokenizer
 
     from pipelines.defaults import default_teacher_dir
@@ -57,10 +57,7 @@ def cache_teacher(config: StageOneConfig, progress: bool = True) -> BuildReport:
 
     model_dir = config.teacher.model or default_teacher_dir()
     dtype = config.teacher.dtype
-    if dtype == "auto":
-        # CPUs without AVX-512 BF16 run bf16 matmuls many times slower than fp32 (seen: ~25x).
-        on_gpu = config.teacher.device != "cpu" and torch.cuda.is_available()
-        dtype = "bfloat16" if on_gpu else "float32"
+    dtype = resolve_dtype(dtype, resolve_device(config.teacher.device))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     corpus = prepare_corpus(config.corpus, tokenizer, progress=progress)
     log.info("corpus: %d sequences, %d tokens from %s", len(corpus.sequences), corpus.num_tokens, corpus.source)
@@ -98,7 +95,7 @@ def cache_teacher(config: StageOneConfig, progress: bool = True) -> BuildReport:
         backend.close()
     # The resolved settings beside the cache, for whoever wonders later how it was made.
     resolved = _jsonable(asdict(config)) | {"model_dir": str(model_dir), "dtype": dtype}
-    write_json_atomic(config.cache.out / RESOLVED_CONFIG_NAME, resolved)
+    atomic_write_json(config.cache.out / RESOLVED_CONFIG_NAME, resolved)
     return report
 
 

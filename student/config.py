@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 
 # model_type -> the architecture name transformers writes in `architectures`.
 ARCHITECTURES = {

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 from teacher_cache.reader import CacheReader
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from student.data import Batch, CacheBatches, split_indices
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 from teacher_cache.reader import CacheReader
 
 ROW_CHUNK = 1024  # rows of [rows, V] fp32 logits at a time (V = 49152: 200 MiB)
@@ -150,7 +150,8 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
     and "num_sequences" (int).
     """
     from student.model import Student
-    from student.trainer import latest_checkpoint, resolve_device
+    from distill.devices import resolve_device
+    from student.trainer import latest_checkpoint
 
     path = Path(path)
     device = resolve_device(device)

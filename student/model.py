@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from student.config import StudentConfig
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 
 __all__ = ["StudentConfig", "Student", "KVStore", "ListKVStore", "prune_layers", "evenly_spaced_layers", "to_relu_gate"]
 

@@ -44,7 +44,9 @@ from student.evaluate import EvalResult, evaluate_student, teacher_reference
 from student.model import Student, to_relu_gate
 from student.optim import state_bytes
 from student.optim.clip import clip_grad_norm_foreach
-from teacher_cache.errors import DistillUserError
+from distill.devices import resolve_device, resolve_dtype
+from distill.errors import DistillUserError
+from distill.files import atomic_write_json
 from teacher_cache.identity import tokenizer_info
 from teacher_cache.reader import CacheReader
 
@@ -181,14 +183,6 @@ class TrainReport:
     teacher_eval: EvalResult
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise DistillUserError(f"`device` is {device!r} but no CUDA device is available; use 'cpu' or 'auto'")
-    return device
-
-
 def lr_factor(step: int, config: TrainConfig) -> float:
     """Multiplier of `lr` at 0-based optimizer step `step`: linear warmup, then cosine to min_lr_ratio."""
     if step < config.warmup_steps:
@@ -204,7 +198,7 @@ def lr_factor(step: int, config: TrainConfig) -> float:
 def _resolve(config: TrainConfig) -> TrainConfig:
     absolute = lambda p: None if p is None else str(Path(p).expanduser().resolve())
     device = resolve_device(config.device)
-    dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    dtype = resolve_dtype(config.dtype, device)
     return dataclasses.replace(
         config, cache=absolute(config.cache), out=absolute(config.out), student=absolute(config.student),
         teacher=absolute(config.teacher), tokenizer=absolute(config.tokenizer or config.student or config.teacher),
@@ -252,7 +246,7 @@ def _check_run_dir(out: Path, run: dict) -> None:
         if out.exists() and any(out.iterdir()):
             raise RunDirError(f"{out} is not empty and holds no run.json; give `out` a new or empty directory")
         out.mkdir(parents=True, exist_ok=True)
-        _write_json(path, run)
+        atomic_write_json(path, run)
         return
     old = json.loads(path.read_text())
     # a field added after the run was written reads as its default
@@ -264,12 +258,6 @@ def _check_run_dir(out: Path, run: dict) -> None:
     if diffs:
         raise RunDirError(f"{out} holds another run (run.json differs in {'; '.join(diffs)}); use a new `out`, "
                           "or rerun with the same settings to resume it")
-
-
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
 
 
 def _optimizer(model, config: TrainConfig):
@@ -326,7 +314,7 @@ def _save_checkpoint(out: Path, step: int, model, optimizer, scheduler, data: Pr
                 "rng": _rng_state(), "ffn_window": ffn_window.state_dict() if ffn_window else None,
                 "ffn_impl": [layer.mlp.impl for layer in model.layers]},
                tmp / "trainer_state.pt")
-    _write_json(tmp / "data.json", data.state_dict())
+    atomic_write_json(tmp / "data.json", data.state_dict())
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     for old in sorted((out / "checkpoints").glob("step-[0-9]*"))[:-KEEP_CHECKPOINTS]:
@@ -583,7 +571,7 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
     initial = None
     if step == 0:
         initial = evaluate()
-        _write_json(out / "initial_eval.json", initial.to_dict())
+        atomic_write_json(out / "initial_eval.json", initial.to_dict())
         log({"kind": "eval", "step": 0, **initial.to_dict()})
     elif (out / "initial_eval.json").exists():
         initial = EvalResult.from_dict(json.loads((out / "initial_eval.json").read_text()))
@@ -641,7 +629,7 @@ def _train(config: TrainConfig, progress: bool) -> TrainReport:
     # The loop's last step always evaluates; a rerun of a finished run evaluates again.
     final = evaluate() if resumed_from == step else _last_eval_row(metrics_path, step)
     teacher = teacher_reference(reader, eval_idx, seq_len=config.seq_len)
-    _write_json(out / "eval.json", {"step": step, "initial": initial.to_dict() if initial else None,
+    atomic_write_json(out / "eval.json", {"step": step, "initial": initial.to_dict() if initial else None,
                                     "final": final.to_dict(), "teacher": teacher.to_dict()})
     _save_student(model, out / "student", config.tokenizer)
     return TrainReport(str(out), str(out / "student"), step, resumed_from, loss_value, initial, final, teacher)

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from teacher_cache.backends.base import TeacherBackend
 from teacher_cache.codecs import get_codec
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 from teacher_cache.targets import TeacherTargets
 
 log = logging.getLogger(__name__)

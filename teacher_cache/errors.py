@@ -1,8 +1,6 @@
-"""Errors a user can cause. The CLI prints their message as one line and exits non-zero."""
+"""Errors of the cache format. Their base, `DistillUserError`, lives in `distill.errors`."""
 
-
-class DistillUserError(ValueError):
-    """A mistake the user can fix: the message says what was wrong and what to do."""
+from distill.errors import DistillUserError
 
 
 class CacheError(DistillUserError):

@@ -13,7 +13,7 @@ import shutil
 import time
 from pathlib import Path
 
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 
 log = logging.getLogger(__name__)
 

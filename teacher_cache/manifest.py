@@ -16,7 +16,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -296,29 +295,3 @@ def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
         return Manifest.from_dict(d)
     except CacheError as e:
         raise CacheError(f"{path}: {e}") from e
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write ``obj`` as JSON so that readers see the old file or the new one, never a part."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a rename in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

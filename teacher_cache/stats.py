@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 from teacher_cache.reader import CacheReader
 
 _MASS_BINS = 10_000

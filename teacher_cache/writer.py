@@ -20,10 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from teacher_cache.codecs import get_codec
+from distill.files import atomic_write_json, fsync_dir
 from teacher_cache.errors import CacheError, CacheLockedError, CacheMismatchError
 from teacher_cache.manifest import (
-    MANIFEST_NAME, CacheSpec, Manifest, ShardInfo, StorageInfo, fsync_dir, identity_diff, load_manifest,
-    manifest_path, tool_version, write_json_atomic,
+    MANIFEST_NAME, CacheSpec, Manifest, ShardInfo, StorageInfo, identity_diff, load_manifest,
+    manifest_path, tool_version,
 )
 from teacher_cache.store import (
     SHARDS_DIR, TEMP_PREFIX, encode_shard, get_store, shard_checksum, shard_name,
@@ -123,7 +124,7 @@ class CacheWriter:
                              "choose a new or empty directory for --out")
         self._shards_dir.mkdir(exist_ok=True)
         manifest = Manifest(spec=self.spec, status="incomplete")
-        write_json_atomic(manifest_path(self.path), manifest.to_dict())
+        atomic_write_json(manifest_path(self.path), manifest.to_dict())
         return manifest
 
     def _remove_temp_leftovers(self) -> None:
@@ -199,7 +200,7 @@ class CacheWriter:
                              f"the data section says {self.spec.data.sequences} / {self.spec.data.tokens}")
         manifest = dataclasses.replace(self.manifest, spec=self.spec, status="complete", shards=tuple(shards),
                                        tool_version=tool_version())
-        write_json_atomic(manifest_path(self.path), manifest.to_dict())
+        atomic_write_json(manifest_path(self.path), manifest.to_dict())
         self.manifest = manifest
         self.close()
         return manifest

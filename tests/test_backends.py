@@ -16,7 +16,7 @@ import torch
 from teacher_cache.backends import make_backend, weights_hash
 from teacher_cache.backends.hf import HFBackend
 from teacher_cache.backends.vllm import VLLMBackend
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 
 # fp32 hf vs full-logits reference: the same weights and kernels, but a batch pads the shorter
 # sequence and runs attention over another shape, which reorders fp32 sums: ~3e-5 seen on

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from teacher_cache.codecs import codec_names, get_codec
+from distill.files import atomic_write_json
 from teacher_cache.errors import CacheError, CorruptShardError
 from teacher_cache.manifest import (
-    CacheSpec, Manifest, ShardInfo, load_manifest, manifest_path, write_json_atomic,
+    CacheSpec, Manifest, ShardInfo, load_manifest, manifest_path,
 )
 from teacher_cache.store import decode_shard, encode_shard, get_store, read_shard, shard_checksum
 from test_cache_synth import make_corpus, make_spec
@@ -46,7 +47,7 @@ def test_cache_id_covers_identity_fields_only(corpus):
 def test_manifest_round_trips_through_json(tmp_path, corpus):
     shard = ShardInfo(name="00000.zarr", sequences=4, tokens=40, checksum="sha256:ab", bytes=123)
     m = Manifest(spec=_spec(corpus), status="complete", shards=(shard,))
-    write_json_atomic(manifest_path(tmp_path), m.to_dict())
+    atomic_write_json(manifest_path(tmp_path), m.to_dict())
     assert load_manifest(tmp_path) == m
     assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]  # no temp file left behind
     d = json.loads(manifest_path(tmp_path).read_text())

@@ -14,7 +14,7 @@ import pytest
 import pipelines.corpus as corpus_module
 from pipelines.corpus import CorpusConfig, PackedCorpus, fingerprint_sequences, prepare_corpus
 from pipelines.defaults import default_corpus_dir
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 
 DOCS = [
     "def add(a, b):\n    return a + b\n",

@@ -13,7 +13,7 @@ from student.data import CacheBatches
 from student.evaluate import evaluate_run_or_folder, evaluate_student, teacher_reference
 from student.model import Student
 from student.trainer import TrainConfig, train
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 from teacher_cache.reader import CacheReader
 from test_trainer import config, tiny  # noqa: F401  (the module-scoped fixture)
 

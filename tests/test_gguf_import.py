@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipelines.defaults import default_teacher_gguf
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 from teacher_cache.gguf_import import import_gguf
 
 TEXT = 'def greet(name):\n    """Return a greeting."""\n    return f"Hello, {name}!"\n'

@@ -21,7 +21,7 @@ from student.data import CacheBatches
 from student.evaluate import evaluate_run_or_folder, evaluate_student
 from student.model import Student, to_relu_gate
 from student.trainer import TrainConfig, _resolve, _step_loss, train
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 from teacher_cache.reader import CacheReader
 from test_trainer import config, rows, tiny  # noqa: F401  (the module-scoped fixture)
 

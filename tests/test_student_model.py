@@ -10,7 +10,7 @@ import torch
 
 from student.config import StudentConfig
 from student.model import ListKVStore, Student, evenly_spaced_layers, prune_layers
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 
 ATOL = 1e-5  # fp32, same weights, same op order up to SDPA vs eager softmax
 TEXT = 'def greet(name):\n    """Return a greeting."""\n    return f"Hello, {name}!"\n'

@@ -22,7 +22,8 @@ from student.config import StudentConfig
 from student.data import CacheBatches, split_indices
 from student.model import Student
 from student.trainer import NonFiniteLossError, RunDirError, TrainConfig, train
-from teacher_cache.errors import CacheError, CacheMismatchError, CorruptShardError, DistillUserError
+from distill.errors import DistillUserError
+from teacher_cache.errors import CacheError, CacheMismatchError, CorruptShardError
 from teacher_cache.reader import CacheReader
 from test_cache_synth import make_corpus, make_spec, write_cache
 

@@ -48,7 +48,7 @@ from numbers import Real
 import torch
 import torch.nn.functional as F
 
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 
 try:
     import triton

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from teacher_cache.backends.base import TeacherBackend
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 
 BACKENDS = ("hf", "vllm")
 _DTYPE_ALIASES = {

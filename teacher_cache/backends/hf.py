@@ -24,7 +24,8 @@ from teacher_cache.backends import (
     split_rows,
     weights_hash,
 )
-from teacher_cache.errors import DistillUserError
+from distill.devices import resolve_device
+from distill.errors import DistillUserError
 from teacher_cache.targets import TeacherTargets
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class HFBackend:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DistillUserError(f"{field} must be a positive int, got {value!r}")
         self.batch_size, self.chunk_size, self.impl = batch_size, chunk_size, impl
-        self.device = _resolve_device(device)
+        self.device = torch.device(resolve_device(device))
         self._weights_hash: str | None = None
         _warn_if_slow_half_precision(self.device, self.dtype)
 
@@ -195,18 +196,6 @@ class HFBackend:
             return 1.0
         log.info("%s scales its logits by %.6g; folded into the temperature", self.model_dir, scale)
         return scale
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise DistillUserError(f"device must be 'auto', 'cpu' or 'cuda[:i]', got {device!r}") from e
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise DistillUserError(f"device {device!r} asked for, but torch sees no CUDA device; use device='cpu'")
-    return resolved
 
 
 def _warn_if_slow_half_precision(device: torch.device, dtype: str) -> None:

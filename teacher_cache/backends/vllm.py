@@ -26,7 +26,7 @@ from teacher_cache.backends import (
     check_sequences,
     weights_hash,
 )
-from teacher_cache.errors import DistillUserError
+from distill.errors import DistillUserError
 from teacher_cache.targets import TeacherTargets, tail_logmass_from_topk
 
 log = logging.getLogger(__name__)
