@@ -41,7 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.fused_topk_kl import _plogp_diff, _row_weights, _teacher_logprobs, fused_topk_kl
+from kernels.fused_topk_kl import fused_topk_kl
+from kernels.fused_topk_kl_torch import plogp_diff, row_weights, teacher_logprobs
 from student.config import StudentConfig
 from student.data import CacheBatches
 from student.model import Student
@@ -113,11 +114,11 @@ def hf_topk_kl(logits_NV, batch, tail="bucket"):
     z_NV = logits_NV.float()
     ids_NK = batch.topk_ids
     logq_NV = torch.log_softmax(z_NV, dim=-1)
-    logp_NK, logp_tail_N = _teacher_logprobs(batch.topk_logprobs, batch.tail_logmass, tail, 1.0)
-    kl_N = _plogp_diff(logp_NK, logq_NV.gather(1, ids_NK)).sum(-1)
+    logp_NK, logp_tail_N = teacher_logprobs(batch.topk_logprobs, batch.tail_logmass, tail, 1.0)
+    kl_N = plogp_diff(logp_NK, logq_NV.gather(1, ids_NK)).sum(-1)
     if tail == "bucket":
-        kl_N = kl_N + _plogp_diff(logp_tail_N, torch.logsumexp(logq_NV.scatter(1, ids_NK, float("-inf")), dim=-1))
-    kl_w_N, _ = _row_weights(batch.mask, None, z_NV.shape[0], 0.0, 1.0, "mean", z_NV.device)
+        kl_N = kl_N + plogp_diff(logp_tail_N, torch.logsumexp(logq_NV.scatter(1, ids_NK, float("-inf")), dim=-1))
+    kl_w_N, _ = row_weights(batch.mask, None, z_NV.shape[0], 0.0, 1.0, "mean", z_NV.device)
     return torch.where(kl_w_N != 0, kl_w_N.float() * kl_N, 0).sum()
 
 
