@@ -98,3 +98,24 @@ def test_check_close_raises_naming_the_variant(got, want):
 def test_rates():
     assert harness.tflops(2e12, 1000.0) == pytest.approx(2.0)
     assert harness.gbps(4e9, 2.0) == pytest.approx(2000.0)
+
+
+def test_results_file_and_page_agree():
+    """Every row of results.jsonl is strict JSON with every field; every id RESULTS.md cites is a
+    row there (ids are unique), so the page never points at a measurement that does not exist."""
+    import re
+
+    here = Path(__file__).parent / "benchmarks"
+    rows = strict_rows(here / "results.jsonl")
+    ids = [row["id"] for row in rows]
+    assert len(ids) == len(set(ids))
+    for row in rows:
+        assert FIELDS <= set(row), row["id"]
+        assert row["id"] == f"{row['bench']}/{row['case']}@{row['commit'].split('-')[0]}" or "#" in row["id"]
+    page = (here / "RESULTS.md").read_text()
+    cited = set(re.findall(r"`([a-z_0-9]+/[^`@ <]+@[0-9a-f]{7}(?:#\d+)?)`", page))
+    # A table may name its rows in short, `<shape>/<case>`, under a header `bench/<shape>/...@commit`.
+    for bench, commit, table in re.findall(r"rows \(`([a-z_]+)/<shape>/\.\.\.@([0-9a-f]{7})`\) \|\n((?:\|.*\n)+)", page):
+        cited |= {f"{bench}/{case}@{commit}" for case in re.findall(r"`([^`/]+/[^`]+)`", table)}
+    assert len(cited) > 20, "RESULTS.md cites (almost) no rows"
+    assert not cited - set(ids), sorted(cited - set(ids))

@@ -1,7 +1,7 @@
 """Bytes per token and distortion of every value codec, on real teacher top-k targets.
 
-Data: the default teacher (SmolLM2-135M-Instruct in fp32; bf16 ran ~25x slower on a CPU without
-AVX-512) through plain transformers over the first standard-library .py files (sorted by path),
+Data: the default teacher (SmolLM2-135M-Instruct in fp32: bf16 matmuls are emulated, and much
+slower, on a CPU without AVX-512) through plain transformers over the first standard-library .py files (sorted by path),
 cut into 512-token sequences; exact top-k of the fp32 log-softmax over the full vocabulary. The
 arrays are cached in an .npz, so a second run skips the teacher. ``--vocab V`` remaps the ids into
 a larger vocabulary (see ``remap_vocab``) to check large-vocabulary sizes.
