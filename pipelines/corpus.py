@@ -28,7 +28,9 @@ from tqdm.auto import tqdm
 
 from distill.configs import ConfigError, check_types, require
 from distill.errors import DistillUserError
-from pipelines.corpus_sources import CorpusFormat, EncodingErrors, Source, iter_documents, resolve_sources
+from pipelines.corpus_sources import (
+    CorpusFormat, EncodingErrors, Source, check_readable, iter_documents, resolve_sources,
+)
 from pipelines.defaults import default_corpus_dir
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,8 @@ class CorpusConfig:
         if not self.paths:
             raise ConfigError("paths", "is empty; name at least one file or folder")
         object.__setattr__(self, "paths", tuple(Path(p).expanduser() for p in self.paths))
+        for path in self.paths:
+            check_readable(path)
         for name in ("text_field", "file_glob"):
             value = getattr(self, name)
             require(name, value, value != "", "a non-empty string")

@@ -65,7 +65,7 @@ def resolve_sources(
     (.json, .jsonl, .parquet, .arrow; anything else is read as text)."""
     sources: list[Source] = []
     for path in paths:
-        _check_readable(path)
+        check_readable(path)
         if format == "hf-dataset" or (format == "auto" and _is_saved_dataset(path)):
             if not _is_saved_dataset(path):
                 raise ConfigError(
@@ -215,7 +215,8 @@ def _check_strings(values: list, text_field: str, where: Path) -> list[str | Non
     return values
 
 
-def _check_readable(path: Path) -> None:
+def check_readable(path: Path) -> None:
+    """A corpus path exists and can be read (ConfigError naming `paths`)."""
     if not path.exists():
         raise ConfigError("paths", f"names {path}, which does not exist; give an existing file or folder")
     if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
