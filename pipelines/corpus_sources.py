@@ -19,7 +19,6 @@ import contextlib
 import glob
 import os
 from collections.abc import Iterator, Sequence
-import typing
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
@@ -28,16 +27,14 @@ from distill.configs import ConfigError
 from distill.errors import DistillUserError
 
 CorpusFormat = Literal["auto", "text", "json", "jsonl", "parquet", "arrow", "hf-dataset"]
-FORMATS = typing.get_args(CorpusFormat)
 # What to do with a text file that is not UTF-8 text: skip it and count it, refuse it, or decode
 # it with the bad bytes replaced (U+FFFD) or dropped. A file holding a NUL byte is binary and is
 # never decoded: skipped, or refused under "strict".
 EncodingErrors = Literal["skip", "strict", "replace", "ignore"]
-ENCODING_ERRORS = typing.get_args(EncodingErrors)
 _SUFFIX_FORMATS = {".json": "json", ".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
 _BUILDERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "arrow": "arrow"}
-# load_dataset resolves each data file (about 1 ms each), so files are handed over in groups and a
-# group is only resolved when the reader gets to it: an early stop skips the rest.
+# load_dataset resolves each data file (a cost per file), so files are handed over in groups and
+# a group is only resolved when the reader gets to it: an early stop skips the rest.
 _FILES_PER_LOAD = 256
 _ROWS_PER_BATCH = 256
 
