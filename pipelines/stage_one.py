@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from distill.configs import check_types, require
+from distill.configs import ConfigError, check_types, require
 from distill.devices import resolve_device, resolve_dtype
 from distill.files import atomic_write_json
 from pipelines.corpus import CorpusConfig, prepare_corpus
@@ -79,14 +80,14 @@ def _cache_teacher(config: StageOneConfig, progress: bool) -> BuildReport:
     from teacher_cache.backends import make_backend
     from teacher_cache.manifest import load_manifest, manifest_path
     from teacher_cache.verify import damaged_shards
-    from teacher_cache.writer import CacheLock, check_claimable
+    from teacher_cache.writer import check_claimable
 
     model_dir = config.teacher.model or default_teacher_dir()
     teacher_folder = open_teacher_folder(model_dir)
     check_k_fits(config.cache.k, teacher_folder.vocab_size)
     dtype = resolve_dtype(config.teacher.dtype, resolve_device(config.teacher.device))
     out = config.cache.out
-    lock = CacheLock.acquire(out)  # held from here, so a second writer is refused before any work
+    lock = _lock_unless_reusing(out)  # held from here, so a second writer is refused before any work
     try:
         tok_info = tokenizer_info(teacher_folder.tokenizer)
         teacher = {"path": str(model_dir), "weights_hash": weights_hash(model_dir), "backend": config.teacher.backend,
@@ -113,6 +114,9 @@ def _cache_teacher(config: StageOneConfig, progress: bool) -> BuildReport:
                 return BuildReport(cache_dir=out, cache_id=cache_id, already_complete=True)
             log.warning("cache %s (%s): %d shard(s) damaged or missing; loading the teacher to rebuild them",
                         out, cache_id, len(damaged))
+        if lock is None:
+            raise ConfigError("out", f"{out} holds a cache that is not complete and whole, and you cannot write to "
+                                     "it; ask its owner to rerun the command that built it, or choose another --out")
         backend = make_backend(
             config.teacher.backend,
             model_dir,
@@ -130,11 +134,26 @@ def _cache_teacher(config: StageOneConfig, progress: bool) -> BuildReport:
         finally:
             backend.close()
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
     # The resolved settings beside the cache, for whoever wonders later how it was made.
     resolved = _jsonable(asdict(config)) | {"model_dir": str(model_dir), "dtype": dtype}
     atomic_write_json(out / RESOLVED_CONFIG_NAME, resolved)
     return report
+
+
+def _lock_unless_reusing(out: Path):
+    """The writer's lock on `out`; None when `out` is a cache folder this user cannot write (a
+    shared cache): it can still be reused if it is complete and whole, but not written."""
+    from teacher_cache.manifest import manifest_path
+    from teacher_cache.writer import CacheLock
+
+    try:
+        return CacheLock.acquire(out)
+    except ConfigError:
+        if out.is_dir() and manifest_path(out).is_file() and not os.access(out, os.W_OK | os.X_OK):
+            return None
+        raise
 
 
 @contextlib.contextmanager

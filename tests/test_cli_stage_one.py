@@ -108,6 +108,24 @@ def test_rerun_checks_the_shards_without_loading_the_teacher(tiny_cache, tiny_te
     assert code == 0 and "already complete (every shard checked)" in out
 
 
+def test_a_shared_cache_this_user_cannot_write_is_reused(tiny_cache, tiny_teacher, tmp_path, capsys, monkeypatch):
+    """Another user's complete cache (no write permission here): reused, not refused for its lock;
+    damaged, it is one error line instead of a repair. (os.access stands in for the permissions,
+    which root ignores.)"""
+    import teacher_cache.backends
+
+    cache = tmp_path / "shared"
+    shutil.copytree(tiny_cache, cache)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: real_access(p, mode) and not (Path(p) == cache and mode & os.W_OK))
+    monkeypatch.setattr(teacher_cache.backends, "make_backend", lambda *a, **k: pytest.fail("teacher loaded"))
+    code, out, err = run_cli(_args(tiny_teacher, cache), capsys)
+    assert code == 0 and "already complete" in out, err
+    (cache / "shards" / "00000.parquet").unlink()
+    line = one_error_line(*run_cli(_args(tiny_teacher, cache), capsys)[::2])
+    assert line.startswith("error: --out ") and "you cannot write to it" in line
+
+
 def test_damaged_shards_are_repaired_by_rerunning(tiny_cache, tiny_teacher, tmp_path, capsys):
     cache = tmp_path / "cache"
     shutil.copytree(tiny_cache, cache)
