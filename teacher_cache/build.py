@@ -42,7 +42,7 @@ class CacheConfig:
     k: int = 100  # top-k entries stored per position
     value_codec: str = "sqrt8"  # fp32 | bf16 | fp16 | sqrt8 (see teacher_cache/codecs.py)
     # parquet | zarr (Zarr v3); parquet is the default because it writes cheaper at the same size
-    # (tests/benchmarks/RESULTS.md, stage one end to end)
+    # (tests/benchmarks/notes/LOG.md, "Stage one end to end on the H200")
     storage: Literal["parquet", "zarr"] = "parquet"
     shard_size: int = 64  # sequences per shard
     batch_size: int = 8  # sequences per teacher call
@@ -203,7 +203,7 @@ def _score_and_write(sequences, lengths, todo, backend, config, writer, report, 
     shard_size = config.shard_size
     # Encoding, compressing and hashing a shard is slower per core than a GPU teacher scores it
     # (most of it outside the GIL), so a fast teacher needs several writers
-    # (tests/benchmarks/RESULTS.md, stage one end to end).
+    # (tests/benchmarks/notes/LOG.md, "Stage one end to end on the H200").
     workers = config.writer_threads or min(8, os.cpu_count() or 1)
     in_flight: deque[Future] = deque()
     total = int(sum(lengths[i * shard_size:(i + 1) * shard_size].sum() for i in todo))

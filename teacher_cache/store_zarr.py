@@ -3,8 +3,7 @@
 
 Compression: Blosc with zstd and byte shuffle beats plain zstd on int32 ids and float log-probs,
 because the high bytes of ids below 2^16 and the sign/exponent bytes of sorted log-probs are
-nearly constant (tests/benchmarks/RESULTS.md, value codecs); it matches a separate shuffle filter
-+ zstd, and unlike that filter it is in the Zarr v3 spec, so other Zarr implementations can read
+nearly constant; it matches a separate shuffle filter + zstd, and unlike that filter it is in the Zarr v3 spec, so other Zarr implementations can read
 the shards. A crc32c codec per chunk lets a read detect a damaged chunk even without the
 manifest checksum.
 """
