@@ -31,12 +31,15 @@ def _stage_one_default(section: str, name: str):
     return field.default_factory() if callable(field.default_factory) else field.default
 
 
-# Stage-one config fields whose CLI option is not --field-name.
+# Stage-one config fields whose CLI option is not --field-name, and those only a recipe sets.
 _STAGE_ONE_OPTIONS = {"paths": "--corpus", "file_glob": "--glob", "value_codec": "--codec", "k": "-k"}
+_RECIPE_ONLY = {"add_eos", "exclude_dirs", "writer_threads"}
 
 
 def _stage_one_option_error(error) -> DistillUserError:
     """A stage-one ConfigError named as the cache-teacher option that sets the field."""
+    if error.field in _RECIPE_ONLY:
+        return error
     option = _STAGE_ONE_OPTIONS.get(error.field)
     return DistillUserError(f"{option} {error.problem}") if option else error.as_option()
 
