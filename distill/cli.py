@@ -20,27 +20,52 @@ app = typer.Typer(
 )
 
 
+def _stage_one_default(section: str, name: str):
+    """The default of a stage-one config field, so the CLI and a recipe share one value."""
+    from pipelines.corpus import CorpusConfig
+    from pipelines.stage_one import StageOneConfig, TeacherConfig
+    from teacher_cache.build import CacheConfig
+
+    cls = {"teacher": TeacherConfig, "corpus": CorpusConfig, "cache": CacheConfig, "stage_one": StageOneConfig}[section]
+    field = cls.__dataclass_fields__[name]
+    return field.default_factory() if callable(field.default_factory) else field.default
+
+
+# Stage-one config fields whose CLI option is not --field-name, and those only a recipe sets.
+_STAGE_ONE_OPTIONS = {"paths": "--corpus", "file_glob": "--glob", "value_codec": "--codec", "k": "-k"}
+_RECIPE_ONLY = {"add_eos", "exclude_dirs", "writer_threads"}
+
+
+def _stage_one_option_error(error) -> DistillUserError:
+    """A stage-one ConfigError named as the cache-teacher option that sets the field."""
+    if error.field in _RECIPE_ONLY:
+        return error
+    option = _STAGE_ONE_OPTIONS.get(error.field)
+    return DistillUserError(f"{option} {error.problem}") if option else error.as_option()
+
+
 @app.command("cache-teacher")
 def cache_teacher(
-    out: Path = typer.Option(Path("caches/default"), "--out", "-o", help="Cache directory to write (resumed if interrupted)."),
+    out: Path = typer.Option(_stage_one_default("stage_one", "cache").out, "--out", "-o", help="Cache directory to write (resumed if interrupted, repaired if damaged)."),
     model: Optional[Path] = typer.Option(None, help="Teacher HF folder; default: the embedded SmolLM2-135M-Instruct."),
-    backend: str = typer.Option("hf", help="hf (transformers, CPU or GPU) or vllm."),
-    dtype: str = typer.Option("auto", help="Teacher dtype: auto (bfloat16 on a GPU, float32 on a CPU), bfloat16, float16, float32."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N (hf backend)."),
-    compile: bool = typer.Option(False, "--compile", help="torch.compile the teacher body (hf; pays off on long GPU runs)."),
+    backend: str = typer.Option(_stage_one_default("teacher", "backend"), help="hf (transformers, CPU or GPU) or vllm."),
+    dtype: str = typer.Option(_stage_one_default("teacher", "dtype"), help="Teacher dtype: auto (bfloat16 on a GPU, float32 on a CPU), bfloat16, float16, float32."),
+    device: str = typer.Option(_stage_one_default("teacher", "device"), help="auto, cpu, cuda or cuda:N (hf backend)."),
+    compile: bool = typer.Option(_stage_one_default("teacher", "compile"), "--compile", help="torch.compile the teacher body (hf; pays off on long GPU runs)."),
     corpus: Optional[list[Path]] = typer.Option(None, help="Files or folders of text (repeatable); default: the Python standard library."),
-    corpus_format: str = typer.Option("auto", "--format", help="auto, text, json, jsonl, parquet, arrow or hf-dataset."),
-    text_field: str = typer.Option("text", help="Column holding the text (json, parquet, arrow, hf-dataset)."),
-    glob: str = typer.Option("*.py", help="Which files of a folder to read as text."),
-    seq_len: int = typer.Option(1024, help="Tokens per packed sequence (>= 2)."),
+    corpus_format: str = typer.Option(_stage_one_default("corpus", "format"), "--format", help="auto, text, json, jsonl, parquet, arrow or hf-dataset."),
+    text_field: str = typer.Option(_stage_one_default("corpus", "text_field"), help="Column holding the text (json, parquet, arrow, hf-dataset)."),
+    glob: str = typer.Option(_stage_one_default("corpus", "file_glob"), help="Which files of a folder to read."),
+    encoding_errors: str = typer.Option(_stage_one_default("corpus", "encoding_errors"), help="Text files that are not UTF-8 text (binary files, other encodings): skip (and count them), strict (refuse), replace or ignore (decode the bad bytes lossily; binary files are still skipped)."),
+    seq_len: int = typer.Option(_stage_one_default("corpus", "seq_len"), help="Tokens per packed sequence (>= 2)."),
     max_sequences: Optional[int] = typer.Option(None, help="Stop after this many sequences (default: the whole corpus)."),
-    k: int = typer.Option(100, "-k", "--k", help="Top-k entries cached per position."),
-    codec: str = typer.Option("sqrt8", help="Value codec: fp32, bf16, fp16 or sqrt8 (compressed)."),
-    storage: str = typer.Option("parquet", help="parquet or zarr (Zarr v3)."),
-    shard_size: int = typer.Option(64, help="Sequences per shard."),
-    batch_size: int = typer.Option(8, help="Sequences per teacher call."),
-    temperature: float = typer.Option(1.0, help="Cache temperature: stored log-probs are log_softmax(logits / T)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+    k: int = typer.Option(_stage_one_default("cache", "k"), "-k", "--k", help="Top-k entries cached per position."),
+    codec: str = typer.Option(_stage_one_default("cache", "value_codec"), help="Value codec: fp32, bf16, fp16 or sqrt8 (compressed)."),
+    storage: str = typer.Option(_stage_one_default("cache", "storage"), help="parquet or zarr (Zarr v3)."),
+    shard_size: int = typer.Option(_stage_one_default("cache", "shard_size"), help="Sequences per shard."),
+    batch_size: int = typer.Option(_stage_one_default("cache", "batch_size"), help="Sequences per teacher call."),
+    temperature: float = typer.Option(_stage_one_default("cache", "temperature"), help="Cache temperature: stored log-probs are log_softmax(logits / T)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars (also none of transformers' loading bars)."),
 ) -> None:
     """Run a teacher once over a corpus and write its top-k next-token log-probs to a cache.
 
@@ -48,36 +73,42 @@ def cache_teacher(
 
       distill cache-teacher --max-sequences 64 --seq-len 512 --out caches/stdlib
 
-      distill cache-teacher --model ./Qwen2.5-0.5B --corpus data/ --glob '*.jsonl' --format jsonl -k 64
+      distill cache-teacher --model ./Qwen2.5-0.5B --corpus data/ --glob '*.jsonl' --format jsonl -k 64 --out caches/qwen
 
       distill cache-teacher --backend vllm --max-sequences 16 --out caches/vllm
 
-    Re-running the same command after an interruption resumes where it stopped.
+    Re-running the same command after an interruption resumes where it stopped; on a complete cache it checks every shard and rebuilds exactly the damaged ones.
     """
+    from distill.configs import ConfigError
     from pipelines.corpus import CorpusConfig
     from pipelines.stage_one import StageOneConfig, TeacherConfig, cache_teacher as run
     from teacher_cache.build import CacheConfig
 
-    corpus_kwargs = {} if not corpus else {"paths": [str(p) for p in corpus]}
-    config = StageOneConfig(
-        teacher=TeacherConfig(model=model, backend=backend, dtype=dtype, device=device, compile=compile),
-        corpus=CorpusConfig(
-            **corpus_kwargs, format=corpus_format, text_field=text_field, file_glob=glob,
-            seq_len=seq_len, max_sequences=max_sequences,
-        ),
-        cache=CacheConfig(
-            out=out, k=k, value_codec=codec, storage=storage, shard_size=shard_size,
-            batch_size=batch_size, temperature=temperature,
-        ),
-    )
-    report = run(config, progress=not quiet)
+    corpus_kwargs = {} if not corpus else {"paths": tuple(str(p) for p in corpus)}
+    try:
+        config = StageOneConfig(
+            teacher=TeacherConfig(model=model, backend=backend, dtype=dtype, device=device, compile=compile),
+            corpus=CorpusConfig(
+                **corpus_kwargs, format=corpus_format, text_field=text_field, file_glob=glob,
+                encoding_errors=encoding_errors, seq_len=seq_len, max_sequences=max_sequences,
+            ),
+            cache=CacheConfig(
+                out=out, k=k, value_codec=codec, storage=storage, shard_size=shard_size,
+                batch_size=batch_size, temperature=temperature,
+            ),
+        )
+        report = run(config, progress=not quiet)
+    except ConfigError as e:
+        raise _stage_one_option_error(e) from None
     if report.already_complete:
-        typer.echo(f"{out}: cache {report.cache_id} is already complete; nothing to do")
+        typer.echo(f"{out}: cache {report.cache_id} is already complete (every shard checked); nothing to do")
         return
+    done = (f"repaired: rebuilt {len(report.repaired_shards)} damaged shard(s) ({', '.join(report.repaired_shards[:5])})"
+            if report.repaired_shards else "complete")
     typer.echo(
-        f"{out}: cache {report.cache_id} complete; scored {report.tokens_scored:,} tokens in "
+        f"{out}: cache {report.cache_id} {done}; scored {report.tokens_scored:,} tokens in "
         f"{report.wall_seconds:.1f} s ({report.tokens_per_second:,.0f} tok/s; teacher {report.teacher_seconds:.1f} s, "
-        f"writer {report.writer_seconds:.1f} s in the background, {report.resumed_shards} shards resumed)"
+        f"writer {report.writer_seconds:.1f} s in the background, {report.resumed_shards} shards kept)"
     )
 
 
@@ -85,7 +116,7 @@ def cache_teacher(
 def cache_stats(
     cache: Path = typer.Argument(..., help="Cache directory."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    plot: Optional[Path] = typer.Option(None, help="Also write a PNG of the distributions (needs matplotlib)."),
+    plot: Optional[Path] = typer.Option(None, help="Also write an image of the distributions (needs matplotlib; .png, .pdf, .svg, ...; no suffix: .png)."),
 ) -> None:
     """Inspect a cache: size, compression, teacher perplexity, top-k mass, entropy, rank histogram.
 
@@ -105,13 +136,13 @@ def cache_stats(
     else:
         typer.echo(cache_stats_lib.render_table(stats))
     if plot is not None:
-        cache_stats_lib.plot(stats, plot)
-        typer.echo(f"wrote {plot}", err=True)
+        written = cache_stats_lib.plot(stats, plot)
+        typer.echo(f"wrote {written}", err=True)
 
 
 @app.command("verify")
 def verify(cache: Path = typer.Argument(..., help="Cache directory.")) -> None:
-    """Check every shard's checksum and the manifest's totals; name the first bad shard.
+    """Check every shard's size and checksum and the manifest's totals; name the first bad shard and say how to repair it.
 
     Example:
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import hashlib
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,14 +26,18 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from pipelines.corpus_sources import FORMATS, Source, iter_documents, resolve_sources
-from pipelines.defaults import default_corpus_dir
+from distill.configs import ConfigError, check_types, require
 from distill.errors import DistillUserError
+from pipelines.corpus_sources import (
+    CorpusFormat, EncodingErrors, Source, check_readable, iter_documents, resolve_sources,
+)
+from pipelines.defaults import default_corpus_dir
 
-_ENCODING_ERRORS = ("strict", "replace", "ignore")
+log = logging.getLogger(__name__)
+
 # Characters tokenised per batch: at most this many, so the progress bar moves and memory stays
 # small; and, under max_sequences, about this many per still-missing token, so an early stop
-# tokenises little more than it keeps (code and prose run at 3 to 4 characters a token).
+# tokenises little more than it keeps (code and prose take a few characters a token).
 _MAX_BATCH_CHARS = 1 << 20
 _MIN_BATCH_CHARS = 1 << 14
 _CHARS_PER_MISSING_TOKEN = 6
@@ -45,12 +50,14 @@ class CorpusConfig:
 
     # files or folders, read in order (one path is accepted too); default: the stdlib
     paths: tuple[Path, ...] = field(default_factory=lambda: (default_corpus_dir(),))
-    format: str = "auto"  # auto | text | json | jsonl | parquet | arrow | hf-dataset (save_to_disk)
+    format: CorpusFormat = "auto"  # hf-dataset: a folder written by datasets' save_to_disk
     text_field: str = "text"  # the text column of json, jsonl, parquet, arrow, hf-dataset
     file_glob: str = "*.py"  # files of a folder to read, matched like PurePath.match
     # folder names skipped while walking (the stdlib folder often holds site-packages)
     exclude_dirs: tuple[str, ...] = ("site-packages", "dist-packages", "__pycache__")
-    encoding_errors: str = "replace"  # text files that are not UTF-8: strict | replace | ignore
+    # text files that are not UTF-8 text (binary, or another encoding): skip and count them,
+    # refuse them (strict), or decode them lossily (replace | ignore; binary files are still skipped)
+    encoding_errors: EncodingErrors = "skip"
     seq_len: int = 1024  # tokens per packed sequence (>= 2); only the last may be shorter
     max_sequences: int | None = None  # stop once this many are full; None = the whole corpus
     add_eos: bool = True  # the tokenizer's EOS id between consecutive documents
@@ -59,41 +66,23 @@ class CorpusConfig:
         paths = self.paths
         if isinstance(paths, (str, os.PathLike)):
             paths = (paths,)
-        if isinstance(paths, (bytes, int)) or not isinstance(paths, Sequence):
-            raise DistillUserError(
-                f"CorpusConfig.paths must be a path or a list of paths, got {paths!r}"
-            )
-        if not paths:
-            raise DistillUserError("CorpusConfig.paths is empty; name at least one file or folder")
-        object.__setattr__(self, "paths", tuple(Path(p).expanduser() for p in paths))
-        object.__setattr__(self, "exclude_dirs", tuple(self.exclude_dirs))
-        if self.format not in FORMATS:
-            raise DistillUserError(
-                f"CorpusConfig.format must be one of {', '.join(FORMATS)}, got {self.format!r}"
-            )
+        elif isinstance(paths, list):
+            paths = tuple(paths)
+        object.__setattr__(self, "paths", paths)
+        if isinstance(self.exclude_dirs, list):
+            object.__setattr__(self, "exclude_dirs", tuple(self.exclude_dirs))
+        check_types(self)
+        if not self.paths:
+            raise ConfigError("paths", "is empty; name at least one file or folder")
+        object.__setattr__(self, "paths", tuple(Path(p).expanduser() for p in self.paths))
+        for path in self.paths:
+            check_readable(path)
         for name in ("text_field", "file_glob"):
             value = getattr(self, name)
-            if not isinstance(value, str) or not value:
-                raise DistillUserError(f"CorpusConfig.{name} must be a non-empty string, got {value!r}")
-        if self.encoding_errors not in _ENCODING_ERRORS:
-            raise DistillUserError(
-                f"CorpusConfig.encoding_errors must be one of {', '.join(_ENCODING_ERRORS)}, "
-                f"got {self.encoding_errors!r}"
-            )
-        if not _is_int(self.seq_len) or self.seq_len < 2:
-            raise DistillUserError(
-                f"CorpusConfig.seq_len must be an integer >= 2 (an input and its next token), "
-                f"got {self.seq_len!r}"
-            )
-        if self.max_sequences is not None and (
-            not _is_int(self.max_sequences) or self.max_sequences < 1
-        ):
-            raise DistillUserError(
-                f"CorpusConfig.max_sequences must be None (all) or an integer >= 1, "
-                f"got {self.max_sequences!r}"
-            )
-        if not isinstance(self.add_eos, bool):
-            raise DistillUserError(f"CorpusConfig.add_eos must be true or false, got {self.add_eos!r}")
+            require(name, value, value != "", "a non-empty string")
+        require("seq_len", self.seq_len, self.seq_len >= 2, "an integer >= 2 (an input and its next token)")
+        require("max_sequences", self.max_sequences, self.max_sequences is None or self.max_sequences >= 1,
+                "None (the whole corpus) or an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -110,6 +99,7 @@ class PackedCorpus:
     seq_len: int
     source: str  # human description: paths, formats, globs
     fingerprint: str  # sha256 hex of the token ids and sequence boundaries
+    skipped_files: tuple[Path, ...] = ()  # text files skipped as not UTF-8 text (encoding_errors)
 
     @property
     def num_sequences(self) -> int:
@@ -140,10 +130,11 @@ def prepare_corpus(config: CorpusConfig, tokenizer, progress: bool = True) -> Pa
     source = "; ".join(s.describe(config.file_glob) for s in sources)
     encode = _batch_encoder(tokenizer)
     packer = _Packer(config.seq_len, config.max_sequences, eos_id)
+    skipped: list[Path] = []
     total = None if config.max_sequences is None else config.max_sequences * config.seq_len
     with tqdm(
         total=total, unit="tok", unit_scale=True, desc="tokenising corpus", disable=not progress
-    ) as bar, contextlib.closing(_text_batches(sources, config, packer.tokens_missing)) as batches:
+    ) as bar, contextlib.closing(_text_batches(sources, config, packer.tokens_missing, skipped)) as batches:
         for texts in batches:
             packed_before = packer.num_packed_tokens
             packer.add([ids for ids in encode(texts) if len(ids)])
@@ -152,9 +143,14 @@ def prepare_corpus(config: CorpusConfig, tokenizer, progress: bool = True) -> Pa
                 break
     sequences, num_documents = packer.finish()
     num_tokens = sum(len(s) for s in sequences)
+    skipped_note = ""
+    if skipped:
+        skipped_note = f"{len(skipped)} file(s) skipped as not UTF-8 text (e.g. {skipped[0]})"
+        log.warning("corpus %s: %s; set encoding_errors to 'strict' to refuse them instead", source, skipped_note)
     if not packer.doc_starts:
         raise DistillUserError(
-            f"corpus {source} holds no non-empty documents; check paths, file_glob and text_field"
+            f"corpus {source} holds no non-empty documents{f' ({skipped_note})' if skipped else ''}; "
+            "check the corpus paths, glob and text field"
         )
     if num_tokens < 2:
         raise DistillUserError(
@@ -168,6 +164,7 @@ def prepare_corpus(config: CorpusConfig, tokenizer, progress: bool = True) -> Pa
         seq_len=config.seq_len,
         source=source,
         fingerprint=fingerprint_sequences(sequences),
+        skipped_files=tuple(skipped),
     )
 
 
@@ -223,7 +220,10 @@ class _Packer:
 
 
 def _text_batches(
-    sources: list[Source], config: CorpusConfig, tokens_missing: Callable[[], int | None]
+    sources: list[Source],
+    config: CorpusConfig,
+    tokens_missing: Callable[[], int | None],
+    skipped: list[Path],
 ) -> Iterator[list[str]]:
     """Documents in order, grouped into batches whose size in characters follows how many tokens
     are still missing, so that an early stop reads and tokenises little beyond what it keeps."""
@@ -231,7 +231,7 @@ def _text_batches(
     batch_chars = 0
     for source in sources:
         for text in iter_documents(
-            source, config.text_field, config.encoding_errors, config.file_glob
+            source, config.text_field, config.encoding_errors, config.file_glob, skipped
         ):
             if not text:
                 continue
@@ -250,7 +250,7 @@ def _text_batches(
 
 def _batch_encoder(tokenizer) -> Callable[[list[str]], list[np.ndarray]]:
     """texts -> int32 token ids per text, no special tokens added. The fast path calls the Rust
-    backend directly (about 2x the tokenizer's __call__, which also builds offsets and masks)."""
+    backend directly, skipping the offsets and masks that the tokenizer's __call__ also builds."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and hasattr(backend, "encode_batch_fast"):
 
@@ -270,13 +270,10 @@ def _batch_encoder(tokenizer) -> Callable[[list[str]], list[np.ndarray]]:
 def _eos_id(tokenizer) -> int:
     eos_id = getattr(tokenizer, "eos_token_id", None)
     if eos_id is None:
-        raise DistillUserError(
-            f"tokenizer {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)} has no "
-            "EOS token to put between documents; set CorpusConfig.add_eos = False or use a "
-            "tokenizer with an eos_token"
+        name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
+        raise ConfigError(
+            "add_eos",
+            f"is true but tokenizer {name} has no EOS token to put between documents; set it to "
+            "false or use a tokenizer with an eos_token",
         )
     return int(eos_id)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

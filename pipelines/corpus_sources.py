@@ -1,9 +1,16 @@
 """Where a corpus's documents come from: the files a corpus config names, and their documents as
-strings, read through the `datasets` library from local files only (never the hub).
+strings, from local files only (never the hub).
 
-Each source is read in streaming mode (`load_dataset(..., streaming=True)`) or memory-mapped
-(`load_from_disk`), so nothing is cached to disk and nothing is written next to the user's files,
-and reading stops as soon as the caller stops asking for documents.
+Text files are read here, one document a file, with universal newlines (as `open` in text mode
+reads them); a file that is not UTF-8 text (it holds a NUL byte, or bytes that are not UTF-8) is
+skipped and counted, or refused, as `encoding_errors` says, so a glob that matches binary files
+never feeds the teacher garbage. The other formats are read through the `datasets` library in
+streaming mode (`load_dataset(..., streaming=True)`) or memory-mapped (`load_from_disk`), so
+nothing is cached to disk and nothing is written next to the user's files, and reading stops as
+soon as the caller stops asking for documents.
+
+Errors that a setting can fix are `ConfigError`s naming that setting, so the CLI names its option
+and a recipe its key.
 """
 
 from __future__ import annotations
@@ -14,14 +21,20 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Literal
 
+from distill.configs import ConfigError
 from distill.errors import DistillUserError
 
-FORMATS = ("auto", "text", "json", "jsonl", "parquet", "arrow", "hf-dataset")
+CorpusFormat = Literal["auto", "text", "json", "jsonl", "parquet", "arrow", "hf-dataset"]
+# What to do with a text file that is not UTF-8 text: skip it and count it, refuse it, or decode
+# it with the bad bytes replaced (U+FFFD) or dropped. A file holding a NUL byte is binary and is
+# never decoded: skipped, or refused under "strict".
+EncodingErrors = Literal["skip", "strict", "replace", "ignore"]
 _SUFFIX_FORMATS = {".json": "json", ".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
-_BUILDERS = {"text": "text", "json": "json", "jsonl": "json", "parquet": "parquet", "arrow": "arrow"}
-# load_dataset resolves each data file (about 1 ms each), so files are handed over in groups and a
-# group is only resolved when the reader gets to it: an early stop skips the rest.
+_BUILDERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "arrow": "arrow"}
+# load_dataset resolves each data file (a cost per file), so files are handed over in groups and
+# a group is only resolved when the reader gets to it: an early stop skips the rest.
 _FILES_PER_LOAD = 256
 _ROWS_PER_BATCH = 256
 
@@ -49,13 +62,14 @@ def resolve_sources(
     (.json, .jsonl, .parquet, .arrow; anything else is read as text)."""
     sources: list[Source] = []
     for path in paths:
-        _check_readable(path)
+        check_readable(path)
         if format == "hf-dataset" or (format == "auto" and _is_saved_dataset(path)):
             if not _is_saved_dataset(path):
-                raise DistillUserError(
-                    f"format 'hf-dataset' needs a folder written by datasets' save_to_disk, got "
-                    f"{path} (no state.json or dataset_dict.json in it); pass such a folder or "
-                    "choose another format"
+                raise ConfigError(
+                    "format",
+                    f"is 'hf-dataset', which needs a folder written by datasets' save_to_disk; "
+                    f"{path} has no state.json or dataset_dict.json: pass such a folder or choose "
+                    "another format",
                 )
             sources.append(Source(path, "hf-dataset", ()))
             continue
@@ -66,10 +80,15 @@ def resolve_sources(
 
 
 def iter_documents(
-    source: Source, text_field: str, encoding_errors: str, file_glob: str
+    source: Source,
+    text_field: str,
+    encoding_errors: str,
+    file_glob: str,
+    skipped: list[Path] | None = None,
 ) -> Iterator[str | None]:
     """The documents of ``source`` in order: one per text file, one per row otherwise. A row whose
-    ``text_field`` is null yields None. Read errors become one-line DistillUserErrors."""
+    ``text_field`` is null yields None. Text files that are not UTF-8 text and are skipped (see
+    ``EncodingErrors``) are appended to ``skipped``. Read errors become one-line user errors."""
     import datasets.exceptions
     import pyarrow
 
@@ -78,12 +97,12 @@ def iter_documents(
         if source.format == "hf-dataset":
             yield from _iter_saved_dataset(source.path, text_field)
             return
+        if source.format == "text":
+            yield from _iter_text_files(source.files, encoding_errors, skipped)
+            return
         for start in range(0, len(source.files), _FILES_PER_LOAD):
             yield from _iter_files(
-                source.files[start : start + _FILES_PER_LOAD],
-                source.format,
-                text_field,
-                encoding_errors,
+                source.files[start : start + _FILES_PER_LOAD], source.format, text_field
             )
     except DistillUserError:
         raise
@@ -94,27 +113,57 @@ def iter_documents(
         pyarrow.ArrowException,
         datasets.exceptions.DatasetsError,
     ) as e:
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DistillUserError(
-            f"could not read corpus {where}: {first_line}; check the file "
-            "or choose the right CorpusConfig.format"
+        raise ConfigError(
+            "format", f"cannot read corpus {where}: {_first_line(e)}; check the file or choose the right format"
         ) from e
 
 
-def _iter_files(
-    files: Sequence[Path], format: str, text_field: str, encoding_errors: str
-) -> Iterator[str | None]:
+def _iter_text_files(
+    files: Sequence[Path], encoding_errors: str, skipped: list[Path] | None
+) -> Iterator[str]:
+    for file in files:
+        text = _read_text_file(file, encoding_errors)
+        if text is None:
+            if skipped is not None:
+                skipped.append(file)
+            continue
+        yield text
+
+
+def _read_text_file(file: Path, encoding_errors: str) -> str | None:
+    """The text of ``file`` with universal newlines ("\\r\\n" and "\\r" become "\\n", as `open`
+    in text mode reads it), or None when it is not UTF-8 text and ``encoding_errors`` skips it."""
+    data = file.read_bytes()
+    if b"\0" in data:
+        if encoding_errors == "strict":
+            raise _not_utf8(file, "it holds NUL bytes (a binary file)")
+        return None
+    decode_errors = "strict" if encoding_errors == "skip" else encoding_errors
+    try:
+        text = data.decode("utf-8", errors=decode_errors)
+    except UnicodeDecodeError as e:
+        if encoding_errors == "skip":
+            return None
+        raise _not_utf8(file, str(e)) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _not_utf8(file: Path, problem: str) -> ConfigError:
+    return ConfigError(
+        "encoding_errors",
+        f"is 'strict' and could not read corpus {file} (text): {problem}; narrow the glob to text "
+        "files, or skip such files ('skip', the default) or decode them lossily ('replace')",
+    )
+
+
+def _iter_files(files: Sequence[Path], format: str, text_field: str) -> Iterator[str | None]:
     import datasets
 
-    kwargs: dict = {}
-    if format == "text":
-        kwargs = {"sample_by": "document", "encoding_errors": encoding_errors}
-        text_field = "text"
     # data_files are glob patterns to datasets: escape them, or a name with "[" matches nothing.
     data_files = [glob.escape(str(f.resolve())) for f in files]
     with _hub_offline():
         dataset = datasets.load_dataset(
-            _BUILDERS[format], data_files=data_files, split="train", streaming=True, **kwargs
+            _BUILDERS[format], data_files=data_files, split="train", streaming=True
         )
     columns = list(dataset.features) if dataset.features is not None else None
     for batch in dataset.iter(batch_size=_ROWS_PER_BATCH):
@@ -145,30 +194,34 @@ def _iter_saved_dataset(path: Path, text_field: str) -> Iterator[str | None]:
 
 def _check_column(text_field: str, columns: list[str], where: Path) -> None:
     if text_field not in columns:
-        raise DistillUserError(
-            f"text_field {text_field!r} is not a column of {where} (columns: "
-            f"{', '.join(columns) or 'none'}); set CorpusConfig.text_field to the text column"
+        raise ConfigError(
+            "text_field",
+            f"{text_field!r} is not a column of {where} (columns: {', '.join(columns) or 'none'}); "
+            "give the text column",
         )
 
 
 def _check_strings(values: list, text_field: str, where: Path) -> list[str | None]:
     for value in values:
         if value is not None and not isinstance(value, str):
-            raise DistillUserError(
-                f"text_field {text_field!r} of {where} holds {type(value).__name__} values, not "
-                "strings; set CorpusConfig.text_field to a text column"
+            raise ConfigError(
+                "text_field",
+                f"{text_field!r} of {where} holds {type(value).__name__} values, not strings; "
+                "give a text column",
             )
     return values
 
 
-def _check_readable(path: Path) -> None:
+def check_readable(path: Path) -> None:
+    """A corpus path exists and can be read (ConfigError naming `paths`)."""
     if not path.exists():
-        raise DistillUserError(
-            f"corpus path {path} does not exist; pass an existing file or folder in "
-            "CorpusConfig.paths"
-        )
+        raise ConfigError("paths", f"names {path}, which does not exist; give an existing file or folder")
     if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
-        raise DistillUserError(f"corpus path {path} is not readable; fix its permissions")
+        raise ConfigError("paths", f"names {path}, which is not readable; fix its permissions")
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -188,9 +241,10 @@ def _walk(folder: Path, file_glob: str, exclude_dirs: Sequence[str]) -> list[Pat
         base = PurePosixPath(Path(root).relative_to(folder).as_posix())
         relative.extend(str(base / n) for n in names if (base / n).match(file_glob))
     if not relative:
-        raise DistillUserError(
-            f"no files matching {file_glob!r} under corpus folder {folder}; set "
-            "CorpusConfig.file_glob (e.g. '*.txt' or '*.jsonl')"
+        raise ConfigError(
+            "file_glob",
+            f"{file_glob!r} matches no files under corpus folder {folder}; give a pattern that "
+            "does (e.g. '*.txt' or '*.jsonl')",
         )
     return [folder / r for r in sorted(relative)]
 

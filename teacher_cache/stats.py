@@ -12,6 +12,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -224,12 +225,25 @@ def render_table(stats: dict) -> str:
     return console.file.getvalue()
 
 
-def plot(stats: dict, png_path: str | os.PathLike) -> None:
-    """Write a PNG with the actual-token rank histogram and the top-k mass distribution."""
+def plot(stats: dict, path: str | os.PathLike) -> Path:
+    """Write the actual-token rank histogram and the top-k mass distribution as an image; returns
+    the file written. The suffix picks the format (.png, .pdf, .svg, ...); a path without one gets
+    ".png". An unsupported suffix or a missing folder is a DistillUserError."""
     try:
+        from matplotlib.backend_bases import FigureCanvasBase
         from matplotlib.figure import Figure
     except ImportError as e:
         raise PlotDependencyError("cache-stats --plot needs matplotlib: pip install distill[plot]") from e
+
+    path = Path(path)
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise DistillUserError(f"cannot plot to {path}: {path.suffix!r} is not an image format matplotlib writes; "
+                               f"end the name in one of {', '.join('.' + f for f in sorted(formats))}")
+    if not path.parent.is_dir():
+        raise DistillUserError(f"cannot plot to {path}: the folder {path.parent} does not exist; create it first")
 
     fig = Figure(figsize=(10, 4), layout="constrained")
     ax_rank, ax_mass = fig.subplots(1, 2)
@@ -242,4 +256,5 @@ def plot(stats: dict, png_path: str | os.PathLike) -> None:
     ax_mass.set(title=f"probability mass in the top-{stats['k']}", xlabel="mass", ylabel="positions")
     fig.suptitle(f"cache {stats['cache_id']}: {stats['tokens']:,} tokens, "
                  f"CE {_fmt(stats['teacher_cross_entropy_nats'])} nats")
-    fig.savefig(png_path, dpi=110)
+    fig.savefig(path, dpi=110)
+    return path

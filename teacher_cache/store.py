@@ -4,11 +4,13 @@ A shard is the positions of ``shard_size`` consecutive sequences, as a dict of n
 first axis is N (positions) except ``seq_offsets`` [S + 1]:
 
     input_ids int32 [N], seq_offsets int64 [S + 1], tail_logmass float32 [N],
-    target_logprob float32 [N], and the value codec's arrays (e.g. topk_ids, topk_logprobs).
+    target_logprob float32 [N], and the value codec's arrays (fp32/bf16/fp16: topk_ids,
+    topk_logprobs; sqrt8: topk_id_gaps, topk_id_gaps_hi, topk_sqrtp; see teacher_cache/codecs.py).
 
 The codec's arrays are treated generically (any names, dtypes and trailing shape), so a codec
 that adds per-row scales needs no change here. A ``ShardStore`` (Zarr or Parquet) turns that dict
-into files and back, losslessly.
+into files and back, losslessly; where each store keeps ``seq_offsets`` is in its module doc and
+the README's cache format section.
 """
 
 from __future__ import annotations
@@ -21,11 +23,10 @@ from typing import Protocol
 import numpy as np
 
 from teacher_cache.codecs import ValueCodec
-from teacher_cache.errors import CacheError, CorruptShardError
+from teacher_cache.errors import REPAIR_HINT, CacheError, CorruptShardError
 from teacher_cache.targets import TeacherTargets
 
 SHARDS_DIR = "shards"
-TEMP_PREFIX = ".tmp-"
 FIXED_ARRAYS = ("input_ids", "seq_offsets", "tail_logmass", "target_logprob")
 
 
@@ -38,7 +39,9 @@ class ShardStore(Protocol):
         ...
 
     def write(self, path: Path, arrays: dict[str, np.ndarray]) -> None:
-        """Create ``path`` (which does not exist) holding ``arrays``."""
+        """Create ``path`` (which does not exist) holding ``arrays``, atomically and durably: written
+        under a temp name of ``distill.files`` (found by its ``remove_stale_temps`` after a kill),
+        flushed to disk, then renamed, so ``path`` is whole or absent."""
         ...
 
     def read(self, path: Path) -> dict[str, np.ndarray]:
@@ -94,8 +97,7 @@ def decode_shard(arrays: dict[str, np.ndarray], codec: ValueCodec,
     """Inverse of ``encode_shard``: (input_ids int32 [N], seq_offsets int64 [S+1], TeacherTargets)."""
     missing = [key for key in FIXED_ARRAYS if key not in arrays]
     if missing:
-        raise CorruptShardError(f"shard {name} lacks array(s) {missing}; the cache is damaged: "
-                                "run `distill verify` and rebuild it")
+        raise CorruptShardError(f"shard {name} lacks array(s) {missing}; the cache is damaged: {REPAIR_HINT}")
     input_ids, seq_offsets = arrays["input_ids"], arrays["seq_offsets"]
     n = len(input_ids)
     ok = (len(seq_offsets) >= 2 and seq_offsets[0] == 0 and seq_offsets[-1] == n
@@ -103,12 +105,12 @@ def decode_shard(arrays: dict[str, np.ndarray], codec: ValueCodec,
     sizes_ok = all(a.shape[0] == n for key, a in arrays.items() if key != "seq_offsets")
     if not (ok and sizes_ok):
         raise CorruptShardError(f"shard {name} has inconsistent array lengths or sequence offsets; "
-                                "the cache is damaged: run `distill verify` and rebuild it")
+                                f"the cache is damaged: {REPAIR_HINT}")
     try:
         topk_ids, topk_logprobs = codec.decode({k: v for k, v in arrays.items() if k not in FIXED_ARRAYS})
     except KeyError as e:
         raise CorruptShardError(f"shard {name} lacks array {e} that value codec {codec.name!r} needs; "
-                                "the cache is damaged: rebuild it") from e
+                                f"the cache is damaged: {REPAIR_HINT}") from e
     targets = TeacherTargets(topk_ids, topk_logprobs, arrays["tail_logmass"], arrays["target_logprob"])
     return input_ids, seq_offsets, targets
 
@@ -129,7 +131,7 @@ def shard_checksum(path: Path, fsync: bool = False) -> tuple[str, int]:
     """("sha256:<hex>", bytes) over the shard's files: each file's relative name, size and content.
 
     Names and sizes are hashed too, so a renamed or emptied chunk file changes the checksum.
-    ``fsync=True`` also flushes each file to disk, which a writer does before the rename.
+    ``fsync=True`` also flushes each file to disk, which a store does before the rename.
     """
     h = hashlib.sha256()
     total = 0
@@ -148,12 +150,11 @@ def shard_checksum(path: Path, fsync: bool = False) -> tuple[str, int]:
 def read_shard(store: ShardStore, path: Path, name: str) -> dict[str, np.ndarray]:
     """``store.read`` with every decoding failure turned into a ``CorruptShardError`` naming the shard."""
     if not path.exists():
-        raise CorruptShardError(f"shard {name} is missing from {path.parent}; the cache is damaged: "
-                                "run `distill verify` and rebuild it")
+        raise CorruptShardError(f"shard {name} is missing from {path.parent}; the cache is damaged: {REPAIR_HINT}")
     try:
         return store.read(path)
     # Zarr, Blosc and Arrow raise many unrelated types for a damaged file (ValueError,
     # RuntimeError, OSError, KeyError, TypeError, JSON errors); all of them mean the same here.
     except Exception as e:
         raise CorruptShardError(f"shard {name} cannot be decoded ({type(e).__name__}: {e}); it is truncated or "
-                                "damaged: run `distill verify` and rebuild the cache") from e
+                                f"damaged: {REPAIR_HINT}") from e

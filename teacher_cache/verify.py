@@ -1,4 +1,8 @@
-"""`distill verify`: check a cache's shards against its manifest without trusting either."""
+"""`distill verify`: check a cache's shards against its manifest without trusting either.
+
+``check_shards`` is the cheap check a consumer runs before it relies on a cache (every shard's
+size and checksum; no decoding); ``damaged_shards`` is what a rerun of stage one repairs.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from teacher_cache.errors import CacheError
+from distill.files import TEMP_MARK
+from teacher_cache.errors import REPAIR_HINT, CacheError, CorruptShardError
 from teacher_cache.manifest import load_manifest
-from teacher_cache.store import SHARDS_DIR, TEMP_PREFIX, decode_shard, get_store, read_shard, shard_checksum, shard_name
+from teacher_cache.store import SHARDS_DIR, decode_shard, get_store, read_shard, shard_checksum, shard_name
 
 
 @dataclass
@@ -48,7 +53,13 @@ class VerifyReport:
             parts.append(f"{len(self.missing)} missing shard(s): {', '.join(self.missing[:5])}"
                          + (" ..." if len(self.missing) > 5 else ""))
         parts.extend(self.problems)
-        return f"{self.path}: cache {self.cache_id} FAILED: " + "; ".join(parts) + "; rebuild the damaged cache"
+        if self.status != "complete":
+            hint = ""  # the status problem says how to finish the cache
+        elif self.problems:
+            hint = "; the manifest does not match its shards: build the cache again into a new --out"
+        else:
+            hint = f"; {REPAIR_HINT}"
+        return f"{self.path}: cache {self.cache_id} FAILED: " + "; ".join(parts) + hint
 
 
 def verify_cache(path: str | os.PathLike, deep: bool = False) -> VerifyReport:
@@ -80,7 +91,7 @@ def verify_cache(path: str | os.PathLike, deep: bool = False) -> VerifyReport:
                                   (sum(s.tokens for s in manifest.shards), spec.data.tokens, "tokens")):
         if total != expected:
             report.problems.append(f"shards hold {total} {what}, the data section says {expected}")
-    report.unexpected = [n for n in on_disk if n not in set(listed) or n.startswith(TEMP_PREFIX)]
+    report.unexpected = [n for n in on_disk if n not in set(listed) or n.endswith(TEMP_MARK)]
 
     codec = None
     if deep:
@@ -109,6 +120,33 @@ def verify_cache(path: str | os.PathLike, deep: bool = False) -> VerifyReport:
                 report.bad.append((info.name, f"holds {len(offsets) - 1} sequences / {len(input_ids)} tokens, "
                                               f"manifest says {info.sequences} / {info.tokens}"))
     return report
+
+
+def check_shards(path: str | os.PathLike) -> None:
+    """Every shard of the complete cache at ``path`` exists with the size and checksum its manifest
+    records. Raises ``CorruptShardError`` naming the first bad shard and how to repair it (an
+    incomplete cache or a manifest that does not match its shards raises ``CacheError``).
+
+    Reads every byte once but decodes nothing: cheap next to any use of the cache."""
+    report = verify_cache(path)
+    if report.ok:
+        return
+    if report.status == "complete" and not report.problems:
+        raise CorruptShardError(report.message)
+    raise CacheError(report.message)
+
+
+def damaged_shards(path: str | os.PathLike) -> list[int]:
+    """Indices of the missing or damaged shards of the complete cache at ``path`` (empty when it is
+    whole); CacheError when the cache is incomplete or its manifest does not match its shards."""
+    report = verify_cache(path)
+    if report.ok:
+        return []
+    if report.status != "complete" or report.problems:
+        raise CacheError(report.message)
+    names = {*report.missing, *(name for name, _ in report.bad)}
+    manifest = load_manifest(path)
+    return [i for i, info in enumerate(manifest.shards) if info.name in names]
 
 
 def _short(names: list[str]) -> str:

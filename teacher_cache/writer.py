@@ -3,8 +3,10 @@
 Crash safety rests on three rules: a shard appears under its final name only by a rename of a
 complete temp file or directory; the manifest says "complete" only after every shard is in place;
 one process at a time holds CACHE/LOCK. So after any crash, the shards with final names are whole
-and a rerun with the same identity resumes from them. Shard bytes are a pure function of the
-inputs, so a resumed cache is byte-identical to an uninterrupted one.
+and a rerun with the same identity resumes from them (and removes the temp files the crash left).
+Shard bytes are a pure function of the inputs, so a resumed cache is byte-identical to an
+uninterrupted one. A complete cache whose shards were damaged later is repaired the same way:
+the damaged shards are deleted first, then the manifest goes back to "incomplete".
 """
 
 from __future__ import annotations
@@ -14,42 +16,109 @@ import fcntl
 import os
 import shutil
 import threading
-import uuid
 from pathlib import Path
 
 import numpy as np
 
+from distill.configs import ConfigError
+from distill.files import TEMP_MARK, atomic_write_json, fsync_dir, remove_stale_temps
 from teacher_cache.codecs import get_codec
-from distill.files import atomic_write_json, fsync_dir
 from teacher_cache.errors import CacheError, CacheLockedError, CacheMismatchError
 from teacher_cache.manifest import (
     MANIFEST_NAME, CacheSpec, Manifest, ShardInfo, StorageInfo, identity_diff, load_manifest,
     manifest_path, tool_version,
 )
-from teacher_cache.store import (
-    SHARDS_DIR, TEMP_PREFIX, encode_shard, get_store, shard_checksum, shard_name,
-)
+from teacher_cache.store import SHARDS_DIR, encode_shard, get_store, shard_checksum, shard_name
 from teacher_cache.targets import TeacherTargets
 
 LOCK_NAME = "LOCK"
 
 
-def _acquire_lock(cache_dir: Path):
-    """Hold CACHE/LOCK exclusively (released when the file closes, also if the process dies)."""
-    lock_file = open(cache_dir / LOCK_NAME, "a+")
-    try:
-        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+def check_cache_dir(path: str | os.PathLike) -> None:
+    """Refuse, in words, a cache path that cannot hold a cache: an existing file, a folder without
+    write permission, or a path that cannot be created. Raises ConfigError naming `out`."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError("out", f"is an existing file ({path}); give a folder for the cache (new, or holding "
+                                 "this cache)")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError("out", f"{path} cannot be created: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        problem = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+        raise ConfigError("out", f"{path} {problem}; choose a folder you can write to")
+
+
+class CacheLock:
+    """CACHE/LOCK, held exclusively by one writer (released when closed, also if the process dies).
+
+    ``acquire`` creates the cache folder when needed; ``release`` removes a folder it created that
+    still holds nothing but the lock, so a run refused before writing anything leaves nothing.
+    """
+
+    def __init__(self, path: Path, lock_file, created: bool):
+        self.path, self._file, self._created = path, lock_file, created
+
+    @classmethod
+    def acquire(cls, cache_dir: str | os.PathLike) -> "CacheLock":
+        path = Path(cache_dir)
+        check_cache_dir(path)
+        created = not path.exists()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            lock_file = open(path / LOCK_NAME, "a+")
+        except OSError as e:
+            raise CacheError(f"cannot create the cache folder {path}: {e.strerror}; choose another --out") from None
+        try:
+            fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock_file.seek(0)
+            pid = lock_file.read().strip() or "unknown"
+            lock_file.close()
+            raise CacheLockedError(f"cache {path} is being written by another process (pid {pid}); "
+                                   "wait for it or choose another --out") from None
         lock_file.seek(0)
-        pid = lock_file.read().strip() or "unknown"
-        lock_file.close()
-        raise CacheLockedError(f"cache {cache_dir} is being written by another process (pid {pid}); "
-                               "wait for it or choose another --out") from None
-    lock_file.seek(0)
-    lock_file.truncate()
-    lock_file.write(str(os.getpid()))
-    lock_file.flush()
-    return lock_file
+        lock_file.truncate()
+        lock_file.write(str(os.getpid()))
+        lock_file.flush()
+        return cls(path, lock_file, created)
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None
+
+    def release(self) -> None:
+        if self._file is None:
+            return
+        if self._created and os.listdir(self.path) == [LOCK_NAME]:
+            try:  # while still holding the lock, so no other writer's lock file goes
+                (self.path / LOCK_NAME).unlink()
+                self.path.rmdir()
+            except OSError:
+                pass
+        self._file.close()
+        self._file = None
+
+
+def check_claimable(path: str | os.PathLike) -> None:
+    """A folder without a manifest may become a cache only if it holds nothing of anyone else's:
+    nothing but the lock, an empty shards/ and a temp file of our own first manifest write."""
+    path = Path(path)
+    if not path.is_dir():
+        return
+    names = [p.name for p in path.iterdir() if p.name not in (LOCK_NAME, SHARDS_DIR)]
+    others = sorted(n for n in names if not _is_own_manifest_temp(n))
+    shards_dir = path / SHARDS_DIR
+    if others or (shards_dir.exists() and any(shards_dir.iterdir())):
+        shown = others[:3] or [SHARDS_DIR]
+        raise CacheError(f"{path} is not empty ({', '.join(shown)} ...) and holds no {MANIFEST_NAME}; "
+                         "choose a new or empty directory for --out")
+
+
+def _is_own_manifest_temp(name: str) -> bool:
+    return name.startswith(f".{MANIFEST_NAME}.") and name.endswith(TEMP_MARK)
 
 
 class CacheWriter:
@@ -60,12 +129,14 @@ class CacheWriter:
     shard_size / storage_format, when given, override the spec's storage section.
 
     After construction, ``is_complete`` says whether the directory already holds this cache
-    complete (nothing to do), and ``done_shards()`` which shards a resumed run can skip.
-    ``write_shard`` may be called from a background thread; ``finalize`` writes the manifest.
+    complete (then ``damaged_shards()`` says whether it needs a ``repair``), and ``done_shards()``
+    which shards a resumed run can skip. ``write_shard`` may be called from a background thread;
+    ``finalize`` writes the manifest. lock: a ``CacheLock`` already held on ``path`` (the writer
+    takes it over and releases it on close); None acquires one.
     """
 
     def __init__(self, path: str | os.PathLike, spec: CacheSpec | dict, *, shard_size: int | None = None,
-                 storage_format: str | None = None):
+                 storage_format: str | None = None, lock: CacheLock | None = None):
         spec = spec if isinstance(spec, CacheSpec) else CacheSpec.from_dict(_with_storage_defaults(spec))
         store = get_store(storage_format or spec.storage.format)
         storage = StorageInfo(format=store.format, shard_size=shard_size or spec.storage.shard_size,
@@ -77,8 +148,7 @@ class CacheWriter:
         self._shards_dir = self.path / SHARDS_DIR
         self._written: dict[int, ShardInfo] = {}
         self._mutex = threading.Lock()
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_file = _acquire_lock(self.path)
+        self._lock = lock if lock is not None else CacheLock.acquire(self.path)
         try:
             self.manifest = self._claim()
         except BaseException:
@@ -114,24 +184,46 @@ class CacheWriter:
                     f"{existing.spec.data.tokens} tokens but the same data fingerprint now gives "
                     f"{self.spec.data.sequences} / {self.spec.data.tokens}; the data fingerprint is not "
                     "stable: choose another --out")
-            if existing.status == "incomplete":
-                self._remove_temp_leftovers()
+            self._remove_stale_temps()
             return existing
-        others = sorted(p.name for p in self.path.iterdir() if p.name not in (LOCK_NAME, SHARDS_DIR))
-        if others or (self._shards_dir.exists() and any(self._shards_dir.iterdir())):
-            shown = others[:3] or [SHARDS_DIR]
-            raise CacheError(f"{self.path} is not empty ({', '.join(shown)} ...) and holds no {MANIFEST_NAME}; "
-                             "choose a new or empty directory for --out")
+        check_claimable(self.path)
+        self._remove_stale_temps()  # a kill inside the first manifest write leaves its temp file
         self._shards_dir.mkdir(exist_ok=True)
         manifest = Manifest(spec=self.spec, status="incomplete")
         atomic_write_json(manifest_path(self.path), manifest.to_dict())
         return manifest
 
-    def _remove_temp_leftovers(self) -> None:
-        self._shards_dir.mkdir(exist_ok=True)
-        for p in self._shards_dir.iterdir():
-            if p.name.startswith(TEMP_PREFIX):
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    def _remove_stale_temps(self) -> None:
+        """Temp files a killed writer left (we hold the lock, so none is being written)."""
+        remove_stale_temps(self.path)
+        if self._shards_dir.is_dir():
+            remove_stale_temps(self._shards_dir)
+
+    def damaged_shards(self) -> list[int]:
+        """Indices of the shards of this complete cache that are missing or fail their size or checksum."""
+        from teacher_cache.verify import damaged_shards
+
+        return damaged_shards(self.path) if self.is_complete else []
+
+    def repair(self, indices: list[int]) -> None:
+        """Reopen this complete cache to rebuild the shards ``indices``: they are deleted first, then
+        the manifest says "incomplete" until ``finalize`` (so a kill between the two leaves a
+        complete manifest with missing shards, which the next run finds and repairs)."""
+        if not self.is_complete:
+            raise CacheError(f"cache {self.path} is not complete; resume it instead of repairing it")
+        for index in indices:
+            path = self._shards_dir / shard_name(index, self._store)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        fsync_dir(self._shards_dir)
+        intact = {i: info for i, info in enumerate(self.manifest.shards) if i not in set(indices)}
+        manifest = Manifest(spec=self.spec, status="incomplete", created=self.manifest.created)
+        atomic_write_json(manifest_path(self.path), manifest.to_dict())
+        self.manifest = manifest
+        with self._mutex:
+            self._written.update(intact)  # checked just now: finalize need not hash them again
 
     def done_shards(self) -> set[int]:
         """Indices of shards whose final name exists (complete by construction)."""
@@ -156,16 +248,8 @@ class CacheWriter:
         if final.exists():
             raise CacheError(f"shard {name} is already written in {self.path}; skip the indices in done_shards()")
         arrays = encode_shard(input_ids, targets, self._codec)
-        tmp = self._shards_dir / f"{TEMP_PREFIX}{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            self._store.write(tmp, arrays)
-            checksum, nbytes = shard_checksum(tmp, fsync=True)
-            os.rename(tmp, final)
-        except BaseException:
-            if tmp.exists():
-                shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
-            raise
-        fsync_dir(self._shards_dir)
+        self._store.write(final, arrays)  # a temp name, fsync, then the rename
+        checksum, nbytes = shard_checksum(final)
         info = ShardInfo(name=name, sequences=len(input_ids), tokens=len(arrays["input_ids"]), checksum=checksum,
                          bytes=nbytes)
         with self._mutex:
@@ -206,16 +290,15 @@ class CacheWriter:
         return manifest
 
     def _check_writable(self) -> None:
-        if self._lock_file is None:
+        if not self._lock.held:
             raise CacheError(f"writer of {self.path} is closed; open a new CacheWriter")
         if self.is_complete:
             raise CacheError(f"cache {self.path} ({self.cache_id}) is already complete; nothing to write")
 
     def close(self) -> None:
         """Release the lock; an unfinished cache stays "incomplete" and can be resumed."""
-        if self._lock_file is not None:
-            self._lock_file.close()
-            self._lock_file = None
+        if getattr(self, "_lock", None) is not None:
+            self._lock.release()
 
     def __enter__(self) -> "CacheWriter":
         return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,8 +17,8 @@ import pytest
 from teacher_cache.codecs import codec_names
 from teacher_cache.errors import CacheError, CacheLockedError, CacheMismatchError, CorruptShardError
 from teacher_cache.reader import CacheReader
-from teacher_cache.verify import verify_cache
-from teacher_cache.writer import CacheWriter
+from teacher_cache.verify import check_shards, verify_cache
+from teacher_cache.writer import CacheLock, CacheWriter
 from test_cache_synth import make_corpus, make_spec, write_cache
 
 FORMATS = ("zarr", "parquet")
@@ -91,7 +92,7 @@ def test_resume_after_abandoned_writer_is_byte_identical(tmp_path, corpus, fmt):
     spec = make_spec(corpus, fmt=fmt)
     writer = CacheWriter(tmp_path / "c", spec)
     writer.write_shard(2, *corpus.shard(2, 4))
-    leftover = tmp_path / "c" / "shards" / f".tmp-00000.{fmt}-999-dead"
+    leftover = tmp_path / "c" / "shards" / f".00000.{fmt}.dead999.tmp"  # a distill.files temp name
     leftover.mkdir() if fmt == "zarr" else leftover.write_bytes(b"half a shard")
     del writer  # abandoned without finalize or close: the lock goes with the file object
 
@@ -119,13 +120,14 @@ def test_resume_after_killed_process_is_byte_identical(tmp_path, corpus):
         writer.write_shard(0, *corpus.shard(0, 4))
         def die(*a, **kw):
             os._exit(3)  # mid-shard: the temp directory is written, the rename never happens
-        import teacher_cache.writer as w
-        w.shard_checksum = die
+        import teacher_cache.store_zarr as z
+        z._fsync_files = die
         writer.write_shard(1, *corpus.shard(1, 4))
     """)
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
     assert done.returncode == 3, done.stderr
-    assert any(p.name.startswith(".tmp-00001") for p in (tmp_path / "c" / "shards").iterdir())
+    assert any(p.name.startswith(".00001.zarr.") and p.name.endswith(".tmp")
+               for p in (tmp_path / "c" / "shards").iterdir())
     with pytest.raises(CacheError, match="incomplete"):
         CacheReader(tmp_path / "c")
 
@@ -252,3 +254,96 @@ def test_verify_reports_missing_shards_and_incomplete_caches(tmp_path, corpus):
         writer.write_shard(1, *corpus.shard(1, 4))
     partial = verify_cache(tmp_path / "d")
     assert not partial.ok and partial.missing == ["00000.zarr", "00002.zarr"] and "incomplete" in partial.message
+
+
+def test_kill_inside_the_first_manifest_write_does_not_block_the_rerun(tmp_path, corpus):
+    """A kill inside atomic_write_json leaves .manifest.json.XXXX.tmp and no manifest; the rerun
+    removes it and claims the folder instead of refusing it as "not empty"."""
+    cache = tmp_path / "c"
+    cache.mkdir()
+    (cache / "LOCK").write_text("12345")
+    (cache / ".manifest.json.k1ll3d.tmp").write_text('{"format": "distill-tea')
+    manifest = write_cache(cache, corpus)
+    assert manifest.status == "complete"
+    assert sorted(p.name for p in cache.iterdir()) == ["LOCK", "manifest.json", "shards"]
+    # A file of anyone else's, or another tool's temp file, still makes the folder not ours.
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / ".notes.tmp").write_text("mine")
+    with pytest.raises(CacheError, match="not empty .*notes.tmp"):
+        CacheWriter(tmp_path / "d", make_spec(corpus))
+    assert (tmp_path / "d" / ".notes.tmp").exists()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_damaged_shards_of_a_complete_cache_are_found_and_repaired(tmp_path, corpus, fmt):
+    clean = write_cache(tmp_path / "clean", corpus, fmt=fmt)
+    cache = tmp_path / "c"
+    write_cache(cache, corpus, fmt=fmt)
+    check_shards(cache)  # whole: no error
+    damaged = cache / "shards" / f"00001.{fmt}"
+    files = sorted(p for p in damaged.rglob("*") if p.is_file()) if damaged.is_dir() else [damaged]
+    victim = max(files, key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[:-7])
+    shutil.rmtree(cache / "shards" / f"00002.{fmt}") if fmt == "zarr" else (cache / "shards" / "00002.parquet").unlink()
+    with pytest.raises(CorruptShardError) as info:
+        check_shards(cache)
+    assert f"00001.{fmt}" in str(info.value) and "rerun `distill cache-teacher`" in str(info.value)
+    assert "rerun `distill cache-teacher`" in verify_cache(cache).message
+
+    with CacheWriter(cache, make_spec(corpus, fmt=fmt)) as writer:
+        assert writer.is_complete and writer.damaged_shards() == [1, 2]
+        writer.repair([1, 2])
+        assert not writer.is_complete and writer.done_shards() == {0}
+        with pytest.raises(CacheError, match="incomplete"):
+            CacheReader(cache)  # readers refuse it while it is being repaired
+        for i in (1, 2):
+            writer.write_shard(i, *corpus.shard(i, 4))
+        assert _checksums(writer.finalize()) == _checksums(clean)
+    check_shards(cache)
+    assert verify_cache(cache, deep=True).ok
+
+
+def test_check_shards_refuses_an_incomplete_cache(tmp_path, corpus):
+    with CacheWriter(tmp_path / "c", make_spec(corpus)) as writer:
+        writer.write_shard(0, *corpus.shard(0, 4))
+    with pytest.raises(CacheError, match="incomplete") as info:
+        check_shards(tmp_path / "c")
+    assert not isinstance(info.value, CorruptShardError)
+
+
+def test_cache_folder_that_cannot_be_one_is_refused_in_words(tmp_path, corpus):
+    from distill.configs import ConfigError
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is an existing file") as info:
+        CacheWriter(tmp_path / "file", make_spec(corpus))
+    assert info.value.as_option().args[0].startswith("--out is an existing file")
+    with pytest.raises(ConfigError, match="cannot be created: .*file is a file"):
+        CacheWriter(tmp_path / "file" / "cache", make_spec(corpus))
+
+
+def test_lock_taken_over_by_the_writer_and_an_unused_folder_removed(tmp_path, corpus):
+    lock = CacheLock.acquire(tmp_path / "new")
+    with pytest.raises(CacheLockedError):
+        CacheLock.acquire(tmp_path / "new")
+    lock.release()
+    assert not (tmp_path / "new").exists()  # created for nothing: gone with the lock
+    lock = CacheLock.acquire(tmp_path / "c")
+    with CacheWriter(tmp_path / "c", make_spec(corpus), lock=lock) as writer:
+        for i in range(writer.num_shards):
+            writer.write_shard(i, *corpus.shard(i, 4))
+        writer.finalize()
+    assert not lock.held and verify_cache(tmp_path / "c").ok
+
+
+def test_everything_written_honours_the_umask(tmp_path, corpus):
+    old = os.umask(0o027)
+    try:
+        for fmt in FORMATS:
+            write_cache(tmp_path / fmt, corpus, fmt=fmt)
+    finally:
+        os.umask(old)
+    for fmt in FORMATS:
+        for p in (tmp_path / fmt).rglob("*"):
+            expected = 0o750 if p.is_dir() else 0o640
+            assert p.stat().st_mode & 0o777 == expected, p

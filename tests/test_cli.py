@@ -102,7 +102,7 @@ def test_second_writer_is_refused(small_cache, tmp_path, capsys):
         (["--corpus", "/no/such/place"], "/no/such/place"),
         (["-k", "0"], "k must be"),
         (["-k", "60000"], "vocab_size=49152"),
-        (["--seq-len", "1"], "seq_len"),
+        (["--seq-len", "1"], "--seq-len"),
         (["--format", "xml"], "xml"),
         (["--codec", "zip9"], "zip9"),
         (["--storage", "hdf5"], "hdf5"),

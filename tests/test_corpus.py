@@ -322,18 +322,23 @@ def _raises(match: str, fn, *args, **kwargs) -> str:
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"format": "csv"}, "format must be one of .* got 'csv'"),
-        ({"seq_len": 1}, "seq_len must be an integer >= 2.* got 1"),
-        ({"seq_len": "8"}, "seq_len must be an integer >= 2.* got '8'"),
-        ({"max_sequences": 0}, "max_sequences must be None .* got 0"),
-        ({"paths": []}, "paths is empty"),
-        ({"text_field": ""}, "text_field must be a non-empty string"),
-        ({"encoding_errors": "surrogate"}, "encoding_errors must be one of"),
-        ({"add_eos": "yes"}, "add_eos must be true or false, got 'yes'"),
+        ({"format": "csv"}, "`format` must be one of .* got 'csv'"),
+        ({"seq_len": 1}, "`seq_len` must be an integer >= 2.* got 1"),
+        ({"seq_len": "8"}, "`seq_len` must be an integer, got '8'"),
+        ({"max_sequences": 0}, "`max_sequences` must be None .* got 0"),
+        ({"paths": []}, "`paths` is empty"),
+        ({"text_field": ""}, "`text_field` must be a non-empty string"),
+        ({"encoding_errors": "surrogate"}, "`encoding_errors` must be one of"),
+        ({"add_eos": "yes"}, "`add_eos` must be true or false, got 'yes'"),
     ],
 )
 def test_invalid_config_values(kwargs, match):
-    _raises(match, CorpusConfig, **kwargs)
+    from distill.configs import ConfigError
+
+    message = _raises(match, CorpusConfig, **kwargs)
+    with pytest.raises(ConfigError) as info:  # so the CLI can name its option, a recipe its key
+        CorpusConfig(**kwargs)
+    assert info.value.field in message
 
 
 def test_missing_path(tmp_path, teacher_tokenizer):
@@ -366,8 +371,31 @@ def test_text_that_is_not_utf8(tmp_path, teacher_tokenizer):
     path.write_bytes(b"caf\xe9")
     match = r"read corpus .*latin.txt \(text\): .*decode byte 0xe9"
     _raises(match, prepare, teacher_tokenizer, path, encoding_errors="strict")
-    corpus = prepare(teacher_tokenizer, path)  # encoding_errors="replace" by default
+    corpus = prepare(teacher_tokenizer, path, encoding_errors="replace")
     assert stream_of(corpus) == ids_of(teacher_tokenizer, "caf\ufffd")
+    _raises("1 file.* skipped as not UTF-8 text", prepare, teacher_tokenizer, path)  # "skip" by default
+
+
+def test_binary_files_are_skipped_and_counted_never_scored(tmp_path, teacher_tokenizer, caplog):
+    """--glob '*' over a folder with images and archives: only the text is tokenised."""
+    (tmp_path / "a.txt").write_text(DOCS[0], encoding="utf-8")
+    (tmp_path / "b.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
+    (tmp_path / "c.gz").write_bytes(b"\x1f\x8b\x08\x00" + bytes(200))
+    (tmp_path / "d.py").write_text(DOCS[2], encoding="utf-8")
+    for encoding_errors in ("skip", "replace", "ignore"):  # a NUL byte means binary whatever the setting
+        with caplog.at_level("WARNING", logger="pipelines.corpus"):
+            corpus = prepare(teacher_tokenizer, tmp_path, file_glob="*", encoding_errors=encoding_errors)
+        assert stream_of(corpus) == joined(teacher_tokenizer, [DOCS[0], DOCS[2]])
+        assert [p.name for p in corpus.skipped_files] == ["b.png", "c.gz"]
+        assert "2 file(s) skipped as not UTF-8 text" in caplog.text
+    _raises(r"read corpus .*b.png \(text\): it holds NUL bytes", prepare, teacher_tokenizer, tmp_path,
+            file_glob="*", encoding_errors="strict")
+
+
+def test_text_files_keep_universal_newlines(tmp_path, teacher_tokenizer):
+    (tmp_path / "crlf.txt").write_bytes("line one\r\nline two\rline three\n\ufeffbom".encode())
+    corpus = prepare(teacher_tokenizer, tmp_path / "crlf.txt")
+    assert stream_of(corpus) == ids_of(teacher_tokenizer, "line one\nline two\nline three\n\ufeffbom")
 
 
 def test_empty_corpus(tmp_path, teacher_tokenizer):
@@ -380,15 +408,15 @@ def test_empty_corpus(tmp_path, teacher_tokenizer):
 
 def test_folder_without_matching_files(tmp_path, teacher_tokenizer):
     (tmp_path / "a.txt").write_text("text", encoding="utf-8")
-    message = _raises("no files matching '\\*.py'", prepare, teacher_tokenizer, tmp_path)
-    assert "file_glob" in message
+    message = _raises("`file_glob` '\\*.py' matches no files", prepare, teacher_tokenizer, tmp_path)
+    assert str(tmp_path) in message
 
 
 @pytest.mark.parametrize("writer", [write_jsonl, write_parquet, write_arrow, write_hf_dataset])
 def test_missing_text_field(tmp_path, teacher_tokenizer, writer):
     path, _ = writer(tmp_path)
     message = _raises(
-        "text_field 'content' is not a column", prepare, teacher_tokenizer, path, text_field="content"
+        "`text_field` 'content' is not a column", prepare, teacher_tokenizer, path, text_field="content"
     )
     assert "columns:" in message
 

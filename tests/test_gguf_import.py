@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -66,3 +67,29 @@ def test_import_rejects_bad_arguments(tmp_path):
     (tmp_path / "full" / "notes.txt").write_text("someone's files")
     with pytest.raises(FileExistsError, match="is not empty"):
         import_gguf(default_teacher_gguf(), tmp_path / "full")
+
+
+def test_written_folder_honours_the_umask(tmp_path, teacher_tokenizer):
+    """An imported teacher is shared like a cache: its weights must not come out 0600."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from teacher_cache.gguf_import import write_hf_folder
+
+    config = LlamaConfig(vocab_size=len(teacher_tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config)
+    old = os.umask(0o027)
+    try:
+        write_hf_folder(model, teacher_tokenizer, tmp_path / "teacher", source="a test")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "teacher" / "model.safetensors").is_file()
+    assert (tmp_path / "teacher").stat().st_mode & 0o777 == 0o750
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "teacher").iterdir()}
+    assert set(modes.values()) == {"0o640"}, modes
+
+
+def test_import_refuses_an_out_that_is_a_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DistillUserError, match="is an existing file"):
+        import_gguf(default_teacher_gguf(), tmp_path / "file")

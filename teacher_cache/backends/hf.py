@@ -199,8 +199,8 @@ class HFBackend:
 
 
 def _warn_if_slow_half_precision(device: torch.device, dtype: str) -> None:
-    # Without AVX-512 (bf16/fp16 instructions), torch emulates half-precision matmuls on x86:
-    # seen 6x slower than float32 on an AVX2 machine.
+    # Without AVX-512 (bf16/fp16 instructions), torch emulates half-precision matmuls on x86, many
+    # times slower than float32 (tests/benchmarks/RESULTS.md, teacher capture, the CPU table).
     if device.type == "cpu" and dtype != "float32" and torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT"):
         log.warning(
             "dtype=%s on a CPU without AVX-512 (torch reports %s): half-precision matmuls are "

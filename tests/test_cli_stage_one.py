@@ -1,0 +1,307 @@
+"""The stage-one commands (cache-teacher, cache-stats, verify, import-gguf) as a user meets them:
+one `error:` line naming the option for every mistake, found before the slow work, and a damaged
+cache repaired by rerunning. A tiny random Llama with the real teacher's tokenizer keeps it fast."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from distill.cli import main
+
+SMALL = ["--max-sequences", "4", "--seq-len", "32", "-k", "8", "--shard-size", "2", "-q"]
+
+
+def run_cli(args, capsys):
+    """Run `distill ARGS` in-process; returns (exit code, stdout, stderr)."""
+    old = sys.argv
+    sys.argv = ["distill", *map(str, args)]
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = old
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_error_line(code, err) -> str:
+    assert code != 0
+    lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_teacher(tmp_path_factory, teacher_tokenizer) -> Path:
+    """A random 1-layer Llama over the real teacher's vocabulary, saved as an HF folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tmp_path_factory.mktemp("tiny") / "teacher"
+    config = LlamaConfig(vocab_size=len(teacher_tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    teacher_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory, tiny_teacher) -> Path:
+    out = tmp_path_factory.mktemp("cli1") / "cache"
+    old_argv, old_mask = sys.argv, os.umask(0o027)
+    sys.argv = ["distill", "cache-teacher", "--model", str(tiny_teacher), "--out", str(out), *SMALL]
+    try:
+        main()
+    except SystemExit as e:
+        assert e.code in (0, None)
+    finally:
+        sys.argv = old_argv
+        os.umask(old_mask)
+    return out
+
+
+@pytest.fixture
+def no_slow_work(monkeypatch):
+    """Fail if the corpus is tokenised or the teacher loaded: the mistake must be found before."""
+    import pipelines.stage_one
+    import teacher_cache.backends
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("slow work started before the mistake was reported")
+
+    monkeypatch.setattr(pipelines.stage_one, "prepare_corpus", refuse)
+    monkeypatch.setattr(teacher_cache.backends, "make_backend", refuse)
+
+
+def _args(teacher: Path, out: Path, *extra) -> list:
+    return ["cache-teacher", "--model", teacher, "--out", out, *SMALL, *extra]
+
+
+def _shards(cache: Path) -> list[tuple[str, str]]:
+    return [(s["name"], s["checksum"]) for s in json.loads((cache / "manifest.json").read_text())["shards"]]
+
+
+# --- the cache a user gets ---
+
+
+def test_cache_files_are_readable_as_the_umask_says(tiny_cache):
+    """Shared caches: manifest.json and stage_one_config.json are not 0600 beside 0644 shards."""
+    files = [p for p in tiny_cache.rglob("*") if p.is_file()]
+    assert {"manifest.json", "stage_one_config.json", "LOCK"} <= {p.name for p in files}
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {"0o640"}
+
+
+def test_rerun_checks_the_shards_without_loading_the_teacher(tiny_cache, tiny_teacher, capsys, monkeypatch):
+    import teacher_cache.backends
+
+    monkeypatch.setattr(teacher_cache.backends, "make_backend", lambda *a, **k: pytest.fail("teacher loaded"))
+    code, out, _ = run_cli(_args(tiny_teacher, tiny_cache), capsys)
+    assert code == 0 and "already complete (every shard checked)" in out
+
+
+def test_a_shared_cache_this_user_cannot_write_is_reused(tiny_cache, tiny_teacher, tmp_path, capsys, monkeypatch):
+    """Another user's complete cache (no write permission here): reused, not refused for its lock;
+    damaged, it is one error line instead of a repair. (os.access stands in for the permissions,
+    which root ignores.)"""
+    import teacher_cache.backends
+
+    cache = tmp_path / "shared"
+    shutil.copytree(tiny_cache, cache)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: real_access(p, mode) and not (Path(p) == cache and mode & os.W_OK))
+    monkeypatch.setattr(teacher_cache.backends, "make_backend", lambda *a, **k: pytest.fail("teacher loaded"))
+    code, out, err = run_cli(_args(tiny_teacher, cache), capsys)
+    assert code == 0 and "already complete" in out, err
+    (cache / "shards" / "00000.parquet").unlink()
+    line = one_error_line(*run_cli(_args(tiny_teacher, cache), capsys)[::2])
+    assert line.startswith("error: --out ") and "you cannot write to it" in line
+
+
+def test_damaged_shards_are_repaired_by_rerunning(tiny_cache, tiny_teacher, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_cache, cache)
+    before = _shards(cache)
+    victim = cache / "shards" / "00001.parquet"
+    victim.write_bytes(victim.read_bytes()[:-10])
+    code, _, err = run_cli(["verify", cache], capsys)
+    line = one_error_line(code, err)
+    assert "00001.parquet" in line and "rerun `distill cache-teacher` with the options that built" in line
+    code, out, _ = run_cli(_args(tiny_teacher, cache), capsys)
+    assert code == 0 and "repaired: rebuilt 1 damaged shard(s) (00001.parquet)" in out, out
+    assert _shards(cache) == before  # the same bytes as the first build
+    code, out, _ = run_cli(["verify", cache], capsys)
+    assert code == 0 and " ok: 2 shards" in out
+    (cache / "shards" / "00000.parquet").unlink()  # a deleted shard too
+    code, out, _ = run_cli(_args(tiny_teacher, cache), capsys)
+    assert code == 0 and "(00000.parquet)" in out and _shards(cache) == before
+
+
+def test_quiet_hides_the_loading_bars_of_transformers(tiny_teacher, tmp_path, capsys):
+    code, _, err = run_cli(_args(tiny_teacher, tmp_path / "quiet"), capsys)
+    assert code == 0 and "Loading weights" not in err and "it/s" not in err, err
+    loud = [a for a in _args(tiny_teacher, tmp_path / "loud") if a != "-q"]
+    code, _, err = run_cli(loud, capsys)
+    assert code == 0 and "Loading weights" in err  # the check above can fail
+
+
+def test_binary_files_matched_by_the_glob_are_skipped_and_counted(tiny_teacher, tmp_path, capsys, caplog):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("def add(a, b):\n    return a + b\n" * 20, encoding="utf-8")
+    (corpus / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)) * 4)
+    args = _args(tiny_teacher, tmp_path / "c", "--corpus", corpus, "--glob", "*")
+    with caplog.at_level("WARNING"):
+        code, out, _ = run_cli(args, capsys)
+    assert code == 0 and "1 file(s) skipped as not UTF-8 text" in caplog.text and "logo.png" in caplog.text
+    source = json.loads((tmp_path / "c" / "manifest.json").read_text())["data"]["source"]
+    assert "(text, 2 files matching *)" in source
+    code, _, err = run_cli([*_args(tiny_teacher, tmp_path / "d", "--corpus", corpus, "--glob", "*"),
+                            "--encoding-errors", "strict"], capsys)
+    line = one_error_line(code, err)
+    assert line.startswith("error: --encoding-errors is 'strict'") and "logo.png" in line
+
+
+# --- mistakes: one line, naming the option, before the corpus is tokenised or the teacher loaded ---
+
+
+@pytest.mark.parametrize(
+    "args, start",
+    [
+        (["--seq-len", "1"], "--seq-len must be an integer >= 2"),
+        (["-k", "0"], "-k must be an integer >= 1, got 0"),
+        (["-k", "60000"], "-k must be in [1, vocab_size=49152]"),
+        (["--format", "xml"], "--format must be one of 'auto', 'text'"),
+        (["--codec", "zip9"], "--codec must be one of"),
+        (["--storage", "hdf5"], "--storage must be one of 'parquet', 'zarr', got 'hdf5'"),
+        (["--backend", "onnx"], "--backend must be one of 'hf', 'vllm', got 'onnx'"),
+        (["--dtype", "int4"], "--dtype must be one of"),
+        (["--device", "gpu"], "--device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
+        (["--temperature", "0"], "--temperature must be a finite number > 0"),
+        (["--shard-size", "0"], "--shard-size must be an integer >= 1"),
+        (["--encoding-errors", "latin1"], "--encoding-errors must be one of 'skip'"),
+        (["--corpus", "/no/such/place"], "--corpus names /no/such/place, which does not exist"),
+        (["--model", "/no/such/model"], "--model must be an HF model folder"),
+    ],
+)
+def test_bad_option_names_the_option(args, start, tiny_teacher, tmp_path, capsys, no_slow_work):
+    model = [] if "--model" in args else ["--model", tiny_teacher]
+    small = [a for a in SMALL if a not in ("-k", "8")]
+    code, _, err = run_cli(["cache-teacher", "--out", tmp_path / "c", *model, *small, *args], capsys)
+    line = one_error_line(code, err)
+    assert line.startswith(f"error: {start}"), line
+    assert "Config" not in line and not line.startswith("error: `")
+    assert not (tmp_path / "c").exists()  # nothing left behind by a refused run
+
+
+def test_glob_matching_nothing_names_the_option(tiny_teacher, tmp_path, capsys):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("text")
+    code, _, err = run_cli(_args(tiny_teacher, tmp_path / "c", "--corpus", tmp_path / "corpus"), capsys)
+    assert one_error_line(code, err).startswith("error: --glob '*.py' matches no files under corpus folder")
+
+
+def test_out_that_cannot_hold_a_cache_is_refused_in_words(tiny_teacher, tmp_path, capsys, no_slow_work):
+    (tmp_path / "file").write_text("x")
+    code, _, err = run_cli(_args(tiny_teacher, tmp_path / "file"), capsys)
+    assert one_error_line(code, err).startswith("error: --out is an existing file")
+    code, _, err = run_cli(_args(tiny_teacher, tmp_path / "file" / "cache"), capsys)
+    line = one_error_line(code, err)
+    assert "is a file, not a folder" in line and "Errno" not in line
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("someone's")
+    code, _, err = run_cli(_args(tiny_teacher, tmp_path / "mine"), capsys)
+    assert "is not empty (notes.txt" in one_error_line(code, err)
+
+
+def test_locked_cache_is_refused_before_any_work(tiny_teacher, tmp_path, capsys, no_slow_work):
+    from teacher_cache.writer import CacheLock
+
+    lock = CacheLock.acquire(tmp_path / "c")
+    try:
+        code, _, err = run_cli(_args(tiny_teacher, tmp_path / "c"), capsys)
+    finally:
+        lock.release()
+    assert f"being written by another process (pid {os.getpid()})" in one_error_line(code, err)
+
+
+def test_another_cache_in_out_is_refused_before_any_work(tiny_cache, tiny_teacher, capsys, no_slow_work):
+    before = (tiny_cache / "manifest.json").read_bytes()
+    args = [a if a != "8" else "9" for a in _args(tiny_teacher, tiny_cache)]  # -k 9
+    line = one_error_line(*run_cli(args, capsys)[::2])
+    assert "holds another cache" in line and "targets.k: 8 vs 9" in line
+    assert (tiny_cache / "manifest.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("damage", ["empty config", "no weights", "no tokenizer"])
+def test_broken_teacher_folder_is_one_error_line(damage, tiny_teacher, tmp_path, capsys, no_slow_work):
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_teacher, teacher)
+    if damage == "empty config":
+        (teacher / "config.json").write_text("{}")
+        expected = "its config.json is not a model config transformers can read"
+    elif damage == "no weights":
+        (teacher / "model.safetensors").unlink()
+        expected = "has no weight files"
+    else:
+        for p in teacher.glob("tokenizer*"):
+            p.unlink()
+        expected = "has no usable tokenizer (no tokenizer files)"
+    code, _, err = run_cli(_args(teacher, tmp_path / "c"), capsys)
+    line = one_error_line(code, err)
+    assert expected in line and str(teacher) in line
+
+
+def test_cli_defaults_are_the_config_defaults():
+    import typer.main
+
+    from distill.cli import app
+    from pipelines.corpus import CorpusConfig
+    from pipelines.stage_one import StageOneConfig, TeacherConfig
+    from teacher_cache.build import CacheConfig
+
+    command = typer.main.get_command(app).commands["cache-teacher"]
+    defaults = {p.name: p.default for p in command.params}
+    fields = {
+        "backend": (TeacherConfig, "backend"), "dtype": (TeacherConfig, "dtype"), "device": (TeacherConfig, "device"),
+        "compile": (TeacherConfig, "compile"), "corpus_format": (CorpusConfig, "format"),
+        "text_field": (CorpusConfig, "text_field"), "glob": (CorpusConfig, "file_glob"),
+        "encoding_errors": (CorpusConfig, "encoding_errors"), "seq_len": (CorpusConfig, "seq_len"),
+        "max_sequences": (CorpusConfig, "max_sequences"), "k": (CacheConfig, "k"),
+        "codec": (CacheConfig, "value_codec"), "storage": (CacheConfig, "storage"),
+        "shard_size": (CacheConfig, "shard_size"), "batch_size": (CacheConfig, "batch_size"),
+        "temperature": (CacheConfig, "temperature"),
+    }
+    for option, (cls, name) in fields.items():
+        assert defaults[option] == cls.__dataclass_fields__[name].default, option
+    assert Path(defaults["out"]) == StageOneConfig().cache.out
+
+
+# --- cache-stats, verify, import-gguf ---
+
+
+def test_plot_file_names(tiny_cache, tmp_path, capsys):
+    code, _, err = run_cli(["cache-stats", tiny_cache, "--plot", tmp_path / "x.txt"], capsys)
+    assert "'.txt' is not an image format" in one_error_line(code, err)
+    assert not (tmp_path / "x.txt").exists()
+    code, _, err = run_cli(["cache-stats", tiny_cache, "--plot", tmp_path / "noext"], capsys)
+    assert code == 0 and f"wrote {tmp_path / 'noext.png'}" in err
+    assert (tmp_path / "noext.png").stat().st_size > 1000
+    code, _, err = run_cli(["cache-stats", tiny_cache, "--plot", tmp_path / "no" / "dir.png"], capsys)
+    assert "does not exist" in one_error_line(code, err)
+
+
+def test_import_gguf_to_a_file_is_one_error_line(tmp_path, capsys):
+    from pipelines.defaults import default_teacher_gguf
+
+    (tmp_path / "file").write_text("x")
+    code, _, err = run_cli(["import-gguf", default_teacher_gguf(), tmp_path / "file"], capsys)
+    assert "is an existing file" in one_error_line(code, err)
