@@ -55,7 +55,8 @@ def _next_power_of_two(value: int) -> int:
 @dataclass(frozen=True)
 class AdamW8bitStepSettings:
     """How the Triton step cuts its work; the defaults are the production path (the step's
-    benchmark rows `optimizer_step/qwen2-0.5b/adamw8bit-*` in tests/benchmarks/RESULTS.md were measured with them)."""
+    benchmark rows `optimizer_step/qwen2-0.5b/adamw8bit-*` in tests/benchmarks/RESULTS.md were measured
+    with them)."""
 
     tile_elems: int = 2048  # elements one program updates (whole blocks, padded to a power of two)
     max_block: int = 8192  # the largest padded block_size the kernel takes: one block must fit in one

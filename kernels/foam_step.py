@@ -55,7 +55,8 @@ def _power_of_two(value) -> bool:
 @dataclass(frozen=True)
 class FoamStepSettings:
     """How the Triton step cuts its work; the defaults are the production path (the step's
-    benchmark rows `optimizer_step/qwen2-0.5b/foam-*` in tests/benchmarks/RESULTS.md were measured with them)."""
+    benchmark rows `optimizer_step/qwen2-0.5b/foam-*` in tests/benchmarks/RESULTS.md were measured
+    with them)."""
 
     tile_elems: int = 4096  # elements of p one program updates (whole blocks); a power of two:
     # large enough to hide memory latency, small enough for a tile of fp32 values to stay in registers

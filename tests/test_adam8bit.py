@@ -439,9 +439,11 @@ def test_adamw8bit_step_triton_matches_torch(param_dtype, grad_dtype, aligned, w
     for block_size in (64, 100):
         runs = []
         for impl in ("torch", "triton"):
-            params, states, grads = _kernel_case(param_dtype, grad_dtype, aligned, block_size, num_steps, seed=block_size)
+            params, states, grads = _kernel_case(param_dtype, grad_dtype, aligned, block_size, num_steps,
+                                                 seed=block_size)
             start = [p.clone() for p in params]
-            assert adamw8bit_launch_key(params[0], grads[0][0], *(states[0][k] for k in keys), SMALL_TILES)[2] == aligned
+            launch_key = adamw8bit_launch_key(params[0], grads[0][0], *(states[0][k] for k in keys), SMALL_TILES)
+            assert launch_key[2] == aligned  # the misaligned case takes the unhinted launch
             for step in range(num_steps):
                 adamw8bit_step(params, grads[step], [tuple(s[k] for k in keys) for s in states], block_size=block_size,
                                lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=weight_decay, step=step + 1,

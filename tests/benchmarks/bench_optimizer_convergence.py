@@ -40,7 +40,8 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for case, row in newest.items():
         figures = row["figures"]
-        ax.plot(figures["steps"], figures["heldout_kl_by_step"], marker="o", label=f"{case} (lr {row['config']['lr']:g})")
+        label = f"{case} (lr {row['config']['lr']:g})"
+        ax.plot(figures["steps"], figures["heldout_kl_by_step"], marker="o", label=label)
     ax.set(xlabel="step", ylabel="held-out KL to teacher (nats/token)", yscale="log",
            title="Optimizers on the same distillation run")
     ax.grid(alpha=0.3, which="both")

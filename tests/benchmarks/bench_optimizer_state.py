@@ -89,11 +89,12 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for case, label, method, kw in variants():
             b = state_bytes(shapes, method, **kw)
-            figures = dict(folded_matrices_gib=b["folded"] / 2**30, folded_matrices_vs_adamw=b["folded"] / base["folded"],
+            figures = dict(folded_matrices_gib=b["folded"] / 2**30,
+                           folded_matrices_vs_adamw=b["folded"] / base["folded"],
                            whole_model_gib=b["total"] / 2**30, whole_model_vs_adamw=b["total"] / base["total"])
+            embedding_state = None if method != "foam" else "folded" if kw.get("fold_embeddings") else "plain Adam"
             config = dict(shape=f"{n / 1e6:.1f}M parameters, tied embedding {embedding / 1e6:.1f}M", variant=case,
-                          adamw8bit_block=kw.get("block_size"),
-                          embedding="folded" if kw.get("fold_embeddings") else "plain Adam" if method == "foam" else None)
+                          adamw8bit_block=kw.get("block_size"), embedding=embedding_state)
             results.add(f"{shape}/{case}", figures, config)
             print(f"| {label} | {figures['folded_matrices_gib']:.3f} | {figures['folded_matrices_vs_adamw']:.3f} | "
                   f"{figures['whole_model_gib']:.3f} | {figures['whole_model_vs_adamw']:.3f} |")
