@@ -36,7 +36,7 @@ try:
     import triton
     import triton.language as tl
 
-    from kernels.multi_tensor import as_pointer, hint_aligned, locate_tile, to_bf16_rtne
+    from kernels.multi_tensor import as_pointer, locate_tile, to_bf16_rtne
 except ImportError:  # the torch path needs no Triton
     triton = None
 
@@ -280,12 +280,19 @@ if triton is not None:
                          TILE_B: tl.constexpr, ALIGN: tl.constexpr, SMALL_WEIGHT: tl.constexpr,
                          ROUND_BF16: tl.constexpr):
         owner, row, tile = locate_tile(meta_ptr, tile_owner_ptr)
-        p_ptr = hint_aligned(as_pointer(tl.load(row), P_DTYPE), ALIGN)
-        codes_m_ptr = hint_aligned(as_pointer(tl.load(row + 1), "u8"), ALIGN)
-        absmax_m_ptr = hint_aligned(as_pointer(tl.load(row + 2), "fp32"), ALIGN)
-        codes_r_ptr = hint_aligned(as_pointer(tl.load(row + 3), "u8"), ALIGN)
-        absmax_r_ptr = hint_aligned(as_pointer(tl.load(row + 4), "fp32"), ALIGN)
-        g_ptr = hint_aligned(as_pointer(tl.load(grad_addr_ptr + owner), G_DTYPE), ALIGN)
+        p_ptr = as_pointer(tl.load(row), P_DTYPE)
+        codes_m_ptr = as_pointer(tl.load(row + 1), "u8")
+        absmax_m_ptr = as_pointer(tl.load(row + 2), "fp32")
+        codes_r_ptr = as_pointer(tl.load(row + 3), "u8")
+        absmax_r_ptr = as_pointer(tl.load(row + 4), "fp32")
+        g_ptr = as_pointer(tl.load(grad_addr_ptr + owner), G_DTYPE)
+        if ALIGN > 1:  # here, not in a helper: a hint returned from a called function is lost
+            p_ptr = tl.multiple_of(p_ptr, ALIGN)
+            g_ptr = tl.multiple_of(g_ptr, ALIGN)
+            codes_m_ptr = tl.multiple_of(codes_m_ptr, ALIGN)
+            codes_r_ptr = tl.multiple_of(codes_r_ptr, ALIGN)
+            absmax_m_ptr = tl.multiple_of(absmax_m_ptr, ALIGN)
+            absmax_r_ptr = tl.multiple_of(absmax_r_ptr, ALIGN)
         numel = tl.load(row + 5)
         num_blocks = tl.load(row + 6)
         first_block = tile * TILE_B

@@ -41,7 +41,7 @@ try:
     import triton
     import triton.language as tl
 
-    from kernels.multi_tensor import as_pointer, hint_aligned, locate_tile, to_bf16_rtne
+    from kernels.multi_tensor import as_pointer, locate_tile, to_bf16_rtne
 except ImportError:  # the torch path needs no Triton
     triton = None
 
@@ -192,10 +192,15 @@ if triton is not None:
                      P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BLOCK: tl.constexpr, TILE_F: tl.constexpr,
                      EVEN: tl.constexpr, ALIGN: tl.constexpr, ROUND_BF16: tl.constexpr):
         owner, row, tile = locate_tile(meta_ptr, tile_owner_ptr)
-        p_ptr = hint_aligned(as_pointer(tl.load(row), P_DTYPE), ALIGN)
-        m_ptr = hint_aligned(as_pointer(tl.load(row + 1), "fp32"), ALIGN)
-        v_ptr = hint_aligned(as_pointer(tl.load(row + 2), "fp32"), ALIGN)
-        g_ptr = hint_aligned(as_pointer(tl.load(grad_addr_ptr + owner), G_DTYPE), ALIGN)
+        p_ptr = as_pointer(tl.load(row), P_DTYPE)
+        m_ptr = as_pointer(tl.load(row + 1), "fp32")
+        v_ptr = as_pointer(tl.load(row + 2), "fp32")
+        g_ptr = as_pointer(tl.load(grad_addr_ptr + owner), G_DTYPE)
+        if ALIGN > 1:  # here, not in a helper: a hint returned from a called function is lost
+            p_ptr = tl.multiple_of(p_ptr, ALIGN)
+            m_ptr = tl.multiple_of(m_ptr, ALIGN)
+            v_ptr = tl.multiple_of(v_ptr, ALIGN)
+            g_ptr = tl.multiple_of(g_ptr, ALIGN)
         n = tl.load(row + 3)
         n_folded = tl.load(row + 4)
         num_folded = tl.load(row + 5)

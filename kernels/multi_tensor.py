@@ -143,13 +143,6 @@ if triton is not None:
         return ptr
 
     @triton.jit
-    def hint_aligned(ptr, ALIGN: tl.constexpr):
-        """ptr, marked a multiple of ALIGN bytes when ALIGN > 1 (the launch checked it)."""
-        if ALIGN > 1:
-            ptr = tl.multiple_of(ptr, ALIGN)
-        return ptr
-
-    @triton.jit
     def to_bf16_rtne(x):
         """fp32 -> bf16 rounded to nearest even, NaN kept, by bit arithmetic: the same on a GPU and
         in Triton's interpreter, whose own cast truncates (a bf16 param would drift an ulp a step)."""

@@ -1,11 +1,17 @@
 """kernels.multi_tensor: the launch tables the optimizer steps share (layout of the meta rows and
-tile owners) and the grad table, which uploads again only when the grads move and refuses grads
-that no longer fit their launch."""
+tile owners), the grad table, which uploads again only when the grads move and refuses grads that
+no longer fit their launch, and the alignment hint reaching the compiled kernels."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from kernels.multi_tensor import META_COLUMNS, GradTable, TensorTable, is_aligned
@@ -45,3 +51,51 @@ def test_grad_table_refuses_grads_that_no_longer_fit():
     assert not table.point_at([torch.zeros(8, dtype=torch.bfloat16), fitting[1]])  # another dtype
     assert not table.point_at([torch.zeros(4, 2).t(), fitting[1]])  # not contiguous
     assert not table.point_at([torch.zeros(9)[1:], fitting[1]])  # misaligned where the launch assumes alignment
+
+
+_COMPILE_FOR_SM90 = """
+import json, re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from kernels.adamw8bit_step import _adam8bit_kernel
+from kernels.foam_step import _foam_kernel
+
+def vector_accesses(fn, scalars, constexprs):
+    signature = {"meta_ptr": "*i64", "grad_addr_ptr": "*i64", "tile_owner_ptr": "*i32", **scalars,
+                 **{name: "constexpr" for name in constexprs}}
+    names = list(signature)
+    source = ASTSource(fn=fn, signature=signature,
+                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    ptx = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    return len(re.findall(r"(?:ld|st)[.]global[.]v[24]", ptx))
+
+foam_scalars = {name: "fp32" for name in ("beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "scale",
+                                          "rho", "rho_sq", "step_size", "decay")}
+adam_scalars = {**{name: "*fp32" for name in ("code_m_ptr", "mid_m_ptr", "code_r_ptr", "mid_r_ptr")},
+                **{name: "fp32" for name in ("decay_factor", "lerp_weight", "beta2", "one_minus_beta2",
+                                             "neg_step_size", "bias_correction2_sqrt", "eps")}}
+out = {}
+for align in (16, 1):
+    out[f"foam{align}"] = vector_accesses(_foam_kernel, foam_scalars, dict(
+        P_DTYPE="fp32", G_DTYPE="fp32", BLOCK=4, TILE_F=1024, EVEN=True, ALIGN=align, ROUND_BF16=False))
+    out[f"adam{align}"] = vector_accesses(_adam8bit_kernel, adam_scalars, dict(
+        P_DTYPE="fp32", G_DTYPE="fp32", BLOCK=256, BLOCK_PAD=256, TILE_B=8, ALIGN=align, SMALL_WEIGHT=True,
+        ROUND_BF16=False))
+print(json.dumps(out))
+"""
+
+
+def test_aligned_launches_compile_to_vector_accesses():
+    """The alignment a launch checked reaches the compiler: compiled for sm_90 (no GPU needed), an
+    aligned launch of either optimizer kernel loads and stores vectors and a misaligned one does not
+    (a hint set inside a called helper was lost, and with it the vector accesses)."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
+    env["PYTHONPATH"] = str(root)
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts["foam16"] > 0 and counts["adam16"] > 0, counts
+    assert counts["foam1"] == 0 and counts["adam1"] == 0, counts
