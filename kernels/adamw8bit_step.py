@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from numbers import Real
 
 import torch
 
-from kernels.multi_tensor import TRITON_DTYPE_NAMES, TensorTable, is_aligned, triton_can_run, upload
+from kernels.multi_tensor import (TRITON_DTYPE_NAMES, TensorTable, check_number, check_step, is_aligned,
+                                  is_power_of_two, runs_triton, upload)
 
 try:
     import triton
@@ -44,11 +44,7 @@ __all__ = ["AdamW8bitLaunch", "AdamW8bitStepSettings", "adamw8bit_launch_key", "
            "adamw8bit_step_torch", "adamw_step_scalars", "dequantize_blockwise", "dynamic_code", "quantize_blockwise"]
 
 
-def _power_of_two(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1 and value & (value - 1) == 0
-
-
-def _next_power_of_two(value: int) -> int:
+def _nextis_power_of_two(value: int) -> int:
     return 1 << (value - 1).bit_length()
 
 
@@ -66,13 +62,13 @@ class AdamW8bitStepSettings:
 
     def __post_init__(self):
         for name in ("tile_elems", "max_block", "align_bytes", "num_warps"):
-            if not _power_of_two(getattr(self, name)):
+            if not is_power_of_two(getattr(self, name)):
                 raise ValueError(f"AdamW8bitStepSettings.{name} must be a power of two >= 1, "
                                  f"got {getattr(self, name)!r}")
 
     def takes_block(self, block_size: int) -> bool:
         """Whether the kernel takes blocks of ``block_size`` (padded to a power of two)."""
-        return _next_power_of_two(block_size) <= self.max_block
+        return _nextis_power_of_two(block_size) <= self.max_block
 
 
 def adamw_step_scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:
@@ -325,7 +321,7 @@ class AdamW8bitLaunch:
         assert settings.takes_block(block_size)
         self.params, self.block_size, self.grad_dtype, self.aligned = params, block_size, grad_dtype, aligned
         self.p_dtype = params[0].dtype
-        self.block_pad = _next_power_of_two(block_size)
+        self.block_pad = _nextis_power_of_two(block_size)
         self.tile_b = max(1, settings.tile_elems // self.block_pad)
         self.align = settings.align_bytes if aligned else 1
         self.num_warps = settings.num_warps
@@ -359,15 +355,8 @@ class AdamW8bitLaunch:
 
 # --- public function ------------------------------------------------------------------------------
 
-def _check_number(name: str, value, low: float, high: float = math.inf) -> None:
-    if not (isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value) and low <= value < high):
-        raise ValueError(f"`{name}` must be a finite number in [{low}, {high}), got {value!r}")
-
-
 def _validate(params, grads, states, block_size, scalars, impl, settings) -> bool:
     """Raise ValueError on a bad input; return whether the Triton step runs."""
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"`impl` must be 'auto', 'triton' or 'torch', got {impl!r}")
     if not isinstance(settings, AdamW8bitStepSettings):
         raise ValueError(f"`settings` must be an AdamW8bitStepSettings, got {type(settings).__name__}")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
@@ -375,14 +364,11 @@ def _validate(params, grads, states, block_size, scalars, impl, settings) -> boo
     if len(params) != len(grads) or len(params) != len(states):
         raise ValueError(f"params, grads and states must be lists of one length, got {len(params)}, {len(grads)}, "
                          f"{len(states)}")
-    _check_number("lr", scalars["lr"], 0.0)
-    _check_number("beta1", scalars["beta1"], 0.0, 1.0)
-    _check_number("beta2", scalars["beta2"], 0.0, 1.0)
-    _check_number("eps", scalars["eps"], 0.0)
-    _check_number("weight_decay", scalars["weight_decay"], 0.0)
-    step = scalars["step"]
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        raise ValueError(f"`step` must be an int >= 1 (the count including this step), got {step!r}")
+    for name in ("lr", "eps", "weight_decay"):
+        check_number(name, scalars[name], 0.0)
+    check_number("beta1", scalars["beta1"], 0.0, 1.0)
+    check_number("beta2", scalars["beta2"], 0.0, 1.0)
+    check_step(scalars["step"])
     for i, (p, g, state) in enumerate(zip(params, grads, states)):
         if not p.dtype.is_floating_point or not g.dtype.is_floating_point or g.shape != p.shape:
             raise ValueError(f"params[{i}] and grads[{i}] must be float tensors of one shape, got {p.dtype} "
@@ -399,22 +385,14 @@ def _validate(params, grads, states, block_size, scalars, impl, settings) -> boo
                                  f"got {t.dtype} {tuple(t.shape)}")
         if len({p.device, g.device, *(t.device for t in state)}) != 1:
             raise ValueError(f"params[{i}], its grad and its state must be on one device")
-    devices = {p.device for p in params}
-    kernel_dtypes = all(t.dtype in TRITON_DTYPE_NAMES for t in (*params, *grads))
-    if impl == "torch":
+    if not runs_triton(impl, (*params, *grads)):
         return False
-    if impl == "auto":
-        return (triton is not None and kernel_dtypes and all(d.type == "cuda" for d in devices)
-                and settings.takes_block(block_size))
-    if not kernel_dtypes:
-        raise ValueError("impl='triton' takes fp32, bf16 or fp16 params and grads; use impl='auto' or 'torch'")
-    if not all(triton_can_run(d) for d in devices):
-        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import) and the "
-                         f"triton package, got {sorted(map(str, devices))}; use impl='auto' or 'torch'")
-    if not settings.takes_block(block_size):
-        raise ValueError(f"impl='triton' takes block_size up to {settings.max_block}, got {block_size}; "
-                         "use impl='auto' or 'torch', or a smaller block_size")
-    return True
+    if settings.takes_block(block_size):
+        return True
+    if impl == "auto":  # blocks too large for one program's registers take the torch path
+        return False
+    raise ValueError(f"impl='triton' takes block_size up to {settings.max_block}, got {block_size}; "
+                     "use impl='auto' or 'torch', or a smaller block_size")
 
 
 def adamw8bit_step(params, grads, states, *, block_size: int, lr: float, beta1: float, beta2: float, eps: float,

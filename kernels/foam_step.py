@@ -1,11 +1,11 @@
 """FOAM's optimizer step: Adam with both moments folded into block means along the last dimension.
 
-Per param p [..., n], gradient g, block b (a power of two; the optimizer's level is log2 b),
-n' = ceil(n / b):
+Per param p [..., n], gradient g, block b (a power of two; the optimizer's level is log2 b), step
+count t (1 at the first step), n' = ceil(n / b):
 
     A(x)  = mean of each b adjacent entries of the last dim, x zero-padded to n' * b   [..., n']
     E(y)  = y.repeat_interleave(b, -1)[..., :n]                                         [..., n]
-    g_bar = A(g);  s_bar = A(g * g)
+    g_bar = A(g);  s_bar = A(g * g)        # the block mean of g^2, not (block mean of g)^2
     R     = g - E(g_bar)                   # residual, recomputed every step, never stored
     m    <- beta1 * m + (1 - beta1) * g_bar                                  # state [..., n'] fp32
     v    <- beta2 * v + (1 - beta2) * s_bar                                  # state [..., n'] fp32
@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from numbers import Real
 
 import torch
 import torch.nn.functional as F
 
-from kernels.multi_tensor import TRITON_DTYPE_NAMES, TensorTable, is_aligned, triton_can_run, upload
+from kernels.multi_tensor import (TRITON_DTYPE_NAMES, TensorTable, check_number, check_step, is_aligned,
+                                  is_power_of_two, runs_triton, upload)
 
 try:
     import triton
@@ -46,10 +46,6 @@ except ImportError:  # the torch path needs no Triton
     triton = None
 
 __all__ = ["FoamLaunch", "FoamStepSettings", "foam_launch_key", "foam_moment_shape", "foam_step", "foam_step_torch"]
-
-
-def _power_of_two(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1 and value & (value - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -64,7 +60,7 @@ class FoamStepSettings:
 
     def __post_init__(self):
         for name in ("tile_elems", "align_bytes"):
-            if not _power_of_two(getattr(self, name)):
+            if not is_power_of_two(getattr(self, name)):
                 raise ValueError(f"FoamStepSettings.{name} must be a power of two >= 1, got {getattr(self, name)!r}")
 
     def folds_per_tile(self, block: int) -> int:
@@ -260,35 +256,21 @@ class FoamLaunch:
 
 # --- public function ------------------------------------------------------------------------------
 
-def _check_number(name: str, value, low: float, high: float = math.inf, low_inclusive: bool = True) -> None:
-    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value >= low if low_inclusive else value > low) and value < high
-    if not ok:
-        raise ValueError(f"`{name}` must be a finite number in {'[' if low_inclusive else '('}{low}, {high}), "
-                         f"got {value!r}")
-
-
 def _validate(params, grads, exp_avgs, exp_avg_sqs, block, scalars, impl, settings) -> bool:
     """Raise ValueError on a bad input; return whether the Triton step runs."""
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"`impl` must be 'auto', 'triton' or 'torch', got {impl!r}")
     if not isinstance(settings, FoamStepSettings):
         raise ValueError(f"`settings` must be a FoamStepSettings, got {type(settings).__name__}")
-    if not _power_of_two(block):
+    if not is_power_of_two(block):
         raise ValueError(f"`block` must be a power of two >= 1 (2**level), got {block!r}")
     if not len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs):
         raise ValueError(f"params, grads, exp_avgs and exp_avg_sqs must be lists of one length, got "
                          f"{len(params)}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)}")
-    _check_number("lr", scalars["lr"], 0.0)
-    _check_number("beta1", scalars["beta1"], 0.0, 1.0)
-    _check_number("beta2", scalars["beta2"], 0.0, 1.0)
-    _check_number("eps", scalars["eps"], 0.0)
-    _check_number("weight_decay", scalars["weight_decay"], 0.0)
-    _check_number("scale", scalars["scale"], 0.0, low_inclusive=False)
-    _check_number("rho", scalars["rho"], 0.0)
-    step = scalars["step"]
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        raise ValueError(f"`step` must be an int >= 1 (the count including this step), got {step!r}")
+    for name in ("lr", "eps", "weight_decay", "rho"):
+        check_number(name, scalars[name], 0.0)
+    check_number("beta1", scalars["beta1"], 0.0, 1.0)
+    check_number("beta2", scalars["beta2"], 0.0, 1.0)
+    check_number("scale", scalars["scale"], 0.0, low_inclusive=False)
+    check_step(scalars["step"])
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         if not p.dtype.is_floating_point or not g.dtype.is_floating_point or g.shape != p.shape:
             raise ValueError(f"params[{i}] and grads[{i}] must be float tensors of one shape, got {p.dtype} "
@@ -301,18 +283,7 @@ def _validate(params, grads, exp_avgs, exp_avg_sqs, block, scalars, impl, settin
         if len({p.device, g.device, m.device, v.device}) != 1:
             raise ValueError(f"params[{i}], its grad and moments must be on one device, got {p.device}, {g.device}, "
                              f"{m.device}, {v.device}")
-    devices = {p.device for p in params}
-    kernel_dtypes = all(t.dtype in TRITON_DTYPE_NAMES for t in (*params, *grads))
-    if impl == "torch":
-        return False
-    if impl == "auto":
-        return triton is not None and kernel_dtypes and all(d.type == "cuda" for d in devices)
-    if not kernel_dtypes:
-        raise ValueError("impl='triton' takes fp32, bf16 or fp16 params and grads; use impl='auto' or 'torch'")
-    if not all(triton_can_run(d) for d in devices):
-        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import) and the "
-                         f"triton package, got {sorted(map(str, devices))}; use impl='auto' or 'torch'")
-    return True
+    return runs_triton(impl, (*params, *grads))
 
 
 def foam_step(params, grads, exp_avgs, exp_avg_sqs, *, block: int, lr: float, beta1: float, beta2: float,

@@ -19,7 +19,9 @@ a typed pointer and round fp32 to bf16.
 
 from __future__ import annotations
 
+import math
 import os
+from numbers import Real
 
 import torch
 
@@ -29,8 +31,8 @@ try:
 except ImportError:  # the torch paths need no Triton
     triton = None
 
-__all__ = ["META_COLUMNS", "TRITON_DTYPE_NAMES", "GradTable", "TensorTable", "is_aligned", "triton_can_run",
-           "upload"]
+__all__ = ["META_COLUMNS", "TRITON_DTYPE_NAMES", "GradTable", "TensorTable", "check_number", "check_step",
+           "is_aligned", "is_power_of_two", "runs_triton", "triton_can_run", "upload"]
 
 # The dtypes a multi-tensor kernel takes, by the name its DTYPE constexpr uses (see as_pointer).
 TRITON_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -41,6 +43,44 @@ def triton_can_run(device: torch.device) -> bool:
     """Whether a Triton kernel can run on ``device``: a CUDA device, or any device under Triton's
     CPU interpreter (TRITON_INTERPRET=1 set before the kernels were defined; tests use it)."""
     return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def runs_triton(impl: str, tensors) -> bool:
+    """Whether a step with ``impl`` runs its Triton kernel on ``tensors`` (params and grads): "torch"
+    never; "auto" for CUDA tensors of the kernel's dtypes when Triton is installed; "triton" always,
+    or a ValueError saying why it cannot."""
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"`impl` must be 'auto', 'triton' or 'torch', got {impl!r}")
+    kernel_dtypes = all(t.dtype in TRITON_DTYPE_NAMES for t in tensors)
+    devices = {t.device for t in tensors}
+    if impl == "torch":
+        return False
+    if impl == "auto":
+        return triton is not None and kernel_dtypes and all(d.type == "cuda" for d in devices)
+    if not kernel_dtypes:
+        raise ValueError("impl='triton' takes fp32, bf16 or fp16 params and grads; use impl='auto' or 'torch'")
+    if not all(triton_can_run(d) for d in devices):
+        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import) and the "
+                         f"triton package, got {sorted(map(str, devices))}; use impl='auto' or 'torch'")
+    return True
+
+
+def is_power_of_two(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1 and value & (value - 1) == 0
+
+
+def check_number(name: str, value, low: float, high: float = math.inf, low_inclusive: bool = True) -> None:
+    """ValueError unless ``value`` is a finite real in [low, high) (or (low, high))."""
+    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value >= low if low_inclusive else value > low) and value < high
+    if not ok:
+        raise ValueError(f"`{name}` must be a finite number in {'[' if low_inclusive else '('}{low}, {high}), "
+                         f"got {value!r}")
+
+
+def check_step(step) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"`step` must be an int >= 1 (the count including this step), got {step!r}")
 
 
 def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

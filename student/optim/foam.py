@@ -2,24 +2,15 @@
 
 Source: Wen et al., "FOAM: Blocked State Folding for Memory-Efficient LLM Training",
 arXiv 2512.07112, and the authors' code (github.com/zqOuO/FOAM, ``foam_torch/foam_adam.py``).
-Where paper and code differ, this follows the code. Per folded parameter p [..., n], gradient g,
-level l, block b = 2**l, n' = ceil(n / b):
+Where paper and code differ, this follows the code. A folded parameter [..., n] at level l keeps
+both moments as means over blocks of b = 2**l adjacent columns, [..., ceil(n / b)] fp32, and
+adds back the within-block residual of the current gradient at every step; kernels/foam_step.py
+states the update and holds the step (torch reference and Triton kernel).
 
-    A(x)  = mean of each b adjacent entries of the last dim, x zero-padded to n' * b   [..., n']
-    E(y)  = y.repeat_interleave(b, -1)[..., :n]                                         [..., n]
-    t    += 1
-    g_bar = A(g);  s_bar = A(g * g)        # the code's block mean of g^2, not (block mean of g)^2
-    R     = g - E(g_bar)                   # residual, recomputed every step, never stored
-    m    <- beta1 * m + (1 - beta1) * g_bar                                  # state [..., n'] fp32
-    v    <- beta2 * v + (1 - beta2) * s_bar                                  # state [..., n'] fp32
-    M     = E(m) + rho * R;   V = E(v) + rho**2 * R**2
-    u     = scale * M / (sqrt(V) + eps)
-    p    <- p - lr * sqrt(1 - beta2**t) / (1 - beta1**t) * u
-    p    <- p - lr * weight_decay * p      # decoupled, after the update, as the code does
-
-Discrepancy: third-party write-ups of the paper update v with the square of the block mean,
-A(g)**2; the released code uses A(g * g), so E(v) already holds the within-block variance and
-R**2 comes on top. We follow the code (it produced the reported curves).
+Discrepancy: third-party write-ups of the paper update v with the square of the block mean of
+g, A(g)**2; the released code uses the block mean of g**2, A(g * g), so the folded v already
+holds the within-block variance and the residual's square comes on top. We follow the code (it
+produced the reported curves).
 
 Parameters with ndim >= 2 in a group whose ``level`` is >= 1 are folded (leading dims flattened
 as rows). Groups with level None or 0, and 1-D params in any group, take plain Adam in the same
@@ -27,11 +18,9 @@ bias-correction form (eps added to sqrt(v), bias corrections folded into the ste
 scale 1. (Folding at level 0 is Adam, R = 0; the released code would still multiply a level-0
 group by ``scale``, here ``scale`` reaches folded params only, as the project's API asks.)
 
-The step itself is kernels/foam_step.py: the torch reference (the CPU path) and a Triton kernel
-that reads p and g once per tile and writes p, with no [rows, n] temporaries (plain Adam is the
-same kernel with b = 1). The optimizer launches it once per group of tensors that share a param
-group, dtypes, block and step count (a few launches a step), through address tables built once
-while the parameter set is unchanged (kernels/multi_tensor.py); a step syncs nothing with the host.
+The optimizer launches the Triton step once per group of tensors that share a param group,
+dtypes, block and step count (a few launches a step), through address tables built once while
+the parameter set is unchanged (kernels/multi_tensor.py); a step syncs nothing with the host.
 Differences from the released code: moments are fp32 for any param dtype and bf16 params are
 rounded once per step (the code rounds after the update and again after weight decay).
 """
