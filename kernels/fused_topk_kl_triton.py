@@ -1,68 +1,54 @@
-"""The Triton path of kernels/fused_topk_kl.py: the fused lm-head + top-k KL loss with its
-gradients taken during the forward (the GPU default of ``fused_topk_kl``).
+"""The GPU path of the fused lm-head + top-k KL loss (``fused_topk_kl``'s default on CUDA): the
+gradients are taken during the forward, as Liger-Kernel's fused linear losses do, so forward +
+backward costs three matmuls: z = h_c W^T, grad_h_c = G W and grad_W += G^T h_c, chunk after chunk.
 
-The loss, its tail modes and its notation are in kernels/fused_topk_kl.py's docstring, which also
-holds the dense reference (``topk_kl_dense``) and the chunked torch path that the tests hold this
-path to. Entry points: ``fused_topk_kl_triton`` (inputs validated by ``fused_topk_kl``) and
-``triton_chunk_size``; ``ROW_KERNEL`` and the block sizes are module switches that the tests and
-benchmarks set.
+The loss, its tail modes and its notation are in kernels/fused_topk_kl_torch.py, beside the dense
+reference and the chunked torch path that the tests hold this path to. Entry points:
+``fused_topk_kl_triton`` (inputs validated by ``fused_topk_kl``), ``triton_forward`` (the same
+without autograd), ``row_kernel_for`` (which row kernel a call runs) and ``triton_chunk_size``.
+
+Row kernels. Between the matmuls one Triton program per row turns the chunk's input-dtype logits
+into its gradient, in place. Two kernels, routed by ``row_kernel_for``:
+
+The scaled row kernel (the gradient route): the softmax needs the row's logsumexp before any G can
+be written, which would take a read for the statistics and a second read to write G. Instead the
+pass exponentiates against a reference known before it starts, c = the largest logit on the
+teacher's top-k S (gathered first): E = exp(z / T - c) is written over z while its sum is taken,
+then lse = c + log(sum E). Outside S (and the target) the gradient is cd * softmax =
+(cd / sum E) * E = sigma * E with one coefficient cd per row, so the row is left as E' = G / sigma
+(the exact values at S and the target divided by sigma) and the per-row sigma moves into the small
+matmul operands: grad_h = sigma * (E' W) (scaled in backward, with d loss) and
+G^T h = E'^T (sigma * h), sigma * h written by the same program. One read and one write per logit
+instead of two reads and one write (fused KL round 4 in tests/benchmarks/notes: it replaced the
+direct kernel on this route). The reference only moves up (and earlier blocks are rescaled) where a
+logit passes c + 20, which keeps E <= e^20 in bf16 / fp32.
+
+The direct row kernel, for what the scaled one cannot take: forward-only calls (no gradient to
+write; evaluation), fp16 (E would overflow its exponent range), CE at T != 1 (two softmaxes, no one
+sigma) and renorm without CE (its gradient outside S is exactly zero, which one sigma cannot keep).
+Per row it (1) gathers z at S and writes -inf there, (2) takes the logsumexps of z / T (and of z,
+for CE at T != 1) over the columns outside S in one online pass (the bucket tail needs exactly
+those; the full ones follow by adding the gathered S back in), (3) computes the row's loss and its
+coefficients on [k] (as _kl_terms does in torch) and the exact gradient values at S and the
+target, (4) re-reads the row, mostly from L2, writing cq q + c1 softmax(z) over it in place (0 at
+S), and (5) stores the exact values at the target and at S (S wins where the target is in S).
+
+Schedule: one stream and one reused logits buffer, chunk after chunk. A two-buffer, side-stream
+schedule that overlapped a chunk's row pass with the previous chunk's gradient matmuls bought
+nothing on the H200 and halved the chunk that fits the memory budget, so it was removed (commit
+493ecb7; fused KL round 2 in tests/benchmarks/notes).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_topk_kl import _row_weights, _teacher_logprobs
+from kernels.fused_topk_kl_torch import FusedKLSettings, LossSpec, reduced, row_weights, teacher_logprobs
 
-# Gradients are taken during the forward pass (as Liger-Kernel's fused linear losses do), so
-# forward + backward costs three matmuls: z = h_c W^T, grad_h_c = G W and grad_W += G^T h_c.
-#
-# The scaled row kernel (the default where it applies, see ROW_KERNEL): the softmax needs the
-# row's logsumexp before any G can be written, which took a read for the statistics and a second
-# read to write G. Instead the pass exponentiates against a reference known before it starts,
-# c = the largest logit on the teacher's top-k S (gathered first): E = exp(z / T - c) is written
-# over z while its sum is taken, then lse = c + log(sum E). Outside S (and the target) the
-# gradient is cd * softmax = (cd / sum E) * E = sigma * E with one coefficient cd per row, so the
-# row is left as E' = G / sigma (the exact values at S and the target divided by sigma) and the
-# per-row sigma moves into the small matmul operands: grad_h = sigma * (E' W) (scaled in
-# backward, with d loss) and G^T h = E'^T (sigma * h), sigma * h written by the same program.
-# One read and one write per logit instead of two reads and one write; the H200 sweep in
-# RESULTS.md has the speeds. The reference only moves up (and earlier blocks are rescaled) where a
-# logit passes c + 20, which keeps E <= e^20 in bf16 / fp32.
-#
-# The direct row kernel (_row_kernel; CE at T != 1, fp16, renorm alone, forward-only calls):
-# per chunk, after the logits matmul into an input-dtype buffer z_CV, one Triton program per row
-# (1) gathers z at S and writes -inf there, (2) takes the logsumexps of z / T (and of z, for CE at
-# T != 1) over the columns outside S in one online pass (the bucket tail needs exactly those; the
-# full ones follow by adding the gathered S back in), (3) computes the row's loss and its
-# coefficients on [k] (the module docstring's formulas, as _kl_terms does in torch) and the exact
-# gradient values at S and the target, (4) re-reads the row, mostly from L2, writing
-# cq q + c1 softmax(z) over it in place (0 at S), and (5) stores the exact values at the target
-# and at S (S wins where the target is in S). Backward only scales the two saved gradients.
-#
-# Schedule: one stream and one reused logits buffer, chunk after chunk. A two-buffer, side-stream
-# schedule that overlapped a chunk's row pass with the previous chunk's gradient matmuls bought
-# nothing on the H200 (commit 493ecb7, RESULTS.md; likely because cuBLAS's matmuls hold every
-# multiprocessor) and halved the chunk that fits the memory budget, so it was removed.
-
-# Logits bytes per chunk when chunk_size is None (the extra memory budget
-# is 1 GiB; the [N, k] teacher tensors come on top). With the cap's rounding (triton_chunk_size)
-# chunks hold at most 2,048 rows at V = 151,936 in bf16 (0.58 GiB) and 8,192 at V = 49,152
-# (0.75 GiB): on the H200 at d = 2048 the fastest measured there (3,072 rows at V = 151,936 ran
-# level, in 0.87 GiB; smaller chunks ran slower; RESULTS.md).
-_TRITON_CHUNK_BYTES = 768 * 2**20
-# The direct row kernel: one row per program, 32 warps (as Liger's cross-entropy kernel): few
-# rows in flight, so the second read of a row mostly hits L2.
-_ROW_BLOCK = 16384
-_ROW_WARPS = 32
-# The scaled row kernel reads each logit once, so it wants many rows in flight instead: 4 warps
-# over 2,048-wide blocks ran its pass at 3.3 TB/s (87% of the copy bandwidth) at V = 151,936 and
-# 2.9 TB/s at V = 49,152 on the H200, against 2.1-2.5 TB/s at 16,384 x 32 (the sweep of
-# tune_fused_kl_row_gpu.py over blocks 2,048-16,384 x warps 4-32; RESULTS.md).
-_SCALED_BLOCK = 2048
-_SCALED_WARPS = 4
 _TAIL_CODE = {"renorm": 0, "bucket": 1, "unnormalized": 2}
 
 
@@ -77,8 +63,8 @@ def _plogp_diff_tl(logp, logq):
 @triton.jit
 def _kl_and_coefs(logq, q, logp, logp_tail_ptr, tail_ref, tail_sum, lse, TAIL: tl.constexpr):
     """A row's KL over S (plus the tail bucket) and its gradient coefficients before weighting:
-    (kl, cq on q, cs [BLOCK_K] on S), the module docstring's formulas as _kl_terms takes them in
-    torch. logq, q, logp over S (padding: logp = -inf); bucket only: log Q_tail =
+    (kl, cq on q, cs [BLOCK_K] on S), the formulas of kernels/fused_topk_kl_torch.py as _kl_terms
+    takes them in torch. logq, q, logp over S (padding: logp = -inf); bucket only: log Q_tail =
     tail_ref + log(tail_sum) - lse, tail_sum the sum of exp(z / T - tail_ref) outside S."""
     p = tl.exp(logp)
     if TAIL == 0:  # renorm
@@ -298,34 +284,28 @@ def _scale_kernel(x_ptr, num_rows, num_cols, factor_ptr, scalar_ptr, HAS_FACTOR:
             tl.store(ptrs, x.to(x_ptr.dtype.element_ty), mask=where)
 
 
-# Which row kernel takes the gradient: "scaled" (one read and one write per logit; the chunk's
-# gradient is sigma[:, None] * E', sigma per row) or "direct" (_row_kernel: two reads and one
-# write, the gradient itself). "scaled" needs a softmax shared by the KL and CE terms (no CE, or
-# T = 1), the exponent range of bf16 / fp32 (fp16 tops out at e^11) and a gradient that is not
-# zero outside S (renorm without CE: there "scaled" would leave 1e-10-sized values, "direct"
-# writes exact zeros); "direct" covers the rest and forward-only calls. A module switch, so that
-# benchmarks and tests can run both.
-ROW_KERNEL = "scaled"
-
-
-def _uses_scaled_kernel(write_grad, tail, has_target, inv_temp, dtype) -> bool:
-    both = has_target and inv_temp != 1.0
-    dense_grad = tail != "renorm" or has_target  # renorm alone: zero gradient outside S, kept exact
-    return write_grad and ROW_KERNEL == "scaled" and dense_grad and not both and dtype != torch.float16
+def row_kernel_for(write_grad: bool, tail: str, has_target: bool, temperature: float, dtype: torch.dtype) -> str:
+    """The row kernel a call runs: "scaled" (the gradient route), "direct" (a gradient the scaled
+    kernel cannot take: fp16, CE at T != 1, renorm without CE) or "forward" (the direct kernel
+    without its gradient pass: nothing needs a gradient). has_target: CE is in the loss."""
+    if not write_grad:
+        return "forward"
+    if dtype == torch.float16 or (has_target and temperature != 1.0) or (tail == "renorm" and not has_target):
+        return "direct"
+    return "scaled"
 
 
 def _row_pass(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss_C, kl_C, h_C, sigma_C, hs_C,
-              tail, inv_temp, write_grad):
+              tail, inv_temp, kernel, settings: FusedKLSettings) -> None:
     """Per-row loss into loss_C and unweighted KL into kl_C (fp32; 0 on rows of KL weight 0).
-    With write_grad, z_CV (the chunk's input-dtype logits) is overwritten with the gradient
-    G = d loss / d z itself ("direct"; returns False), or with E' such that G = sigma[:, None] * E'
-    ("scaled"; returns True), sigma into sigma_C [C] (fp32) and sigma[:, None] * h_C into hs_C.
-    Without write_grad, z_CV is left with -inf at S."""
+    kernel "direct": z_CV (the chunk's input-dtype logits) is overwritten with the gradient
+    G = d loss / d z itself; "scaled": with E' such that G = sigma[:, None] * E', sigma into
+    sigma_C [C] (fp32) and sigma[:, None] * h_C into hs_C; "forward": z_CV is left with -inf at S."""
     rows, vocab = z_CV.shape
     k = ids_CK.shape[1]
     has_target = target_C is not None
-    if _uses_scaled_kernel(write_grad, tail, has_target, inv_temp, z_CV.dtype):
-        block = min(_SCALED_BLOCK, triton.next_power_of_2(vocab))
+    if kernel == "scaled":
+        block = min(settings.scaled_block, triton.next_power_of_2(vocab))
         num_blocks = triton.cdiv(vocab, block)
         refs = torch.empty(rows, num_blocks, device=z_CV.device, dtype=torch.float32)
         dim = h_C.shape[1]
@@ -334,23 +314,23 @@ def _row_pass(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss
             logp_tail_C if logp_tail_C is not None else kl_w_C, target_C if has_target else kl_w_C,
             kl_w_C, ce_w_C, loss_C, kl_C, sigma_C, h_C, hs_C, h_C.stride(0), dim, k, vocab, inv_temp,
             TAIL=_TAIL_CODE[tail], HAS_TARGET=has_target, BLOCK=block, BLOCK_K=triton.next_power_of_2(k),
-            BLOCK_D=min(4096, triton.next_power_of_2(dim)), num_warps=_SCALED_WARPS,
+            BLOCK_D=min(4096, triton.next_power_of_2(dim)), num_warps=settings.scaled_warps,
         )
-        return True
+        return
     _row_kernel[(rows,)](
         z_CV, z_CV.stride(0), ids_CK, logp_CK, logp_tail_C if logp_tail_C is not None else kl_w_C,
         target_C if has_target else kl_w_C, kl_w_C, ce_w_C, loss_C, kl_C, k, vocab, inv_temp,
         TAIL=_TAIL_CODE[tail], HAS_TARGET=has_target, BOTH=has_target and inv_temp != 1.0,
-        WRITE_GRAD=write_grad, BLOCK=min(_ROW_BLOCK, triton.next_power_of_2(vocab)),
-        BLOCK_K=triton.next_power_of_2(k), num_warps=_ROW_WARPS,
+        WRITE_GRAD=kernel == "direct", BLOCK=min(settings.direct_block, triton.next_power_of_2(vocab)),
+        BLOCK_K=triton.next_power_of_2(k), num_warps=settings.direct_warps,
     )
-    return False
 
 
 def _scale_(x, factor_N, scalar) -> None:
-    """x [N, M] (contiguous) *= factor_N[:, None] * scalar in place, at memory speed (one Triton
-    pass; torch's broadcasting multiply ran at a quarter of the copy bandwidth on the H200).
-    scalar is a 0-dim tensor on x's device (no host sync); without a factor, scalar == 1 skips."""
+    """x [N, M] (contiguous) *= factor_N[:, None] * scalar in place, in one Triton pass at memory
+    speed (torch's broadcasting multiply was several times slower: fused KL round 4 in
+    tests/benchmarks/notes). scalar is a 0-dim tensor on x's device (no host sync); without a
+    factor, scalar == 1 skips."""
     rows, cols = x.shape
     block_r, block_c = 16, 512
     _scale_kernel[(triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))](
@@ -359,67 +339,94 @@ def _scale_(x, factor_N, scalar) -> None:
     )
 
 
+class TritonForward(NamedTuple):
+    """What the forward leaves: loss per row and KL per row (fp32 [N]); grad_h [N, d] and grad_w
+    [V, d] before their scaling by d loss (None where not needed); sigma [N] (fp32) where
+    grad_h's rows still need it (the scaled kernel), else None; the row kernel that ran."""
+
+    loss_N: torch.Tensor
+    kl_N: torch.Tensor
+    grad_h: torch.Tensor | None
+    grad_w: torch.Tensor | None
+    sigma_N: torch.Tensor | None
+    row_kernel: str
+
+
+def triton_forward(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec: LossSpec,
+                   chunk_size: int | None, settings: FusedKLSettings, grad_weight_fp32: bool, need_h: bool,
+                   need_w: bool) -> TritonForward:
+    """The loss and, for the inputs in need_h / need_w, its gradients, chunk after chunk; inputs
+    are assumed valid (see ``fused_topk_kl``). chunk_size None: ``triton_chunk_size``."""
+    # The first chunk's logits matmul is queued before the small [N]- and [N, k]-sized work
+    # (teacher log-probs at T, row weights), so the GPU starts on the big work at once.
+    hidden = hidden.contiguous()
+    num_rows, vocab = hidden.shape[0], weight.shape[0]
+    if chunk_size is None:
+        chunk_size = triton_chunk_size(num_rows, vocab, weight.element_size(), settings.triton_chunk_bytes)
+    chunk_rows = min(chunk_size, num_rows)
+    # One buffer reused across chunks: a fresh one per chunk would be allocated while the last is
+    # still referenced, raising the peak.
+    buf = hidden.new_empty(chunk_rows, vocab)
+    first = torch.mm(hidden[:chunk_rows], weight.T, out=buf)
+    logp_NK, logp_tail_N = teacher_logprobs(topk_logprobs.float(), tail_logmass.float(), spec.tail,
+                                            spec.temperature, spec.cache_temperature)
+    kl_w_N, ce_w_N = row_weights(mask, target_ids, num_rows, spec.ce_weight, spec.temperature, spec.reduction,
+                                 hidden.device)
+    kl_w_N, ce_w_N = kl_w_N.float(), ce_w_N.float()
+    if spec.ce_weight == 0.0:
+        target_ids = None
+    kernel = row_kernel_for(need_h or need_w, spec.tail, target_ids is not None, spec.temperature, hidden.dtype)
+    # grad_W accumulates in the weight's dtype by default, as Liger does, so the extra memory is the
+    # logits buffer. The price in bf16: each chunk's addmm rounds the running sum to bf16 (up to
+    # 2**-9 relative), a random walk of about sqrt(n) * 2**-9 of an entry after n chunks, more
+    # where chunks cancel (test_triton_bf16_grad_weight_accumulation bounds it; the benchmark's
+    # check measures it at the README's shapes). grad_weight_fp32=True keeps an fp32 accumulator
+    # (4 V d bytes more) and adds each chunk's G^T h (rounded once to the input dtype) to it.
+    grad_h = torch.empty_like(hidden) if need_h else None  # contiguous, as _scale_ needs
+    grad_w = torch.zeros(weight.shape, device=weight.device) if need_w and grad_weight_fp32 else None
+    loss_N = torch.empty(num_rows, device=hidden.device, dtype=torch.float32)
+    kl_N, sigma_N = torch.empty_like(loss_N), torch.empty_like(loss_N)
+    hs_buf = torch.empty_like(hidden[:chunk_rows])
+    if settings.poison:  # every element below is a kernel's to write (hs_buf only on the scaled route)
+        for t in (loss_N, kl_N, sigma_N, hs_buf):
+            t.fill_(float("nan"))
+    logp_NK = logp_NK.contiguous()
+    topk_ids = topk_ids.contiguous()
+    for start in range(0, num_rows, chunk_size):
+        rows = slice(start, min(start + chunk_size, num_rows))
+        h_C = hidden[rows]
+        z_CV = first if start == 0 else torch.mm(h_C, weight.T, out=buf[: h_C.shape[0]])
+        _row_pass(z_CV, topk_ids[rows], logp_NK[rows], None if logp_tail_N is None else logp_tail_N[rows],
+                  None if target_ids is None else target_ids[rows], kl_w_N[rows], ce_w_N[rows], loss_N[rows],
+                  kl_N[rows], h_C, sigma_N[rows], hs_buf[: h_C.shape[0]], spec.tail, 1.0 / spec.temperature,
+                  kernel, settings)
+        # z_CV holds G, or E' with G = sigma[:, None] * E'. Then grad_h = sigma * (E' W), its rows
+        # scaled in backward together with d loss, and G^T h = E'^T (sigma * h).
+        if need_h:
+            torch.mm(z_CV, weight, out=grad_h[rows])
+        if need_w:
+            h_w = hs_buf[: h_C.shape[0]] if kernel == "scaled" else h_C
+            if grad_weight_fp32:
+                grad_w += z_CV.T @ h_w
+            elif start == 0:
+                grad_w = torch.mm(z_CV.T, h_w)
+            else:
+                grad_w.addmm_(z_CV.T, h_w)
+    if need_w and grad_w is None:  # no rows
+        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=weight.dtype)
+    return TritonForward(loss_N, kl_N, grad_h, grad_w, sigma_N if kernel == "scaled" else None, kernel)
+
+
 class _FusedTopkKLTritonFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, tail, temperature,
-                ce_weight, reduction, chunk_size, need_h, need_w, grad_weight_fp32):
-        # The first chunk's logits matmul is queued before the small [N]- and [N, k]-sized work
-        # (teacher log-probs at T, row weights), so the GPU starts on the big work at once.
-        hidden = hidden.contiguous()
-        num_rows, vocab = hidden.shape[0], weight.shape[0]
-        chunk_rows = min(chunk_size, num_rows)
-        # One buffer reused across chunks: a fresh one per chunk would be allocated while the last
-        # is still referenced, raising the peak.
-        buf = hidden.new_empty(chunk_rows, vocab)
-        first = torch.mm(hidden[:chunk_rows], weight.T, out=buf)
-        logp_NK, logp_tail_N = _teacher_logprobs(topk_logprobs.float(), tail_logmass.float(), tail, temperature)
-        kl_w_N, ce_w_N = _row_weights(mask, target_ids, num_rows, ce_weight, temperature, reduction, hidden.device)
-        kl_w_N, ce_w_N = kl_w_N.float(), ce_w_N.float()
-        if ce_weight == 0.0:
-            target_ids = None
-        # grad_W accumulates in the weight's dtype by default, as Liger does, so the extra memory is
-        # the logits buffers. The price in bf16: each chunk's addmm rounds the running sum to bf16
-        # (up to 2**-9 relative), a random walk of about sqrt(n) * 2**-9 of an entry after n
-        # chunks, more where chunks cancel. Measured: 0.7% relative (Frobenius) error against an
-        # fp32 reference after 64 chunks, 0.3% with fp32 accumulation (the test), and 3.4e-3 at
-        # 4 chunks of 2048 rows, V = 151,936, on the H200 (the benchmark's check).
-        # grad_weight_fp32=True keeps an fp32 accumulator (4 V d bytes, 1.16 GiB at V = 151,936,
-        # d = 2048) and adds each chunk's G^T h (rounded once to the input dtype) to it.
-        grad_h = torch.empty_like(hidden) if need_h else None  # contiguous, as _scale_ needs
-        grad_w = torch.zeros(weight.shape, device=weight.device) if need_w and grad_weight_fp32 else None
-        loss_N = torch.empty(num_rows, device=hidden.device, dtype=torch.float32)
-        kl_N, sigma_N = torch.empty_like(loss_N), torch.empty_like(loss_N)
-        hs_buf = torch.empty_like(hidden[:chunk_rows])
-        logp_NK = logp_NK.contiguous()
-        topk_ids = topk_ids.contiguous()
-        scaled = False
-        for start in range(0, num_rows, chunk_size):
-            rows = slice(start, min(start + chunk_size, num_rows))
-            h_C = hidden[rows]
-            z_CV = first if start == 0 else torch.mm(h_C, weight.T, out=buf[: h_C.shape[0]])
-            scaled = _row_pass(z_CV, topk_ids[rows], logp_NK[rows],
-                               None if logp_tail_N is None else logp_tail_N[rows],
-                               None if target_ids is None else target_ids[rows], kl_w_N[rows], ce_w_N[rows],
-                               loss_N[rows], kl_N[rows], h_C, sigma_N[rows], hs_buf[: h_C.shape[0]], tail,
-                               1.0 / temperature, need_h or need_w)
-            # z_CV holds G, or E' with G = sigma[:, None] * E'. Then grad_h = sigma * (E' W), its
-            # rows scaled in backward together with d loss, and G^T h = E'^T (sigma * h).
-            if need_h:
-                torch.mm(z_CV, weight, out=grad_h[rows])
-            if need_w:
-                h_w = hs_buf[: h_C.shape[0]] if scaled else h_C
-                if grad_weight_fp32:
-                    grad_w += z_CV.T @ h_w
-                elif start == 0:
-                    grad_w = torch.mm(z_CV.T, h_w)
-                else:
-                    grad_w.addmm_(z_CV.T, h_w)
-        if need_w and grad_w is None:  # no rows
-            grad_w = torch.zeros(weight.shape, device=weight.device, dtype=weight.dtype)
-        ctx.save_for_backward(grad_h, grad_w, sigma_N if scaled else None)
+    def forward(ctx, hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec, chunk_size,
+                settings, grad_weight_fp32, need_h, need_w):
+        out = triton_forward(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec,
+                             chunk_size, settings, grad_weight_fp32, need_h, need_w)
+        ctx.save_for_backward(out.grad_h, out.grad_w, out.sigma_N)
         ctx.weight_dtype, ctx.spent = weight.dtype, False
-        ctx.mark_non_differentiable(kl_N)
-        return loss_N.sum(), kl_N
+        ctx.mark_non_differentiable(out.kl_N)
+        return reduced(out.loss_N, spec.reduction), out.kl_N
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_kl):
@@ -428,24 +435,26 @@ class _FusedTopkKLTritonFunction(torch.autograd.Function):
                                "so its backward can run once; recompute the loss for a second backward")
         ctx.spent = True
         grad_h, grad_w, sigma_N = ctx.saved_tensors
+        assert grad_loss.dim() == 0, "reduction='none' with a gradient is refused by fused_topk_kl"
         grad_loss = grad_loss.float().contiguous()
         if grad_h is not None and grad_h.numel():
             _scale_(grad_h, sigma_N, grad_loss)
         if grad_w is not None and grad_w.numel():
             _scale_(grad_w, None, grad_loss)
             grad_w = grad_w.to(ctx.weight_dtype)
-        return grad_h, grad_w, *([None] * 13)
+        return grad_h, grad_w, *([None] * 11)
 
 
-def triton_chunk_size(num_rows: int, vocab_size: int, element_size: int) -> int:
+def triton_chunk_size(num_rows: int, vocab_size: int, element_size: int, chunk_bytes: int) -> int:
     """Rows per chunk when chunk_size is None: the fewest chunks whose input-dtype logits fit
-    _TRITON_CHUNK_BYTES, made equal in size and rounded up to a multiple of 128 rows (never past
-    the cap), so that no small last chunk runs the matmuls at low efficiency. The cap is rounded
-    down to a multiple of 1,024 rows (of 128 below that): at V = 151,936, N = 131,072 on the H200,
-    2,176-row chunks took 3% longer than 2,048-row ones (medians of 5; the ranges overlap), likely
-    because grad_h = G W then needs a second, nearly empty wave of output tiles (not profiled).
-    Example: N = 12,288, V = 151,936, bf16: 6 chunks of 2,048."""
-    cap = max(1, _TRITON_CHUNK_BYTES // (element_size * vocab_size))
+    chunk_bytes (FusedKLSettings.triton_chunk_bytes), made equal in size and rounded up to a
+    multiple of 128 rows (never past the cap), so that no small last chunk runs the matmuls at low
+    efficiency. The cap is rounded down to a multiple of 1,024 rows (of 128 below that): chunks
+    just past a multiple of 1,024 rows ran slower than the multiple below them, likely because
+    grad_h = G W then needs a second, nearly empty wave of output tiles (fused KL round 2 in
+    tests/benchmarks/notes; not profiled). Example at the default budget: N = 12,288,
+    V = 151,936, bf16: 6 chunks of 2,048."""
+    cap = max(1, chunk_bytes // (element_size * vocab_size))
     step = 1024 if cap >= 1024 else 128
     cap = cap // step * step if cap >= 128 else cap
     if num_rows <= cap:
@@ -454,11 +463,10 @@ def triton_chunk_size(num_rows: int, vocab_size: int, element_size: int) -> int:
     return min(cap, -(-per_chunk // 128) * 128) if cap >= 128 else per_chunk
 
 
-def fused_topk_kl_triton(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, tail,
-                         temperature, ce_weight, chunk_size, reduction, grad_weight_fp32):
-    """Triton path (gradients in forward); inputs are assumed valid (see ``fused_topk_kl``)."""
-    grad_on = torch.is_grad_enabled()
-    return _FusedTopkKLTritonFunction.apply(
-        hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, tail, temperature, ce_weight,
-        reduction, chunk_size, grad_on and hidden.requires_grad, grad_on and weight.requires_grad, grad_weight_fp32,
-    )
+def fused_topk_kl_triton(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec: LossSpec,
+                         chunk_size: int | None, settings: FusedKLSettings, grad_weight_fp32: bool, need_h: bool,
+                         need_w: bool):
+    """Triton path: (loss, reduced; KL per row [N]), gradients for need_h / need_w taken during the
+    forward and held until backward; inputs are assumed valid (see ``fused_topk_kl``)."""
+    return _FusedTopkKLTritonFunction.apply(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask,
+                                            spec, chunk_size, settings, grad_weight_fp32, need_h, need_w)

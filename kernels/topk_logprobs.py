@@ -8,12 +8,17 @@ a gather.
 
 Layout: ``topk_logprobs_torch`` is the reference (and the CPU path); ``topk_logprobs_triton`` is
 the GPU path (one Triton kernel per chunk for logsumexp, target and block maxima, then an exact
-top-k over candidate blocks); ``topk_logprobs`` validates inputs and dispatches on ``impl``.
+top-k over candidate blocks); ``topk_logprobs`` validates inputs and dispatches on ``impl``; how
+each path runs is set by ``TopkSettings``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from distill.configs import check_types, require
 
 try:
     import triton
@@ -21,16 +26,51 @@ try:
 except ImportError:  # the torch path needs no Triton
     triton = None
 
-# Budget for one chunk's fp32 logits when chunk_size is not given: 256 MiB.
-_AUTO_CHUNK_BYTES = 256 * 2**20
 # Floor of the tail mass, as in teacher_cache.targets.tail_logmass_from_topk: log(1e-12) instead
 # of -inf when the top-k holds (numerically) all the mass, so losses stay finite.
 _TAIL_MIN_MASS = 1e-12
 
 
-def auto_chunk_size(vocab_size: int) -> int:
-    """Rows per chunk so that one chunk's fp32 logits take about 256 MiB."""
-    return max(1, _AUTO_CHUNK_BYTES // (4 * vocab_size))
+@dataclass(frozen=True)
+class TopkSettings:
+    """How ``topk_logprobs`` runs (never what it computes). Pass one as ``settings=``; the
+    defaults are what the product runs."""
+
+    # fp32 logits bytes per chunk of the torch path when chunk_size is None.
+    torch_chunk_bytes: int = 256 * 2**20
+    # Input-dtype logits bytes per chunk of the Triton path when chunk_size is None (only those
+    # exist at once there; no fp32 copy).
+    triton_chunk_bytes: int = 2**30
+    # Block width of the Triton path's candidate search: the exact top-k lies in the k blocks with
+    # the largest maxima, so the final top-k runs over k * sub candidates; the path needs
+    # k <= ceil(V / sub).
+    sub: int = 64
+    # Columns per loop iteration of the Triton row kernel (a multiple of sub).
+    tile: int = 2048
+    # Fill every output a kernel or chunk is meant to write with NaN (ids with -1) first, so an
+    # element left unwritten fails the comparison (tests).
+    poison: bool = False
+
+    def __post_init__(self):
+        check_types(self)
+        for name in ("torch_chunk_bytes", "triton_chunk_bytes"):
+            require(name, getattr(self, name), getattr(self, name) >= 1, "a positive number of bytes")
+        require("sub", self.sub, self.sub >= 1 and self.sub & (self.sub - 1) == 0, "a power of two")
+        require("tile", self.tile, self.tile >= self.sub and self.tile & (self.tile - 1) == 0,
+                f"a power of two >= sub={self.sub}")
+
+
+def _outputs(num_rows: int, k: int, device, settings: TopkSettings):
+    """(topk_ids, topk_lp, tail, target) to fill, poisoned when the settings say so."""
+    topk_ids = torch.empty(num_rows, k, dtype=torch.int32, device=device)
+    topk_lp = torch.empty(num_rows, k, dtype=torch.float32, device=device)
+    tail = torch.empty(num_rows, dtype=torch.float32, device=device)
+    target = torch.empty(num_rows, dtype=torch.float32, device=device)
+    if settings.poison:
+        topk_ids.fill_(-1)
+        for t in (topk_lp, tail, target):
+            t.fill_(float("nan"))
+    return topk_ids, topk_lp, tail, target
 
 
 def topk_logprobs_torch(
@@ -40,13 +80,11 @@ def topk_logprobs_torch(
     next_ids: torch.Tensor | None,
     temperature: float,
     chunk_size: int,
+    settings: TopkSettings,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference implementation; inputs are assumed valid (see ``topk_logprobs``)."""
     num_rows, device = hidden.shape[0], hidden.device
-    topk_ids = torch.empty(num_rows, k, dtype=torch.int32, device=device)
-    topk_lp = torch.empty(num_rows, k, dtype=torch.float32, device=device)
-    tail = torch.empty(num_rows, dtype=torch.float32, device=device)
-    target = torch.full((num_rows,), float("nan"), dtype=torch.float32, device=device)
+    topk_ids, topk_lp, tail, target = _outputs(num_rows, k, device, settings)
     inv_t = 1.0 / temperature
     for start in range(0, num_rows, chunk_size):
         stop = min(start + chunk_size, num_rows)
@@ -63,23 +101,21 @@ def topk_logprobs_torch(
         tail[start:stop] = torch.log((-torch.expm1(mass_log_C)).clamp_min(_TAIL_MIN_MASS))
         if next_ids is not None:
             nxt_C = next_ids[start:stop]
-            has_next_C = nxt_C >= 0
             picked_C = logits_CV.gather(1, nxt_C.clamp_min(0)[:, None])[:, 0] - lse_C
-            target[start:stop] = torch.where(has_next_C, picked_C, target[start:stop])
+            target[start:stop] = torch.where(nxt_C >= 0, picked_C, float("nan"))
+        else:
+            target[start:stop] = float("nan")
     return topk_ids, topk_lp, tail, target
 
 
 # --- Triton path (GPU) -------------------------------------------------------------------------
 # The torch reference spends most of its time outside the matmul: the fp32 copy of the logits,
-# the logsumexp passes and a full-width top-k (measured on an H200 at 16K rows x 151,936: matmul
-# 6.9 ms, logsumexp 23.6 ms, top-k 20.9 ms). Here one kernel reads each row's bf16 logits once
-# and produces the logsumexp, the target logit and the max of every SUB-wide block of the row.
-# The top-k elements of a row lie in its k blocks with the largest maxima (each of the k largest
-# elements lifts its own block's max to at least the k-th largest value, and no more than k
-# blocks can reach it), so the exact top-k is a top-k over those k * SUB candidates only.
-
-_SUB = 64  # block width of the candidate search
-_TILE = 2048  # columns per loop iteration of the row kernel
+# the logsumexp passes and a full-width top-k (tests/benchmarks/RESULTS.md, "Teacher pass on the
+# H200: where the time goes"). Here one kernel reads each row's bf16 logits once and produces the
+# logsumexp, the target logit and the max of every SUB-wide block of the row. The top-k elements
+# of a row lie in its k blocks with the largest maxima (each of the k largest elements lifts its
+# own block's max to at least the k-th largest value, and no more than k blocks can reach it), so
+# the exact top-k is a top-k over those k * SUB candidates only.
 
 if triton is not None:
 
@@ -107,37 +143,37 @@ if triton is not None:
         tl.store(target_ptr + row, tl.where(t >= 0, x_t, float("nan")))
 
 
-def _row_stats(logits_CV: torch.Tensor, next_C: torch.Tensor, inv_t: float):
+def _row_stats(logits_CV: torch.Tensor, next_C: torch.Tensor, inv_t: float, settings: TopkSettings):
     """(lse [C], target logit [C] (NaN where next is -1), block maxima [C, ceil(V/SUB)]), fp32."""
     rows, vocab = logits_CV.shape
-    num_blocks = triton.cdiv(vocab, _SUB)
+    num_blocks = triton.cdiv(vocab, settings.sub)
     lse_C = torch.empty(rows, device=logits_CV.device, dtype=torch.float32)
     target_C = torch.empty_like(lse_C)
     blockmax_CB = torch.empty(rows, num_blocks, device=logits_CV.device, dtype=torch.float32)
+    if settings.poison:
+        for t in (lse_C, target_C, blockmax_CB):
+            t.fill_(float("nan"))
     _row_stats_kernel[(rows,)](
         logits_CV, logits_CV.stride(0), next_C, lse_C, target_C, blockmax_CB, blockmax_CB.stride(0),
-        vocab, num_blocks, inv_t, SUB=_SUB, TILE=_TILE,
+        vocab, num_blocks, inv_t, SUB=settings.sub, TILE=settings.tile,
     )
     return lse_C, target_C, blockmax_CB
 
 
-def topk_logprobs_triton(hidden, weight, k, next_ids, temperature, chunk_size):
-    """Same contract as ``topk_logprobs_torch``; needs k <= ceil(V / 64)."""
+def topk_logprobs_triton(hidden, weight, k, next_ids, temperature, chunk_size, settings: TopkSettings):
+    """Same contract as ``topk_logprobs_torch``; needs k <= ceil(V / settings.sub)."""
     num_rows, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
-    topk_ids = torch.empty(num_rows, k, dtype=torch.int32, device=device)
-    topk_lp = torch.empty(num_rows, k, dtype=torch.float32, device=device)
-    tail = torch.empty(num_rows, dtype=torch.float32, device=device)
-    target = torch.empty(num_rows, dtype=torch.float32, device=device)
+    topk_ids, topk_lp, tail, target = _outputs(num_rows, k, device, settings)
     if next_ids is None:
         next_ids = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
     inv_t = 1.0 / temperature
-    lane_S = torch.arange(_SUB, device=device)
+    lane_S = torch.arange(settings.sub, device=device)
     for start in range(0, num_rows, chunk_size):
         stop = min(start + chunk_size, num_rows)
         logits_CV = hidden[start:stop] @ weight.T  # input dtype; never copied to fp32 in full
-        lse_C, target_logit_C, blockmax_CB = _row_stats(logits_CV, next_ids[start:stop].contiguous(), inv_t)
+        lse_C, target_logit_C, blockmax_CB = _row_stats(logits_CV, next_ids[start:stop].contiguous(), inv_t, settings)
         blocks_CK = blockmax_CB.topk(k, dim=1, sorted=False).indices
-        cand_CM = (blocks_CK[:, :, None] * _SUB + lane_S).flatten(1)  # [C, k * SUB] column ids
+        cand_CM = (blocks_CK[:, :, None] * settings.sub + lane_S).flatten(1)  # [C, k * SUB] column ids
         cand_vals_CM = logits_CV.gather(1, cand_CM.clamp_max(vocab - 1)).float() * inv_t
         cand_vals_CM.masked_fill_(cand_CM >= vocab, float("-inf"))  # the last block's padding
         vals_CK, pos_CK = cand_vals_CM.topk(k, dim=1, sorted=True)
@@ -150,7 +186,7 @@ def topk_logprobs_triton(hidden, weight, k, next_ids, temperature, chunk_size):
     return topk_ids, topk_lp, tail, target
 
 
-def _validate(hidden, weight, k, next_ids, temperature, chunk_size, impl, check_ids) -> None:
+def _validate(hidden, weight, k, next_ids, temperature, chunk_size, impl, check_ids, settings) -> None:
     if hidden.dim() != 2 or weight.dim() != 2:
         raise ValueError(
             f"hidden must be [N, d] and weight [V, d], got shapes {tuple(hidden.shape)} and {tuple(weight.shape)}"
@@ -174,6 +210,8 @@ def _validate(hidden, weight, k, next_ids, temperature, chunk_size, impl, check_
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     if impl == "triton" and triton is None:
         raise ValueError("impl='triton' needs the triton package (pip install triton)")
+    if settings is not None and not isinstance(settings, TopkSettings):
+        raise ValueError(f"settings must be a TopkSettings or None, got {type(settings).__name__}")
     if next_ids is not None:
         if next_ids.shape != (hidden.shape[0],):
             raise ValueError(f"next_ids must have shape [N]=({hidden.shape[0]},), got {tuple(next_ids.shape)}")
@@ -198,16 +236,19 @@ def topk_logprobs(
     chunk_size: int | None = None,
     impl: str = "auto",
     check_ids: bool = True,
+    *,
+    settings: TopkSettings | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k full-vocabulary log-probabilities of ``softmax(hidden @ weight.T / temperature)``.
 
     hidden: [N, d] final hidden states (fp32, bf16 or fp16); weight: [V, d] lm-head, same dtype
     and device. next_ids: int32/int64 [N], the actual next token per row, -1 where there is none
-    (or None for no targets). chunk_size: rows per chunk (None: about 256 MiB of fp32 logits).
-    impl: "auto" (Triton on a CUDA device when k <= ceil(V / 64), else torch) | "torch" |
-    "triton" (also runs on the CPU under TRITON_INTERPRET=1, for tests). check_ids: check that
+    (or None for no targets). chunk_size: rows per chunk (None: from the settings' byte budgets).
+    impl: "auto" (Triton on a CUDA device when k <= ceil(V / settings.sub), else torch) | "torch"
+    | "triton" (also runs on the CPU under TRITON_INTERPRET=1, for tests). check_ids: check that
     next_ids lie in [-1, V) (costs a device sync on a GPU; pass False when the caller has
-    checked them, as out-of-range ids read outside the logits).
+    checked them, as out-of-range ids read outside the logits). settings: how the paths run
+    (``TopkSettings``; None: the defaults).
 
     Returns, on hidden's device:
       topk_ids int32 [N, k] in descending probability;
@@ -215,17 +256,15 @@ def topk_logprobs(
       tail_logmass float32 [N] = log(1 - sum(exp(topk_logprobs))), floored at log(1e-12);
       target_logprob float32 [N], log-prob of next_ids, NaN where next_ids is -1 or None.
     """
-    _validate(hidden, weight, k, next_ids, temperature, chunk_size, impl, check_ids)
+    _validate(hidden, weight, k, next_ids, temperature, chunk_size, impl, check_ids, settings)
+    settings = settings if settings is not None else TopkSettings()
     vocab_size = weight.shape[0]
-    use_triton = impl == "triton" or (
-        impl == "auto" and triton is not None and hidden.is_cuda and k <= -(-vocab_size // _SUB)
-    )
+    max_k = -(-vocab_size // settings.sub)
+    use_triton = impl == "triton" or (impl == "auto" and triton is not None and hidden.is_cuda and k <= max_k)
     if use_triton:
-        if k > -(-vocab_size // _SUB):
-            raise ValueError(f"impl='triton' needs k <= ceil(vocab_size / {_SUB}) = {-(-vocab_size // _SUB)}, got {k}")
-        # Only the input-dtype logits of a chunk exist at once: budget them at about 1 GiB.
-        rows = chunk_size or max(1, 2**30 // (hidden.element_size() * vocab_size))
-        return topk_logprobs_triton(hidden, weight, k, next_ids, float(temperature), rows)
-    if chunk_size is None:
-        chunk_size = auto_chunk_size(vocab_size)
-    return topk_logprobs_torch(hidden, weight, k, next_ids, float(temperature), chunk_size)
+        if k > max_k:
+            raise ValueError(f"impl='triton' needs k <= ceil(vocab_size / {settings.sub}) = {max_k}, got {k}")
+        rows = chunk_size or max(1, settings.triton_chunk_bytes // (hidden.element_size() * vocab_size))
+        return topk_logprobs_triton(hidden, weight, k, next_ids, float(temperature), rows, settings)
+    rows = chunk_size or max(1, settings.torch_chunk_bytes // (4 * vocab_size))
+    return topk_logprobs_torch(hidden, weight, k, next_ids, float(temperature), rows, settings)

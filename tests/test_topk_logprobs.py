@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.topk_logprobs import topk_logprobs
+from kernels.topk_logprobs import TopkSettings, topk_logprobs
 from teacher_cache.targets import tail_logmass_from_topk
 
 # Absolute tolerances on log-probabilities, in one place. fp32: the kernel scales by 1/T where the
@@ -18,6 +18,8 @@ from teacher_cache.targets import tail_logmass_from_topk
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 # Shapes: odd and prime sizes, a vocabulary that is no multiple of any block size.
 N, V, D = 37, 1271, 41
+# Every output starts as NaN (ids as -1): an element a path should write and does not fails.
+POISON = TopkSettings(poison=True)
 
 
 def _inputs(dtype, n=N, v=V, d=D, seed=0):
@@ -65,7 +67,7 @@ def _check_against_dense(hidden, weight, next_ids, k, temperature, out):
 @pytest.mark.parametrize("chunk_size", [None, 5, 16])  # 5 and 16 do not divide N=37
 def test_matches_dense_reference(dtype, k, temperature, chunk_size):
     hidden, weight, next_ids = _inputs(dtype)
-    out = topk_logprobs(hidden, weight, k, next_ids, temperature=temperature, chunk_size=chunk_size)
+    out = topk_logprobs(hidden, weight, k, next_ids, temperature=temperature, chunk_size=chunk_size, settings=POISON)
     _check_against_dense(hidden, weight, next_ids, k, temperature, out)
 
 
@@ -76,23 +78,28 @@ def test_matches_dense_reference(dtype, k, temperature, chunk_size):
 def test_triton_matches_dense_reference(dtype, k, temperature, chunk_size):
     """The GPU path, run by the Triton interpreter on the CPU (TRITON_INTERPRET=1, see conftest)."""
     hidden, weight, next_ids = _inputs(dtype, seed=k)
-    out = topk_logprobs(hidden, weight, k, next_ids, temperature=temperature, chunk_size=chunk_size, impl="triton")
+    out = topk_logprobs(hidden, weight, k, next_ids, temperature=temperature, chunk_size=chunk_size, impl="triton",
+                        settings=POISON)
     _check_against_dense(hidden, weight, next_ids, k, temperature, out)
 
 
-def test_triton_vocab_spanning_several_tiles_and_ties():
-    # 4,999 columns: three 2,048-wide tiles, the last one partial; duplicated weight rows give
-    # exactly tied logits, which may fall on either side of a block boundary.
+@pytest.mark.parametrize("settings", [POISON, TopkSettings(poison=True, sub=16, tile=256)], ids=["default", "small"])
+def test_triton_vocab_spanning_several_tiles_and_ties(settings):
+    # 4,999 columns: three 2,048-wide tiles (20 of 256 with the small settings), the last one
+    # partial; duplicated weight rows give exactly tied logits, which may fall on either side of a
+    # block boundary.
     hidden, weight, next_ids = _inputs(torch.float32, n=9, v=4999, d=17)
     weight[4000:4100] = weight[0:100]
-    out = topk_logprobs(hidden, weight, 60, next_ids, impl="triton")
+    out = topk_logprobs(hidden, weight, 60, next_ids, impl="triton", settings=settings)
     _check_against_dense(hidden, weight, next_ids, 60, 1.0, out)
 
 
 def test_triton_refuses_k_above_candidate_blocks():
     hidden, weight, next_ids = _inputs(torch.float32)
-    with pytest.raises(ValueError, match="needs k <= ceil"):
+    with pytest.raises(ValueError, match=r"needs k <= ceil\(vocab_size / 64\) = 20, got 21"):
         topk_logprobs(hidden, weight, 21, next_ids, impl="triton")
+    with pytest.raises(ValueError, match=r"needs k <= ceil\(vocab_size / 128\) = 10, got 11"):
+        topk_logprobs(hidden, weight, 11, next_ids, impl="triton", settings=TopkSettings(sub=128))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -100,7 +107,7 @@ def test_chunked_equals_unchunked(dtype):
     hidden, weight, next_ids = _inputs(dtype)
     whole = topk_logprobs(hidden, weight, 7, next_ids, temperature=0.8, chunk_size=N)
     for chunk_size in (1, 3, 36):
-        chunked = topk_logprobs(hidden, weight, 7, next_ids, temperature=0.8, chunk_size=chunk_size)
+        chunked = topk_logprobs(hidden, weight, 7, next_ids, temperature=0.8, chunk_size=chunk_size, settings=POISON)
         for a, b in zip(whole[1:], chunked[1:]):
             torch.testing.assert_close(a, b, atol=ATOL[dtype], rtol=0, equal_nan=True)
 
@@ -122,6 +129,7 @@ def test_tail_agrees_with_cache_helper():
 def test_no_targets_and_int32_next_ids():
     hidden, weight, next_ids = _inputs(torch.float32)
     assert torch.isnan(topk_logprobs(hidden, weight, 3)[3]).all()
+    assert torch.isnan(topk_logprobs(hidden, weight, 3, impl="triton")[3]).all()
     a = topk_logprobs(hidden, weight, 3, next_ids)[3]
     b = topk_logprobs(hidden, weight, 3, next_ids.to(torch.int32))[3]
     torch.testing.assert_close(a, b, equal_nan=True)
@@ -147,6 +155,7 @@ def test_does_not_track_gradients():
         (dict(weight=torch.zeros(V, D + 1)), f"hidden width {D} does not match weight width {D + 1}"),
         (dict(weight=torch.zeros(V, D, dtype=torch.bfloat16)), "hidden and weight must share a dtype"),
         (dict(hidden=torch.zeros(2, 3, D)), "hidden must be [N, d] and weight [V, d]"),
+        (dict(settings={"sub": 32}), "settings must be a TopkSettings or None, got dict"),
     ],
 )
 def test_rejects_bad_inputs(kwargs, message):
@@ -155,3 +164,10 @@ def test_rejects_bad_inputs(kwargs, message):
     with pytest.raises(ValueError) as info:
         topk_logprobs(**args)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("change, field", [(dict(sub=48), "sub"), (dict(sub=64, tile=32), "tile"),
+                                           (dict(torch_chunk_bytes=0), "torch_chunk_bytes")])
+def test_bad_settings_raise(change, field):
+    with pytest.raises(ValueError, match=f"`{field}` must be"):
+        TopkSettings(**change)

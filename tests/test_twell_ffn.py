@@ -4,14 +4,14 @@ reference, forward and every gradient, through the Triton interpreter on the CPU
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
 import pytest
 import torch
 
-import kernels.twell_ffn as twell
-from kernels.twell_ffn import relu_gated_ffn
+from kernels.twell_ffn import TwellSettings, relu_gated_ffn
 
 # ||out - ref|| / ||ref|| for y, l1 and the four gradients against the dense reference run in
 # fp64 on the same (rounded) inputs; the kernels may be no worse than the dense torch path in the
@@ -81,16 +81,15 @@ def rel_err(a, b):
 
 
 NAMES = ("y", "l1", "grad_x", "grad_w_gate", "grad_w_up", "grad_w_down")
+# The tests' settings: buffers poisoned with NaN (an unwritten element fails rel_err), and steps
+# of 16 x 16 so that the small shapes run several steps and slices a block (the defaults' steps
+# cover a tiny d_model or union in one).
+SMALL = TwellSettings(poison=True, up_blocks=(16, 16), down_blocks=(16, 16))
 
 
-def check_against_reference(inputs, dtype, outputs=None, **kwargs):
-    """Asserts the triton path's outputs within the bounds above; returns its stats (and, into
-    the list `outputs` when given, its outputs)."""
-    twell._POISON_OUTPUTS = True
-    try:
-        out, stats = run("triton", inputs, **kwargs)
-    finally:
-        twell._POISON_OUTPUTS = False
+def check_against_reference(inputs, dtype, settings=SMALL, **kwargs):
+    """Asserts the triton path's outputs within the bounds above; returns its stats."""
+    out, stats = run("triton", inputs, settings=settings, **kwargs)
     ref_kwargs = {k: v for k, v in kwargs.items() if k in ("grad_y_scale", "l1_coef", "seed")}
     ref, ref_stats = run("torch", inputs, **ref_kwargs)
     exact, _ = run("torch", [t.double() for t in inputs], **ref_kwargs)
@@ -99,8 +98,6 @@ def check_against_reference(inputs, dtype, outputs=None, **kwargs):
         assert rel_err(a, e) < bound, f"{name}: rel err {rel_err(a, e):.2e} >= {bound:.2e} (dense {dtype})"
     torch.testing.assert_close(stats.nnz, ref_stats.nnz)
     assert torch.equal(stats.active, ref_stats.active)
-    if outputs is not None:
-        outputs.extend(out)
     return stats
 
 
@@ -140,106 +137,45 @@ def test_odd_shapes_and_chunks(dtype):
     check_against_reference(inputs, dtype, ell_width=7, backup_rows=2, chunk_rows=5)
 
 
-@pytest.mark.parametrize("density", [0.0, 1.0])
-def test_both_ways_to_dh(monkeypatch, density):
-    """The gather backward's dh from the dense dy Wd (threshold 0) and from the SDDMM (threshold 1),
-    with chunks, ELL, backup and fallback rows."""
-    monkeypatch.setattr(twell, "_UNION_BACKWARD", False)
-    monkeypatch.setattr(twell, "_DENSE_DH_DENSITY", density)
-    inputs = make_inputs(13, 37, 101, spread_counts(13, 101, 0.8, seed=9), torch.bfloat16)
-    stats = check_against_reference(inputs, torch.bfloat16, ell_width=7, backup_rows=2, chunk_rows=5)
-    assert int(stats.fallback_rows) > 0
-
-
-def test_pack_block_sizes(monkeypatch):
-    """The pack kernels with one row a block, two blocks a program (five programs down the rows)
+def test_pack_block_sizes():
+    """The pack kernels with one row a step, two steps a program (five programs down the rows)
     and tiles narrower than dff (several tiles a row)."""
-    monkeypatch.setattr(twell, "_COUNT_BLOCK_M", 1)
-    monkeypatch.setattr(twell, "_SCATTER_BLOCK_M", 1)
-    monkeypatch.setattr(twell, "_PACK_ROWS", 2)
-    monkeypatch.setattr(twell, "_TILE_F", 32)
+    settings = dataclasses.replace(SMALL, count_block_m=1, wpos_block_m=1, pack_rows=2, tile_f=32)
     inputs = make_inputs(9, 20, 101, spread_counts(9, 101, 0.7, seed=7), torch.float32)
-    stats = check_against_reference(inputs, torch.float32, ell_width=9, backup_rows=2)
+    stats = check_against_reference(inputs, torch.float32, ell_width=9, backup_rows=2, settings=settings)
     assert (int(stats.overflow_rows), int(stats.fallback_rows)) == expected_overflow(inputs, 9, 2)
 
 
-def test_hidden_slices_and_blocks(monkeypatch):
-    """One hidden slice per 32-column tile (4 slices), 2 non-zeros and 8 d_model columns a step:
-    each row's list is cut at tile starts, each d_model row spans 3 steps (SDDMM) and 3 slices
-    (SpMM), with rows in the ELL buffer, the backup and the fallback, in chunks of 4 tokens.
-    Forward and backward by the gather kernels (not by blocks of tokens)."""
-    monkeypatch.setattr(twell, "_UNION_FORWARD", False)
-    monkeypatch.setattr(twell, "_UNION_BACKWARD", False)
-    monkeypatch.setattr(twell, "_TILE_F", 32)
-    monkeypatch.setattr(twell, "_SLICE_BYTES", 1)
-    monkeypatch.setattr(twell, "_blocks", lambda d_model, which: (2, 8))
-    monkeypatch.setattr(twell, "_DENSE_DH_DENSITY", 1.0)  # the backward's SDDMM too
+@pytest.mark.parametrize("changes", [
+    {"tile_f": 32, "block_m": 32, "split": 1, "up_blocks": (32, 16), "down_blocks": (16, 32), "fallback_rows": 3},
+    {"tile_f": 32, "split": 3, "up_blocks": (16, 32), "down_blocks": (32, 16), "warps": (2, 2), "stages": (1, 1)},
+])
+def test_launch_settings(changes):
+    """Other launch settings give the same results: 32-column tiles (each row's list cut at tile
+    starts), blocks of 32 tokens, one or three programs a block, up and down steps of other shapes, fallback programs of 3 rows (the
+    last partial); rows in the ELL buffer, the backup and the fallback, in chunks of 4 tokens."""
     inputs = make_inputs(11, 20, 101, spread_counts(11, 101, 0.8, seed=8), torch.float32)
-    assert twell._hidden_slices(101, 20, 4) == (4, 1)
-    stats = check_against_reference(inputs, torch.float32, ell_width=6, backup_rows=2, chunk_rows=4)
+    stats = check_against_reference(inputs, torch.float32, ell_width=6, backup_rows=2, chunk_rows=4,
+                                    settings=dataclasses.replace(SMALL, **changes))
     over, fallback = expected_overflow(inputs, 6, 2)
     assert (int(stats.overflow_rows), int(stats.fallback_rows)) == (over, fallback) and fallback > 0
 
 
-@pytest.mark.parametrize("div, long_list", [(1, 0), (3, 20)])
-@pytest.mark.parametrize("density", [0.0, 1.0])
-def test_wide_launches_for_the_longest_lists(monkeypatch, div, long_list, density):
-    """Lists longer than long_list among the first 1/div of each launch's rows (all rows; lists
-    over 20 among the longest third) through the wide launches, a program per 32-column tile
-    in the SDDMM and per 8 d_model columns in the SpMM; the rest through the usual ones. ELL,
-    backup and fallback rows, chunks of 5, both dh routes; forward and backward by the gathers."""
-    monkeypatch.setattr(twell, "_UNION_FORWARD", False)
-    monkeypatch.setattr(twell, "_UNION_BACKWARD", False)
-    monkeypatch.setattr(twell, "_WIDE_ROWS_DIV", div)
-    monkeypatch.setattr(twell, "_LONG_LIST", long_list)
-    monkeypatch.setattr(twell, "_TILE_F", 32)
-    monkeypatch.setattr(twell, "_DENSE_DH_DENSITY", density)
-    blocks = {"sddmm": (4, 16), "spmm": (4, 32), "spmm_wide": (2, 8)}
-    monkeypatch.setattr(twell, "_blocks", lambda d_model, which: blocks[which])
-    assert twell._wide_rows(13) == (13 if div == 1 else 5)
-    counts = spread_counts(13, 101, 0.8, seed=10)
-    assert 0 < int((counts > long_list).sum()) < 13, "some lists must go each way"
-    inputs = make_inputs(13, 37, 101, counts, torch.bfloat16)
-    stats = check_against_reference(inputs, torch.bfloat16, ell_width=7, backup_rows=2, chunk_rows=5)
-    assert int(stats.overflow_rows) > int(stats.fallback_rows) > 0
-
-
 @pytest.mark.parametrize("dtype, sparsity", [(torch.float32, 0.8), (torch.bfloat16, 0.8), (torch.float32, 0.97)])
-def test_by_blocks_of_tokens(monkeypatch, dtype, sparsity):
-    """Forward and backward by blocks of tokens over their union columns (16 tokens a block under
-    the interpreter, 16 x 16 steps): 41 tokens in chunks of 23 (a chunk ends inside a block, a
-    block is partial), unions of most of the 101 columns (several programs and steps a block)
-    or, at 97%, of far fewer (a row's own columns count), d_model 37 (three slices, the last
-    partial), 32-column tiles (list positions across tiles and words), rows in the ELL buffer,
-    the backup and the fallback; the same as the gather kernels' forward and backward, and both
-    equal to the reference. Also each direction by blocks with the other by gathers: the bit words
-    the gather forward saves, and the lists the forward by blocks writes in its up kernel, which
-    the gather backward reads."""
-    monkeypatch.setattr(twell, "_TILE_F", 32)
+def test_by_blocks_of_tokens(dtype, sparsity):
+    """Forward and backward by blocks of tokens over their union columns (16 tokens a block,
+    16 x 16 steps): 41 tokens in chunks of 23 (a chunk ends inside a block, a block is partial),
+    unions of most of the 101 columns (several programs and steps a block) or, at 97%, of far
+    fewer (a row's own columns count), d_model 37 (three slices, the last partial), 32-column
+    tiles (list positions across tiles and words), rows in the ELL buffer, the backup and the
+    fallback; the lists the forward's up kernel writes are those the backward reads."""
     counts = spread_counts(41, 101, sparsity, seed=11)
     inputs = make_inputs(41, 37, 101, counts, dtype)
     width = 7 if sparsity < 0.9 else 2
-    ways = [(True, True), (False, False)] + ([(False, True), (True, False)] if dtype == torch.float32 else [])
-    outs = {way: [] for way in ways}
-    for forward, backward in ways:
-        monkeypatch.setattr(twell, "_UNION_FORWARD", forward)
-        monkeypatch.setattr(twell, "_UNION_BACKWARD", backward)
-        stats = check_against_reference(inputs, dtype, outputs=outs[forward, backward], ell_width=width,
-                                        backup_rows=3, chunk_rows=23)
-        over, fallback = expected_overflow(inputs, width, 3)
-        assert (int(stats.overflow_rows), int(stats.fallback_rows)) == (over, fallback) and fallback > 0
-    for way in ways[1:]:
-        for name, a, b in zip(NAMES, outs[True, True], outs[way]):
-            assert rel_err(a, b) < (1e-6 if dtype == torch.float32 else 1e-2), (name, way)
-
-
-def test_slices_follow_the_byte_budget(monkeypatch):
-    """Hidden slices hold at most _SLICE_BYTES of weights, whole tiles each."""
-    monkeypatch.setattr(twell, "_SLICE_BYTES", 12 << 20)
-    assert twell._hidden_slices(5632, 2048, 2) == (2, 11)  # the benchmark's shape: 11.5 MB a slice
-    assert twell._hidden_slices(40, 16, 4) == (1, 1)
-    monkeypatch.setattr(twell, "_SLICE_BYTES", 1 << 40)
-    assert twell._hidden_slices(5632, 2048, 2) == (1, 22)
+    stats = check_against_reference(inputs, dtype, ell_width=width, backup_rows=3, chunk_rows=23,
+                                    settings=dataclasses.replace(SMALL, tile_f=32))
+    over, fallback = expected_overflow(inputs, width, 3)
+    assert (int(stats.overflow_rows), int(stats.fallback_rows)) == (over, fallback) and fallback > 0
 
 
 def test_gradient_of_each_output_alone():
@@ -272,6 +208,32 @@ def test_auto_on_cpu_is_torch_and_bad_inputs_raise():
         relu_gated_ffn(x, w_gate, w_up, w_down, impl="torch", ell_width=0)
     with pytest.raises(ValueError, match="dtype"):
         relu_gated_ffn(x, w_gate.double(), w_up, w_down, impl="torch")
+    with pytest.raises(ValueError, match="settings must be a TwellSettings"):
+        relu_gated_ffn(x, w_gate, w_up, w_down, settings={"block_m": 16})
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"block_m": 8}, r"TwellSettings.block_m must be a power of two >= 16, got 8"),
+    ({"tile_f": 48}, r"TwellSettings.tile_f must be a power of two >= 32, got 48"),
+    ({"up_blocks": [128, 128]}, r"TwellSettings.up_blocks must be a pair of powers of two >= 16, got \[128, 128\]"),
+    ({"down_blocks": (64, 100)}, r"TwellSettings.down_blocks must be a pair"),
+    ({"stages": (0, 2)}, r"TwellSettings.stages must be a pair of ints >= 1"),
+    ({"split": 0}, r"TwellSettings.split must be an int >= 1, got 0"),
+    ({"poison": 1}, r"TwellSettings.poison must be True or False, got 1"),
+    ({"pack_rows": 96}, r"TwellSettings.pack_rows must be a multiple of count_block_m and wpos_block_m \(32, 64\), got 96"),
+])
+def test_settings_are_checked_when_built(changes, message):
+    with pytest.raises(ValueError, match=message):
+        TwellSettings(**changes)
+    assert TwellSettings().block_m == 16 and SMALL.poison
+
+
+def test_poisoned_buffers_start_as_nan():
+    """settings.poison is what makes an element no kernel wrote fail the tests above."""
+    from kernels.twell_ffn import _values
+
+    assert torch.isnan(_values((3, 5), torch.bfloat16, "cpu", SMALL)).all()
+    assert _values((3, 5), torch.float32, "cpu", TwellSettings()).shape == (3, 5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,29 +244,33 @@ def test_auto_on_cpu_is_torch_and_bad_inputs_raise():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("sparsity", [0.0, 0.9, 0.99, 0.999])
-@pytest.mark.parametrize("union", [False, True])  # forward and backward by gathers / by blocks of tokens
-def test_gpu_matches_reference(monkeypatch, dtype, sparsity, union):
-    monkeypatch.setattr(twell, "_UNION_FORWARD", union)
-    monkeypatch.setattr(twell, "_UNION_BACKWARD", union)
+def test_gpu_matches_reference(dtype, sparsity):
     num_tokens, d_model, d_ff = 3000, 256, 1408
     counts = spread_counts(num_tokens, d_ff, sparsity, seed=5)
     inputs = make_inputs(num_tokens, d_model, d_ff, counts, dtype, device="cuda")
     backup = 40
-    stats = check_against_reference(inputs, dtype, ell_width=32, backup_rows=backup, chunk_rows=1024)
+    stats = check_against_reference(inputs, dtype, ell_width=32, backup_rows=backup, chunk_rows=1024,
+                                    settings=TwellSettings(poison=True))
     over, fallback = expected_overflow(inputs, 32, backup)
     assert (int(stats.overflow_rows), int(stats.fallback_rows)) == (over, fallback)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("density", [0.0, 1.0, None])  # _DENSE_DH_DENSITY: dh by the dense product /
-def test_gpu_backward_does_not_sync_the_host(monkeypatch, density):  # by the SDDMM; None: by blocks
-    """The gather backward reads one number on the host (the non-zero count that picks the dh
-    route), from a copy the forward started; the backward by blocks reads none: under CUDA's sync
-    debug mode a synchronizing call raises."""
-    monkeypatch.setattr(twell, "_UNION_BACKWARD", density is None)
-    if density is not None:
-        monkeypatch.setattr(twell, "_DENSE_DH_DENSITY", density)
+def test_gpu_chunk_of_more_than_65535_blocks():
+    """A chunk of 1,048,576 rows (the default chunk at dff 128) is 65,536 blocks of 16 tokens,
+    more than a CUDA grid's second dimension holds: the one-dimensional grids take it."""
+    num_tokens, d_model, d_ff = 1_050_000, 32, 128
+    inputs = make_inputs(num_tokens, d_model, d_ff, spread_counts(num_tokens, d_ff, 0.97, seed=6), torch.bfloat16,
+                         device="cuda")
+    stats = check_against_reference(inputs, torch.bfloat16, ell_width=8, settings=TwellSettings(poison=True))
+    assert int(stats.overflow_rows) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_backward_does_not_sync_the_host():
+    """The backward reads nothing on the host: under CUDA's sync debug mode a synchronizing call raises."""
     num_tokens, d_model, d_ff = 3000, 256, 1408
     counts = spread_counts(num_tokens, d_ff, 0.99, seed=5)
     params = [t.requires_grad_() for t in make_inputs(num_tokens, d_model, d_ff, counts, torch.bfloat16, "cuda")]

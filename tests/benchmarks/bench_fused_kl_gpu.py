@@ -1,321 +1,300 @@
-"""Fused top-k KL loss on a GPU, forward + backward, side by side in one run.
+"""Fused top-k KL loss, forward + backward, side by side in one run at the README's six points
+(d = 2048, k = 100, V in {49,152, 151,936} x N in {8K, 32K, 128K}, bf16).
 
-Variants (bf16, all on the same inputs): ours with impl="triton" (gradients in forward, 3
-matmuls; "triton" the default: one stream, one logits buffer, automatic equal chunks
-(commit 493ecb7 also had "triton_overlap", a two-stream schedule, since removed); "triton#ROWS", e.g. "triton#2048", the default
-schedule at an explicit chunk_size, skipped where one buffer would pass 1 GiB), ours with impl="torch" (recompute in backward, 4 matmuls), the dense torch top-k KL
-(`topk_kl_dense`, full logits; OOM is reported), "triton_direct" (the same with the two-read
-row kernel that writes the gradient itself, the one "triton" used before the one-read "scaled"
-kernel), Liger-Kernel's LigerFusedLinearCrossEntropyLoss
-(the closest fused peer; plain CE, so a different loss over the same matmuls), and the bare
-matmuls z = h W^T, G W, G^T h with a random G of the same shapes (the floor for any fused loss).
-Before timing, a correctness check against the dense reference (and triton vs torch) at one
-small and one large shape.
+Variants at each point, on the same inputs:
+  bare   the three matmuls alone, z = h W^T, G W, G^T h, into preallocated outputs (the floor of
+         any fused loss; 6 N d V FLOPs)
+  liger  Liger-Kernel's fused linear cross-entropy (plain CE over the same three matmuls: another
+         loss, the closest fused peer); skipped, with the reason recorded, where it is not importable
+  ours   kernels.fused_topk_kl.fused_topk_kl (impl "auto": the Triton path on a GPU)
+  dense  kernels.fused_topk_kl.topk_kl_dense: full logits and autograd, the reference; "oom" is
+         recorded where it does not fit
+Before any timing: ours against dense (loss and both gradients) and Liger against our
+cross-entropy (ce_weight = 1) at --check-rows rows of the largest vocabulary (harness.check_close).
+One results row per (point, variant): median ms, peak GiB above the inputs, extra GiB (the peak
+less the returned gradients), TFLOP/s of 6 N d V and its fraction of the device's bf16 matmul
+ceiling, and the time over bare and over Liger.
 
-Time: CUDA events around one forward + backward, after warm-up, median of --repeats. Extra peak
-memory: max_memory_allocated during one forward + backward minus what the inputs and the
-outputs (loss, grad_hidden, grad_weight) hold. Run from the repo root on the GPU machine:
+--sweep first times the scaled row kernel's pass alone (FusedKLSettings.scaled_block x
+scaled_warps) at each vocabulary's production chunk, as GB/s of one read and one write of the
+chunk's logits against the device's copy ceiling (rows fused_kl_sweep/*), and then also times ours
+with each vocabulary's fastest setting ("ours_best") where it is not the default.
 
-    PYTHONPATH=. python tests/benchmarks/bench_fused_kl_gpu.py --out /tmp/bench_fused_kl.json
+The H200 run (repo root; liger-kernel importable, e.g. its wheel's folder on PYTHONPATH):
 
-Prints a table and writes every number as JSON to --out.
+    PYTHONPATH=. python tests/benchmarks/bench_fused_kl_gpu.py --results tests/benchmarks/results.jsonl
+
+Without a GPU it runs the same code on the CPU (torch path, CPU timer, no Liger) at tiny sizes:
+
+    PYTHONPATH=. python tests/benchmarks/bench_fused_kl_gpu.py --vocabs 1000 --rows 64,128 --d 32 --k 8 \\
+        --check-rows 32 --results tests/benchmarks/out/fused_kl_cpu.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
-import json
-import statistics
-from pathlib import Path
+import itertools
 
 import torch
+from harness import Results, add_results_arg, ceilings, check_close, gbps, tflops, time_cpu, time_gpu
 
 import kernels.fused_topk_kl_triton as fkt
-from kernels.fused_topk_kl import fused_topk_kl, topk_kl_dense
-from kernels.fused_topk_kl_triton import triton_chunk_size
+from kernels.fused_topk_kl import TAIL_MODES, FusedKLSettings, fused_topk_kl, topk_kl_dense
+from kernels.fused_topk_kl_torch import row_weights, teacher_logprobs
 
 GIB = 2**30
+VARIANTS = ("bare", "liger", "ours", "dense")
 
 
-def make_inputs(n, v, d, k, dtype, seed=0):
-    """Student (hidden, weight) and a cached top-k teacher: distinct random ids, 90% mass on S."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    hidden = torch.randn(n, d, generator=gen, device="cuda").to(dtype)
-    weight = (torch.randn(v, d, generator=gen, device="cuda") * (2.0 / d**0.5)).to(dtype)
-    offsets_K = torch.randperm(v, generator=gen, device="cuda")[:k]
-    shift_N = torch.randint(0, v, (n,), generator=gen, device="cuda")
+def make_inputs(n, v, d, k, dtype, device, seed=0):
+    """Student (hidden, weight) and a cached top-k teacher: distinct random ids, 90% of the mass on
+    them; targets for CE; a mask dropping about 10% of the rows."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(n, d, generator=gen, device=device).to(dtype)
+    weight = (torch.randn(v, d, generator=gen, device=device) * (2.0 / d**0.5)).to(dtype)
+    offsets_K = torch.randperm(v, generator=gen, device=device)[:k]
+    shift_N = torch.randint(0, v, (n,), generator=gen, device=device)
     ids_NK = ((shift_N[:, None] + offsets_K[None, :]) % v).to(torch.int32)  # distinct in each row
-    lp_NK = torch.log_softmax(torch.randn(n, k, generator=gen, device="cuda") * 2.0, dim=-1) + torch.log(
-        torch.tensor(0.9, device="cuda"))
-    tail_N = torch.full((n,), float(torch.log(torch.tensor(0.1))), device="cuda")
-    target_N = torch.randint(0, v, (n,), generator=gen, device="cuda")
-    mask_N = torch.rand(n, generator=gen, device="cuda") > 0.1
+    lp_NK = torch.log_softmax(torch.randn(n, k, generator=gen, device=device) * 2.0, dim=-1) + torch.log(
+        torch.tensor(0.9, device=device))
+    tail_N = torch.full((n,), float(torch.log(torch.tensor(0.1))), device=device)
+    target_N = torch.randint(0, v, (n,), generator=gen, device=device)
+    mask_N = torch.rand(n, generator=gen, device=device) > 0.1
     return hidden, weight, ids_NK, lp_NK, tail_N, target_N, mask_N
 
 
-def loss_and_grads(fn, hidden, weight, teacher, **kw):
-    h = hidden.detach().clone().requires_grad_()
-    w = weight.detach().clone().requires_grad_()
-    loss = fn(h, w, *teacher, **kw)
-    loss.backward()
-    return loss.detach().float(), h.grad.float(), w.grad.float()
-
-
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def check(n, v, d, k, dtype, configs):
-    """Relative errors of triton and torch paths against dense (dense in fp32 where it fits)."""
-    hidden, weight, ids, lp, tl, target, mask = make_inputs(n, v, d, k, dtype, seed=1)
-    rows = []
-    for cfg in configs:
-        kw = dict(target_ids=target, mask=mask, check_ids=True, **cfg)
-        ref = loss_and_grads(topk_kl_dense, hidden, weight, (ids, lp, tl), **kw)
-        tri = loss_and_grads(fused_topk_kl, hidden, weight, (ids, lp, tl), impl="triton", **kw)
-        tor = loss_and_grads(fused_topk_kl, hidden, weight, (ids, lp, tl), impl="torch", **kw)
-        row = dict(shape=(n, v, d, k), dtype=str(dtype), **cfg)
-        for name, got, want in (("triton_vs_dense", tri, ref), ("torch_vs_dense", tor, ref),
-                                ("triton_vs_torch", tri, tor)):
-            row[name] = [rel_err(g, r) for g, r in zip(got, want)]
-        bound = 2e-2 if dtype == torch.bfloat16 else 1e-4
-        row["ok"] = all(e < bound for e in row["triton_vs_dense"] + row["triton_vs_torch"])
-        rows.append(row)
-        print(f"check {row['shape']} {dtype} {cfg}: triton/dense (loss, gh, gw) "
-              + " ".join(f"{e:.1e}" for e in row["triton_vs_dense"])
-              + " | triton/torch " + " ".join(f"{e:.1e}" for e in row["triton_vs_torch"])
-              + ("" if row["ok"] else "  FAIL"), flush=True)
-    del hidden, weight
-    return rows
-
-
-def measure(step, leaves, warmup, repeats):
-    """Median ms of step() (one forward + backward) and its extra peak memory in bytes."""
-    for _ in range(warmup):
-        for t in leaves:
-            t.grad = None
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        for t in leaves:
-            t.grad = None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    for t in leaves:
-        t.grad = None
-    gc.collect()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = step()
-    torch.cuda.synchronize()
-    held = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
-    held += out.numel() * out.element_size() if out is not None else 0
-    extra = torch.cuda.max_memory_allocated() - base - held
-    for t in leaves:
-        t.grad = None
-    return statistics.median(times), extra, times
-
-
-def variants(args, hidden, weight, teacher, target):
-    ids, lp, tl = teacher
-    kw = dict(tail=args.tail, temperature=args.temperature, ce_weight=args.ce_weight, check_ids=False,
-              target_ids=target if args.ce_weight > 0 else None)
-    h = hidden.detach().clone().requires_grad_()
-    w = weight.detach().clone().requires_grad_()
-
-    def ours(impl, chunk_rows=None, row_kernel="scaled"):
-        def step():
-            fkt.ROW_KERNEL = row_kernel
-            try:
-                loss = fused_topk_kl(h, w, ids, lp, tl, impl=impl, chunk_size=chunk_rows, **kw)
-                loss.backward()
-            finally:
-                fkt.ROW_KERNEL = "scaled"
-            return loss.detach()
-        return step
-
-    def dense():
-        loss = topk_kl_dense(h, w, ids, lp, tl, **kw)
-        loss.backward()
-        return loss.detach()
-
-    def liger():
+def liger_loss():
+    """Liger-Kernel's FLCE as a function (weight, hidden, target) -> loss, or the reason it is missing."""
+    if not torch.cuda.is_available():
+        return None, "needs a CUDA device"
+    try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError as err:
+        return None, f"liger_kernel not importable: {err}"
+    module = LigerFusedLinearCrossEntropyLoss()
 
-        loss = LigerFusedLinearCrossEntropyLoss()(w, h, target)
-        loss.backward()
-        return loss.detach()
+    def loss(weight, hidden, target):
+        out = module(weight, hidden, target)
+        return out[0] if isinstance(out, tuple) else out  # versions that also return a z-loss
 
-    steps = {"triton": ours("triton"), "triton_direct": ours("triton", row_kernel="direct"), "torch": ours("torch"),
-             "dense": dense, "liger": liger}
-    for name in args.variants.split(","):
-        if "#" in name:
-            rows = int(name.split("#")[1])
-            if rows <= hidden.shape[0] and rows * weight.shape[0] * weight.element_size() <= GIB:
-                steps[name] = ours("triton", rows)
-    return h, w, steps
+    return loss, None
 
 
-def bare_matmuls(hidden, weight, warmup, repeats):
-    """z = h W^T, grad_h = G W, grad_W = G^T h into preallocated outputs, G random."""
-    n, v = hidden.shape[0], weight.shape[0]
-    g_NV = torch.randn(n, v, device="cuda", dtype=hidden.dtype)
-    z_NV = torch.empty_like(g_NV)
+def grad_step(loss_fn, h, w):
+    """One forward + backward: (loss, grad_h, grad_w), the gradients returned, not accumulated."""
+    def step():
+        loss = loss_fn(h, w)
+        return (loss.detach(), *torch.autograd.grad(loss, (h, w)))
+    return step
+
+
+def loss_kw(args, target, mask):
+    return dict(target_ids=target, mask=mask, tail=args.tail, temperature=args.temperature,
+                cache_temperature=args.temperature, ce_weight=args.ce_weight, check_ids=False)
+
+
+def check(args, device, liger):
+    """Ours against the dense reference, and Liger against our CE, before anything is timed."""
+    v = max(args.vocabs)
+    hidden, weight, ids, lp, tl, target, mask = make_inputs(args.check_rows, v, args.d, args.k, torch.bfloat16,
+                                                            device, seed=1)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    kw = loss_kw(args, target, mask)
+    pairs = [("ours", lambda h, w: fused_topk_kl(h, w, ids, lp, tl, **kw),
+              lambda h, w: topk_kl_dense(h, w, ids, lp, tl, **kw))]
+    if liger is not None:
+        ce = dict(kw, ce_weight=1.0, mask=None)
+        pairs.append(("liger", lambda h, w: liger(w, h, target), lambda h, w: fused_topk_kl(h, w, ids, lp, tl, **ce)))
+    errors = {}
+    for name, fn, ref_fn in pairs:
+        got, want = grad_step(fn, h, w)(), grad_step(ref_fn, h, w)()
+        for part, g, r in zip(("loss", "grad_hidden", "grad_weight"), got, want):
+            # bf16 bounds of tests/test_fused_topk_kl.py: loss relative, gradients against their largest entry
+            tol = dict(atol=1e-4, rtol=5e-3) if part == "loss" else dict(atol=2e-2 * r.float().abs().max().item())
+            errors[f"{name}/{part}"] = check_close(f"V{v}-N{args.check_rows} {name} {part}", g, r, **tol)
+        del got, want
+    print("check passed: max errors " + ", ".join(f"{k} {e:.3g}" for k, e in errors.items()), flush=True)
+    return errors
+
+
+def bare_step(hidden, weight):
+    """The three matmuls into preallocated outputs; one [N, V] buffer serves as z and as G."""
+    buf = torch.randn(hidden.shape[0], weight.shape[0], device=hidden.device, dtype=hidden.dtype)
     gh, gw = torch.empty_like(hidden), torch.empty_like(weight)
 
     def step():
-        torch.mm(hidden, weight.T, out=z_NV)
-        torch.mm(g_NV, weight, out=gh)
-        torch.mm(g_NV.T, hidden, out=gw)
-        return None
-
-    result = measure(step, [], warmup, repeats)
-    del g_NV, z_NV, gh, gw
-    return result
+        torch.mm(hidden, weight.T, out=buf)
+        torch.mm(buf, weight, out=gh)
+        torch.mm(buf.T, hidden, out=gw)
+    return step
 
 
-def profile_step(step, leaves, label):
-    """GPU time per kernel of one forward + backward (torch.profiler), and the step's wall time:
-    what the time beyond the bare matmuls is spent on (small kernels, or the GPU waiting on Python)."""
-    from torch.profiler import ProfilerActivity, profile
+def sweep(args, device, settings, results):
+    """The scaled row pass alone over blocks x warps at each vocabulary's production chunk; returns
+    {V: the fastest settings}."""
+    best = {}
+    for v in args.vocabs:
+        timed = sweep_vocabulary(args, device, v, settings, results)
+        block, warps = min(timed, key=timed.get)
+        best[v] = dataclasses.replace(settings, scaled_block=block, scaled_warps=warps)
+        print(f"sweep V={v}: fastest {block} x {warps} warps; default {settings.scaled_block} x "
+              f"{settings.scaled_warps}", flush=True)
+        free(device)
+    return best
 
-    for _ in range(2):
-        for t in leaves:
-            t.grad = None
+
+def sweep_vocabulary(args, device, v, settings, results):
+    """{(block, warps): ms of the row pass} at one vocabulary, each setting checked against the first."""
+    rows = fkt.triton_chunk_size(max(args.rows), v, 2, settings.triton_chunk_bytes)
+    hidden, weight, ids, lp, tl, _, _ = make_inputs(rows, v, args.d, args.k, torch.bfloat16, device)
+    logp, logp_tail = teacher_logprobs(lp, tl, args.tail, 1.0, 1.0)
+    logp = logp.contiguous()
+    kl_w, ce_w = (t.float() for t in row_weights(None, None, rows, 0.0, 1.0, "mean", device))
+    z0 = hidden @ weight.T
+    z = torch.empty_like(z0)
+    out = {n: torch.empty(rows, device=device) for n in ("loss", "kl", "sigma")}
+    hs = torch.empty_like(hidden)
+    moved = 2 * z0.numel() * z0.element_size()  # one read and one write of the chunk's logits
+    copy = time_gpu(lambda: z.copy_(z0), warmup=3, repeats=20)
+    timed, reference = {}, None
+    for block, warps in itertools.product(args.sweep_blocks, args.sweep_warps):
+        s = dataclasses.replace(settings, scaled_block=block, scaled_warps=warps)
+
+        def step(s=s):
+            z.copy_(z0)
+            fkt._row_pass(z, ids, logp, logp_tail, None, kl_w, ce_w, out["loss"], out["kl"], hidden, out["sigma"],
+                          hs, args.tail, 1.0, "scaled", s)
+
         step()
-    torch.cuda.synchronize()
-    for t in leaves:
-        t.grad = None
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-    for t in leaves:
-        t.grad = None
-    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
-    busy_ms = sum(e.device_time_total for e in kernels) / 1e3
-    rows = sorted(((e.key[:70], e.count, e.device_time_total / 1e3) for e in kernels), key=lambda r: -r[2])
-    print(f"\nprofile {label}: wall {start.elapsed_time(end):.2f} ms (under the profiler), "
-          f"GPU kernels {busy_ms:.2f} ms")
-    for name, count, ms in rows[:14]:
-        print(f"  {ms:8.3f} ms  x{count:<4d} {name}")
-    return dict(label=label, wall_ms=start.elapsed_time(end), kernel_ms=busy_ms, kernels=rows[:30])
+        grad = z.float() * out["sigma"][:, None]
+        if reference is None:
+            reference = (grad, out["loss"].clone())
+        check_close(f"sweep V{v} {block}x{warps} gradient", grad, reference[0],
+                    atol=1e-3 * reference[0].abs().max().item(), rtol=1e-2)
+        check_close(f"sweep V{v} {block}x{warps} loss", out["loss"], reference[1], atol=1e-6, rtol=1e-4)
+        del grad
+        both = time_gpu(step, warmup=3, repeats=20)
+        ms = max(both.median_ms - copy.median_ms, 1e-6)
+        timed[(block, warps)] = ms
+        results.add(f"V{v}-C{rows}/block{block}-warps{warps}",
+                    dict(row_pass_ms=ms, with_copy_ms=both.median_ms, copy_ms=copy.median_ms, gbps=gbps(moved, ms),
+                         of_copy_ceiling=gbps(moved, ms) / ceilings()["copy_gbps"]),
+                    dict(V=v, chunk_rows=rows, d=args.d, k=args.k, tail=args.tail, block=block, warps=warps))
+    return timed
 
 
-def copy_bandwidth():
-    x = torch.empty(2 * GIB // 2, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    ms, _, _ = measure(lambda: y.copy_(x), [], 3, 10)
-    del x, y
-    return 2 * 2 * GIB / (ms * 1e-3)
+def free(device):
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_point(args, device, n, v, liger, liger_reason, settings, best, results, table):
+    """Every variant at one point, bare and Liger first so that ours can be put against them."""
+    timer = (lambda fn: time_gpu(fn, warmup=args.warmup, repeats=args.repeats)) if device == "cuda" else (
+        lambda fn: time_cpu(fn, warmup=1, repeats=args.repeats))
+    hidden, weight, ids, lp, tl, target, mask = make_inputs(n, v, args.d, args.k, torch.bfloat16, device)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    kw = loss_kw(args, target, mask)
+    flops = 6 * n * args.d * v
+    outputs_gib = (h.numel() * h.element_size() + w.numel() * w.element_size()) / GIB
+    chunk = fkt.triton_chunk_size(n, v, 2, settings.triton_chunk_bytes) if device == "cuda" else None
+    steps = {
+        "bare": lambda: bare_step(h.detach(), w.detach()),
+        "liger": lambda: grad_step(lambda h, w: liger(w, h, target), h, w),
+        "ours": lambda: grad_step(lambda h, w: fused_topk_kl(h, w, ids, lp, tl, settings=settings, **kw), h, w),
+        "ours_best": lambda: grad_step(lambda h, w: fused_topk_kl(h, w, ids, lp, tl, settings=best[v], **kw), h, w),
+        "dense": lambda: grad_step(lambda h, w: topk_kl_dense(h, w, ids, lp, tl, **kw), h, w),
+    }
+    wanted = [x for x in VARIANTS if x in args.variants]
+    if v in best and best[v] != settings and "ours" in wanted:
+        wanted.insert(wanted.index("ours") + 1, "ours_best")
+    ms_of = {}
+    for name in wanted:
+        config = dict(V=v, N=n, d=args.d, k=args.k, dtype="bfloat16", tail=args.tail, temperature=args.temperature,
+                      ce_weight=args.ce_weight, device=device, torch=torch.__version__)
+        if name.startswith("ours"):
+            config.update(chunk_rows=chunk, settings=best[v] if name == "ours_best" else settings)
+        if name == "liger" and liger is None:
+            figures = dict(status="skipped", reason=liger_reason)
+        else:
+            try:
+                timing = timer(steps[name]())
+                ms_of[name] = timing.median_ms
+                figures = dict(timing.figures(), tflops=tflops(flops, timing.median_ms))
+                if device == "cuda":
+                    figures["of_matmul_ceiling"] = figures["tflops"] / ceilings()["matmul_bf16_tflops"]
+                    if name != "bare":
+                        figures["extra_gib"] = timing.peak_gib - outputs_gib
+                for peer in ("bare", "liger"):
+                    if peer in ms_of and peer != name:
+                        figures[f"x_{peer}"] = timing.median_ms / ms_of[peer]
+            except torch.OutOfMemoryError:
+                figures = dict(status="oom")
+        free(device)
+        table.append(results.add(f"V{v}-N{n}/{name}", figures, config))
+
+
+def print_table(rows):
+    print("\n| V | N | variant | ms | x bare | x Liger | TFLOP/s (6NdV) | of ceiling | extra GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        c, f = row["config"], row["figures"]
+        if "median_ms" not in f:
+            print(f"| {c['V']:,} | {c['N']:,} | {row['case'].split('/')[1]} | {f.get('status')} "
+                  f"{f.get('reason', '')} | | | | | |")
+            continue
+        cells = [f"{f[key]:.3f}" if key in f else "" for key in ("x_bare", "x_liger", "of_matmul_ceiling")]
+        extra = f"{f['extra_gib']:.2f}" if "extra_gib" in f else ""
+        print(f"| {c['V']:,} | {c['N']:,} | {row['case'].split('/')[1]} | {f['median_ms']:.2f} | {cells[0]} | "
+              f"{cells[1]} | {f['tflops']:.0f} | {cells[2]} | {extra} |")
+
+
+def ints(text):
+    return [int(x) for x in text.split(",")]
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--vocabs", default="49152,151936")
-    parser.add_argument("--rows", default="8192,32768,131072")
-    parser.add_argument("--d", type=int, default=2048)
-    parser.add_argument("--k", type=int, default=100)
-    parser.add_argument("--tail", default="unnormalized", choices=["renorm", "bucket", "unnormalized"])
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--vocabs", type=ints, default=[49152, 151936], help="vocabulary sizes V (comma-separated)")
+    parser.add_argument("--rows", type=ints, default=[8192, 32768, 131072], help="token counts N (comma-separated)")
+    parser.add_argument("--d", type=int, default=2048, help="hidden width")
+    parser.add_argument("--k", type=int, default=100, help="cached top-k")
+    parser.add_argument("--tail", default="unnormalized", choices=TAIL_MODES)
+    parser.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (cache at the same)")
     parser.add_argument("--ce-weight", type=float, default=0.0)
-    parser.add_argument("--variants", default="bare,triton,torch,liger,dense")
+    parser.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
+                        help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--skip-check", action="store_true")
-    parser.add_argument("--profile", action="store_true",
-                        help="also profile one step of the 'triton' variant at every shape")
+    parser.add_argument("--check-rows", type=int, default=8192, help="rows of the correctness check before timing")
+    parser.add_argument("--sweep", action="store_true", help="sweep the scaled row kernel's block x warps first")
+    parser.add_argument("--sweep-blocks", type=ints, default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--sweep-warps", type=ints, default=[4, 8, 16, 32])
+    add_results_arg(parser)
     args = parser.parse_args()
-    dtype = torch.bfloat16
-    report = dict(args=vars(args), device=torch.cuda.get_device_name(), torch=torch.__version__)
-    import triton
-
-    report["triton"] = triton.__version__
-    try:
-        import liger_kernel  # noqa: F401
-        from importlib.metadata import version
-
-        report["liger_kernel"] = version("liger_kernel")
-    except ImportError as err:
-        report["liger_kernel"] = f"not importable: {err}"
-
-    if not args.skip_check:
-        small = [dict(tail=t, temperature=tt, ce_weight=c) for t in ("renorm", "bucket", "unnormalized")
-                 for tt, c in ((1.0, 0.0), (2.0, 0.3))]
-        report["check"] = check(1031, 12365, 256, args.k, torch.float32, small)
-        report["check"] += check(1031, 12365, 256, args.k, dtype, small)
-        large = [dict(tail=args.tail, temperature=args.temperature, ce_weight=args.ce_weight),
-                 dict(tail="bucket", temperature=2.0, ce_weight=0.3),
-                 dict(tail="bucket", temperature=1.0, ce_weight=0.3)]
-        report["check"] += check(8192, 151936, args.d, args.k, dtype, large)
-        torch.cuda.empty_cache()
-    report["copy_GBps"] = copy_bandwidth() / 1e9
-    print(f"device-to-device copy: {report['copy_GBps']:.0f} GB/s (read + write)", flush=True)
-
-    wanted = args.variants.split(",")
-    results = []
-    for v in (int(x) for x in args.vocabs.split(",")):
-        for n in (int(x) for x in args.rows.split(",")):
-            hidden, weight, ids, lp, tl, target, _ = make_inputs(n, v, args.d, args.k, dtype)
-            flops = 3 * 2 * n * v * args.d
-            if "bare" in wanted:
-                wanted_here = ["bare"] + [x for x in wanted if x != "bare"]
-            else:
-                wanted_here = wanted
-            h, w, steps = variants(args, hidden, weight, (ids, lp, tl), target)
-            if args.profile:
-                try:
-                    report.setdefault("profile", []).append(
-                        profile_step(steps["triton"], [h, w], f"triton V={v} N={n}"))
-                except Exception as err:  # noqa: BLE001  the profile is a diagnostic, not the result
-                    print(f"profile failed: {type(err).__name__}: {err}", flush=True)
-            for name in [x for x in wanted_here if x in steps or x == "bare"]:
-                row = dict(V=v, N=n, d=args.d, k=args.k, variant=name)
-                try:
-                    if name == "bare":
-                        ms, extra, times = bare_matmuls(hidden, weight, args.warmup, args.repeats)
-                    else:
-                        ms, extra, times = measure(steps[name], [h, w], args.warmup, args.repeats)
-                    row.update(ms=ms, times_ms=times, extra_GiB=extra / GIB, TFLOPs=flops / (ms * 1e-3) / 1e12)
-                except torch.OutOfMemoryError:
-                    row.update(ms=None, error="OOM")
-                except Exception as err:  # noqa: BLE001  a peer that fails is reported, not fatal
-                    row.update(ms=None, error=f"{type(err).__name__}: {err}"[:300])
-                h.grad = w.grad = None
-                gc.collect()
-                torch.cuda.empty_cache()
-                results.append(row)
-                print(json.dumps({key: row[key] for key in row if key != "times_ms"}), flush=True)
-            del hidden, weight, ids, lp, tl, target, h, w, steps
-            gc.collect()
-            torch.cuda.empty_cache()
-    report["results"] = results
-    report["chunk_rows_triton"] = {f"{v}x{n}": triton_chunk_size(int(n), int(v), 2)
-                                   for v in args.vocabs.split(",") for n in args.rows.split(",")}
-    print("auto chunk rows (V x N: rows):", report["chunk_rows_triton"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-
-    print("\n| V | N | variant | ms | x bare | TFLOP/s (6NVd) | extra peak GiB |")
-    print("|---|---|---|---|---|---|---|")
-    bare = {(r["V"], r["N"]): r["ms"] for r in results if r["variant"] == "bare" and r["ms"]}
-    for r in results:
-        if r["ms"] is None:
-            print(f"| {r['V']:,} | {r['N']:,} | {r['variant']} | {r['error'][:40]} | | | |")
-            continue
-        ratio = f"{r['ms'] / bare[(r['V'], r['N'])]:.3f}" if (r["V"], r["N"]) in bare else ""
-        print(f"| {r['V']:,} | {r['N']:,} | {r['variant']} | {r['ms']:.1f} | {ratio} | {r['TFLOPs']:.0f} "
-              f"| {r['extra_GiB']:.2f} |")
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--variants takes {','.join(VARIANTS)}, got {','.join(sorted(unknown))}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.sweep and device != "cuda":
+        parser.error("--sweep times a Triton kernel and needs a CUDA device")
+    settings = FusedKLSettings()
+    liger, liger_reason = liger_loss()
+    if device == "cuda":
+        print(f"ceilings: {ceilings()}", flush=True)
+    check(args, device, liger)
+    free(device)
+    best = sweep(args, device, settings, Results(bench="fused_kl_sweep", path=args.results)) if args.sweep else {}
+    results, table = Results(bench="fused_kl", path=args.results), []
+    for v in args.vocabs:
+        for n in args.rows:
+            measure_point(args, device, n, v, liger, liger_reason, settings, best, results, table)
+            free(device)  # the point's inputs went with measure_point's frame
+    print_table(table)
 
 
 if __name__ == "__main__":

@@ -2,15 +2,18 @@
 and no penalty, and with the ReLU gate plus L1 penalties; held-out KL to the teacher and the
 per-layer FFN sparsity and dead neurons on the held-out sequences, against step.
 
-    python tests/benchmarks/bench_sparse_ffn_cpu.py --cache caches/quickstart --out /tmp/sparse_ffn
+    python tests/benchmarks/bench_sparse_ffn_cpu.py --cache caches/quickstart
     python tests/benchmarks/bench_sparse_ffn_cpu.py --cache caches/quickstart --out /tmp/sparse_ffn \
         --variants dense,sparse:0,sparse:2e-5,sparse:1e-3 --steps 80 --eval-every 20
 
 Variants: "dense" (the student as pruned: SwiGLU), "sparse:L1" (converted to the ReLU gate, same
 weights, L1 coefficient L1; 0 is the ReLU gate alone). Uses pipelines/recipes/quickstart.toml's
 student and [train] settings unless --recipe names another. Writes OUT/NAME/ run dirs,
-OUT/sparse_ffn.json and OUT/sparse_ffn.png. Variants can run in separate processes (say, two at
-once) into separate OUT dirs; `--merge OTHER_OUT` then adds OTHER_OUT's runs to OUT's json and plot.
+OUT/sparse_ffn.json and OUT/sparse_ffn.png (OUT defaults to tests/benchmarks/out/sparse_ffn, which
+git ignores) and one results row a run, `sparse_ffn_cpu/NAME`: held-out KL, CE and top-1 at the
+last evaluation, the KL curve, and per layer the held-out sparsity, non-zeros per token and dead
+neurons. Variants can run in separate processes (say, two at once) into separate OUT dirs;
+`--merge OTHER_OUT` then adds OTHER_OUT's runs to OUT's json and plot.
 """
 
 from __future__ import annotations
@@ -72,14 +75,18 @@ def main() -> None:
         return
 
     def describe(spec, config, run_dir):
-        label = f"ReLU gate, L1 {config.l1:g}" if config.sparse_ffn else "dense (SwiGLU)"
-        last = metric_rows(run_dir, "eval")[-1]
-        text = "" if last.get("ffn_sparsity") is None else (
-            f" sparsity/layer {[round(100 * s, 1) for s in last['ffn_sparsity']]}% dead/layer "
-            f"{[round(100 * d, 1) for d in last['ffn_dead']]}%")
-        return {"label": label, "last_train": metric_rows(run_dir, "train")[-1]}, text
+        flat = config.to_flat()
+        label = f"ReLU gate, L1 {flat['l1']:g}" if flat["sparse_ffn"] else "dense (SwiGLU)"
+        last, last_train = metric_rows(run_dir, "eval")[-1], metric_rows(run_dir, "train")[-1]
+        if last.get("ffn_sparsity") is None:
+            return {"label": label}, ""
+        fields = {"label": label, "ffn_sparsity_by_layer": last["ffn_sparsity"], "ffn_nnz_by_layer": last["ffn_nnz"],
+                  "ffn_dead_by_layer": last["ffn_dead"], "train_l1": last_train.get("l1")}
+        text = (f" sparsity/layer {[round(100 * s, 1) for s in last['ffn_sparsity']]}% dead/layer "
+                f"{[round(100 * d, 1) for d in last['ffn_dead']]}%")
+        return fields, text
 
-    results = run_variants(args, parse_variant, describe, "sparse_ffn.json")
+    results = run_variants(args, parse_variant, describe, "sparse_ffn.json", bench="sparse_ffn_cpu")
     plot(results, args.out / "sparse_ffn.png")
 
 

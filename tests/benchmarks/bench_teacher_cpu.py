@@ -3,8 +3,14 @@ model (the embedded default teacher), same stdlib text, same k. Model load / eng
 reported apart from scoring; one warm-up call on the full batch is excluded; every timed run is
 listed, with the median and the best (the best is the least disturbed by other jobs).
 
+Before timing, each backend's first output is checked against the teacher itself (transformers in
+float32 over the same sequences): the mean |log-prob| difference at the ids it returned must stay
+under what its dtype's rounding explains (FIRST_CALL_TOL). One row a backend,
+`teacher_cpu/<dtype>/<backend>` ("vllm-reserved<N>" when VLLM_CPU_NUM_OF_RESERVED_CPU is set),
+goes to --results.
+
     python tests/benchmarks/bench_teacher_cpu.py                     # 4 x 512 tokens, k=100, bf16
-    python tests/benchmarks/bench_teacher_cpu.py --append-results    # also append to RESULTS.md
+    python tests/benchmarks/bench_teacher_cpu.py --dtype float32 --repeats 3
     VLLM_CPU_NUM_OF_RESERVED_CPU=0 python tests/benchmarks/bench_teacher_cpu.py --backends vllm
 
 FLOP/s counts 2 x parameters (the tied lm-head counted once, as the matmul it is) plus causal
@@ -16,21 +22,21 @@ vLLM starts its engine in a subprocess, hence the ``__main__`` guard.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import sysconfig
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from harness import Results, add_results_arg, check_close, time_cpu
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+# Mean |log-prob - the float32 teacher's| allowed at the returned ids: float32 agrees to rounding;
+# bfloat16 logits move log-probs by their rounding (the spread measured in notes/LOG.md, "Teacher
+# pass on the CPU"). Both bounds sit far below the nats a misaligned row or a wrong id costs.
+FIRST_CALL_TOL = {"float32": 1e-3, "bfloat16": 0.15}
 STDLIB_FILES = ("textwrap.py", "json/decoder.py", "argparse.py", "csv.py", "heapq.py", "bisect.py", "shlex.py")
 
 
@@ -67,27 +73,42 @@ def flops_per_token(model_dir: Path, seq_len: int) -> float:
     return 2 * params + 2 * config.num_hidden_layers * seq_len * config.hidden_size
 
 
-def run_backend(name: str, model_dir: Path, dtype: str, sequences, k: int, repeats: int) -> dict:
+def run_backend(name: str, model_dir: Path, dtype: str, sequences, k: int, repeats: int, reference) -> dict:
     from teacher_cache.backends import make_backend
 
-    seq_len = max(len(s) for s in sequences)
-    options = {"batch_size": len(sequences)}
-    if name == "vllm":
-        options |= {"max_k": k, "max_model_len": seq_len + 1}
     start = time.perf_counter()
-    backend = make_backend(name, model_dir, dtype=dtype, device="cpu", **options)
+    backend = make_backend(name, model_dir, dtype=dtype, device="cpu", k=k, max_len=max(len(s) for s in sequences),
+                           batch_size=len(sequences))
     load_s = time.perf_counter() - start
     try:
-        backend.score(sequences, k)  # warm-up on the full batch: allocations, thread pools, caches
-        times, out = [], None
-        for _ in range(repeats):
-            start = time.perf_counter()
-            out = backend.score(sequences, k)
-            times.append(time.perf_counter() - start)
+        # the first call on the full batch is the warm-up (allocations, thread pools, caches) and the check
+        out = backend.score(sequences, k)
+        error = check_against_teacher(name, dtype, out, reference)
+        timing = time_cpu(lambda: backend.score(sequences, k), warmup=0, repeats=repeats)
         body_s = _hf_body_seconds(backend, sequences) if name == "hf" else None
     finally:
         backend.close()
-    return {"backend": name, "load_s": load_s, "score_s": times, "body_s": body_s, "targets": out}
+    return {"backend": name, "load_s": load_s, "score_s": [t / 1e3 for t in timing.times_ms], "body_s": body_s,
+            "targets": out, "mean_abs_logprob_error": error}
+
+
+@torch.inference_mode()
+def teacher_logprobs(model_dir: Path, sequences) -> list[torch.Tensor]:
+    """The teacher's float32 log-softmax over each sequence, [L_i, V] each."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.from_numpy(np.stack(sequences).astype(np.int64))
+    return list(model(ids).logits.float().log_softmax(-1))
+
+
+def check_against_teacher(name: str, dtype: str, targets, reference) -> float:
+    """Mean |log-prob - the float32 teacher's| at the returned ids, refused above FIRST_CALL_TOL."""
+    diffs = [(torch.from_numpy(t.topk_logprobs) - ref.gather(1, torch.from_numpy(t.topk_ids).long())).abs()
+             for t, ref in zip(targets, reference)]
+    error = torch.cat([d.flatten() for d in diffs]).mean().item()
+    check_close(f"{name} {dtype}: mean |log-prob - float32 teacher|", error, 0.0, atol=FIRST_CALL_TOL[dtype])
+    return error
 
 
 def _hf_body_seconds(backend, sequences) -> float:
@@ -106,9 +127,7 @@ def top1_and_overlap(a_list, b_list) -> tuple[float, float]:
     return float(top1), float(overlap)
 
 
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+def versions() -> dict:
     import transformers
 
     try:
@@ -117,20 +136,9 @@ def machine() -> str:
         vllm_version = vllm.__version__
     except ImportError:
         vllm_version = "not installed"
-    return (
-        f"{cpu}, {os.cpu_count()} cores, {ram:.0f} GiB RAM; Python {platform.python_version()}, "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
-        f"vllm {vllm_version}"
-    )
-
-
-def commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-        return head.stdout.strip() + (" + uncommitted changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "uncommitted"
+    return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "transformers": transformers.__version__, "vllm": vllm_version,
+            "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)}
 
 
 def main() -> None:
@@ -141,7 +149,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=100)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--append-results", action="store_true", help=f"append a section to {RESULTS}")
+    add_results_arg(parser)
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -153,46 +161,35 @@ def main() -> None:
     num_tokens = args.num_seqs * args.seq_len
     flops = flops_per_token(model_dir, args.seq_len) * num_tokens
     ceiling = matmul_ceiling_gflops(getattr(torch, args.dtype))
+    reference = teacher_logprobs(model_dir, sequences)
     load_before = os.getloadavg()
-    runs = [run_backend(name, model_dir, args.dtype, sequences, args.k, args.repeats) for name in args.backends.split(",")]
+    runs = [run_backend(name, model_dir, args.dtype, sequences, args.k, args.repeats, reference)
+            for name in args.backends.split(",")]
     load_after = os.getloadavg()
+    reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    config = {"teacher": DEFAULT_TEACHER_NAME, "dtype": args.dtype, "sequences": args.num_seqs,
+              "seq_len": args.seq_len, "k": args.k, "mflop_per_token": flops / num_tokens / 1e6,
+              "ceiling": "F.linear 2048 x 576 -> 1536, best of 5", "VLLM_CPU_NUM_OF_RESERVED_CPU": reserved,
+              "load_average_before_after": [load_before[0], load_after[0]], "versions": versions()}
 
-    rows = []
+    results = Results(bench="teacher_cpu", path=args.results)
+    hf = next((r for r in runs if r["backend"] == "hf"), None)
+    print("| backend | load / engine start (s) | score time per run (s) | tokens/s, median / best "
+          "| GFLOP/s at best (% of ceiling) |\n|---|---|---|---|---|")
     for r in runs:
         median, best = statistics.median(r["score_s"]), min(r["score_s"])
         gflops = flops / best / 1e9
-        body = f"; body alone {num_tokens / r['body_s']:,.0f}" if r["body_s"] else ""
-        rows.append(
-            f"| {r['backend']} | {r['load_s']:.1f} | {', '.join(f'{t:.2f}' for t in r['score_s'])} "
-            f"| {num_tokens / median:,.0f} / {num_tokens / best:,.0f}{body} | {gflops:.1f} ({100 * gflops / ceiling:.0f}%) |"
-        )
-    lines = [
-        f"## Teacher pass on the CPU: hf vs vllm backend ({datetime.date.today().isoformat()})",
-        "",
-        f"- commit: {commit()}",
-        f"- machine: {machine()}",
-        f"- vLLM env: VLLM_CPU_NUM_OF_RESERVED_CPU={os.environ.get('VLLM_CPU_NUM_OF_RESERVED_CPU', '(unset)')} "
-        "(vllm-cpu keeps that many cores, default 1, for its engine process; the model runs on the rest)",
-        f"- command: `{' '.join(['python'] + sys.argv)}`",
-        f"- work: {DEFAULT_TEACHER_NAME}, {args.dtype}, {args.num_seqs} x {args.seq_len} tokens of stdlib text, "
-        f"k={args.k}, one batch; {flops / num_tokens / 1e6:.0f} MFLOP/token",
-        f"- {args.dtype} matmul ceiling here: {ceiling:.1f} GFLOP/s; load average before/after: "
-        f"{load_before[0]:.1f} / {load_after[0]:.1f} (other jobs on the machine slow both backends)",
-        "",
-        "| backend | load / engine start (s) | score time per run (s) | tokens/s, median / best | GFLOP/s at best (% of ceiling) |",
-        "|---|---|---|---|---|",
-        *rows,
-    ]
-    if len(runs) == 2:
-        top1, overlap = top1_and_overlap(runs[0]["targets"], runs[1]["targets"])
-        lines += ["", f"Agreement on these tokens ({runs[0]['backend']} vs {runs[1]['backend']}): "
-                  f"top-1 {top1:.3f}, top-{args.k} overlap {overlap:.3f}."]  # fmt: skip
-    report = "\n".join(lines) + "\n"
-    print(report)
-    print(json.dumps({r["backend"]: {"load_s": r["load_s"], "score_s": r["score_s"]} for r in runs}))
-    if args.append_results:
-        with open(RESULTS, "a", encoding="utf-8") as f:
-            f.write("\n" + report)
+        figures = {"load_s": r["load_s"], "score_s": r["score_s"], "tok_s_median": num_tokens / median,
+                   "tok_s_best": num_tokens / best, "body_tok_s": num_tokens / r["body_s"] if r["body_s"] else None,
+                   "gflops_best": gflops, "ceiling_gflops": ceiling, "fraction_of_ceiling": gflops / ceiling,
+                   "mean_abs_logprob_error_vs_fp32_teacher": r["mean_abs_logprob_error"]}
+        if hf is not None and r is not hf:
+            figures["top1_agreement_vs_hf"], figures["topk_overlap_vs_hf"] = top1_and_overlap(hf["targets"], r["targets"])
+        label = r["backend"] + (f"-reserved{reserved}" if r["backend"] == "vllm" and reserved is not None else "")
+        results.add(f"{args.dtype}/{label}", figures, config)
+        body = f"; body alone {figures['body_tok_s']:,.0f}" if r["body_s"] else ""
+        print(f"| {label} | {r['load_s']:.1f} | {', '.join(f'{t:.2f}' for t in r['score_s'])} "
+              f"| {num_tokens / median:,.0f} / {num_tokens / best:,.0f}{body} | {gflops:.1f} ({100 * gflops / ceiling:.0f}%) |")
 
 
 if __name__ == "__main__":

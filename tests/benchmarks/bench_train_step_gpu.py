@@ -1,36 +1,40 @@
 """One training step of a Qwen2-0.5B-shaped student, ours against transformers, side by side in one run.
 
-Setup, on the GPU machine: a random-init student of the Qwen2-0.5B shape (hidden 896, 24 layers,
-14 / 2 heads, intermediate 4,864, vocab 151,936, tied embeddings, qkv bias) saved as an HF folder
-with a word-level tokenizer of 151,936 ids, and a real on-disk teacher cache written by
-``CacheWriter`` (parquet, k = 100, random but valid top-k targets: distinct ids, descending
-log-probabilities, 90% of the mass on the top-k).
+Setup: a random-init student of the Qwen2-0.5B shape (hidden 896, 24 layers, 14 / 2 heads,
+intermediate 4,864, vocab 151,936, tied embeddings, qkv bias) saved as an HF folder with a
+word-level tokenizer, and a teacher cache on disk written by `CacheWriter` (parquet, k = 100,
+random but valid targets: distinct ids, descending log-probabilities, 90% of the mass on the
+top-k), read by `student.data.CacheBatches`. Every variant: fp32 master weights, bf16 autocast,
+the optimizer `student.optim.build_optimizer` makes from the run's config (fused AdamW with the
+trainer's groups), torch's clipping at 1.0, the trainer's loss settings (tail "bucket", T = 1).
 
-Variants, all on batches read from that cache by ``student.data.CacheBatches``, fp32 master
-weights, bf16 autocast, fused AdamW (the trainer's groups and betas), clipping at 1.0, tail
-"bucket", T = 1:
-  train()       ``student.trainer.train`` itself for --train-steps steps; tok/s from its
-                metrics.jsonl windows after the first (data loading, .item() syncs included)
-  ours          a manual loop of the trainer's ``_step_loss`` + backward + clip + step, with the
-                config as train() resolves it on a GPU (dtype "bfloat16"): the final hidden
-                states, fp32 under autocast (the residual stream and the final RMSNorm stay
-                fp32), are cast to bf16 with the lm-head before the fused loss, impl auto = Triton
-  ours_fp32_head  the same without that cast: the fused loss and its three matmuls in fp32
-                (what _step_loss did before the cast was added, and still does for dtype "auto")
-  hf            transformers ``Qwen2ForCausalLM`` (sdpa) loaded from the same folder, full logits
-                under autocast (bf16), the same top-k KL written on the logits (dense, autograd)
-Per-step time: CUDA events around one whole step on batches already on the GPU, median after
---warmup steps. Peak: torch.cuda.max_memory_allocated over the timed steps (weights, grads,
-AdamW state and activations included). Before timing, the step-0 losses of ours, ours_fp32_head
-and hf on one batch with the same weights.
+Rows `train_step/T<tokens>/<variant>`, one whole step (forward, loss, backward, clip, optimizer
+step, zero_grad) on batches already on the device, CUDA events, median after warm-up steps; peak
+= the largest allocation during the timed steps (weights, gradients, optimizer state and
+activations); TFLOP/s count 6 x parameters + causal attention (6 x layers x seq_len x hidden) per
+token, against the bf16 matmul ceiling:
+  ours            the trainer's step: our `Student`, its final hidden states cast to bf16 with
+                  the lm-head, the fused top-k KL (`fused_topk_kl`, the Triton path on a GPU)
+  ours_fp32_head  the same without the cast: the fused loss's three matmuls in fp32
+  hf              transformers `Qwen2ForCausalLM` (sdpa) on the same weights; the dense top-k KL
+                  (`topk_kl_dense`) on its final hidden states and lm-head: the full logits, as
+                  its own lm-head computes them under autocast
+  hf_liger        hf with Liger-Kernel's RMSNorm, RoPE and SwiGLU kernels (`liger_kernel`, when
+                  it imports), the same dense loss
+and `train_step/T<tokens>/train`: `student.trainer.train` itself for --train-steps steps, tokens/s
+over its logging windows after the first (data loading and host syncs included).
+Before timing, each variant's step-0 loss and lm-head gradient on one batch are checked against
+hf's on the same weights.
 
-    PYTHONPATH=. python tests/benchmarks/bench_train_step_gpu.py --out /tmp/bench_train_step.json
+    PYTHONPATH=. python tests/benchmarks/bench_train_step_gpu.py --results $OUT/results.jsonl
+
+On a CPU, `--device cpu --shape tiny --seq-len 64 --batch-sizes 2,4` runs every step at a toy
+size (a smoke test, not a figure).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import statistics
@@ -40,26 +44,35 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from harness import Results, add_results_arg, ceilings, check_close, tflops, time_cpu, time_gpu
 
-from kernels.fused_topk_kl import _plogp_diff, _row_weights, _teacher_logprobs, fused_topk_kl
+from kernels.fused_topk_kl import fused_topk_kl, topk_kl_dense
 from student.config import StudentConfig
 from student.data import CacheBatches
 from student.model import Student
-from student.trainer import TrainConfig, _optimizer, _step_loss, train
+from student.trainer import TrainConfig, train
 from teacher_cache.reader import CacheReader
 from teacher_cache.targets import TeacherTargets
 from teacher_cache.writer import CacheWriter
 
 GIB = 2**30
-VOCAB = 151_936
-QWEN2_05B = StudentConfig(model_type="qwen2", vocab_size=VOCAB, hidden_size=896, intermediate_size=4864,
-                          num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1_000_000.0,
-                          max_position_embeddings=32768, tie_word_embeddings=True, attention_bias=True,
-                          extra={"bos_token_id": 1, "eos_token_id": 2})
+SHAPES = {
+    "qwen2-0.5b": dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+                       num_kv_heads=2, head_dim=64),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16),  # CPU smoke test only
+}
+VARIANTS = ("ours", "ours_fp32_head", "hf", "hf_liger")
 
 
-def make_tokenizer(folder: Path, num_words: int = VOCAB) -> dict:
-    """A word-level tokenizer of at most VOCAB ids saved in `folder`; returns its identity
+def student_config(shape: str) -> StudentConfig:
+    return StudentConfig(model_type="qwen2", rope_theta=1_000_000.0, max_position_embeddings=32768,
+                         tie_word_embeddings=True, attention_bias=True, extra={"bos_token_id": 1, "eos_token_id": 2},
+                         **SHAPES[shape])
+
+
+def make_tokenizer(folder: Path, vocab: int, num_words: int | None = None) -> dict:
+    """A word-level tokenizer of at most `vocab` ids saved in `folder`; returns its identity
     (hash, vocab_size). Some transformers versions count one token more than the vocabulary
     holds (seen: 151,937 for 151,936 words), so the words are cut until it fits."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -67,14 +80,15 @@ def make_tokenizer(folder: Path, num_words: int = VOCAB) -> dict:
 
     from teacher_cache.identity import tokenizer_info
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, num_words)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    num_words = num_words or vocab
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, num_words)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                             eos_token="</s>").save_pretrained(folder)
     info = tokenizer_info(AutoTokenizer.from_pretrained(folder))
-    if info["vocab_size"] > VOCAB:
-        return make_tokenizer(folder, num_words - (info["vocab_size"] - VOCAB))
+    if info["vocab_size"] > vocab:
+        return make_tokenizer(folder, vocab, num_words - (info["vocab_size"] - vocab))
     return info
 
 
@@ -107,191 +121,208 @@ def write_cache(path: Path, tok: dict, num_seqs: int, seq_len: int, k: int, shar
         writer.finalize()
 
 
-def hf_topk_kl(logits_NV, batch, tail="bucket"):
-    """The fused loss's definition (T = 1, no CE, mean over unmasked rows) on full logits, as
-    ``topk_kl_dense`` writes it; autograd differentiates."""
-    z_NV = logits_NV.float()
-    ids_NK = batch.topk_ids
-    logq_NV = torch.log_softmax(z_NV, dim=-1)
-    logp_NK, logp_tail_N = _teacher_logprobs(batch.topk_logprobs, batch.tail_logmass, tail, 1.0)
-    kl_N = _plogp_diff(logp_NK, logq_NV.gather(1, ids_NK)).sum(-1)
-    if tail == "bucket":
-        kl_N = kl_N + _plogp_diff(logp_tail_N, torch.logsumexp(logq_NV.scatter(1, ids_NK, float("-inf")), dim=-1))
-    kl_w_N, _ = _row_weights(batch.mask, None, z_NV.shape[0], 0.0, 1.0, "mean", z_NV.device)
-    return torch.where(kl_w_N != 0, kl_w_N.float() * kl_N, 0).sum()
+def load_model(variant: str, student_dir: Path, device: str):
+    if variant.startswith("ours"):
+        return Student.from_pretrained(student_dir, device=device).train()
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(student_dir, dtype=torch.float32, attn_implementation="sdpa").to(device)
+    if variant == "hf_liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+
+        # Patches this instance's norms and MLPs and the module's RoPE function; the loss stays ours.
+        apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False, model=model)
+    return model.train()
 
 
-def losses(variant, model, batch, cfg, amp):
-    if variant == "ours":
-        return _step_loss(model, batch, dataclasses.replace(cfg, dtype="bfloat16"), amp)[0]
-    if variant == "ours_fp32_head":
+def lm_head(variant: str, model) -> torch.Tensor:
+    return model.lm_head_weight if variant.startswith("ours") else model.get_output_embeddings().weight
+
+
+def step_loss(variant: str, model, batch, loss_kw: dict, amp):
+    """The loss of one micro-batch as each side computes it."""
+    if variant.startswith("ours"):
         with amp:
-            hidden = model(batch.input_ids)
+            hidden = model(batch.input_ids, token_mask=batch.mask)
         hidden_ND = hidden.reshape(-1, hidden.shape[-1])
-        return fused_topk_kl(hidden_ND, model.lm_head_weight.to(hidden_ND.dtype), batch.topk_ids, batch.topk_logprobs,
-                             batch.tail_logmass, mask=batch.mask, tail=cfg.tail, check_ids=False)
+        if variant == "ours":  # as the trainer does for dtype "bfloat16": the final norm returns fp32 under autocast
+            hidden_ND = hidden_ND.to(torch.bfloat16)
+        weight = model.lm_head_weight.to(hidden_ND.dtype)
+        return fused_topk_kl(hidden_ND, weight, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass,
+                             target_ids=batch.target_ids, mask=batch.mask, check_ids=False, **loss_kw)
     with amp:
-        logits = model(input_ids=batch.input_ids).logits
-    return hf_topk_kl(logits.reshape(-1, logits.shape[-1]), batch, cfg.tail)
+        hidden = model.get_decoder()(input_ids=batch.input_ids).last_hidden_state
+        weight = model.get_output_embeddings().weight.to(hidden.dtype)
+        return topk_kl_dense(hidden.reshape(-1, hidden.shape[-1]), weight,
+                             batch.topk_ids, batch.topk_logprobs, batch.tail_logmass, target_ids=batch.target_ids,
+                             mask=batch.mask, check_ids=False, **loss_kw)
 
 
-def time_steps(variant, model, batches, cfg, warmup, repeats):
-    """Median ms of one whole step, peak GiB, tokens per step."""
-    amp = torch.autocast("cuda", dtype=torch.bfloat16)
-    opt = _optimizer(model, cfg)
-    times = []
-    for i in range(warmup + repeats):
-        if i == warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        batch = batches[i % len(batches)]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        loss = losses(variant, model, batch, cfg, amp)
+def loss_and_grad(variant: str, model, batch, loss_kw: dict, amp) -> tuple[torch.Tensor, torch.Tensor]:
+    loss = step_loss(variant, model, batch, loss_kw, amp)
+    loss.backward()
+    grad = lm_head(variant, model).grad.detach().float().clone()
+    model.zero_grad(set_to_none=True)
+    return loss.detach().float(), grad
+
+
+def check_against_hf(variant: str, model, batch, loss_kw, amp, reference) -> dict:
+    """Step-0 loss to 1e-3 relative and the lm-head gradient to 5e-2 in relative norm (two
+    implementations rounding differently under bf16 autocast) against hf on the same weights."""
+    loss, grad = loss_and_grad(variant, model, batch, loss_kw, amp)
+    ref_loss, ref_grad = reference
+    loss_err = check_close(f"{variant} step-0 loss", loss, ref_loss, atol=0.0, rtol=1e-3)
+    grad_err = ((grad - ref_grad).norm() / ref_grad.norm()).item()
+    check_close(f"{variant} lm-head gradient, relative norm error", grad_err, 0.0, atol=5e-2)
+    return {"step0_loss": loss.item(), "step0_loss_vs_hf": loss_err, "lm_head_grad_vs_hf": grad_err}
+
+
+def time_steps(variant, model, batches, config, loss_kw, amp, device, warmup, repeats):
+    """One whole step per call; (timing, absolute peak GiB)."""
+    from student.optim import build_optimizer
+
+    optimizer = build_optimizer(model, config.optim, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    clip = config.to_flat()["clip_grad"]
+    losses, calls = [], [0]
+
+    def step():
+        batch = batches[calls[0] % len(batches)]
+        calls[0] += 1
+        loss = step_loss(variant, model, batch, loss_kw, amp)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        end.record()
-        end.synchronize()
-        if not torch.isfinite(loss):
-            raise RuntimeError(f"{variant}: loss {loss.item()} at step {i}")
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    peak = torch.cuda.max_memory_allocated() / GIB
-    del opt
-    return statistics.median(times), peak, times
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    timing = (time_gpu if device == "cuda" else time_cpu)(step, warmup=warmup, repeats=repeats)
+    peak = torch.cuda.max_memory_allocated() / GIB if device == "cuda" else 0.0
+    bad = [i for i, loss in enumerate(losses) if not torch.isfinite(loss)]
+    if bad:
+        raise RuntimeError(f"{variant}: non-finite loss at step {bad[0]}")
+    return timing, peak
 
 
-def fp32_matmul_flags() -> dict:
-    """The process-wide switches that decide whether fp32 matmuls run in TF32 (they change speed)."""
-    import os
-
-    flags = {"allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-             "float32_matmul_precision": torch.get_float32_matmul_precision(),
-             "env": {k: v for k, v in os.environ.items() if "TF32" in k}}
-    matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):
-        flags["matmul_fp32_precision"] = matmul.fp32_precision
-    return flags
+def free_memory(device: str) -> None:
+    """Give a finished variant's memory back, so the next one's peak (also at an OOM) is its own."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
-def gpu_batches(reader, batch_size, count, seed=0):
-    data = CacheBatches(reader, list(range(reader.num_sequences)), batch_size, seed=seed)
-    it = iter(data)
-    return [next(it).to("cuda") for _ in range(count)]
+def device_batches(reader, batch_size, count, device, seed=0):
+    it = iter(CacheBatches(reader, list(range(reader.num_sequences)), batch_size, seed=seed))
+    return [next(it).to(device) for _ in range(count)]
+
+
+def train_windows(config, work: Path) -> tuple[float, list[float]]:
+    """`student.trainer.train` for the config's steps; (wall seconds, tokens/s of each logging window)."""
+    start = time.perf_counter()
+    train(config, progress=False)
+    wall = time.perf_counter() - start
+    rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return wall, [r["tok_per_s"] for r in rows if r.get("kind") == "train" and "tok_per_s" in r]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--shape", default="qwen2-0.5b", choices=tuple(SHAPES))
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-sizes", default="4,16", help="sequences per step (tokens = this x seq-len)")
-    parser.add_argument("--variants", default="ours,ours_fp32_head,hf")
-    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--variants", default="ours,hf,hf_liger", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--num-seqs", type=int, default=40, help="sequences in the cache")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=8)
-    parser.add_argument("--train-steps", type=int, default=16)
-    parser.add_argument("--work", default=None, help="folder for the student and the cache (default: a temp dir)")
+    parser.add_argument("--train-steps", type=int, default=16, help="steps of the train() row (0: no such row)")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--work", type=Path, default=None, help="folder for the student and the cache (default: a temp dir)")
+    add_results_arg(parser)
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if unknown := set(variants) - set(VARIANTS):
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    if "hf_liger" in variants:
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError:
+            print("hf_liger skipped: liger_kernel does not import here", flush=True)
+            variants.remove("hf_liger")
+    variants.sort(key=lambda v: v == "hf_liger")  # Liger's RoPE patch is module-wide: its rows last
+    if args.num_seqs < 2 * max(batch_sizes) + 1:
+        raise SystemExit(f"--num-seqs must hold two batches of {max(batch_sizes)} and a held-out sequence")
     import transformers
-    from transformers import Qwen2ForCausalLM
 
-    report = dict(args=vars(args), device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  transformers=transformers.__version__)
-    work = Path(args.work or tempfile.mkdtemp(prefix="bench_train_step_"))
-    t0 = time.perf_counter()
+    device = args.device
+    results = Results(bench="train_step", path=args.results)
+    ceiling = ceilings() if device == "cuda" else None
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench_train_step_"))
     torch.manual_seed(0)
     student_dir = work / "student"
-    Student(QWEN2_05B).save_pretrained(student_dir)
-    tok = make_tokenizer(student_dir)
-    report["tokenizer_vocab_size"] = tok["vocab_size"]
-    write_cache(work / "cache", tok, args.num_seqs, args.seq_len, 100, shard_size=8)
-    report["setup_s"] = time.perf_counter() - t0
-    print(f"student + cache written in {report['setup_s']:.1f} s", flush=True)
+    with torch.device(device):  # random init on the device: seconds instead of a minute on the host
+        student = Student(student_config(args.shape))
+    params = sum(p.numel() for p in student.parameters())
+    student.save_pretrained(student_dir)
+    del student
+    tok = make_tokenizer(student_dir, SHAPES[args.shape]["vocab_size"])
+    write_cache(work / "cache", tok, args.num_seqs, args.seq_len, min(100, tok["vocab_size"] // 4), shard_size=8)
     reader = CacheReader(work / "cache", expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])
-    bs0 = int(args.batch_sizes.split(",")[0])
-    report["fp32_flags"] = {"start": fp32_matmul_flags()}
-    cfg = TrainConfig(cache=str(work / "cache"), out=str(work / "run"), student=str(student_dir),
-                      steps=args.train_steps, batch_size=bs0, lr=3e-4, warmup_steps=2, heldout=1, eval_every=0,
-                      eval_sequences=1, save_every=0, log_every=4, device="cuda", seed=0)
+    config = TrainConfig.from_flat(cache=str(work / "cache"), out=str(work / "run"), student=str(student_dir),
+                                   steps=max(args.train_steps, 1), batch_size=batch_sizes[0], lr=3e-4, warmup_steps=2,
+                                   heldout=1, eval_every=0, eval_sequences=1, save_every=0, log_every=4, device=device,
+                                   seed=0)
+    flat = config.to_flat()
+    loss_kw = {key: flat[key] for key in ("tail", "temperature", "ce_weight")}
+    amp = torch.autocast(device, dtype=torch.bfloat16)
+    shape = SHAPES[args.shape]
+    base = {"shape": {**shape, "parameters": params}, "seq_len": args.seq_len, "loss": loss_kw,
+            "optimizer": {key: flat[key] for key in ("optimizer", "lr", "weight_decay", "clip_grad")},
+            "float32_matmul_precision": torch.get_float32_matmul_precision(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "ceilings": ceiling}
 
-    # the manual loop once before train(), to see that train() leaves no process state behind
-    model = Student.from_pretrained(student_dir, device="cuda")
-    ms, _, _ = time_steps("ours", model, gpu_batches(reader, bs0, 2, seed=1), cfg, args.warmup, args.repeats)
-    report["ours_before_train_ms"] = ms
-    print(f"ours before train(): {ms:.1f} ms per step", flush=True)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    check_batch = device_batches(reader, batch_sizes[0], 1, device)[0]
+    hf = load_model("hf", student_dir, device)
+    reference = loss_and_grad("hf", hf, check_batch, loss_kw, amp)
+    del hf
+    free_memory(device)
+    checks = {}
 
-    # train() itself
-    t0 = time.perf_counter()
-    train(cfg, progress=False)
-    report["train_wall_s"] = time.perf_counter() - t0
-    report["fp32_flags"]["after_train"] = fp32_matmul_flags()
-    rows = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines()]
-    windows = [r["tok_per_s"] for r in rows if r["kind"] == "train"]
-    report["train_tok_per_s_windows"] = windows
-    report["train_tok_per_s"] = statistics.median(windows[1:]) if len(windows) > 1 else None
-    print(f"train(): {args.train_steps} steps of {bs0} x {args.seq_len} in {report['train_wall_s']:.1f} s "
-          f"(eval, checkpoint and student save included); tok/s per window {[round(w) for w in windows]}",
-          flush=True)
-    gc.collect()
-    torch.cuda.empty_cache()
-
-    # step-0 losses on the same weights and batch
-    amp = torch.autocast("cuda", dtype=torch.bfloat16)
-    batch = gpu_batches(reader, bs0, 1)[0]
-    ours = Student.from_pretrained(student_dir, device="cuda")
-    hf = Qwen2ForCausalLM.from_pretrained(student_dir, dtype=torch.float32, attn_implementation="sdpa").cuda()
-    with torch.no_grad():
-        report["step0_loss"] = {"ours": losses("ours", ours, batch, cfg, amp).item(),
-                                "ours_fp32_head": losses("ours_fp32_head", ours, batch, cfg, amp).item(),
-                                "hf": losses("hf", hf, batch, cfg, amp).item()}
-    report["fp32_flags"]["after_hf_load"] = fp32_matmul_flags()
-    print("step-0 losses:", report["step0_loss"], flush=True)
-    print("fp32 matmul flags:", report["fp32_flags"], flush=True)
-    del ours, hf, batch
-    gc.collect()
-    torch.cuda.empty_cache()
-
-    results = []
-    for bs in (int(b) for b in args.batch_sizes.split(",")):
-        batches = gpu_batches(reader, bs, 2, seed=1)
-        tokens = int(batches[0].num_tokens)
-        for variant in args.variants.split(","):
-            row = dict(variant=variant, batch=bs, seq_len=args.seq_len, tokens=tokens)
-            model = None
+    for variant in variants:
+        for bs in batch_sizes:
+            batches = device_batches(reader, bs, 2, device, seed=1)
+            tokens = batches[0].num_tokens
+            case, config_row = f"T{tokens}/{variant}", {**base, "batch_size": bs, "variant": variant}
+            model = load_model(variant, student_dir, device)
+            if variant not in checks and variant != "hf":
+                checks[variant] = check_against_hf(variant, model, check_batch, loss_kw, amp, reference)
             try:
-                if variant == "hf":
-                    model = Qwen2ForCausalLM.from_pretrained(student_dir, dtype=torch.float32,
-                                                             attn_implementation="sdpa").cuda()
-                else:
-                    model = Student.from_pretrained(student_dir, device="cuda")
-                model.train()
-                ms, peak, times = time_steps(variant, model, batches, cfg, args.warmup, args.repeats)
-                row.update(ms=ms, times_ms=times, peak_GiB=peak, tok_per_s=tokens / (ms * 1e-3))
+                timing, peak = time_steps(variant, model, batches, config, loss_kw, amp, device, args.warmup,
+                                          args.repeats)
             except torch.OutOfMemoryError:
-                row.update(ms=None, error="OOM", peak_GiB=torch.cuda.max_memory_allocated() / GIB)
-            del model
-            gc.collect()
-            torch.cuda.empty_cache()
-            results.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "times_ms"}), flush=True)
-        del batches
-    report["results"] = results
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+                figures = {"out_of_memory": True, "peak_gib_at_oom": torch.cuda.max_memory_allocated() / GIB}
+            else:
+                flops = 6 * tokens * (params + shape["num_layers"] * args.seq_len * shape["hidden_size"])
+                figures = {**timing.figures(), "peak_gib": peak, "tok_s": tokens / (timing.median_ms / 1e3),
+                           "tflops": tflops(flops, timing.median_ms), **checks.get(variant, {})}
+                if ceiling:
+                    figures["of_matmul_ceiling"] = figures["tflops"] / ceiling["matmul_bf16_tflops"]
+            results.add(case, figures, config_row)
+            del model, batches
+            free_memory(device)
 
-    print(f"\ntrain(): median tok/s over windows 2.. = {report['train_tok_per_s']}")
-    print("\n| tokens/step | variant | median ms | tok/s | peak GiB |")
-    print("|---|---|---|---|---|")
-    for r in results:
-        if r["ms"] is None:
-            print(f"| {r['tokens']:,} | {r['variant']} | {r['error']} | | >= {r['peak_GiB']:.1f} |")
-        else:
-            print(f"| {r['tokens']:,} | {r['variant']} | {r['ms']:.1f} | {r['tok_per_s']:,.0f} | {r['peak_GiB']:.1f} |")
+    if args.train_steps:
+        wall, windows = train_windows(config, work)
+        tok_s = statistics.median(windows[1:]) if len(windows) > 1 else None
+        results.add(f"T{batch_sizes[0] * args.seq_len}/train",
+                    {"tok_s": tok_s, "tok_s_windows": windows, "wall_s": wall},
+                    {**base, "batch_size": batch_sizes[0], "steps": args.train_steps, "train_config": flat})
+    if args.work is None:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

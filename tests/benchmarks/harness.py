@@ -10,9 +10,12 @@ measurement, appended to a results file (default `tests/benchmarks/results.jsonl
      "date": "2026-12-01T16:02:11Z", "commit": "3f2a1c0" (+ "-dirty"), "device": "NVIDIA H200",
      "command": "python tests/benchmarks/bench_fused_kl_gpu.py ...", "figures": {...}, "config": {...}}
 
-`RESULTS.md` cites rows by their `id`. Scripts run as `python tests/benchmarks/NAME.py` (this
-folder is then on sys.path) and take `--results PATH` (`add_results_arg`) so a run on another
-machine writes its rows where they can be copied back.
+`RESULTS.md` cites rows by their `id` (unique in the file: a case measured again at the same
+commit gets "#2", ...). Scripts run as `python tests/benchmarks/NAME.py` (this folder is then on
+sys.path) and take `--results PATH` (`add_results_arg`) so a run on another machine writes its
+rows where they can be copied back; on a copy of the tree without `.git`, set
+DISTILL_BENCH_COMMIT to the commit it holds. Rows transcribed from the dated notes rather than
+measured through this harness carry "backfilled_from" (the notes section) and the date alone.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import math
 import os
 import platform
 import shlex
@@ -94,17 +98,27 @@ def time_cpu(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 3) -> 
 
 def check_close(name: str, got, want, *, atol: float, rtol: float = 0.0) -> float:
     """Refuse to time a variant whose result differs from the reference: raises AssertionError
-    naming `name` with the largest error; returns that error (for the row's figures)."""
+    naming `name` with the largest error; returns that error (for the row's figures).
+
+    Non-finite entries must match the reference's exactly (NaN where it has NaN, the same
+    infinity where it has one); a NaN or infinity anywhere else is a mismatch."""
     import torch
 
-    got_t, want_t = torch.as_tensor(got).float(), torch.as_tensor(want).float()
+    got_t, want_t = torch.as_tensor(got).double(), torch.as_tensor(want).double()
     if got_t.shape != want_t.shape:
         raise AssertionError(f"{name}: shape {tuple(got_t.shape)} != reference {tuple(want_t.shape)}")
-    err = (got_t - want_t).abs()
-    bound = atol + rtol * want_t.abs()
-    if not bool(torch.isfinite(got_t).all()) or bool((err > bound).any()):
-        raise AssertionError(f"{name}: max error {err.max().item():.3g} > atol {atol} + rtol {rtol} x |ref|")
-    return err.max().item()
+    finite = torch.isfinite(want_t)
+    same_nan = torch.isnan(got_t) & torch.isnan(want_t)
+    bad_nonfinite = (~finite & ~same_nan & (got_t != want_t)) | (finite & ~torch.isfinite(got_t))
+    if bool(bad_nonfinite.any()):
+        where = tuple(bad_nonfinite.nonzero()[0].tolist())
+        raise AssertionError(f"{name}: {got_t[where].item()} at {where} where the reference has {want_t[where].item()}")
+    both = finite & torch.isfinite(got_t)
+    err = torch.where(both, (got_t - want_t).abs(), 0.0)
+    worst = err.max().item() if err.numel() else 0.0
+    if bool((err > atol + rtol * want_t.abs().nan_to_num()).any()):
+        raise AssertionError(f"{name}: max error {worst:.3g} > atol {atol} + rtol {rtol} x |ref|")
+    return worst
 
 
 @functools.cache
@@ -113,16 +127,25 @@ def ceilings() -> dict:
     device-to-device copy GB/s (bytes read + written)."""
     import torch
 
-    n = 8192
+    result = {"matmul_bf16_tflops": _matmul_tflops(8192), "copy_gbps": _copy_gbps(2**31)}
+    torch.cuda.empty_cache()
+    return result
+
+
+def _matmul_tflops(n: int) -> float:
+    import torch
+
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    mm = time_gpu(lambda: a @ b, warmup=3, repeats=10)
-    del a, b
-    src = torch.empty(2**29, device="cuda")  # 2 GiB
+    return tflops(2 * n**3, time_gpu(lambda: a @ b, warmup=3, repeats=10).median_ms)
+
+
+def _copy_gbps(num_bytes: int) -> float:
+    import torch
+
+    src = torch.empty(num_bytes // 4, device="cuda")
     dst = torch.empty_like(src)
-    cp = time_gpu(lambda: dst.copy_(src), warmup=3, repeats=10)
-    del src, dst
-    return {"matmul_bf16_tflops": 2 * n**3 / mm.median_ms / 1e9, "copy_gbps": 2 * 2**31 / cp.median_ms / 1e6}
+    return gbps(2 * num_bytes, time_gpu(lambda: dst.copy_(src), warmup=3, repeats=10).median_ms)
 
 
 def tflops(flops: float, ms: float) -> float:
@@ -134,6 +157,7 @@ def gbps(num_bytes: float, ms: float) -> float:
 
 
 def device_name() -> str:
+    """The CUDA device's name, else the CPU's model name and core count."""
     try:
         import torch
 
@@ -141,16 +165,29 @@ def device_name() -> str:
             return torch.cuda.get_device_name()
     except ImportError:
         pass
-    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"CPU {cpu}, {os.cpu_count()} cores"
 
 
 def commit() -> str:
-    """The checkout's short commit, with "-dirty" when tracked files differ from it."""
+    """The checkout's short commit, with "-dirty" when tracked files differ from it; the
+    environment variable DISTILL_BENCH_COMMIT overrides it (a copy of the tree without .git)."""
+    if os.environ.get("DISTILL_BENCH_COMMIT"):
+        return os.environ["DISTILL_BENCH_COMMIT"]
+
     def git(*args):
-        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
+        try:
+            return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return ""
 
     head = git("rev-parse", "--short=7", "HEAD") or "unknown"
-    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return head + ("-dirty" if head != "unknown" and git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def add_results_arg(parser) -> None:
@@ -160,7 +197,8 @@ def add_results_arg(parser) -> None:
 
 @dataclass
 class Results:
-    """Collects a benchmark's rows and appends each to `path` as it is added."""
+    """Collects a benchmark's rows and appends each to `path` as it is added. Ids are unique in
+    the file: a case measured again at the same commit gets "#2", "#3", ... after its id."""
 
     bench: str
     path: Path = DEFAULT_RESULTS
@@ -170,29 +208,41 @@ class Results:
         """Append one measurement: `case` names it within the bench (e.g. "V49152-N8192/ours"),
         `figures` are its numbers (ms, GiB, TFLOP/s, ratios), `config` its settings."""
         sha = commit()
-        row = {"id": f"{self.bench}/{case}@{sha.split('-')[0]}", "bench": self.bench, "case": case,
+        base_id = f"{self.bench}/{case}@{sha.split('-')[0]}"
+        taken = {row["id"] for row in load_rows(self.path)}
+        row_id, n = base_id, 1
+        while row_id in taken:
+            n += 1
+            row_id = f"{base_id}#{n}"
+        row = {"id": row_id, "bench": self.bench, "case": case,
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                "commit": sha, "device": device_name(),
                "command": shlex.join([Path(sys.executable).name, *sys.argv]),
                "figures": _plain(figures), "config": _plain(config or {})}
+        self.path = Path(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, allow_nan=False) + "\n")
         self.rows.append(row)
         print(f"[{row['id']}] " + ", ".join(f"{k}={_short(v)}" for k, v in row["figures"].items()), flush=True)
         return row
 
 
 def _plain(obj):
-    """JSON-ready: dataclasses as dicts, paths and other objects as strings, floats kept."""
+    """JSON-ready: dataclasses as dicts, scalars as numbers, NaN and infinities as null, paths and
+    other objects as strings."""
     if hasattr(obj, "__dataclass_fields__"):
         return _plain(asdict(obj))
     if isinstance(obj, dict):
         return {str(k): _plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_plain(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None  # JSON has no NaN or infinity
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
+    if hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:  # numpy / torch scalars
+        return _plain(obj.item())
     return str(obj)
 
 

@@ -1,11 +1,15 @@
 """What the training benchmarks share: the metrics rows of a run directory, the optimizer variant
-specs, and a recipe's [train] settings as the base TrainConfig. Imported by the scripts beside it
-(run as `python tests/benchmarks/NAME.py`, this folder is on sys.path)."""
+specs, a recipe's [train] settings as the base TrainConfig, and one training run per variant with
+a results row each. Imported by the scripts beside it (run as `python tests/benchmarks/NAME.py`,
+this folder is on sys.path). TrainConfig is used only through its flat API (`to_flat`,
+`with_flat`), so these helpers do not depend on how its sub-configs are composed."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from harness import OUTPUT_DIR, Results, add_results_arg
 
 
 def metric_rows(run_dir: Path, kind: str | None = None) -> list[dict]:
@@ -15,7 +19,7 @@ def metric_rows(run_dir: Path, kind: str | None = None) -> list[dict]:
 
 
 def parse_optimizer_variant(spec: str) -> tuple[str, dict]:
-    """"adamw", "adamw8bit" or "foam:LEVEL", each optionally with ":lr=VALUE" -> (run name, TrainConfig
+    """"adamw", "adamw8bit" or "foam:LEVEL", each optionally with ":lr=VALUE" -> (run name, flat TrainConfig
     overrides), e.g. "foam:2:lr=4e-3" -> ("foam_2_lr4e-3", {"optimizer": "foam", "foam_level": 2, "lr": 0.004})."""
     parts = spec.split(":")
     kw: dict = {"optimizer": parts[0]}
@@ -27,63 +31,85 @@ def parse_optimizer_variant(spec: str) -> tuple[str, dict]:
     return spec.replace(":", "_").replace("=", ""), kw
 
 
-def recipe_train_config(recipe, steps: int | None = None, eval_every: int | None = None):
-    """The recipe's [train] section as a TrainConfig, with steps / eval_every overridden when given;
-    the student starts from the recipe's teacher (or the default one)."""
+def load_bench_recipe(path: Path | None):
+    """The recipe at `path` (default: the built-in quickstart)."""
+    from pipelines.recipe import builtin_recipe, load_recipe
+
+    return load_recipe(path or builtin_recipe("quickstart"))
+
+
+def recipe_train_config(recipe, *, cache: Path | None = None, steps: int | None = None, eval_every: int | None = None):
+    """The recipe's [train] section as a TrainConfig, its student starting from the recipe's teacher
+    (or the default one); `cache`, `steps` and `eval_every` override the recipe's when given."""
     from pipelines.defaults import default_teacher_dir
     from pipelines.recipe import train_config
 
-    for key, value in (("steps", steps), ("eval_every", eval_every)):
-        if value is not None:
-            recipe.train[key] = value
-    return train_config(recipe, recipe.stage_one.teacher.model or default_teacher_dir())
+    config = train_config(recipe, recipe.stage_one.teacher.model or default_teacher_dir())
+    overrides = {"cache": None if cache is None else str(cache), "steps": steps, "eval_every": eval_every}
+    overrides = {key: value for key, value in overrides.items() if value is not None}
+    return config.with_flat(**overrides) if overrides else config
 
 
-def load_bench_recipe(path: Path | None, cache: Path | None):
-    """The recipe at `path` (default: the built-in quickstart), its cache moved to `cache` if given."""
-    from pipelines.recipe import builtin_recipe, load_recipe
-
-    recipe = load_recipe(path or builtin_recipe("quickstart"))
-    if cache is not None:
-        recipe.stage_one.cache.out = cache
-    return recipe
-
-
-def add_variant_run_args(ap, *, variants: str, eval_every: int | None, results_json: str) -> None:
-    """The arguments of a script that trains the recipe's student once per variant (run_variants)."""
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--cache", type=Path, required=True, help="a complete cache of the recipe's teacher")
+def add_variant_run_args(ap, *, variants: str, eval_every: int | None, results_json: str,
+                         cache_required: bool = True) -> None:
+    """The arguments of a script that trains the recipe's student once per variant (run_variants).
+    Run folders, OUT/results_json and the plot go to --out, by default under the git-ignored
+    tests/benchmarks/out/; one results row a run goes to --results."""
+    default_out = OUTPUT_DIR / Path(results_json).stem
+    ap.add_argument("--out", type=Path, default=default_out, help=f"run folders, json and plot (default {default_out})")
+    ap.add_argument("--cache", type=Path, required=cache_required, default=None,
+                    help="a complete cache of the recipe's teacher" + ("" if cache_required else
+                                                                       " (default: build the recipe's own)"))
     ap.add_argument("--recipe", type=Path, default=None, help="default: the built-in quickstart")
     ap.add_argument("--variants", default=variants)
     ap.add_argument("--steps", type=int, default=None, help="override [train] steps")
     ap.add_argument("--eval-every", type=int, default=eval_every)
     ap.add_argument("--replot", action="store_true", help=f"only redraw the plot from OUT/{results_json}")
+    add_results_arg(ap)
 
 
-def run_variants(args, parse, describe, results_json: str) -> dict:
+def run_row(run: dict) -> dict:
+    """The figures of one training run for its results row: the last held-out evaluation, the
+    curve of held-out KL, the wall time and the numbers `describe` added."""
+    evals = run["eval"]
+    last = evals[-1]
+    figures = {"heldout_kl": last.get("kl"), "heldout_ce": last.get("ce"), "heldout_top1": last.get("top1"),
+               "step": last.get("step"), "steps": [r.get("step") for r in evals],
+               "heldout_kl_by_step": [r.get("kl") for r in evals], "seconds": run["seconds"]}
+    extra = {key: value for key, value in run.items() if key not in ("label", "overrides", "seconds", "eval")}
+    return {**figures, **extra}
+
+
+def run_variants(args, parse, describe, results_json: str, bench: str | None = None) -> dict:
     """Train the recipe's student once per comma-separated spec of args.variants, in OUT/NAME, where
-    parse(spec) -> (NAME, TrainConfig overrides) and describe(spec, config, run_dir) -> (fields for
-    the run's record, a label among them; text for its printed line). OUT/results_json is rewritten
-    after every run, so an interrupted call keeps the runs it finished."""
-    import dataclasses
+    parse(spec) -> (NAME, flat TrainConfig overrides) and describe(spec, config, run_dir) -> (fields
+    for the run's record, a label among them; text for its printed line). OUT/results_json is
+    rewritten after every run, so an interrupted call keeps the runs it finished; with `bench`, each
+    run also appends a row `bench/NAME` to args.results."""
     import sys
     import time
 
     from student.trainer import train
 
-    base = recipe_train_config(load_bench_recipe(args.recipe, args.cache), args.steps, args.eval_every)
-    results = {"command": " ".join(sys.argv), "config": {k: str(v) for k, v in dataclasses.asdict(base).items()},
-               "runs": {}}
+    base = recipe_train_config(load_bench_recipe(args.recipe), cache=args.cache, steps=args.steps,
+                               eval_every=args.eval_every)
+    flat = base.to_flat()
+    results = {"command": " ".join(sys.argv), "config": {k: str(v) for k, v in flat.items()}, "runs": {}}
+    rows = Results(bench=bench, path=args.results) if bench else None
+    args.out.mkdir(parents=True, exist_ok=True)
     for spec in args.variants.split(","):
         name, kw = parse(spec)
-        config = dataclasses.replace(base, out=str(args.out / name), **kw)
+        config = base.with_flat(out=str(args.out / name), **kw)
         start = time.perf_counter()
-        train(config)
+        report = train(config)
         seconds = time.perf_counter() - start
         fields, text = describe(spec, config, args.out / name)
         run = results["runs"][name] = {**fields, "overrides": kw, "seconds": seconds,
+                                       "teacher_heldout_ce": report.teacher_eval.ce,
                                        "eval": metric_rows(args.out / name, "eval")}
         last = run["eval"][-1]
         print(f"{run['label']}: step {last['step']} held-out KL {last['kl']:.4f} CE {last['ce']:.4f}{text}", flush=True)
         (args.out / results_json).write_text(json.dumps(results, indent=2))
+        if rows is not None:
+            rows.add(name, run_row(run), {"label": run["label"], "overrides": kw, "train_config": config.to_flat()})
     return results
