@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from harness import OUTPUT_DIR, Results, add_results_arg, load_rows
-from run_helpers import metric_rows, parse_optimizer_variant
+from run_helpers import metric_rows, parse_optimizer_variant, run_row
 
 BENCH = "optimizer_convergence_gpu"
 COLORS = {"adamw": "tab:blue", "foam_2": "tab:orange", "foam_4": "tab:green", "adamw8bit": "tab:red"}
@@ -158,18 +158,16 @@ def main() -> None:
         report = train(config, progress=False)
         seconds = time.perf_counter() - start
         slowest = max(slowest, seconds)
-        evals, train_rows = metric_rows(out, "eval"), metric_rows(out, "train")
+        train_rows = metric_rows(out, "train")
         timed = train_rows[1:] or train_rows  # the first window holds the compiles
         state = next((r["optimizer_state_bytes"] for r in reversed(train_rows) if "optimizer_state_bytes" in r), None)
-        last = evals[-1]
-        figures = {
-            "heldout_kl": last["kl"], "heldout_ce": last["ce"], "heldout_top1": last["top1"],
+        figures = run_row({
+            "eval": metric_rows(out, "eval"), "seconds": seconds,
             "optimizer_state_mib": state / 2**20 if state is not None else None,
-            "steps": [r["step"] for r in evals], "heldout_kl_by_step": [r["kl"] for r in evals],
-            "tok_s": sorted(r["tok_per_s"] for r in timed)[len(timed) // 2], "seconds": seconds,
+            "tok_s": sorted(r["tok_per_s"] for r in timed)[len(timed) // 2],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-            "teacher_heldout": report.teacher_eval.to_dict(),
-        }
+            "teacher_heldout_ce": report.teacher_eval.ce,
+        })
         rows.append(results.add(name, figures, {**config.to_flat(), **common, "variant": spec,
                                                 "overrides": overrides}))
         shutil.rmtree(out, ignore_errors=True)
