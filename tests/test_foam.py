@@ -1,6 +1,7 @@
-"""student.optim.foam: the Triton step against the torch reference, FOAM at level 0 against
-torch's Adam/AdamW, the folded update against hand-computed numbers, state size, resume, and
-the param groups of a real Student."""
+"""kernels.foam_step and student.optim.foam: the Triton step against the torch reference (fp32,
+bf16 and fp16, odd sizes over several tiles, misaligned and strided tensors, several steps, weight
+decay on and off), FOAM at level 0 against torch's Adam/AdamW, the folded update against
+hand-computed numbers, state size, resume, and the param groups of a real Student."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import math
 import pytest
 import torch
 
+from kernels.foam_step import FoamStepSettings, foam_launch_key, foam_moment_shape, foam_step
 from student.config import StudentConfig
 from student.model import Student
 from student.optim import state_bytes
@@ -33,6 +35,10 @@ LEVELS = [0, 1, 2, 4]
 NUM_STEPS = 3
 # fused=True runs the Triton kernel: on a GPU where there is one, else in Triton's interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Tiles of a few blocks, so that the small tensors here span several programs: whole tiles without
+# masks and a last partial one (the default tile covers each of them in one program). Triton's
+# interpreter runs programs one after another, so the tensors that use them are small.
+SMALL_TILES = FoamStepSettings(tile_elems=64)
 
 
 def _grads(shape, num_steps, dtype, seed):
@@ -96,6 +102,107 @@ def test_folded_update_matches_hand_computation(fused):
     torch.testing.assert_close(opt.state[p]["exp_avg"].cpu(), torch.tensor([m]), atol=1e-7, rtol=1e-6)
     torch.testing.assert_close(opt.state[p]["exp_avg_sq"].cpu(), torch.tensor([v]), atol=1e-9, rtol=1e-6)
     torch.testing.assert_close(p.cpu(), torch.tensor([expected]), atol=1e-7, rtol=1e-6)
+
+
+# fp16 params: as bf16, rounded once, at most one fp16 ulp (2**-10 relative; 2**-24 below the
+# smallest normal).
+TOL_FP16 = dict(atol=2**-24, rtol=2**-10)
+TOL_BY_DTYPE = {torch.float32: TOL_FP32, torch.bfloat16: TOL_BF16, torch.float16: TOL_FP16}
+# The kernel-level comparison: odd shapes spanning several SMALL_TILES programs (n % 8 != 0 and
+# == 0), an empty one, and a strided one appended by _kernel_case.
+KERNEL_SHAPES = [(3, 37), (2, 3, 11), (5, 16), (1, 1), (0, 8)]
+
+
+def _view(shape, dtype, aligned, gen):
+    """A contiguous tensor of `shape`, random values; when not `aligned`, a view one element into
+    its buffer, so its address is 2 or 4 bytes past a 16-byte boundary."""
+    offset = 0 if aligned else 1
+    buffer = torch.randn(math.prod(shape) + offset, generator=gen).to(DEVICE, dtype)
+    return buffer[offset:].view(shape)
+
+
+def _kernel_case(param_dtype, grad_dtype, aligned, block, num_steps, seed):
+    """(params, moments, grads per step) for a foam_step call; the last param a transposed view."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [_view(shape, param_dtype, aligned, gen) for shape in KERNEL_SHAPES] + [
+        _view((6, 4), param_dtype, aligned, gen).t()]
+    moments = [[_view(foam_moment_shape(p.shape, block), torch.float32, aligned, gen).abs_() for p in params]
+               for _ in range(2)]
+    grads = [[_view(p.shape, grad_dtype, aligned, gen) for p in params] for _ in range(num_steps)]
+    grads = [[g if p.is_contiguous() else g.reshape(p.shape[::-1]).t() for g, p in zip(step, params)]
+             for step in grads]
+    return params, moments, grads
+
+
+# Every dtype pair aligned and misaligned, weight decay on and off (alignment only picks the launch's
+# load hints, which the interpreter ignores, so it is not crossed with everything else).
+KERNEL_CASES = [
+    (torch.float32, torch.float32, True, 0.0), (torch.float32, torch.float32, False, 0.1),
+    (torch.bfloat16, torch.bfloat16, True, 0.1), (torch.bfloat16, torch.bfloat16, False, 0.0),
+    (torch.bfloat16, torch.float32, False, 0.1), (torch.float16, torch.float16, True, 0.0),
+    (torch.float16, torch.float32, False, 0.1),
+]
+
+
+@pytest.mark.parametrize("param_dtype,grad_dtype,aligned,weight_decay", KERNEL_CASES)
+def test_foam_step_triton_matches_torch(param_dtype, grad_dtype, aligned, weight_decay):
+    """kernels.foam_step itself: impl="triton" against impl="torch" over several steps, with tiles
+    small enough that every tensor spans whole and partial programs, aligned and misaligned."""
+    for level in (0, 3):
+        block = 2**level
+        kwargs = dict(block=block, lr=3e-2, beta1=0.8, beta2=0.95, eps=1e-8, weight_decay=weight_decay,
+                      scale=0.5 if block > 1 else 1.0, rho=0.7)
+        runs = []
+        for impl in ("torch", "triton"):
+            params, (exp_avgs, exp_avg_sqs), grads = _kernel_case(param_dtype, grad_dtype, aligned, block, NUM_STEPS,
+                                                                  seed=level)
+            start = [p.clone() for p in params]
+            launch_key = foam_launch_key(params[0], grads[0][0], exp_avgs[0], exp_avg_sqs[0], block, SMALL_TILES)
+            assert launch_key[4] == aligned  # the misaligned case takes the unhinted launch
+            for step in range(NUM_STEPS):
+                foam_step(params, grads[step], exp_avgs, exp_avg_sqs, step=step + 1, impl=impl,
+                          settings=SMALL_TILES, **kwargs)
+            runs.append((start, params, exp_avgs, exp_avg_sqs))
+        (start, ref, ref_m, ref_v), (_, tri, tri_m, tri_v) = runs
+        for i, (p0, r, t) in enumerate(zip(start, ref, tri)):
+            if r.numel():
+                assert not torch.equal(r, p0), "the reference must move the param, or the comparison is empty"
+            assert t.stride() == r.stride()  # a strided param is written back in place
+            torch.testing.assert_close(t, r, **TOL_BY_DTYPE[param_dtype], msg=lambda m: f"level {level} [{i}]: {m}")
+        for name, refs, tris in (("exp_avg", ref_m, tri_m), ("exp_avg_sq", ref_v, tri_v)):
+            for i, (r, t) in enumerate(zip(refs, tris)):
+                torch.testing.assert_close(t, r, **TOL_MOMENTS, msg=lambda m: f"level {level} {name}[{i}]: {m}")
+
+
+def test_foam_step_rejects_bad_inputs(monkeypatch):
+    p, g, m, v = torch.zeros(4, 8), torch.zeros(4, 8), torch.zeros(4, 2), torch.zeros(4, 2)
+    ok = dict(block=4, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, scale=0.25, rho=1.0, step=1)
+    foam_step([p], [g], [m], [v], **ok)  # valid: the torch path on a CPU
+    bad = [
+        (dict(impl="cuda"), "`impl` must be"),
+        (dict(block=3), "`block` must be a power of two"),
+        (dict(step=0), "`step` must be an int >= 1"),
+        (dict(beta1=1.0), "`beta1` must be"),
+        (dict(scale=0.0), "`scale` must be"),
+        (dict(settings="small"), "`settings` must be a FoamStepSettings"),
+    ]
+    for override, match in bad:
+        with pytest.raises(ValueError, match=match):
+            foam_step([p], [g], [m], [v], **{**ok, **override})
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\] must be a contiguous fp32 tensor of shape \(4, 2\)"):
+        foam_step([p], [g], [torch.zeros(4, 8)], [v], **ok)
+    with pytest.raises(ValueError, match="lists of one length"):
+        foam_step([p, p], [g], [m], [v], **ok)
+    with pytest.raises(ValueError, match=r"grads\[0\] must be float tensors of one shape"):
+        foam_step([p], [torch.zeros(4, 9)], [m], [v], **ok)
+    with pytest.raises(ValueError, match="impl='triton' takes fp32, bf16 or fp16"):
+        foam_step([p.double()], [g.double()], [m], [v], impl="triton", **ok)
+    with pytest.raises(ValueError, match="power of two"):
+        FoamStepSettings(tile_elems=48)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="impl='triton' needs CUDA tensors"):
+            foam_step([p], [g], [m], [v], impl="triton", **ok)
 
 
 ADAM_SHAPES = [(5, 7), (33,), (3, 4, 130), (1,)]
@@ -189,8 +296,9 @@ def _mixed_groups(params):
             {"params": params[6:], "level": 3, "scale": 0.5}]
 
 
+@pytest.mark.parametrize("settings", [None, FoamStepSettings(tile_elems=512)])
 @pytest.mark.parametrize("set_to_none", [False, True])
-def test_batched_step_matches_torch_over_many_params(set_to_none):
+def test_batched_step_matches_torch_over_many_params(set_to_none, settings):
     """Several params per launch, grads that move between steps (zero_grad(set_to_none=True)) or stay,
     a param without a grad at one step (its step count falls behind: a launch of its own after)."""
     num_steps = 4
@@ -200,7 +308,7 @@ def test_batched_step_matches_torch_over_many_params(set_to_none):
     results = []
     for fused in (False, True):
         params = _mixed_params()
-        opt = FOAM(_mixed_groups(params), lr=1e-2, betas=(0.8, 0.95), rho=0.7, fused=fused)
+        opt = FOAM(_mixed_groups(params), lr=1e-2, betas=(0.8, 0.95), rho=0.7, fused=fused, settings=settings)
         for step in range(num_steps):
             for i, (p, g) in enumerate(zip(params, grads)):
                 if step == 1 and i == 1:
@@ -222,6 +330,8 @@ def test_batched_step_matches_torch_over_many_params(set_to_none):
     # Launches: group 0 fp32 level 2 (n % 4 == 2 and == 0 apart), bf16 level 2 (behind by a step),
     # group 1 fp32 and bf16, group 2 nothing batched (empty and strided params go alone).
     assert len(opt._plan.launches) == 5
+    tiling = settings or FoamStepSettings()
+    assert all(launch.tile_f == tiling.folds_per_tile(launch.block) for _, launch, _ in opt._plan.launches)
     assert {id(p) for p, _, _ in opt._plan.loose} == {id(params[6]), id(params[7])}
 
 

@@ -5,7 +5,7 @@ grads are accumulated in fp32 and never rounded back to their own dtype); the gl
 fp32 norm of those; one `torch._foreach_mul_` per group scales fp32 grads by a coefficient kept on
 the device; bf16 and fp16 grads are scaled one tensor at a time, so that the product is computed in
 fp32 and rounded once (torch's foreach multiply would round the coefficient to the grads' dtype
-first). Devices without foreach kernels fall back to one fp32 norm per tensor.
+first). The trainer runs on a CPU or a CUDA device, both of which have foreach kernels.
 
 Unlike torch.nn.utils.clip_grad_norm_, a non-finite total norm leaves the gradients as they are
 (torch multiplies them by NaN), so the caller can inspect the returned norm and skip the step.
@@ -21,20 +21,12 @@ import torch
 
 __all__ = ["clip_grad_norm_foreach"]
 
-_FOREACH_DEVICE_TYPES = ("cpu", "cuda", "xpu")
-
 
 def _grads_by_device_and_dtype(grads: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for grad in grads:
         groups[(grad.device, grad.dtype)].append(grad)
     return groups
-
-
-def _fp32_norms(grads: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    if device.type in _FOREACH_DEVICE_TYPES:
-        return list(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
-    return [torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32) for grad in grads]
 
 
 def clip_grad_norm_foreach(params: torch.Tensor | Iterable[torch.Tensor], max_norm: float, *,
@@ -58,7 +50,7 @@ def clip_grad_norm_foreach(params: torch.Tensor | Iterable[torch.Tensor], max_no
     groups = _grads_by_device_and_dtype(grads)
     first_device = grads[0].device
     norms = [norm.to(first_device, non_blocking=True)
-             for (device, _), group in groups.items() for norm in _fp32_norms(group, device)]
+             for group in groups.values() for norm in torch._foreach_norm(group, 2.0, dtype=torch.float32)]
     total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(

@@ -1,21 +1,22 @@
 """Optimizer state bytes of Qwen2-0.5B- and 1.5B-shaped students: AdamW, FOAM at levels 2, 3, 4
-(embedding folded or in plain Adam) and block-wise 8-bit AdamW.
+(embedding folded or in plain Adam) and block-wise 8-bit AdamW. Runs on a CPU in seconds.
 
-    python tests/benchmarks/bench_optimizer_state.py --out /tmp/optim_state.json
+    PYTHONPATH=$PWD python tests/benchmarks/bench_optimizer_state.py --results $OUT/results.jsonl
 
 The students are built on the meta device (no memory); bytes come from each optimizer's formula
 per parameter shape (foam_state_bytes_formula, adam8bit_state_bytes_formula), which the tests
 hold equal to the bytes of the real state tensors (tests/test_foam.py, tests/test_adam8bit.py).
-The step counters (a few bytes per parameter tensor) are left out of every column alike.
+The step counters (a few bytes per parameter tensor) are left out of every column alike. One row
+per shape and optimizer, bench "optimizer_state", case "<shape>/<variant>"; the table is printed too.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 import torch
+
+from harness import Results, add_results_arg
 
 from student.config import StudentConfig
 from student.model import Student
@@ -62,32 +63,41 @@ def state_bytes(shapes: dict[str, torch.Size], method: str, level: int = 0, fold
     return {"folded": folded, "total": total}
 
 
+def variants() -> list[tuple[str, str, str, dict]]:
+    """(case name, label, method, state_bytes arguments) of every optimizer measured."""
+    out = [("adamw", "AdamW (fp32 states)", "adamw", {})]
+    for level in (2, 3, 4):
+        out.append((f"foam-l{level}", f"FOAM level {level}, embedding in Adam", "foam", {"level": level}))
+        out.append((f"foam-l{level}-fold-emb", f"FOAM level {level}, embedding folded", "foam",
+                    {"level": level, "fold_embeddings": True}))
+    out.append(("adamw8bit", "AdamW 8-bit, block 256", "adamw8bit", {"block_size": 256}))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
+    add_results_arg(ap)
     args = ap.parse_args()
-    report = {"command": " ".join(sys.argv), "rows": []}
+    results = Results(bench="optimizer_state", path=args.results)
     for shape in SHAPES:
         shapes = params(shape)
         n = sum(s.numel() for s in shapes.values())
+        embedding = sum(s.numel() for name, s in shapes.items() if is_embedding(name))
         base = state_bytes(shapes, "adamw")
-        variants = [("AdamW (fp32 states)", "adamw", {})]
-        for level in (2, 3, 4):
-            variants.append((f"FOAM level {level}, embedding in Adam", "foam", {"level": level}))
-            variants.append((f"FOAM level {level}, embedding folded", "foam", {"level": level, "fold_embeddings": True}))
-        variants.append(("AdamW 8-bit, block 256", "adamw8bit", {}))
         print(f"\n{shape}: {n / 1e6:.1f}M parameters ({base['total'] / 2**30:.3f} GiB of AdamW state)")
         print("| optimizer | folded matrices GiB | vs AdamW | whole model GiB | vs AdamW |")
         print("|---|---|---|---|---|")
-        for label, method, kw in variants:
+        for case, label, method, kw in variants():
             b = state_bytes(shapes, method, **kw)
-            row = dict(shape=shape, params=n, optimizer=label, folded_bytes=b["folded"], total_bytes=b["total"],
-                       folded_ratio=b["folded"] / base["folded"], total_ratio=b["total"] / base["total"])
-            report["rows"].append(row)
-            print(f"| {label} | {b['folded'] / 2**30:.3f} | {row['folded_ratio']:.3f} | "
-                  f"{b['total'] / 2**30:.3f} | {row['total_ratio']:.3f} |")
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+            figures = dict(folded_matrices_gib=b["folded"] / 2**30,
+                           folded_matrices_vs_adamw=b["folded"] / base["folded"],
+                           whole_model_gib=b["total"] / 2**30, whole_model_vs_adamw=b["total"] / base["total"])
+            embedding_state = None if method != "foam" else "folded" if kw.get("fold_embeddings") else "plain Adam"
+            config = dict(shape=f"{n / 1e6:.1f}M parameters, tied embedding {embedding / 1e6:.1f}M", variant=case,
+                          adamw8bit_block=kw.get("block_size"), embedding=embedding_state)
+            results.add(f"{shape}/{case}", figures, config)
+            print(f"| {label} | {figures['folded_matrices_gib']:.3f} | {figures['folded_matrices_vs_adamw']:.3f} | "
+                  f"{figures['whole_model_gib']:.3f} | {figures['whole_model_vs_adamw']:.3f} |")
 
 
 if __name__ == "__main__":
