@@ -480,8 +480,9 @@ def test_adamw8bit_step_rejects_bad_inputs(monkeypatch):
     with pytest.raises(ValueError, match="lists of one length"):
         adamw8bit_step([p, p], [g], [state], **ok)
     with pytest.raises(ValueError, match="block_size up to 8192"):
-        adamw8bit_step([p], [g], [(state[0], torch.zeros(1), state[2], torch.zeros(1))], impl="triton",
-                       **{**ok, "block_size": 10**4})
+        on = lambda t: t.to(DEVICE)  # where impl="triton" can run, so the block check is what refuses
+        adamw8bit_step([on(p)], [on(g)], [(on(state[0]), on(torch.zeros(1)), on(state[2]), on(torch.zeros(1)))],
+                       impl="triton", **{**ok, "block_size": 10**4})
     with pytest.raises(ValueError, match="power of two"):
         AdamW8bitStepSettings(max_block=1000)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -67,7 +67,7 @@ def vector_accesses(fn, scalars, constexprs):
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(names.index(k),): v for k, v in constexprs.items()})
     ptx = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-    return len(re.findall(r"(?:ld|st)[.]global[.]v[24]", ptx))
+    return len(re.findall(r"(?:ld|st)[.]global(?:[.][A-Za-z0-9_:]+)*?[.]v[24][.]", ptx))  # cache hints may sit between
 
 foam_scalars = {name: "fp32" for name in ("beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "scale",
                                           "rho", "rho_sq", "step_size", "decay")}
