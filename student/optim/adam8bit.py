@@ -41,6 +41,7 @@ from distill.errors import DistillUserError
 from kernels.adamw8bit_step import (AdamW8bitLaunch, AdamW8bitStepSettings, adamw8bit_launch_key, adamw8bit_step,
                                     adamw_step_scalars)
 from kernels.multi_tensor import TRITON_DTYPE_NAMES, GradTable, triton_can_run
+from student.optim.plans import current_plan
 
 try:
     import triton
@@ -207,13 +208,7 @@ class AdamW8bit(torch.optim.Optimizer):
                 loss = closure()
         params = [p for group in self.param_groups for p in group["params"]]
         key = (id(self.state), tuple(p.grad is not None for p in params), tuple(p.data_ptr() for p in params))
-        plan = self._plan
-        if plan is None or plan.key != key:
-            plan = self._plan = self._build_plan(key)
-        if plan.launches and not plan.grads.point_at([p.grad for p in plan.fused_params]):
-            plan = self._plan = self._build_plan(key)  # a grad changed dtype, layout or alignment: sort again
-            fits = not plan.launches or plan.grads.point_at([p.grad for p in plan.fused_params])
-            assert fits, "a fresh plan fits the grads it was built from"
+        plan = current_plan(self, key)
         for state in plan.fused_states:
             state["step"] += 1
         for index, (group_index, launch, states) in enumerate(plan.launches):
