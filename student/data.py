@@ -21,6 +21,20 @@ from distill.errors import DistillUserError
 from teacher_cache.reader import CacheReader
 
 
+def tokenizer_info_of(folder) -> dict:
+    """The identity (hash, vocab size, special ids) of the tokenizer in HF folder `folder`: a cache is
+    read only by students of the tokenizer it was built with (CacheReader's expect_* arguments)."""
+    from transformers import AutoTokenizer
+
+    from teacher_cache.identity import tokenizer_info
+
+    try:
+        return tokenizer_info(AutoTokenizer.from_pretrained(folder))
+    except (OSError, ValueError) as e:
+        raise DistillUserError(f"cannot load a tokenizer from {folder} ({type(e).__name__}); pass --tokenizer, "
+                               "a folder with tokenizer.json / tokenizer_config.json") from None
+
+
 def split_indices(num_sequences: int, heldout: int) -> tuple[list[int], list[int]]:
     """(train, heldout) sequence indices; the `heldout` held-out ones are evenly spaced over the
     cache, so the split depends only on the two counts (never on a seed)."""
