@@ -250,9 +250,13 @@ def evaluate(
 
       distill eval runs/quickstart/student --cache caches/quickstart --heldout 16 --json
     """
+    from distill.configs import ConfigError
     from student.evaluate import evaluate_run_or_folder
 
-    results = evaluate_run_or_folder(path, cache=cache, heldout=heldout, tokenizer=tokenizer)
+    try:
+        results = evaluate_run_or_folder(path, cache=cache, heldout=heldout, tokenizer=tokenizer)
+    except ConfigError as e:
+        raise e.as_option() from None
     typer.echo(json.dumps(_jsonable_eval(results), indent=2) if as_json else _eval_table(results))
 
 

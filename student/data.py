@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from distill.configs import require
 from distill.errors import DistillUserError
 from teacher_cache.reader import CacheReader
 
@@ -38,11 +39,9 @@ def tokenizer_info_of(folder) -> dict:
 def split_indices(num_sequences: int, heldout: int) -> tuple[list[int], list[int]]:
     """(train, heldout) sequence indices; the `heldout` held-out ones are evenly spaced over the
     cache, so the split depends only on the two counts (never on a seed)."""
-    if not isinstance(heldout, int) or isinstance(heldout, bool) or not 0 <= heldout < num_sequences:
-        raise DistillUserError(
-            f"`heldout` must be an int in [0, {num_sequences - 1}] (the cache has {num_sequences} sequences "
-            f"and at least one must stay for training), got {heldout!r}"
-        )
+    ok = isinstance(heldout, int) and not isinstance(heldout, bool) and 0 <= heldout < num_sequences
+    require("heldout", heldout, ok, f"an integer in [0, {num_sequences - 1}] (the cache has {num_sequences} "
+                                    "sequences and at least one must stay for training)")
     held = sorted({(2 * i + 1) * num_sequences // (2 * heldout) for i in range(heldout)})
     held_set = set(held)
     return [i for i in range(num_sequences) if i not in held_set], held

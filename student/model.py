@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from distill.configs import require
 from distill.errors import DistillUserError
 from distill.files import atomic_dir
 from student.config import StudentConfig
@@ -333,8 +334,7 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def evenly_spaced_layers(num_total: int, num_keep: int) -> list[int]:
     """`num_keep` layer indices spread evenly over range(num_total), always first and last."""
-    if not 1 <= num_keep <= num_total:
-        raise DistillUserError(f"`num_layers` must be in [1, {num_total}], got {num_keep}")
+    require("num_layers", num_keep, 1 <= num_keep <= num_total, f"in [1, {num_total}]")
     if num_keep == 1:
         return [0]
     return [round(i * (num_total - 1) / (num_keep - 1)) for i in range(num_keep)]

@@ -228,11 +228,17 @@ def _check_run_dir(out: Path, run: dict) -> dict:
     """In a new run dir write run.json and return {}; in an existing one refuse another run, and
     return the CHANGEABLE settings that differ, {name: [old, new]}."""
     path = out / "run.json"
+    if out.exists() and not out.is_dir():
+        raise ConfigError("out", f"is an existing file ({out}); give a new or empty directory")
     if not path.exists():
         if out.exists() and any(out.iterdir()):
             raise RunDirError(f"{out} is not empty and holds no run.json; give `out` a new or empty directory")
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, run)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, run)
+        except OSError as e:
+            raise ConfigError("out", f"cannot be written ({out}: {e.strerror or e}); give a directory you can "
+                                     "write to") from None
         return {}
     old = json.loads(path.read_text())
     defaults = TrainConfig.flat_defaults()  # a field added after the run was written reads as its default
@@ -323,6 +329,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
     config.loss.check_cache_temperature(cache_temperature)
     config = config.with_flat(temperature=config.loss.distillation_temperature(cache_temperature))
     _check_cache(config.cache)
+    train_idx, held_idx = split_indices(reader.num_sequences, config.heldout)
     model, identity = _initial_student(config)
     if model.config.vocab_size < tok["vocab_size"]:
         raise DistillUserError(f"the student's vocab size {model.config.vocab_size} is smaller than its "
@@ -338,7 +345,6 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
         rewind(out, resume_from)
     remove_stale(out)
 
-    train_idx, held_idx = split_indices(reader.num_sequences, config.heldout)
     eval_idx = held_idx[:config.eval_sequences] if config.eval_sequences else held_idx
     amp_dtype = torch.bfloat16 if config.dtype == "bfloat16" else None
     amp = torch.autocast(torch.device(device).type, dtype=amp_dtype) if amp_dtype else nullcontext()

@@ -185,6 +185,8 @@ def test_help_of_the_stage_two_commands_has_examples(capsys):
         (["--dead-reinit", "0.1"], ["--dead-reinit acts on the sparse FFN's gate"]),
         (["--temperature", "2"], ["--temperature is 2 but the cache holds the teacher at temperature 1",
                                   "--tail renorm"]),
+        (["--heldout", "24"], ["--heldout must be an integer in [0, 23] (the cache has 24 sequences", "got 24"]),
+        (["--steps", "0"], ["--steps must be an integer >= 1, got 0"]),
     ],
 )
 def test_train_student_errors_name_the_option(tiny, tmp_path, capsys, args, needles):  # noqa: F811
@@ -193,6 +195,15 @@ def test_train_student_errors_name_the_option(tiny, tmp_path, capsys, args, need
                             "--device", "cpu", "-q", *args], capsys)
     assert_one_line_error(code, err, *needles)
     assert not (tmp_path / "run").exists()
+
+
+def test_train_student_out_that_is_a_file_is_named_in_words(tiny, tmp_path, capsys):  # noqa: F811
+    student, cache, _ = tiny
+    (tmp_path / "taken").write_text("mine")
+    code, _, err = run_cli(["train-student", "--cache", cache, "--student", student, "--out", tmp_path / "taken",
+                            "--device", "cpu", "-q"], capsys)
+    assert_one_line_error(code, err, "--out is an existing file")
+    assert "Errno" not in err and (tmp_path / "taken").read_text() == "mine"
 
 
 def test_eval_labels_its_kl_a_lower_bound(tiny, tmp_path, capsys):  # noqa: F811
