@@ -39,7 +39,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from distill.configs import ConfigError, check_types, require
 from distill.devices import resolve_device, resolve_dtype
@@ -50,6 +50,9 @@ from student.loss import LossConfig
 from student.optim.config import OptimizerConfig
 from student.schedule import ScheduleConfig, lr_factor
 from student.sparse_ffn import SparseFFNConfig
+
+if TYPE_CHECKING:
+    from student.evaluate import EvalResult
 
 __all__ = ["TrainConfig", "TrainReport", "train", "RunDirError", "NonFiniteLossError", "CHANGEABLE"]
 
@@ -170,9 +173,9 @@ class TrainReport:
     steps: int  # steps done in total
     resumed_from: int  # step of the checkpoint this call started from (0: fresh)
     final_loss: float | None  # loss of the last step this call ran (None if it ran none)
-    initial_eval: Any  # student.evaluate.EvalResult | None
-    final_eval: Any  # student.evaluate.EvalResult
-    teacher_eval: Any  # student.evaluate.EvalResult
+    initial_eval: EvalResult | None  # the step-0 student (None when a resumed run has no record of it)
+    final_eval: EvalResult
+    teacher_eval: EvalResult  # the teacher itself, from the cache
 
 
 # --- setup --------------------------------------------------------------------------------------
@@ -286,6 +289,10 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
     ones, and a final student, are deleted)."""
     import torch
 
+    schedule = config.schedule
+    if schedule.warmup_steps is not None and schedule.warmup_steps >= schedule.steps:  # the default scales with the run
+        logger.warning("warmup_steps %d >= steps %d: the whole run is warmup and the learning rate never decays",
+                       schedule.warmup_steps, schedule.steps)
     config = _resolve(config)
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     if config.deterministic:
@@ -335,9 +342,6 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
         raise DistillUserError(f"the student's vocab size {model.config.vocab_size} is smaller than its "
                                f"tokenizer's {tok['vocab_size']}; use a student built for this tokenizer")
     steps = config.schedule.steps
-    if config.schedule.warmup >= steps:
-        logger.warning("warmup_steps %d >= steps %d: the whole run is warmup and the learning rate never decays",
-                       config.schedule.warmup, steps)
     run = {"config": config.to_flat(), "cache_id": reader.manifest.cache_id, "cache_temperature": cache_temperature,
            "student": identity, "tokenizer_hash": tok["hash"]}
     changes = _check_run_dir(out, run)

@@ -318,6 +318,15 @@ def test_config_errors_name_the_field():
         TrainConfig.from_flat(cache="c", out="o", student="s", stepz=3)
 
 
+def test_the_loss_config_offers_the_kernels_tails():
+    import typing
+
+    from kernels.fused_topk_kl import TAIL_MODES
+    from student.loss import TailMode
+
+    assert set(typing.get_args(TailMode)) == set(TAIL_MODES)
+
+
 def test_flat_names_address_every_field_of_the_parts():
     from student.optim.config import OptimizerConfig
     from student.schedule import ScheduleConfig
@@ -443,6 +452,27 @@ def test_a_finished_run_is_extended_and_an_older_checkpoint_resumed(tiny, tmp_pa
     keys = ("step", "loss", "kl", "lr", "grad_norm")  # deterministic on the CPU: the same two steps again
     assert [{k: r[k] for k in keys} for r in rows(out)] == [{k: r[k] for k in keys} for r in extended]
     assert rows(out, "change") == [{"kind": "change", "step": 4, "changes": {"steps": [4, 6]}}]
+
+
+@pytest.mark.parametrize("name, changed", [("adamw", {"weight_decay": 0.05}), ("foam", {"foam_scale": 0.5}),
+                                           ("adamw8bit", {"weight_decay": 0.02})])
+def test_a_resumed_optimizer_keeps_its_new_settings_and_its_saved_moments(tiny, name, changed):
+    """Loading a checkpoint's optimizer state restores its moments but not its old hyperparameters: a
+    continued run trains with the settings it was given."""
+    from student.optim import build_optimizer, load_state_keeping_settings
+    from student.optim.config import OptimizerConfig
+
+    model = Student.from_pretrained(tiny[0])
+    old = build_optimizer(model, OptimizerConfig(optimizer=name, foam_level=1), "cpu")
+    sum(p.square().sum() for p in model.parameters()).backward()
+    old.step()
+    new = build_optimizer(model, OptimizerConfig(optimizer=name, foam_level=1, **changed), "cpu")
+    load_state_keeping_settings(new, old.state_dict())
+    (field, value), = changed.items()
+    key = field.removeprefix("foam_")  # FOAM's group key of foam_scale
+    assert new.param_groups[0][key] == value != old.param_groups[0][key]  # the matrices' group, first of each
+    assert all(torch.equal(a, b) for a, b in zip(new.state_dict()["state"][0].values(),
+                                                 old.state_dict()["state"][0].values()) if torch.is_tensor(a))
 
 
 def test_a_moved_cache_is_the_same_cache(tiny, tmp_path):
