@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -11,6 +12,7 @@ from typing import Optional
 import typer
 
 from distill.errors import DistillUserError
+from student.trainer import TrainConfig  # torch-free: only the config, for the option defaults
 
 app = typer.Typer(
     add_completion=False,
@@ -173,35 +175,50 @@ def import_gguf(
     typer.echo(run(gguf, out, dtype=dtype))
 
 
+# Every train-student option named after a TrainConfig field takes its default from the config
+# (a default is written once; tests/test_cli.py holds them equal). The config modules are torch-free.
+_TRAIN = TrainConfig.flat_defaults()
+
+
 @app.command("train-student")
 def train_student(
     cache: Path = typer.Option(..., "--cache", "-c", help="Teacher cache directory (from cache-teacher)."),
     out: Path = typer.Option(..., "--out", "-o", help="Run directory (metrics, checkpoints, final student); rerun to resume."),
-    student: Optional[Path] = typer.Option(None, help="Initial student HF folder."),
-    teacher: Optional[Path] = typer.Option(None, help="Prune the initial student from this HF folder (with --num-layers); default: the embedded teacher."),
-    num_layers: Optional[int] = typer.Option(None, help="Layers kept when pruning from the teacher (evenly spaced)."),
-    steps: int = typer.Option(1000, help="Optimizer steps."),
-    batch_size: int = typer.Option(8, help="Sequences per micro-batch."),
-    grad_accum: int = typer.Option(1, help="Micro-batches per optimizer step."),
-    seq_len: Optional[int] = typer.Option(None, help="Crop cached sequences to this many tokens (default: as cached)."),
-    lr: float = typer.Option(3e-4, help="Peak learning rate (linear warmup, then cosine)."),
-    warmup_steps: int = typer.Option(100, help="Warmup steps."),
-    tail: str = typer.Option("bucket", help="Teacher mass beyond the top-k: bucket (one extra category), renorm or unnormalized."),
-    temperature: float = typer.Option(1.0, help="Training temperature (KL scaled by T^2)."),
-    ce_weight: float = typer.Option(0.0, help="Weight of cross-entropy on the actual tokens; 1.0 = CE only, no teacher."),
-    heldout: int = typer.Option(16, help="Cached sequences held out for evaluation (evenly spaced, fixed)."),
-    eval_every: int = typer.Option(100, help="Evaluate on the held-out sequences every N steps."),
-    save_every: int = typer.Option(200, help="Checkpoint every N steps (the last 2 are kept)."),
-    optimizer: str = typer.Option("adamw", help="adamw, foam (block-folded states) or adamw8bit (8-bit states)."),
-    foam_level: int = typer.Option(2, help="FOAM: fold moments into blocks of 2**level along each matrix's last dim."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
-    seed: int = typer.Option(0, help="Seed of the data order and initialisation."),
-    deterministic: bool = typer.Option(False, "--deterministic", help="Deterministic kernels (bit-identical resume on a CPU)."),
-    sparse_ffn: bool = typer.Option(False, "--sparse-ffn/--no-sparse-ffn", help="Sparse FFN (TwELL): ReLU gate (a SwiGLU student is converted, same weights) and an L1 penalty on its activations; logs per-layer sparsity and dead neurons."),
-    l1: float = typer.Option(2e-5, "--l1", help="L1 coefficient with --sparse-ffn: loss += l1 * mean over layers of (sum over d_ff of |h|, mean over tokens)."),
-    sparse_kernel: str = typer.Option("dense", "--sparse-kernel", help="With --sparse-ffn on a GPU: dense (matmuls) or twell (a layer switches to the sparse Triton kernels once under 50 non-zeros per token: a fifth of its activation memory; on an H200 at hidden 5632 level with dense at 56 non-zeros, 1.3-1.4x faster at 28, but only on calls of 16K+ tokens: raise --batch-size; at 4K tokens they are slower)."),
-    dead_reinit: float = typer.Option(0.0, "--dead-reinit", help="With --sparse-ffn: gate rows of neurons silent on every token of a --dead-window move to (1-r) w + r N(0, 0.02^2) when it closes (the paper's App. C.3 uses 0.1); 0 = off."),
-    dead_window: int = typer.Option(1_000_000, "--dead-window", help="With --dead-reinit: tokens (whole steps) a neuron must stay silent to count as dead; the paper's steps are ~1M tokens."),
+    student: Optional[Path] = typer.Option(_TRAIN["student"], help="Initial student HF folder."),
+    teacher: Optional[Path] = typer.Option(_TRAIN["teacher"], help="Prune the initial student from this HF folder (with --num-layers); default: the embedded teacher."),
+    num_layers: Optional[int] = typer.Option(_TRAIN["num_layers"], help="Layers kept when pruning from the teacher (evenly spaced)."),
+    tokenizer: Optional[Path] = typer.Option(_TRAIN["tokenizer"], help="Folder with the tokenizer files (default: the student's or teacher's folder)."),
+    steps: int = typer.Option(_TRAIN["steps"], help="Optimizer steps; rerun a finished run with more to extend it."),
+    batch_size: int = typer.Option(_TRAIN["batch_size"], help="Sequences per micro-batch."),
+    grad_accum: int = typer.Option(_TRAIN["grad_accum"], help="Micro-batches per optimizer step."),
+    seq_len: Optional[int] = typer.Option(_TRAIN["seq_len"], help="Crop cached sequences to this many tokens (default: as cached)."),
+    lr: float = typer.Option(_TRAIN["lr"], help="Peak learning rate (linear warmup, then cosine)."),
+    warmup_steps: Optional[int] = typer.Option(_TRAIN["warmup_steps"], help="Linear warmup steps (default: 5% of --steps, at least 1)."),
+    min_lr_ratio: float = typer.Option(_TRAIN["min_lr_ratio"], help="The cosine decay ends at lr x this."),
+    optimizer: str = typer.Option(_TRAIN["optimizer"], help="adamw, foam (block-folded states) or adamw8bit (8-bit states)."),
+    weight_decay: float = typer.Option(_TRAIN["weight_decay"], help="Decoupled weight decay on matrices (not on norms and biases)."),
+    clip_grad: float = typer.Option(_TRAIN["clip_grad"], help="Max global gradient norm (0: no clipping)."),
+    foam_level: int = typer.Option(_TRAIN["foam_level"], help="FOAM: fold moments into blocks of 2**level along each matrix's last dim."),
+    foam_scale: float = typer.Option(_TRAIN["foam_scale"], help="FOAM: update scale of the folded matrices."),
+    foam_fold_embeddings: bool = typer.Option(_TRAIN["foam_fold_embeddings"], "--foam-fold-embeddings/--no-foam-fold-embeddings", help="FOAM: fold the embedding and lm-head too (else plain Adam)."),
+    tail: str = typer.Option(_TRAIN["tail"], help="Teacher mass beyond the top-k: bucket (one extra category), renorm or unnormalized."),
+    temperature: Optional[float] = typer.Option(_TRAIN["temperature"], help="Distillation temperature (KL scaled by T^2; default: the cache's). Another than the cache's needs --tail renorm."),
+    ce_weight: float = typer.Option(_TRAIN["ce_weight"], help="Weight of cross-entropy on the actual tokens; 1.0 = CE only, no teacher."),
+    heldout: int = typer.Option(_TRAIN["heldout"], help="Cached sequences held out for evaluation (evenly spaced, fixed)."),
+    eval_every: int = typer.Option(_TRAIN["eval_every"], help="Evaluate on the held-out sequences every N steps (0: at the start and the end)."),
+    eval_sequences: Optional[int] = typer.Option(_TRAIN["eval_sequences"], help="Held-out sequences each evaluation uses (default: all)."),
+    save_every: int = typer.Option(_TRAIN["save_every"], help="Checkpoint every N steps (and at the end; the last 2 are kept)."),
+    log_every: int = typer.Option(_TRAIN["log_every"], help="A metrics row every N steps."),
+    device: str = typer.Option(_TRAIN["device"], help="auto, cpu, cuda or cuda:N."),
+    dtype: str = typer.Option(_TRAIN["dtype"], help="Autocast dtype: auto (bfloat16 on a GPU, float32 on a CPU), float32 or bfloat16."),
+    seed: int = typer.Option(_TRAIN["seed"], help="Seed of the data order and initialisation."),
+    deterministic: bool = typer.Option(_TRAIN["deterministic"], "--deterministic/--no-deterministic", help="Deterministic kernels (bit-identical resume on a CPU)."),
+    sparse_ffn: bool = typer.Option(_TRAIN["sparse_ffn"], "--sparse-ffn/--no-sparse-ffn", help="Sparse FFN (TwELL): ReLU gate (a SwiGLU student is converted, same weights) and an L1 penalty on its activations; logs per-layer sparsity and dead neurons."),
+    l1: float = typer.Option(_TRAIN["l1"], "--l1", help="L1 coefficient with --sparse-ffn: loss += l1 * mean over layers of (sum over d_ff of |h|, mean over tokens)."),
+    sparse_kernel: str = typer.Option(_TRAIN["sparse_kernel"], "--sparse-kernel", help="With --sparse-ffn on a GPU: dense (matmuls) or twell (a layer switches to the sparse Triton kernels once under 50 non-zeros per token; they pay only on large calls, so raise --batch-size; see RESULTS.md)."),
+    dead_reinit: float = typer.Option(_TRAIN["dead_reinit"], "--dead-reinit", help="With --sparse-ffn: gate rows of neurons silent on every token of a --dead-window move to (1-r) w + r N(0, 0.02^2) when it closes (the paper's App. C.3 uses 0.1); 0 = off."),
+    dead_window: int = typer.Option(_TRAIN["dead_window"], "--dead-window", help="With --dead-reinit: tokens (whole steps) a neuron must stay silent to count as dead; the paper's steps are ~1M tokens."),
+    resume_from: Optional[int] = typer.Option(None, "--resume-from", help="Continue from the kept checkpoint of this step instead of the latest (newer ones are deleted)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Train a student against a teacher cache; the teacher itself is never loaded.
@@ -219,25 +236,26 @@ def train_student(
       distill train-student --cache caches/default --num-layers 4 --sparse-ffn --l1 2e-5 --out runs/sparse
 
     Rerunning the same command after an interruption continues from the last checkpoint.
+
+    A rerun may change the schedule and optimizer settings (--lr, --warmup-steps, --clip-grad, more --steps, ...): the run continues under them and metrics.jsonl records each change.
     """
+    options = {name: value for name, value in locals().items() if name in _TRAIN}  # every config option above
+    from distill.configs import ConfigError
     from pipelines.defaults import default_teacher_dir
-    from student.trainer import TrainConfig, train
+    from student.trainer import train
 
     if student is None and num_layers is None:
         raise DistillUserError("say where the student starts: --student HF_FOLDER, or --num-layers N to prune the teacher")
     if student is not None and (teacher is not None or num_layers is not None):
         raise DistillUserError("give either --student or --teacher/--num-layers, not both")
-    init = ({"student": str(student)} if student is not None
-            else {"teacher": str(teacher or default_teacher_dir()), "num_layers": num_layers})
-    config = TrainConfig(
-        cache=str(cache), out=str(out), **init, steps=steps, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len,
-        lr=lr, warmup_steps=warmup_steps, tail=tail, temperature=temperature, ce_weight=ce_weight,
-        heldout=heldout, eval_every=eval_every, save_every=save_every, optimizer=optimizer, foam_level=foam_level,
-        device=device, seed=seed,
-        deterministic=deterministic, sparse_ffn=sparse_ffn, l1=l1, sparse_kernel=sparse_kernel,
-        dead_reinit=dead_reinit, dead_window=dead_window,
-    )
-    report = train(config, progress=not quiet)
+    if student is None:
+        options["teacher"] = teacher or default_teacher_dir()
+    options = {name: str(value) if isinstance(value, Path) else value for name, value in options.items()}
+    try:
+        config = TrainConfig.from_flat(cache=str(cache), out=str(out), **options)
+        report = train(config, progress=not quiet, resume_from=resume_from)
+    except ConfigError as e:
+        raise e.as_option() from None
     resumed = f" (resumed from step {report.resumed_from})" if report.resumed_from else ""
     typer.echo(f"{out}: {report.steps} steps{resumed}; student saved to {report.student_dir}")
     typer.echo(_eval_table({"teacher": report.teacher_eval, "before": report.initial_eval, "after": report.final_eval}))
@@ -248,12 +266,14 @@ def evaluate(
     path: Path = typer.Argument(..., help="A run directory (from train-student), or a student HF folder with --cache."),
     cache: Optional[Path] = typer.Option(None, "--cache", "-c", help="Teacher cache (default: the run's)."),
     heldout: Optional[int] = typer.Option(None, help="Held-out sequences (default: the run's split)."),
+    tokenizer: Optional[Path] = typer.Option(None, help="The student's tokenizer folder (default: the student folder, or the run's)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Held-out KL to the teacher, cross-entropy, perplexity and top-1 agreement, beside the teacher's own.
 
-    For a sparse FFN (ReLU-gated) student also the per-layer sparsity and dead neurons on the
-    held-out sequences, and for a run directory the kernel's overflow / fallback rows in training.
+    The KL is over the teacher's top-k plus one tail category: a lower bound of the full-vocabulary KL.
+
+    The cache must be of the student's tokenizer. For a sparse FFN (ReLU-gated) student also the per-layer sparsity and dead neurons on the held-out sequences, and for a run directory the kernel's overflow / fallback rows in training.
 
     Examples:
 
@@ -261,9 +281,13 @@ def evaluate(
 
       distill eval runs/quickstart/student --cache caches/quickstart --heldout 16 --json
     """
+    from distill.configs import ConfigError
     from student.evaluate import evaluate_run_or_folder
 
-    results = evaluate_run_or_folder(path, cache=cache, heldout=heldout)
+    try:
+        results = evaluate_run_or_folder(path, cache=cache, heldout=heldout, tokenizer=tokenizer)
+    except ConfigError as e:
+        raise e.as_option() from None
     typer.echo(json.dumps(_jsonable_eval(results), indent=2) if as_json else _eval_table(results))
 
 
@@ -320,9 +344,10 @@ def _eval_rows(results: dict) -> list[tuple[str, object]]:
 
 
 def _eval_table(results: dict) -> str:
-    lines = [f"{'held-out':<16} {'KL to teacher':>13} {'CE':>7} {'PPL':>9} {'top-1 agree':>11} {'tokens':>8}"]
+    lines = [f"{'held-out':<16} {'KL (top-k bound)':>16} {'CE':>7} {'PPL':>9} {'top-1 agree':>11} {'tokens':>8}"]
     for label, r in _eval_rows(results):
-        lines.append(f"{label:<16} {r.kl:>13.4f} {r.ce:>7.3f} {r.ppl:>9.2f} {r.top1:>11.3f} {r.tokens:>8,}")
+        lines.append(f"{label:<16} {r.kl:>16.4f} {r.ce:>7.3f} {r.ppl:>9.2f} {r.top1:>11.3f} {r.tokens:>8,}")
+    lines.append("KL: over the teacher's top-k plus one tail category, a lower bound of the full-vocabulary KL")
     for label, r in _eval_rows(results):
         if getattr(r, "ffn_sparsity", None) is not None:
             percent = lambda values: " ".join(f"{100 * v:.1f}" for v in values)
@@ -342,10 +367,30 @@ def _eval_table(results: dict) -> str:
 def _jsonable_eval(results: dict) -> dict:
     import dataclasses
 
-    return {key: dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for key, r in results.items()}
+    from student.evaluate import KL_NOTE
+
+    jsonable = {key: dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for key, r in results.items()}
+    return {**jsonable, "kl_note": KL_NOTE}
 
 
 _USER_ERRORS = (DistillUserError, FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as shells report a Ctrl-C
+
+
+class _Interrupted(Exception):
+    """A Ctrl-C inside a command, carried past typer (which turns KeyboardInterrupt into a silent exit)."""
+
+
+def _carry_interrupts(callback):
+    @functools.wraps(callback)
+    def run(*args, **kwargs):
+        try:
+            return callback(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise _Interrupted() from None
+
+    run.carries_interrupts = True
+    return run
 
 
 def main() -> None:
@@ -353,6 +398,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("httpx", "urllib3", "datasets", "transformers", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for command in app.registered_commands:
+        if not getattr(command.callback, "carries_interrupts", False):
+            command.callback = _carry_interrupts(command.callback)
     try:
         app()
     except _USER_ERRORS as e:
@@ -363,6 +411,6 @@ def main() -> None:
             raise
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except (_Interrupted, KeyboardInterrupt):
         typer.echo("interrupted; run the same command again to resume", err=True)
-        sys.exit(130)
+        sys.exit(INTERRUPTED_EXIT)

@@ -1,11 +1,15 @@
 """Recipes: one TOML file that links the stages (teacher -> cache -> student -> evaluation).
 
 A recipe has the sections [teacher], [corpus], [cache], [student] and [train]. Their keys are the
-fields of ``TeacherConfig``, ``CorpusConfig``, ``CacheConfig`` and ``TrainConfig``; [student] says
-where the student starts: ``from = "teacher"`` with ``num_layers`` (layers pruned from the teacher,
-evenly spaced) or ``from = "path/to/hf-folder"``. Relative paths are relative to the directory
-the command runs in, like the CLI's. Example: ``pipelines/recipes/quickstart.toml``.
+fields of ``TeacherConfig``, ``CorpusConfig`` and ``CacheConfig``, and in [train] the flat names of
+``TrainConfig`` (``TrainConfig.to_flat()``: the same names as train-student's options, e.g.
+``warmup_steps`` for ``--warmup-steps``); a key left out takes the same default as the CLI's.
+[student] says where the student starts: ``from = "teacher"`` with ``num_layers`` (layers pruned
+from the teacher, evenly spaced) or ``from = "path/to/hf-folder"``. Relative paths are relative to
+the directory the command runs in, like the CLI's. Example: ``pipelines/recipes/quickstart.toml``.
 
+``load_recipe`` checks the whole recipe before any work (every section, key, type and range, and
+that the training temperature composes with the cache's): one line naming ``[section] key``.
 ``run_recipe`` builds the cache (or reuses a complete one of the same identity without loading
 the teacher), trains the student (or resumes an interrupted run), and returns the evaluation of
 the student before and after training next to the teacher's own numbers.
@@ -15,26 +19,38 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from teacher_cache.build import CacheConfig
+from distill.configs import ConfigError, check_types, from_dict, require
 from distill.errors import DistillUserError
+from teacher_cache.build import CacheConfig
 
 from pipelines.corpus import CorpusConfig
 from pipelines.stage_one import StageOneConfig, TeacherConfig
 
 SECTIONS = ("teacher", "corpus", "cache", "student", "train")
 RECIPES_DIR = Path(__file__).parent / "recipes"
+# [train] keys set by the other sections: the cache by [cache] out, the initial student by [student].
+_TRAIN_FROM_OTHER_SECTIONS = {"cache": "[cache] out", "student": "[student] from", "teacher": "[teacher] model",
+                              "num_layers": "[student] num_layers"}
 
 
 @dataclass
 class StudentInit:
     """Where the student starts: pruned from the teacher, or an HF folder."""
 
-    source: str = "teacher"  # "teacher" | path of an HF folder
+    source: str = "teacher"  # the recipe's `from`: "teacher" | path of an HF folder
     num_layers: int | None = 4  # with source = "teacher": layers kept (evenly spaced)
+
+    def __post_init__(self):
+        check_types(self)
+        require("num_layers", self.num_layers, self.num_layers is None or self.num_layers >= 1,
+                "an integer >= 1 (layers kept from the teacher)")
+        if self.source == "teacher" and self.num_layers is None:
+            raise ConfigError("num_layers", 'is needed with from = "teacher" (how many layers the student keeps)')
 
 
 @dataclass
@@ -42,7 +58,7 @@ class Recipe:
     name: str
     stage_one: StageOneConfig
     student: StudentInit
-    train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields other than cache and init
+    train: dict[str, Any] = field(default_factory=dict)  # TrainConfig flat fields other than cache and init
     source: Path | None = None
 
 
@@ -56,7 +72,7 @@ def builtin_recipe(name: str) -> Path:
 
 
 def load_recipe(path: str | Path) -> Recipe:
-    """Parse and check a recipe file; every unknown section or key is an error that names it."""
+    """Parse and check the whole recipe; any mistake is one error naming the recipe, [section] and key."""
     path = Path(path)
     if not path.is_file():
         raise DistillUserError(f"recipe {path} does not exist; give a TOML file (see pipelines/recipes/quickstart.toml)")
@@ -64,61 +80,75 @@ def load_recipe(path: str | Path) -> Recipe:
         doc = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise DistillUserError(f"recipe {path} is not valid TOML: {e}") from None
+    try:
+        return _build(path, doc)
+    except DistillUserError as e:
+        raise DistillUserError(f"recipe {path}: {e}") from None
+
+
+def _build(path: Path, doc: dict) -> Recipe:
     name = doc.pop("name", path.stem)
+    if not isinstance(name, str):
+        raise DistillUserError(f"name must be a string, got {name!r}")
     unknown = sorted(set(doc) - set(SECTIONS))
     if unknown:
-        raise DistillUserError(f"recipe {path}: unknown section(s) {unknown}; allowed: {', '.join(SECTIONS)}")
+        raise DistillUserError(f"unknown section(s) {unknown}; allowed: {', '.join(SECTIONS)}")
     sections = {s: doc.get(s, {}) for s in SECTIONS}
     for s, body in sections.items():
         if not isinstance(body, dict):
-            raise DistillUserError(f"recipe {path}: [{s}] must be a table of keys, got {type(body).__name__}")
+            raise DistillUserError(f"[{s}] must be a table of keys, got {type(body).__name__}")
+    teacher, corpus, cache = dict(sections["teacher"]), dict(sections["corpus"]), dict(sections["cache"])
+    if teacher.get("model") in ("", "default"):
+        del teacher["model"]
+    for key in ("paths", "exclude_dirs"):  # TOML arrays; the config holds tuples
+        if isinstance(corpus.get(key), list):
+            corpus[key] = tuple(corpus[key])
+    if "out" not in cache:
+        raise DistillUserError('[cache] needs out = "DIR" (where the cache is written or reused)')
+    stage_one = StageOneConfig(teacher=_section(TeacherConfig, teacher, "teacher"),
+                               corpus=_section(CorpusConfig, corpus, "corpus"),
+                               cache=_section(CacheConfig, cache, "cache"))
+    student_body = dict(sections["student"])
+    if "from" in student_body:
+        student_body["source"] = student_body.pop("from")
+    try:
+        student = _section(StudentInit, student_body, "student")
+    except DistillUserError as e:  # the field `source` is the recipe's key `from`
+        raise DistillUserError(str(e).replace("[student] source", "[student] from")) from None
+    train = dict(sections["train"])
+    if "out" not in train:
+        raise DistillUserError('[train] needs out = "DIR" (the run directory)')
+    for key, where in _TRAIN_FROM_OTHER_SECTIONS.items():
+        if key in train:
+            raise DistillUserError(f"[train] {key} is not a [train] key: {where} sets it")
+    recipe = Recipe(name=name, stage_one=stage_one, student=student, train=train, source=path)
+    config = train_config(recipe, teacher_dir=Path("TEACHER"))  # the real folder is found (or imported) later
+    try:
+        config.loss.check_cache_temperature(stage_one.cache.temperature)
+    except ConfigError as e:
+        raise e.in_section("train") from None
+    return recipe
 
-    def build(cls, section: str, **fixed):
-        body = dict(sections[section])
-        if section == "student" and "from" in body:
-            body["source"] = body.pop("from")
-        allowed = {f.name for f in dataclasses.fields(cls)} - set(fixed)
-        bad = sorted(set(body) - allowed)
-        if bad:
-            raise DistillUserError(f"recipe {path}: unknown key(s) {bad} in [{section}]; allowed: {', '.join(sorted(allowed))}")
-        try:
-            return cls(**body, **fixed)
-        except TypeError as e:
-            raise DistillUserError(f"recipe {path}: [{section}]: {e}") from None
 
-    cache_body = dict(sections["cache"])
-    if "out" not in cache_body:
-        raise DistillUserError(f"recipe {path}: [cache] needs out = \"DIR\" (where the cache is written or reused)")
-    sections["cache"] = {**cache_body, "out": Path(cache_body["out"])}
-    if "paths" in sections["corpus"]:
-        sections["corpus"] = {**sections["corpus"], "paths": tuple(sections["corpus"]["paths"])}
-    if "model" in sections["teacher"] and sections["teacher"]["model"] in ("", "default"):
-        sections["teacher"] = {k: v for k, v in sections["teacher"].items() if k != "model"}
-    stage_one = StageOneConfig(
-        teacher=build(TeacherConfig, "teacher"),
-        corpus=build(CorpusConfig, "corpus"),
-        cache=build(CacheConfig, "cache"),
-    )
-    student = build(StudentInit, "student")
-    if "out" not in sections["train"]:
-        raise DistillUserError(f"recipe {path}: [train] needs out = \"DIR\" (the run directory)")
-    train = _check_train_keys(path, dict(sections["train"]))
-    return Recipe(name=str(name), stage_one=stage_one, student=student, train=train, source=path)
-
-
-def _check_train_keys(path: Path, body: dict) -> dict:
-    from student.trainer import TrainConfig
-
-    reserved = {"cache", "student", "teacher", "num_layers"}  # set from [cache] and [student]
-    allowed = {f.name for f in dataclasses.fields(TrainConfig)} - reserved
-    bad = sorted(set(body) - allowed)
-    if bad:
-        raise DistillUserError(f"recipe {path}: unknown key(s) {bad} in [train]; allowed: {', '.join(sorted(allowed))}")
-    return body
+def _section(cls, body: dict, section: str):
+    """`cls` from a recipe section: unknown keys and wrong types are refused naming [section] key
+    before the config's own checks run (some of which would stumble on a wrong type)."""
+    hints = typing.get_type_hints(cls)
+    known = {k: v for k, v in body.items() if k in hints}
+    probe = dataclasses.make_dataclass(f"{cls.__name__}Types", [(k, hints[k]) for k in known])
+    try:
+        check_types(probe(**known))
+        return from_dict(cls, body, section)
+    except ConfigError as e:
+        raise e.in_section(section) from None
+    except DistillUserError as e:
+        if str(e).startswith(f"[{section}]"):
+            raise
+        raise DistillUserError(f"[{section}] {e}") from None
 
 
 def train_config(recipe: Recipe, teacher_dir: Path):
-    """The ``TrainConfig`` of a recipe whose cache is at ``recipe.stage_one.cache.out``."""
+    """The ``TrainConfig`` of a recipe whose cache is at ``recipe.stage_one.cache.out``; errors name [train] keys."""
     from student.trainer import TrainConfig
 
     init: dict[str, Any]
@@ -126,7 +156,15 @@ def train_config(recipe: Recipe, teacher_dir: Path):
         init = {"teacher": str(teacher_dir), "num_layers": recipe.student.num_layers}
     else:
         init = {"student": str(recipe.student.source)}
-    return TrainConfig(cache=str(recipe.stage_one.cache.out), **init, **recipe.train)
+    known = set(TrainConfig.flat_defaults()) | {"out"}
+    unknown = sorted(set(recipe.train) - known - set(_TRAIN_FROM_OTHER_SECTIONS))
+    if unknown:
+        raise DistillUserError(f"[train] unknown key(s) {', '.join(unknown)}; known: "
+                               f"{', '.join(sorted(known - set(_TRAIN_FROM_OTHER_SECTIONS)))}")
+    try:
+        return TrainConfig.from_flat(cache=str(recipe.stage_one.cache.out), **init, **recipe.train)
+    except ConfigError as e:
+        raise e.in_section("train") from None
 
 
 @dataclass
@@ -148,12 +186,15 @@ def run_recipe(recipe: Recipe, progress: bool = True) -> RecipeReport:
     from student.trainer import train
 
     teacher_dir = recipe.stage_one.teacher.model or default_teacher_dir()
-    config = train_config(recipe, teacher_dir)  # checked before the teacher runs
+    config = train_config(recipe, teacher_dir)  # load_recipe has checked it, before the teacher runs
     start = time.perf_counter()
     built = cache_teacher(recipe.stage_one, progress=progress)
     cache_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    train(config, progress=progress)
+    try:
+        train(config, progress=progress)
+    except ConfigError as e:  # e.g. fewer steps than the run's last checkpoint
+        raise e.in_section("train") from None
     train_seconds = time.perf_counter() - start
     evaluation = evaluate_run_or_folder(config.out)
     return RecipeReport(

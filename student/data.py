@@ -17,18 +17,31 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from distill.configs import require
 from distill.errors import DistillUserError
 from teacher_cache.reader import CacheReader
+
+
+def tokenizer_info_of(folder) -> dict:
+    """The identity (hash, vocab size, special ids) of the tokenizer in HF folder `folder`: a cache is
+    read only by students of the tokenizer it was built with (CacheReader's expect_* arguments)."""
+    from transformers import AutoTokenizer
+
+    from teacher_cache.identity import tokenizer_info
+
+    try:
+        return tokenizer_info(AutoTokenizer.from_pretrained(folder))
+    except (OSError, ValueError) as e:
+        raise DistillUserError(f"cannot load a tokenizer from {folder} ({type(e).__name__}); pass --tokenizer, "
+                               "a folder with tokenizer.json / tokenizer_config.json") from None
 
 
 def split_indices(num_sequences: int, heldout: int) -> tuple[list[int], list[int]]:
     """(train, heldout) sequence indices; the `heldout` held-out ones are evenly spaced over the
     cache, so the split depends only on the two counts (never on a seed)."""
-    if not isinstance(heldout, int) or isinstance(heldout, bool) or not 0 <= heldout < num_sequences:
-        raise DistillUserError(
-            f"`heldout` must be an int in [0, {num_sequences - 1}] (the cache has {num_sequences} sequences "
-            f"and at least one must stay for training), got {heldout!r}"
-        )
+    ok = isinstance(heldout, int) and not isinstance(heldout, bool) and 0 <= heldout < num_sequences
+    require("heldout", heldout, ok, f"an integer in [0, {num_sequences - 1}] (the cache has {num_sequences} "
+                                    "sequences and at least one must stay for training)")
     held = sorted({(2 * i + 1) * num_sequences // (2 * heldout) for i in range(heldout)})
     held_set = set(held)
     return [i for i in range(num_sequences) if i not in held_set], held

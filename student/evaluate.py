@@ -1,6 +1,7 @@
 """Held-out evaluation of a student against the cached teacher, and of the teacher itself.
 
-Everything is measured on cache rows: KL to the teacher over the k + 1 categories "top-k + tail",
+Everything is measured on cache rows: KL to the teacher over the k + 1 categories "top-k + tail"
+(the training loss's own KL, student/loss.py, in its "bucket" form at the cache's temperature),
 cross-entropy / perplexity on the actual next tokens, and top-1 agreement with the teacher; for a
 ReLU-gated (sparse FFN) student also the per-layer sparsity and dead neurons on the same sequences.
 """
@@ -15,16 +16,24 @@ from pathlib import Path
 
 import torch
 
-from student.data import Batch, CacheBatches, split_indices
+from distill.devices import resolve_device, resolve_dtype
 from distill.errors import DistillUserError
+from student.checkpoint import latest_checkpoint
+from student.data import Batch, CacheBatches, split_indices, tokenizer_info_of
+from student.loss import LossConfig, distill_loss
 from teacher_cache.reader import CacheReader
 
-ROW_CHUNK = 1024  # rows of [rows, V] fp32 logits at a time (V = 49152: 200 MiB)
+ROW_CHUNK = 1024  # rows of [rows, V] fp32 logits at a time for CE and top-1 (V = 49152: 200 MiB)
+# Merging the vocabulary outside the teacher's top-k into one category can only lose information.
+KL_NOTE = ("kl is a lower bound of the full-vocabulary KL(teacher || student): it is measured over the teacher's "
+           "top-k ids plus one tail category, at the cache's temperature")
+# The evaluation's KL: the training loss with the tail as one category, at the cache's temperature.
+_EVAL_LOSS = LossConfig(tail="bucket", temperature=None, ce_weight=0.0)
 
 
 @dataclass
 class EvalResult:
-    kl: float  # mean over rows of KL(teacher || student) over top-k + tail bucket, T = 1, nats
+    kl: float  # mean over rows of KL(teacher || student) over top-k + tail bucket, nats: a lower bound (KL_NOTE)
     ce: float  # mean cross-entropy of the actual next token, nats (rows that have one)
     ppl: float  # exp(ce)
     top1: float  # fraction of rows where the student's argmax is the teacher's top-1 id
@@ -42,6 +51,11 @@ class EvalResult:
         """From to_dict() output or a metrics row (other keys ignored)."""
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
+    def summary(self) -> str:
+        """One console line of the numbers."""
+        return (f"KL to teacher (top-k bound) {self.kl:.4f}, CE {self.ce:.3f}, PPL {self.ppl:.2f}, "
+                f"top-1 {self.top1:.3f} ({self.tokens:,} tokens)")
+
 
 class _Sums:
     def __init__(self):
@@ -50,7 +64,7 @@ class _Sums:
         self.ffn = None  # sparse students: [nnz x rows summed [L], active [L, d_ff], rows]
 
     def add_ffn(self, terms: list, num_rows: int) -> None:
-        """terms: per layer (l1, FFNStats) of one forward over num_rows real tokens (Student.ffn_terms())."""
+        """terms: per layer FFNTerms (l1, FFNStats) of one forward over num_rows real tokens."""
         nnz_L = torch.stack([s.nnz for _, s in terms]).double() * num_rows
         active_LF = torch.stack([s.active for _, s in terms])
         if self.ffn is None:
@@ -69,57 +83,53 @@ class _Sums:
                           top1=self.top1 / max(self.rows, 1), tokens=self.rows, **ffn)
 
 
-def _chunk_terms(logits_CV, batch: Batch, rows: slice):
-    """(sum KL, sum CE, CE rows, sum top-1 hits) of one row chunk; logits fp32 [C, V]."""
+def _ce_and_top1(logits_CV, batch: Batch, rows: slice):
+    """(sum CE, CE rows, sum top-1 hits) of one row chunk; logits fp32 [C, V]."""
     mask_C = batch.mask[rows]
     logq_CV = torch.log_softmax(logits_CV, dim=-1)
-    ids_CK = batch.topk_ids[rows]
-    lp_CK1 = torch.cat([batch.topk_logprobs[rows], batch.tail_logmass[rows, None]], dim=-1)
-    logp_CK1 = lp_CK1 - torch.logsumexp(lp_CK1, dim=-1, keepdim=True)  # exact at a consistent cache
-    logq_CK = logq_CV.gather(1, ids_CK)
-    logq_tail_C = torch.logsumexp(logq_CV.scatter(1, ids_CK, float("-inf")), dim=-1)
-    logq_CK1 = torch.cat([logq_CK, logq_tail_C[:, None]], dim=-1)
-    terms = torch.where(logp_CK1 > float("-inf"), logp_CK1.exp() * (logp_CK1 - logq_CK1), 0.0)
-    kl = terms.sum(-1)[mask_C].sum()
     target_C = batch.target_ids[rows]
     has_C = mask_C & (target_C >= 0)
     ce = -logq_CV.gather(1, target_C.clamp_min(0)[:, None])[:, 0][has_C].sum()
-    hits = (logits_CV.argmax(-1) == ids_CK[:, 0])[mask_C].sum()
-    return kl.item(), ce.item(), int(has_C.sum()), hits.item()
+    hits = (logits_CV.argmax(-1) == batch.topk_ids[rows, 0])[mask_C].sum()
+    return ce.item(), int(has_C.sum()), hits.item()
 
 
 @torch.no_grad()
 def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, device, seq_len: int | None = None,
-                     autocast_dtype: torch.dtype | None = None) -> EvalResult:
+                     autocast_dtype: torch.dtype | None = None, row_chunk: int = ROW_CHUNK) -> EvalResult:
     """Evaluate `model` (a ``Student``) on sequences `indices` of `reader`, without gradients.
 
-    kl: forward KL(teacher || student) at T = 1 over the k + 1 categories "the teacher's top-k ids
-    plus one tail bucket" (the student's tail is its mass outside the top-k). Merging the tail
-    categories can only lose information, so this is a lower bound of the full-vocabulary KL.
-    ce / ppl: cross-entropy of the actual next token (rows that have one). top1: agreement of the
-    student's argmax with the teacher's top-1 id. Logits are formed ROW_CHUNK rows at a time; the
-    [tokens, V] logits never exist at once. seq_len crops each sequence to its first seq_len rows.
-    A ReLU-gated student also gets ffn_nnz / ffn_sparsity / ffn_dead per layer, counted over the
-    real tokens of the batches (padding of ragged sequences left out).
+    kl: the training loss's KL (student/loss.py, the fused kernel, summed over rows): forward
+    KL(teacher || student) at the cache's temperature over the k + 1 categories "the teacher's
+    top-k ids plus one tail bucket" (the student's tail is its mass outside the top-k), a lower
+    bound of the full-vocabulary KL (KL_NOTE). ce / ppl: cross-entropy of the actual next token
+    (rows that have one). top1: agreement of the student's argmax with the teacher's top-1 id.
+    For ce and top1 the logits are formed `row_chunk` rows at a time; the [tokens, V] logits never
+    exist at once. seq_len crops each sequence to its first seq_len rows. A ReLU-gated student also
+    gets ffn_nnz / ffn_sparsity / ffn_dead per layer, counted over the real tokens of the batches
+    (padding of ragged sequences left out).
     """
     was_training = model.training
     model.eval()
     sums = _Sums()
     data = CacheBatches(reader, indices, batch_size, seq_len=seq_len, shuffle=False)
     amp = torch.autocast(torch.device(device).type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
-    weight = model.lm_head_weight
+    weight = model.lm_head_weight.float()
+    cache_temperature = reader.manifest.spec.targets.temperature
     for batch in data.epoch_batches():
         batch = batch.to(device)
         with amp:
-            hidden = model(batch.input_ids, token_mask=batch.mask)
-        hidden_ND = hidden.reshape(-1, hidden.shape[-1])
-        if model.config.sparse_ffn:  # statistics over the real tokens (the padding rows left out)
-            sums.add_ffn(model.ffn_terms(), batch.num_tokens)
-        for lo in range(0, hidden_ND.shape[0], ROW_CHUNK):
-            rows = slice(lo, lo + ROW_CHUNK)
-            logits_CV = (hidden_ND[rows].float() @ weight.float().T)
-            kl, ce, ce_rows, hits = _chunk_terms(logits_CV, batch, rows)
-            sums.kl, sums.ce, sums.ce_rows, sums.top1 = sums.kl + kl, sums.ce + ce, sums.ce_rows + ce_rows, sums.top1 + hits
+            hidden, terms = model(batch.input_ids, token_mask=batch.mask, return_ffn_terms=True)
+        hidden_ND = hidden.reshape(-1, hidden.shape[-1]).float()
+        if terms:  # a ReLU-gated student: statistics over the real tokens (the padding rows left out)
+            sums.add_ffn(terms, batch.num_tokens)
+        _, kl = distill_loss(hidden_ND, weight, batch, _EVAL_LOSS, cache_temperature=cache_temperature,
+                             reduction="sum", check_ids=not str(device).startswith("cuda"))
+        sums.kl += kl.item()
+        for lo in range(0, hidden_ND.shape[0], row_chunk):
+            rows = slice(lo, lo + row_chunk)
+            ce, ce_rows, hits = _ce_and_top1(hidden_ND[rows] @ weight.T, batch, rows)
+            sums.ce, sums.ce_rows, sums.top1 = sums.ce + ce, sums.ce_rows + ce_rows, sums.top1 + hits
         sums.rows += batch.num_tokens
     model.train(was_training)
     return sums.result(model.config.intermediate_size)
@@ -138,11 +148,14 @@ def teacher_reference(reader: CacheReader, indices, *, seq_len: int | None = Non
 
 
 def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batch_size: int | None = None,
-                           device: str = "auto", seq_len: int | None = None) -> dict:
+                           device: str = "auto", seq_len: int | None = None, tokenizer=None) -> dict:
     """`distill eval`: evaluate a run directory (its run.json gives the cache, held-out split,
     evaluation sequences, seq_len and batch size; its final student, else its latest checkpoint) or
     a student HF folder with `cache` (held-out: the `heldout` evenly spaced sequences, default all of
     them; batch size 8 unless given).
+
+    The cache must be of the student's tokenizer, as train-student requires: a run's (run.json
+    records its hash), or for a folder the one in `tokenizer` (default: the folder itself).
 
     Returns {"teacher": EvalResult, "before": EvalResult | None, "after": EvalResult} for a run
     directory ("before": its step-0 student, recorded by the trainer, on the same sequences; None
@@ -150,8 +163,6 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
     and "num_sequences" (int).
     """
     from student.model import Student
-    from distill.devices import resolve_device
-    from student.trainer import latest_checkpoint
 
     path = Path(path)
     device = resolve_device(device)
@@ -163,7 +174,11 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
         cache = cache or cfg["cache"]
         seq_len = seq_len if seq_len is not None else cfg["seq_len"]
         batch_size = batch_size or cfg.get("batch_size")  # the trainer's own evaluations batch so
-        reader = CacheReader(cache)
+        if tokenizer is not None:
+            tok = tokenizer_info_of(tokenizer)
+            reader = CacheReader(cache, expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])
+        else:
+            reader = CacheReader(cache, expect_tokenizer_hash=run.get("tokenizer_hash"))
         held = split_indices(reader.num_sequences, cfg["heldout"])[1]
         if heldout is None:
             held = held[:cfg["eval_sequences"]] if cfg.get("eval_sequences") else held
@@ -181,7 +196,8 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
     elif (path / "config.json").exists():
         if cache is None:
             raise DistillUserError(f"{path} is a student folder: pass the cache to evaluate it against")
-        reader = CacheReader(cache)
+        tok = tokenizer_info_of(tokenizer or path)
+        reader = CacheReader(cache, expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])
         held = split_indices(reader.num_sequences, heldout)[1] if heldout else list(range(reader.num_sequences))
         folder = path
     else:
@@ -192,7 +208,7 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
     if model.config.vocab_size < reader.manifest.spec.tokenizer.vocab_size:
         raise DistillUserError(f"student {folder} has vocab {model.config.vocab_size}, smaller than the cache's "
                                f"{reader.manifest.spec.tokenizer.vocab_size}; evaluate it against a cache of its tokenizer")
-    amp = torch.bfloat16 if torch.device(device).type == "cuda" else None
+    amp = torch.bfloat16 if resolve_dtype("auto", device) == "bfloat16" else None
     student = evaluate_student(model, reader, held, batch_size=batch_size or 8, device=device, seq_len=seq_len,
                                autocast_dtype=amp)
     result = {"teacher": teacher_reference(reader, held, seq_len=seq_len)}

@@ -7,20 +7,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import shutil
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from student.config import StudentConfig
+from distill.configs import require
 from distill.errors import DistillUserError
+from distill.files import atomic_dir
+from student.config import StudentConfig
 
-__all__ = ["StudentConfig", "Student", "KVStore", "ListKVStore", "prune_layers", "evenly_spaced_layers", "to_relu_gate"]
+if TYPE_CHECKING:
+    from kernels.twell_ffn import FFNStats
+
+__all__ = ["StudentConfig", "Student", "FFNTerms", "KVStore", "ListKVStore", "prune_layers", "evenly_spaced_layers", "to_relu_gate"]
 
 INIT_STD = 0.02
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -139,15 +142,20 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
+class FFNTerms(NamedTuple):
+    """What a ReLU-gated MLP measured in one forward (student/sparse_ffn.py decides from it)."""
+
+    l1: torch.Tensor  # fp32 scalar, differentiable: sum over d_ff of |h|, mean over the real tokens
+    stats: FFNStats  # non-zeros per token, active neurons, overflow / fallback rows (kernels.twell_ffn)
+
+
 class MLP(nn.Module):
     """Gated MLP: SwiGLU, or with hidden_act "relu" the sparse FFN h = relu(x Wg) * (x Wu), y = h Wd.
 
-    The ReLU-gated MLP runs through kernels.twell_ffn and keeps, after each forward, `l1` (fp32
-    scalar, differentiable: sum over d_ff of |h|, mean over the call's tokens) and `stats`
-    (FFNStats: nnz, active neurons, overflow / fallback rows) of that call; a chunked forward
-    leaves the last chunk's. The trainer and the evaluation read them; nothing here syncs the host.
-    `row_mask` (bool [N], set by Student.forward from its token_mask): rows that are padding get a
-    zero input, so they have no non-zeros and no |h|, and l1 and nnz are means over the real rows.
+    forward(x, row_mask=None) -> (y, terms): terms is None for SwiGLU; the ReLU-gated MLP runs
+    through kernels.twell_ffn and returns its FFNTerms for this call (nothing here syncs the host).
+    `row_mask` (bool [N], from Student.forward's token_mask): rows that are padding get a zero
+    input, so they have no non-zeros and no |h|, and l1 and nnz are means over the real rows.
     """
 
     def __init__(self, config: StudentConfig):
@@ -157,16 +165,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(d, h, bias=bias)
         self.down_proj = nn.Linear(h, d, bias=bias)
         self.hidden_act = config.hidden_act
-        # kernels.twell_ffn implementation: "torch" (dense matmuls, the default; the Triton kernels
-        # beat them only under ~1% density, RESULTS.md), "auto" (the Triton kernels on CUDA) or "triton"
+        # kernels.twell_ffn implementation, set by the routing of student/sparse_ffn.py: "torch" (dense
+        # matmuls, the default), "auto" (the Triton kernels on CUDA) or "triton"
         self.impl = "torch"
-        self.l1: torch.Tensor | None = None
-        self.stats = None
-        self.row_mask: torch.Tensor | None = None
 
-    def forward(self, x):
+    def forward(self, x, row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, FFNTerms | None]:
         if self.hidden_act == "silu":
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), None
         from kernels.twell_ffn import relu_gated_ffn
 
         weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
@@ -174,15 +179,14 @@ class MLP(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weights = x.to(dtype), [w.to(dtype) for w in weights]
         x_ND = x.reshape(-1, x.shape[-1])
-        mask = self.row_mask if self.row_mask is not None and self.row_mask.numel() == x_ND.shape[0] else None
+        mask = row_mask if row_mask is not None and row_mask.numel() == x_ND.shape[0] else None
         if mask is not None:
             x_ND = x_ND * mask[:, None].to(x_ND.dtype)
-        y_ND, self.l1, self.stats = relu_gated_ffn(x_ND, *weights, impl=self.impl)
+        y_ND, l1, stats = relu_gated_ffn(x_ND, *weights, impl=self.impl)
         if mask is not None:  # padding rows are all zero: the means over all rows, rescaled to the real ones
             scale = mask.numel() / mask.sum().clamp_min(1)
-            self.l1 = self.l1 * scale
-            self.stats = dataclasses.replace(self.stats, nnz=self.stats.nnz * scale)
-        return y_ND.view(x.shape)
+            l1, stats = l1 * scale, dataclasses.replace(stats, nnz=stats.nnz * scale)
+        return y_ND.view(x.shape), FFNTerms(l1, stats)
 
 
 class DecoderLayer(nn.Module):
@@ -193,9 +197,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_store=None):
+    def forward(self, x, cos, sin, kv_store=None, row_mask=None) -> tuple[torch.Tensor, FFNTerms | None]:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_store)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        y, terms = self.mlp(self.post_attention_layernorm(x), row_mask)
+        return x + y, terms
 
 
 class Student(nn.Module):
@@ -227,17 +232,18 @@ class Student(nn.Module):
         """[vocab_size, hidden_size]; the embedding matrix when embeddings are tied."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids, position_ids=None, kv_store: KVStore | None = None, token_mask=None):
-        """input_ids [B, T] int64 -> final hidden states [B, T, hidden_size] (after the last norm).
+    def forward(self, input_ids, position_ids=None, kv_store: KVStore | None = None, token_mask=None,
+                return_ffn_terms: bool = False):
+        """input_ids [B, T] int64 -> final hidden states [B, T, hidden_size] (after the last norm);
+        with return_ffn_terms, (hidden states, per layer FFNTerms of a ReLU-gated student, [] for SwiGLU).
 
         position_ids [B, T] default to past_length + arange(T), past_length read from kv_store.
-        token_mask (bool, [B, T] or [B * T]; False on padding): a ReLU-gated student's FFN
-        statistics and l1 leave the padding rows out (MLP.row_mask); the outputs at real tokens do
-        not change (padding follows them, and attention is causal)."""
+        token_mask (bool, [B, T] or [B * T]; False on padding): a ReLU-gated student's FFN terms
+        leave the padding rows out; the outputs at real tokens do not change (padding follows them,
+        and attention is causal)."""
         if input_ids.ndim != 2:
             raise DistillUserError(f"`input_ids` must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        for layer in self.layers:
-            layer.mlp.row_mask = None if token_mask is None else token_mask.reshape(-1)
+        row_mask = None if token_mask is None else token_mask.reshape(-1)
         x = self.embed_tokens(input_ids)
         if position_ids is None:
             past = kv_store.get(0) if kv_store is not None else None
@@ -245,15 +251,13 @@ class Student(nn.Module):
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids[None].expand(input_ids.shape[0], -1)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
+        terms = []
         for layer in self.layers:
-            x = layer(x, cos, sin, kv_store)
-        return self.norm(x)
-
-    def ffn_terms(self) -> list[tuple[torch.Tensor, object]]:
-        """Per layer (l1, FFNStats) of the latest forward of a ReLU-gated student ([] for SwiGLU)."""
-        if not self.config.sparse_ffn:
-            return []
-        return [(layer.mlp.l1, layer.mlp.stats) for layer in self.layers]
+            x, layer_terms = layer(x, cos, sin, kv_store, row_mask)
+            if layer_terms is not None:
+                terms.append(layer_terms)
+        hidden = self.norm(x)
+        return (hidden, terms) if return_ffn_terms else hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden_size] -> logits [..., vocab_size] in hidden's dtype."""
@@ -293,23 +297,12 @@ class Student(nn.Module):
         return model
 
     def save_pretrained(self, folder) -> None:
-        """Write config.json + model.safetensors to a temp folder, then rename it into place."""
-        folder = Path(folder)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        """Write config.json + model.safetensors to a temp folder, then rename it into place whole."""
         state = {k: v.detach().cpu() for k, v in self.hf_state_dict().items()}
         dtype = str(self.embed_tokens.weight.dtype).removeprefix("torch.")
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(self.config.to_hf_dict(dtype), indent=2) + "\n")
-        if folder.exists():
-            old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-            folder.rename(old)
-            tmp.rename(folder)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(folder)
+        with atomic_dir(folder) as tmp:
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(self.config.to_hf_dict(dtype), indent=2) + "\n")
 
     @classmethod
     def from_teacher_pruned(cls, folder, num_layers: int, dtype: torch.dtype = torch.float32, device="cpu"):
@@ -341,8 +334,7 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def evenly_spaced_layers(num_total: int, num_keep: int) -> list[int]:
     """`num_keep` layer indices spread evenly over range(num_total), always first and last."""
-    if not 1 <= num_keep <= num_total:
-        raise DistillUserError(f"`num_layers` must be in [1, {num_total}], got {num_keep}")
+    require("num_layers", num_keep, 1 <= num_keep <= num_total, f"in [1, {num_total}]")
     if num_keep == 1:
         return [0]
     return [round(i * (num_total - 1) / (num_keep - 1)) for i in range(num_keep)]

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
-from distill.cli import main
+from distill.cli import app, main
 from teacher_cache.writer import CacheWriter
+from test_trainer import tiny  # noqa: F401  (the module-scoped fixture: a tiny student and cache)
 
 SMALL = ["--max-sequences", "4", "--seq-len", "48", "-k", "8", "--shard-size", "2", "-q"]
 
@@ -141,3 +143,103 @@ def test_help_has_examples(capsys):
     for command in ("cache-teacher", "cache-stats", "verify", "import-gguf"):
         code, out, _ = run_cli([command, "--help"], capsys)
         assert code == 0 and "Example" in out, command
+
+
+# --- train-student and eval (tiny students on the synthetic cache of test_trainer) ---------------
+
+
+def test_train_student_takes_every_default_from_the_config():
+    """Every TrainConfig field is an option of train-student, under its flat name, with the config's
+    default: a default is written once (a recipe that leaves a key out trains the same)."""
+    import typer.main
+
+    from student.trainer import TrainConfig
+
+    params = {p.name: p for p in typer.main.get_command(app).commands["train-student"].params}
+    defaults = TrainConfig.flat_defaults()
+    assert set(defaults) | {"cache", "out"} <= set(params)
+    assert {name: params[name].default for name in defaults} == defaults
+    assert params["cache"].required and params["out"].required
+
+
+def test_help_of_the_stage_two_commands_has_examples(capsys):
+    for command in ("train-student", "eval", "run", "quickstart"):
+        code, out, _ = run_cli([command, "--help"], capsys)
+        assert code == 0 and "Example" in out, command
+    import typer.main
+
+    command = typer.main.get_command(app).commands["train-student"]
+    options = {opt for p in command.params for opt in [*p.opts, *p.secondary_opts]}
+    for option in ("--weight-decay", "--clip-grad", "--min-lr-ratio", "--log-every", "--dtype", "--foam-scale",
+                   "--foam-fold-embeddings", "--eval-sequences", "--dead-window", "--tokenizer", "--resume-from"):
+        assert option in options, option
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--seq-len", "1"], ["--seq-len must be None or an integer >= 2, got 1"]),
+        (["--tail", "sideways"], ["--tail must be one of 'bucket', 'renorm', 'unnormalized', got 'sideways'"]),
+        (["--dtype", "float16"], ["--dtype must be one of 'auto', 'float32', 'bfloat16', got 'float16'"]),
+        (["--optimizer", "sgd"], ["--optimizer must be one of"]),
+        (["--dead-reinit", "0.1"], ["--dead-reinit acts on the sparse FFN's gate"]),
+        (["--temperature", "2"], ["--temperature is 2 but the cache holds the teacher at temperature 1",
+                                  "--tail renorm"]),
+        (["--heldout", "24"], ["--heldout must be an integer in [0, 23] (the cache has 24 sequences", "got 24"]),
+        (["--steps", "0"], ["--steps must be an integer >= 1, got 0"]),
+    ],
+)
+def test_train_student_errors_name_the_option(tiny, tmp_path, capsys, args, needles):  # noqa: F811
+    student, cache, _ = tiny
+    code, _, err = run_cli(["train-student", "--cache", cache, "--student", student, "--out", tmp_path / "run",
+                            "--device", "cpu", "-q", *args], capsys)
+    assert_one_line_error(code, err, *needles)
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_student_out_that_is_a_file_is_named_in_words(tiny, tmp_path, capsys):  # noqa: F811
+    student, cache, _ = tiny
+    (tmp_path / "taken").write_text("mine")
+    code, _, err = run_cli(["train-student", "--cache", cache, "--student", student, "--out", tmp_path / "taken",
+                            "--device", "cpu", "-q"], capsys)
+    assert_one_line_error(code, err, "--out is an existing file")
+    assert "Errno" not in err and (tmp_path / "taken").read_text() == "mine"
+
+
+def test_eval_labels_its_kl_a_lower_bound(tiny, tmp_path, capsys):  # noqa: F811
+    student, cache, _ = tiny
+    out = tmp_path / "run"
+    code, stdout, err = run_cli(["train-student", "--cache", cache, "--student", student, "--out", out, "--steps", "1",
+                                 "--batch-size", "2", "--heldout", "2", "--device", "cpu", "-q"], capsys)
+    assert code == 0, err
+    assert "KL (top-k bound)" in stdout and "a lower bound of the full-vocabulary KL" in stdout
+    code, stdout, _ = run_cli(["eval", out, "--json"], capsys)
+    assert code == 0 and "lower bound" in json.loads(stdout)["kl_note"]
+    assert "lower bound" in json.loads((out / "eval.json").read_text())["kl_note"]
+
+
+def test_ctrl_c_exits_130_and_says_how_to_resume(tiny, tmp_path):  # noqa: F811
+    """A real SIGINT to a training process: exit status 130 and the one line saying how to resume
+    (typer turns KeyboardInterrupt into a silent exit unless main() carries it past)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    student, cache, _ = tiny
+    out = tmp_path / "run"
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distill", "train-student", "--cache", str(cache), "--student", str(student),
+         "--out", str(out), "--steps", "100000", "--batch-size", "2", "--heldout", "2", "--device", "cpu",
+         "--eval-every", "0", "--save-every", "0", "--log-every", "1", "-q"],
+        env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not ((out / "metrics.jsonl").exists() and '"train"' in (out / "metrics.jsonl").read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted; run the same command again to resume"
+    assert "Traceback" not in err

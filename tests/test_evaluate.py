@@ -4,17 +4,20 @@ teacher scored against its own cache (KL 0, its own cross-entropy)."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
-import student.evaluate as evaluate_mod
 from student.data import CacheBatches
 from student.evaluate import evaluate_run_or_folder, evaluate_student, teacher_reference
 from student.model import Student
 from student.trainer import TrainConfig, train
 from distill.errors import DistillUserError
 from teacher_cache.reader import CacheReader
+from teacher_cache.errors import CacheMismatchError
+from test_cache_synth import write_cache
 from test_trainer import config, tiny  # noqa: F401  (the module-scoped fixture)
 
 
@@ -40,14 +43,13 @@ def reference_metrics(model, corpus, indices):
     return kl / rows, ce / ce_rows, hits / rows, rows
 
 
-def test_student_metrics_match_a_float64_reference_in_any_chunking(tiny, monkeypatch):  # noqa: F811
+def test_student_metrics_match_a_float64_reference_in_any_chunking(tiny):  # noqa: F811
     student, cache, corpus = tiny
     model, reader = Student.from_pretrained(student), CacheReader(cache)
     indices = [1, 5, 6, 11, 20]
     kl, ce, top1, rows = reference_metrics(model, corpus, indices)
     for batch_size, chunk in ((5, 1024), (2, 7)):
-        monkeypatch.setattr(evaluate_mod, "ROW_CHUNK", chunk)
-        got = evaluate_student(model, reader, indices, batch_size=batch_size, device="cpu")
+        got = evaluate_student(model, reader, indices, batch_size=batch_size, device="cpu", row_chunk=chunk)
         assert got.tokens == rows
         assert got.kl == pytest.approx(kl, rel=1e-5) and got.ce == pytest.approx(ce, rel=1e-5)
         assert got.top1 == pytest.approx(top1) and got.ppl == pytest.approx(np.exp(ce), rel=1e-5)
@@ -94,6 +96,25 @@ def test_eval_of_a_run_dir_and_of_a_folder(tiny, tmp_path):  # noqa: F811
         evaluate_run_or_folder(tmp_path)
 
 
+def test_eval_refuses_a_cache_of_another_tokenizer(tiny, tmp_path):  # noqa: F811
+    """As train-student does: a student folder (its tokenizer) or a run (its recorded tokenizer hash)
+    against a cache built with another tokenizer is refused, naming the mismatch."""
+    student, _, corpus = tiny
+    other = tmp_path / "other"
+    write_cache(other, corpus, tokenizer__hash="0123456789abcdef", shard_size=4, fmt="parquet")
+    with pytest.raises(CacheMismatchError, match="tokenizer hash"):
+        evaluate_run_or_folder(student, cache=other, device="cpu")
+    out = tmp_path / "run"
+    train(config(tiny, out, steps=1, eval_every=0), progress=False)
+    with pytest.raises(CacheMismatchError, match="tokenizer hash"):
+        evaluate_run_or_folder(out, cache=other, device="cpu")
+    bare = tmp_path / "bare"  # a checkpoint's model folder has no tokenizer files: say how to give one
+    shutil.copytree(out / "checkpoints" / "step-000001" / "model", bare)
+    with pytest.raises(DistillUserError, match="cannot load a tokenizer from .*bare.*--tokenizer"):
+        evaluate_run_or_folder(bare, cache=tiny[1], device="cpu")
+    assert evaluate_run_or_folder(bare, cache=tiny[1], tokenizer=student, device="cpu")["student"].tokens > 0
+
+
 @pytest.fixture(scope="module")
 def smol_cache(teacher_dir, teacher_tokenizer, tmp_path_factory):
     """A real SmolLM2-135M cache: 6 stdlib sequences of 32 tokens, k = 16, fp32 values."""
@@ -124,9 +145,9 @@ def test_real_teacher_against_its_own_cache_and_a_pruned_student(teacher_dir, sm
     assert own.kl < 1e-4 and own.top1 > 0.95 and own.ce == pytest.approx(ref.ce, rel=1e-4)
     del teacher
 
-    cfg = TrainConfig(cache=str(smol_cache), out=str(tmp_path / "run"), teacher=str(teacher_dir), num_layers=2,
-                      steps=2, batch_size=2, heldout=2, lr=1e-4, warmup_steps=1, eval_every=0, save_every=0,
-                      log_every=1)
+    cfg = TrainConfig.from_flat(cache=str(smol_cache), out=str(tmp_path / "run"), teacher=str(teacher_dir),
+                                num_layers=2, steps=2, batch_size=2, heldout=2, lr=1e-4, warmup_steps=1, eval_every=0,
+                                save_every=0, log_every=1)
     report = train(cfg, progress=False)
     assert report.initial_eval.kl > report.teacher_eval.kl == 0 and report.initial_eval.ce > report.teacher_eval.ce
     hf = AutoModelForCausalLM.from_pretrained(report.student_dir)

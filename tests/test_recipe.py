@@ -57,13 +57,48 @@ def test_quickstart_recipe_parses():
         (lambda t: t.replace("seq_len = 48", "seqlen = 48"), ["unknown key", "seqlen", "[corpus]"]),
         (lambda t: t.replace('out = "{root}/cache"', ""), ["[cache] needs out"]),
         (lambda t: t.replace("k = 16", "k = [16"), ["not valid TOML"]),
-        (lambda t: t.replace("steps = 12", "steps = 0"), ["`steps` must be"]),
+        (lambda t: t.replace("steps = 12", "steps = 0"), ["[train] steps must be an integer >= 1, got 0"]),
+        # wrong types, in every section, before stage one runs
+        (lambda t: t.replace("lr = 2e-3", 'lr = "1e-3"'), ["[train] lr must be a number, got '1e-3'"]),
+        (lambda t: t + 'temperature = "2"\n', ["[train] temperature must be a number or None, got '2'"]),
+        (lambda t: t.replace("num_layers = 2", 'num_layers = "4"'), ["[student] num_layers must be an integer",
+                                                                     "got '4'"]),
+        (lambda t: t.replace("k = 16", 'k = "64"'), ["[cache] k must be an integer, got '64'"]),
+        (lambda t: t.replace("seq_len = 48", 'seq_len = "48"'), ["[corpus] seq_len must be an integer, got '48'"]),
+        (lambda t: t.replace('from = "teacher"', "from = 3"), ["[student] from must be a string, got 3"]),
+        (lambda t: t + "cache = \"elsewhere\"\n", ["[train] cache is not a [train] key: [cache] out sets it"]),
+        (lambda t: t + "tail = \"sideways\"\n", ["[train] tail must be one of 'bucket', 'renorm', 'unnormalized'"]),
+        (lambda t: t + "temperature = 2.0\n", ["[train] temperature is 2 but the cache holds the teacher at "
+                                                "temperature 1", "--tail renorm"]),
     ],
 )
-def test_bad_recipes_give_one_line(tmp_path, capsys, edit, needles):
+def test_bad_recipes_give_one_line_before_any_work(tmp_path, capsys, monkeypatch, edit, needles):
+    import pipelines.stage_one
+
+    def no_stage_one(*args, **kwargs):
+        raise AssertionError("stage one ran before the recipe was checked")
+
+    monkeypatch.setattr(pipelines.stage_one, "cache_teacher", no_stage_one)
     path = write_recipe(tmp_path, edit(TINY))
     code, _, err = run_cli(["run", path], capsys)
-    assert_one_line_error(code, err, *needles)
+    assert_one_line_error(code, err, str(path), *needles)
+
+
+def test_train_section_takes_every_flat_setting_with_the_cli_defaults(tmp_path):
+    """[train] keys are TrainConfig's flat names; one left out takes the same default as
+    train-student's option (a default is written once, in the config)."""
+    from student.trainer import TrainConfig
+
+    config = train_config(load_recipe(write_recipe(tmp_path)), teacher_dir="/t")
+    set_here = {"out", "steps", "batch_size", "lr", "warmup_steps", "heldout", "eval_every", "save_every"}
+    defaults = TrainConfig.flat_defaults()
+    assert {k: v for k, v in config.to_flat().items() if k in defaults and k not in set_here
+            and k not in ("teacher", "num_layers")} == {k: v for k, v in defaults.items()
+                                                        if k not in set_here and k not in ("teacher", "num_layers")}
+    text = TINY + "foam_scale = 0.5\nclip_grad = 0.0\nmin_lr_ratio = 0.0\ndtype = \"float32\"\n"
+    config = train_config(load_recipe(write_recipe(tmp_path, text, "all.toml")), teacher_dir="/t")
+    assert (config.optim.foam_scale, config.optim.clip_grad, config.schedule.min_lr_ratio, config.dtype) == (
+        0.5, 0.0, 0.0, "float32")
 
 
 def test_missing_recipe(tmp_path, capsys):

@@ -6,7 +6,6 @@ families "llama_relu", "qwen3_relu")."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -20,6 +19,7 @@ from student.config import StudentConfig
 from student.data import CacheBatches
 from student.evaluate import evaluate_run_or_folder, evaluate_student
 from student.model import Student, to_relu_gate
+from student.sparse_ffn import SparseFFNPolicy
 from student.trainer import TrainConfig, _resolve, _step_loss, train
 from distill.errors import DistillUserError
 from teacher_cache.reader import CacheReader
@@ -56,11 +56,12 @@ def test_conversion_keeps_the_weights_and_swaps_the_gate():
     ids = torch.randint(0, 301, (2, 7), generator=torch.Generator().manual_seed(1))
     x_ND = mlp_inputs(dense, ids)[0]
     mlp = dense.layers[0].mlp
-    swiglu = mlp(x_ND)
+    swiglu, no_terms = mlp(x_ND)
+    assert no_terms is None
     sparse = to_relu_gate(dense)
     assert sparse is dense and sparse.config.hidden_act == "relu" and sparse.config.sparse_ffn
     assert all(torch.equal(before[k], v) for k, v in sparse.state_dict().items())
-    relu = mlp(x_ND)
+    relu, _ = mlp(x_ND)
     torch.testing.assert_close(relu, gated_h(mlp, x_ND) @ mlp.down_proj.weight.T, atol=1e-6, rtol=1e-5)
     assert not torch.allclose(relu, swiglu)
     assert StudentConfig.from_hf_dict(sparse.config.to_hf_dict()) == sparse.config
@@ -73,9 +74,8 @@ def test_each_layer_reports_its_l1_and_stats_with_gradients():
     model = Student(SMALL.replace(hidden_act="relu"))
     ids = torch.randint(0, 301, (3, 5), generator=torch.Generator().manual_seed(2))
     xs = mlp_inputs(model, ids)
-    model(ids)
-    terms = model.ffn_terms()
-    assert len(terms) == 2
+    hidden, terms = model(ids, return_ffn_terms=True)
+    assert len(terms) == 2 and torch.equal(hidden, model(ids))
     for layer, x_ND, (l1, stats) in zip(model.layers, xs, terms):
         h = gated_h(layer.mlp, x_ND)
         torch.testing.assert_close(l1, h.abs().sum(-1).mean(), atol=1e-6, rtol=1e-5)
@@ -85,7 +85,8 @@ def test_each_layer_reports_its_l1_and_stats_with_gradients():
     torch.stack([l1 for l1, _ in terms]).mean().backward()
     assert model.layers[0].mlp.gate_proj.weight.grad.abs().sum() > 0
     assert model.embed_tokens.weight.grad is not None  # the penalty reaches the layers below
-    assert Student(SMALL).ffn_terms() == []
+    assert Student(SMALL)(ids, return_ffn_terms=True)[1] == []
+    assert not hasattr(model.layers[0].mlp, "l1") and not hasattr(model.layers[0].mlp, "stats")  # nothing kept
 
 
 def test_padding_rows_are_left_out_of_l1_and_stats(tiny):  # noqa: F811
@@ -99,10 +100,8 @@ def test_padding_rows_are_left_out_of_l1_and_stats(tiny):  # noqa: F811
     ids, mask = batch.input_ids, batch.mask.view(batch.input_ids.shape)
     assert not mask.all(), "the batch must have padding"
     with torch.no_grad():
-        hidden = model(ids, token_mask=batch.mask)
-        terms = [(l1.clone(), stats) for l1, stats in model.ffn_terms()]
-        plain = model(ids)
-        unmasked = [(l1.clone(), stats) for l1, stats in model.ffn_terms()]
+        hidden, terms = model(ids, token_mask=batch.mask, return_ffn_terms=True)
+        plain, unmasked = model(ids, return_ffn_terms=True)
         per_seq = []
         for b in range(ids.shape[0]):
             n = int(mask[b].sum())
@@ -125,11 +124,15 @@ def test_step_loss_adds_l1_times_the_mean_layer_l1(tiny, tmp_path):  # noqa: F81
     model = to_relu_gate(Student.from_pretrained(student))
     batch = next(iter(CacheBatches(CacheReader(cache), range(24), 4)))
     no_amp = torch.autocast("cpu", enabled=False)
-    dense_loss, kl = _step_loss(model, batch, _resolve(config(tiny, tmp_path / "a")), no_amp)
-    penalty = torch.stack([l1 for l1, _ in model.ffn_terms()]).mean()
-    loss, kl2 = _step_loss(model, batch, _resolve(config(tiny, tmp_path / "b", sparse_ffn=True, l1=0.5)), no_amp)
+    dense_loss, kl = _step_loss(model, batch, _resolve(config(tiny, tmp_path / "a")), no_amp, cache_temperature=1.0)
+    _, terms = model(batch.input_ids, token_mask=batch.mask, return_ffn_terms=True)
+    penalty = torch.stack([l1 for l1, _ in terms]).mean()
+    cfg = _resolve(config(tiny, tmp_path / "b", sparse_ffn=True, l1=0.5))
+    policy = SparseFFNPolicy(cfg.sparse, model, "cpu", seed=0)
+    loss, kl2 = _step_loss(model, batch, cfg, no_amp, cache_temperature=1.0, policy=policy)
     torch.testing.assert_close(loss, dense_loss + 0.5 * penalty)
     torch.testing.assert_close(kl2, kl)
+    assert policy.window.calls == 1  # the policy saw what the model measured
 
 
 def test_sparse_run_converts_logs_sparsity_and_saves_a_relu_student(tiny, tmp_path, caplog):  # noqa: F811
@@ -170,25 +173,27 @@ def test_the_penalty_makes_the_ffn_sparser(tiny, tmp_path):  # noqa: F811
 
 def test_l1_must_be_a_number_at_least_zero():
     with pytest.raises(DistillUserError, match="`l1` must be a number >= 0, got -1"):
-        TrainConfig(cache="c", out="o", student="s", sparse_ffn=True, l1=-1)
+        TrainConfig.from_flat(cache="c", out="o", student="s", sparse_ffn=True, l1=-1)
 
 
 def test_sparse_kernel_twell_routes_layers_by_their_nonzeros(tiny, tmp_path):  # noqa: F811
     """"twell": every layer starts dense; at each logging step a layer under TWELL_MAX_NNZ non-zeros
     per token goes to the sparse kernels ("auto"), the others stay dense, and the choice is logged
     and kept in checkpoints. "dense" never routes; other values are refused."""
-    from student import trainer
+    from student.sparse_ffn import TWELL_MAX_NNZ
 
-    window = SimpleNamespace(row=lambda: {"ffn_nnz": [trainer.TWELL_MAX_NNZ - 1, trainer.TWELL_MAX_NNZ]})
-    cfg = TrainConfig(cache="c", out="o", student="s", sparse_ffn=True, sparse_kernel="twell")
-    model = Student(SMALL.replace(hidden_act="relu"))
-    assert trainer._ffn_metrics(model, window, cfg)["ffn_kernel"] == ["twell", "dense"]
-    assert [layer.mlp.impl for layer in model.layers] == ["auto", "torch"]
-    model = Student(SMALL.replace(hidden_act="relu"))
-    assert "ffn_kernel" not in trainer._ffn_metrics(model, window, dataclasses.replace(cfg, sparse_kernel="dense"))
-    assert [layer.mlp.impl for layer in model.layers] == ["torch", "torch"]
-    with pytest.raises(DistillUserError, match="`sparse_kernel` must be 'dense' or 'twell', got 'cuda'"):
-        TrainConfig(cache="c", out="o", student="s", sparse_kernel="cuda")
+    window = SimpleNamespace(row=lambda: {"ffn_nnz": [TWELL_MAX_NNZ - 1, TWELL_MAX_NNZ]})
+    cfg = TrainConfig.from_flat(cache="c", out="o", student="s", sparse_ffn=True, sparse_kernel="twell")
+    for sparse, routed, impls in ((cfg.sparse, True, ["auto", "torch"]),
+                                  (cfg.with_flat(sparse_kernel="dense").sparse, False, ["torch", "torch"])):
+        model = Student(SMALL.replace(hidden_act="relu"))
+        policy = SparseFFNPolicy(sparse, model, "cpu", seed=0)
+        policy.window = window
+        row = policy.metrics(model)
+        assert (row["ffn_kernel"] == ["twell", "dense"]) if routed else "ffn_kernel" not in row
+        assert [layer.mlp.impl for layer in model.layers] == impls
+    with pytest.raises(DistillUserError, match="`sparse_kernel` must be one of 'dense', 'twell', got 'cuda'"):
+        TrainConfig.from_flat(cache="c", out="o", student="s", sparse_kernel="cuda")
     out = tmp_path / "run"  # a real run (on the CPU the sparse kernels fall back to torch)
     train(config(tiny, out, sparse_ffn=True, sparse_kernel="twell", steps=2, log_every=1, save_every=1),
           progress=False)
@@ -201,7 +206,7 @@ def test_sparse_kernel_twell_routes_layers_by_their_nonzeros(tiny, tmp_path):  #
 def test_dead_gate_rows_move_toward_noise_and_live_ones_stay():
     """App. C.3: rows of neurons inactive in the step <- (1 - r) w + r N(0, 0.02^2), the noise drawn
     from a generator seeded by (seed, step); active rows are untouched; the counts come back."""
-    from student.trainer import DEAD_REINIT_STD, _reinit_dead_gates
+    from student.sparse_ffn import DEAD_REINIT_STD, reinit_dead_gates
 
     torch.manual_seed(0)
     model = Student(SMALL.replace(hidden_act="relu"))
@@ -209,7 +214,7 @@ def test_dead_gate_rows_move_toward_noise_and_live_ones_stay():
     active = torch.ones(2, 48, dtype=torch.bool)
     active[0, [3, 17]] = False
     active[1, 40:] = False
-    moved = _reinit_dead_gates(model, active, 0.1, seed=5, step=7)
+    moved = reinit_dead_gates(model, active, 0.1, seed=5, step=7)
     assert moved.tolist() == [2, 8]
     gen = torch.Generator().manual_seed(5 * 1_000_003 + 7)
     for layer, w0, act in zip(model.layers, before, active):
@@ -248,11 +253,11 @@ def test_dead_reinit_revives_dead_neurons_in_a_run_and_is_checked(tiny, tmp_path
     assert rows(plain)[0]["ffn_reinit"] == [0, 0]
     assert (Student.from_pretrained(plain / "student").layers[1].mlp.gate_proj.weight[:5] == 0).all()
     with pytest.raises(DistillUserError, match="`dead_reinit` acts on the sparse FFN's gate"):
-        TrainConfig(cache="c", out="o", student="s", dead_reinit=0.1)
+        TrainConfig.from_flat(cache="c", out="o", student="s", dead_reinit=0.1)
     with pytest.raises(DistillUserError, match=r"`dead_reinit` must be a number in \[0, 1\], got 2"):
-        TrainConfig(cache="c", out="o", student="s", sparse_ffn=True, dead_reinit=2)
-    with pytest.raises(DistillUserError, match=r"`dead_window` must be an int >= 1 \(tokens\), got 0"):
-        TrainConfig(cache="c", out="o", student="s", sparse_ffn=True, dead_reinit=0.1, dead_window=0)
+        TrainConfig.from_flat(cache="c", out="o", student="s", sparse_ffn=True, dead_reinit=2)
+    with pytest.raises(DistillUserError, match=r"`dead_window` must be an integer >= 1 \(tokens\), got 0"):
+        TrainConfig.from_flat(cache="c", out="o", student="s", sparse_ffn=True, dead_reinit=0.1, dead_window=0)
 
 
 def test_dead_window_spans_steps_and_moves_rows_only_when_it_closes(tiny, tmp_path):  # noqa: F811
@@ -277,7 +282,7 @@ def test_dead_window_open_at_a_checkpoint_resumes_where_it_was():
     """The dead window's neurons and tokens travel in FFNWindow's state: a window restored mid-way
     closes at the same step with the same active neurons as the one that was never saved."""
     from kernels.twell_ffn import FFNStats
-    from student.trainer import FFNWindow
+    from student.sparse_ffn import FFNWindow
 
     def stats(active):
         zero = torch.zeros((), dtype=torch.int64)
@@ -304,7 +309,7 @@ def test_recipe_train_section_takes_the_sparse_keys(tmp_path):
     text = text.replace("[train]\n", "[train]\nsparse_ffn = true\nl1 = 3e-5\n")
     (tmp_path / "sparse.toml").write_text(text)
     cfg = train_config(load_recipe(tmp_path / "sparse.toml"), tmp_path / "teacher")
-    assert cfg.sparse_ffn is True and cfg.l1 == 3e-5
+    assert cfg.sparse.sparse_ffn is True and cfg.sparse.l1 == 3e-5
 
 
 # --- evaluation ---------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ import torch
 from student.config import StudentConfig
 from student.data import CacheBatches, split_indices
 from student.model import Student
+from student.loss import LossConfig
 from student.trainer import NonFiniteLossError, RunDirError, TrainConfig, train
+from distill.configs import ConfigError
 from distill.errors import DistillUserError
 from teacher_cache.errors import CacheError, CacheMismatchError, CorruptShardError
 from teacher_cache.reader import CacheReader
@@ -75,7 +77,7 @@ def config(tiny, out, **overrides) -> TrainConfig:
     base = dict(cache=str(cache), out=str(out), student=str(student), steps=6, batch_size=3, lr=1e-2,
                 warmup_steps=2, heldout=4, eval_every=3, save_every=2, log_every=1, seed=0, deterministic=True,
                 device="cpu")
-    return TrainConfig(**{**base, **overrides})
+    return TrainConfig.from_flat(**{**base, **overrides})
 
 
 def rows(out, kind="train"):
@@ -156,13 +158,18 @@ def test_crop_keeps_the_next_token_target_inside_a_sequence(tiny):
 # --- the loop -----------------------------------------------------------------------------------
 
 
-def test_train_writes_metrics_checkpoints_and_a_transformers_student(tiny, tmp_path):
+def test_train_writes_metrics_checkpoints_and_a_transformers_student(tiny, tmp_path, caplog):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "run"
     listing = lambda: sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in tiny[1].rglob("*"))
     before = listing()
-    report = train(config(tiny, out), progress=False)
+    with caplog.at_level("INFO", logger="student.trainer"):
+        report = train(config(tiny, out), progress=False)
+    # the first and the mid-run evaluations reach the console, not only metrics.jsonl
+    assert [m for m in caplog.messages if m.startswith("eval at step")][:2] == [
+        f"eval at step {r['step']}: KL to teacher (top-k bound) {r['kl']:.4f}, CE {r['ce']:.3f}, PPL {r['ppl']:.2f}, "
+        f"top-1 {r['top1']:.3f} ({r['tokens']:,} tokens)" for r in rows(out, "eval")[:2]]
     assert report.steps == 6 and report.resumed_from == 0
     assert listing() == before  # the cache is only read (several runs may share it)
     train_rows = rows(out)
@@ -176,6 +183,8 @@ def test_train_writes_metrics_checkpoints_and_a_transformers_student(tiny, tmp_p
     run = json.loads((out / "run.json").read_text())
     assert run["cache_id"] == CacheReader(tiny[1]).manifest.cache_id
     assert run["config"]["device"] == "cpu" and run["config"]["dtype"] == "float32"
+    assert run["config"] == TrainConfig.from_flat(**run["config"]).to_flat()  # the resolved config, flat
+    assert run["config"]["temperature"] == run["cache_temperature"] == 1.0  # both temperatures recorded
     assert run["student"]["config"]["num_hidden_layers"] == 2
     assert report.initial_eval.tokens == report.final_eval.tokens > 0
     assert report.teacher_eval.kl == 0 and report.teacher_eval.top1 == 1
@@ -199,7 +208,7 @@ def test_train_writes_metrics_checkpoints_and_a_transformers_student(tiny, tmp_p
 _CHILD = """
 import json, sys
 from student.trainer import TrainConfig, train
-train(TrainConfig(**json.loads(sys.argv[1])), progress=False)
+train(TrainConfig.from_flat(**json.loads(sys.argv[1])), progress=False)
 """
 
 
@@ -208,7 +217,7 @@ def _train_in_subprocess(cfg: TrainConfig, exit_after: int | None = None) -> int
     env.pop("DISTILL_TEST_EXIT_AFTER_STEP", None)
     if exit_after is not None:
         env["DISTILL_TEST_EXIT_AFTER_STEP"] = str(exit_after)
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(dataclasses.asdict(cfg))], env=env,
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(cfg.to_flat())], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode in (0, 17), proc.stderr[-2000:]
     return proc.returncode
@@ -270,10 +279,10 @@ def test_ce_only_baseline_and_mixing_follow_the_kernel_terms(tiny, tmp_path):
     has = batch.mask & (batch.target_ids >= 0)
     ce = -logq.gather(1, batch.target_ids.clamp_min(0)[:, None])[:, 0][has].mean()
     kl = fused_topk_kl(hidden, model.lm_head_weight, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass,
-                       mask=batch.mask, tail=TrainConfig.tail)
+                       mask=batch.mask, tail=LossConfig().tail)
     for weight, expected in ((1.0, ce), (0.25, 0.75 * kl + 0.25 * ce), (0.0, kl)):
         cfg = _resolve(config(tiny, tmp_path / "x", ce_weight=weight))
-        loss, kl_metric = _step_loss(model, batch, cfg, torch.autocast("cpu", enabled=False))
+        loss, kl_metric = _step_loss(model, batch, cfg, torch.autocast("cpu", enabled=False), cache_temperature=1.0)
         torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(kl_metric, kl.detach(), rtol=1e-5, atol=1e-6)
     report = train(config(tiny, tmp_path / "ce", ce_weight=1.0, steps=2), progress=False)
@@ -299,9 +308,54 @@ def test_config_errors_name_the_field():
     with pytest.raises(DistillUserError, match="`num_layers` is required"):
         TrainConfig(cache="c", out="o", teacher="t")
     with pytest.raises(DistillUserError, match=r"`ce_weight` must be in \[0, 1\], got 2"):
-        TrainConfig(cache="c", out="o", student="s", ce_weight=2)
+        TrainConfig.from_flat(cache="c", out="o", student="s", ce_weight=2)
     with pytest.raises(DistillUserError, match="`tail` must be one of"):
-        TrainConfig(cache="c", out="o", student="s", tail="none")
+        TrainConfig.from_flat(cache="c", out="o", student="s", tail="none")
+    with pytest.raises(ConfigError, match="`lr` must be a number, got '1e-3'") as e:
+        TrainConfig.from_flat(cache="c", out="o", student="s", lr="1e-3")
+    assert str(e.value.as_option()) == "--lr must be a number, got '1e-3'"
+    with pytest.raises(DistillUserError, match="unknown training setting.*stepz"):
+        TrainConfig.from_flat(cache="c", out="o", student="s", stepz=3)
+
+
+def test_the_loss_config_offers_the_kernels_tails():
+    import typing
+
+    from kernels.fused_topk_kl import TAIL_MODES
+    from student.loss import TailMode
+
+    assert set(typing.get_args(TailMode)) == set(TAIL_MODES)
+
+
+def test_flat_names_address_every_field_of_the_parts():
+    from student.optim.config import OptimizerConfig
+    from student.schedule import ScheduleConfig
+    from student.sparse_ffn import SparseFFNConfig
+
+    cfg = TrainConfig.from_flat(cache="c", out="o", student="s", steps=7, warmup_steps=2, lr=4e-3, optimizer="foam",
+                                tail="renorm", temperature=2.0, sparse_ffn=True, l1=1e-4, batch_size=3)
+    assert cfg.schedule == ScheduleConfig(steps=7, warmup_steps=2)
+    assert cfg.optim == OptimizerConfig(optimizer="foam", lr=4e-3)
+    assert cfg.loss == LossConfig(tail="renorm", temperature=2.0)
+    assert cfg.sparse == SparseFFNConfig(sparse_ffn=True, l1=1e-4) and cfg.batch_size == 3
+    flat = cfg.to_flat()
+    assert TrainConfig.from_flat(**flat) == cfg and "schedule" not in flat and flat["lr"] == 4e-3
+    changed = cfg.with_flat(lr=1e-3, out="p")
+    assert changed.optim.lr == 1e-3 and changed.out == "p" and cfg.optim.lr == 4e-3
+    assert set(TrainConfig.flat_defaults()) | {"cache", "out"} == set(flat)
+
+
+def test_warmup_defaults_to_a_share_of_the_run(tiny, tmp_path, caplog):
+    from student.schedule import ScheduleConfig, lr_factor
+
+    assert ScheduleConfig(steps=1000).warmup == 50 and ScheduleConfig(steps=200).warmup == 10
+    assert ScheduleConfig(steps=10).warmup == 1 and ScheduleConfig(steps=10, warmup_steps=0).warmup == 0
+    assert lr_factor(0, ScheduleConfig(steps=200)) == pytest.approx(0.1)
+    run = train(config(tiny, tmp_path / "run", warmup_steps=None, steps=2, eval_every=0), progress=False)
+    assert json.loads((Path(run.run_dir) / "run.json").read_text())["config"]["warmup_steps"] == 1  # resolved
+    with caplog.at_level("WARNING", logger="student.trainer"):
+        train(config(tiny, tmp_path / "all-warmup", warmup_steps=5, steps=2, eval_every=0), progress=False)
+    assert "warmup_steps 5 >= steps 2: the whole run is warmup" in caplog.text
 
 
 def test_cache_of_another_tokenizer_or_incomplete_is_refused(tiny, tmp_path):
@@ -321,15 +375,16 @@ def test_cache_of_another_tokenizer_or_incomplete_is_refused(tiny, tmp_path):
     shutil.copytree(tiny[1], tmp_path / "damaged")
     shard = sorted((tmp_path / "damaged" / "shards").iterdir())[0]
     shard.write_bytes(shard.read_bytes()[:-7])  # truncated, as a partial copy leaves it
-    with pytest.raises(CorruptShardError, match=f"{shard.name} has .* bytes on disk"):
+    with pytest.raises(CorruptShardError, match=f"{shard.name}: .* bytes on disk"):
         train(config(tiny, tmp_path / "r3", cache=str(tmp_path / "damaged")), progress=False)
+    assert not (tmp_path / "r3").exists()  # found before the run directory is made
 
 
 def test_run_dir_of_another_run_or_model_is_refused(tiny, tmp_path):
     out = tmp_path / "run"
     train(config(tiny, out, steps=2), progress=False)
-    with pytest.raises(RunDirError, match=r"differs in lr: 0.01 -> 0.02; seed: 0 -> 1"):
-        train(config(tiny, out, steps=2, lr=2e-2, seed=1), progress=False)
+    with pytest.raises(RunDirError, match=r"differs in batch_size: 3 -> 2; seed: 0 -> 1, which changes the model"):
+        train(config(tiny, out, steps=2, lr=2e-2, seed=1, batch_size=2), progress=False)
     train(config(tiny, out, steps=2, log_every=5), progress=False)  # logging cadence may change
 
     wide = make_student(tmp_path / "wide", hidden_size=40)
@@ -345,24 +400,149 @@ def test_run_dir_of_another_run_or_model_is_refused(tiny, tmp_path):
         train(config(tiny, tmp_path / "junk"), progress=False)
 
 
-def test_nan_loss_stops_keeps_the_last_checkpoint_and_resumes(tiny, tmp_path, monkeypatch):
-    import student.trainer as trainer
+def test_nan_loss_stops_names_the_last_checkpoint_and_a_lower_lr_continues(tiny, tmp_path, monkeypatch):
+    """A diverging run stops at its first non-finite loss without saving, names the last checkpoint
+    (its step and finite loss) without calling it good, and continues from it with a lower lr as
+    the message says: the change is recorded in metrics.jsonl and run.json."""
+    import kernels.fused_topk_kl as kl_module
 
-    real, calls = trainer.fused_topk_kl, {"n": 0}
+    real, calls = kl_module.fused_topk_kl, {"n": 0}
 
-    def blows_up_at_step_3(*args, **kwargs):  # a test double for a diverging loss
+    def blows_up_at_step_3(*args, **kwargs):  # a test double for a diverging loss (training calls only)
+        loss, kl = real(*args, **kwargs)
+        if not torch.is_grad_enabled():  # an evaluation
+            return loss, kl
         calls["n"] += 1
-        loss, kl = real(*args, **kwargs)  # the trainer asks for (loss, kl)
         return (loss * float("nan"), kl) if calls["n"] == 3 else (loss, kl)
 
-    monkeypatch.setattr(trainer, "fused_topk_kl", blows_up_at_step_3)
+    monkeypatch.setattr(kl_module, "fused_topk_kl", blows_up_at_step_3)
     out = tmp_path / "run"
-    with pytest.raises(NonFiniteLossError, match=r"not finite at step 3; .*step-000002"):
+    with pytest.raises(NonFiniteLossError, match=r"not finite at step 3; .*the last checkpoint is \S*step-000002 "
+                                                 r"\(step 2, loss [0-9.]+: the last saved with a finite loss") as e:
         train(config(tiny, out), progress=False)
+    assert "lower --lr" in str(e.value) and "good" not in str(e.value)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
     assert [r["step"] for r in rows(out)] == [1, 2] and not (out / "student").exists()
-    monkeypatch.setattr(trainer, "fused_topk_kl", real)
-    assert train(config(tiny, out), progress=False).resumed_from == 2
+    monkeypatch.setattr(kl_module, "fused_topk_kl", real)
+    again = train(config(tiny, out, lr=5e-3, warmup_steps=3), progress=False)
+    assert again.resumed_from == 2 and again.steps == 6
+    assert rows(out, "change") == [{"kind": "change", "step": 2,
+                                    "changes": {"warmup_steps": [2, 3], "lr": [1e-2, 5e-3]}}]
+    assert json.loads((out / "run.json").read_text())["config"]["lr"] == 5e-3
+    assert [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_finished_run_is_extended_and_an_older_checkpoint_resumed(tiny, tmp_path):
+    """More --steps continue a finished run from its last checkpoint (recorded); fewer steps than it
+    holds are refused; resume_from picks an older kept checkpoint and replays the same steps."""
+    out = tmp_path / "run"
+    first = train(config(tiny, out, steps=4, eval_every=0), progress=False)
+    before = rows(out)
+    longer = train(config(tiny, out, steps=6, eval_every=0), progress=False)
+    assert (longer.resumed_from, longer.steps) == (4, 6) and [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5, 6]
+    assert rows(out, "change") == [{"kind": "change", "step": 4, "changes": {"steps": [4, 6]}}]
+    assert rows(out)[:4] == before and first.final_eval != longer.final_eval
+    with pytest.raises(ConfigError, match="`steps` is 3, below the run's last checkpoint at step 6"):
+        train(config(tiny, out, steps=3, eval_every=0), progress=False)
+    with pytest.raises(RunDirError, match=r"no checkpoint at step 3 \(kept: 4, 6\)"):
+        train(config(tiny, out, steps=6, eval_every=0), progress=False, resume_from=3)
+    extended = rows(out)
+    replay = train(config(tiny, out, steps=6, eval_every=0), progress=False, resume_from=4)
+    assert (replay.resumed_from, replay.steps) == (4, 6)
+    keys = ("step", "loss", "kl", "lr", "grad_norm")  # deterministic on the CPU: the same two steps again
+    assert [{k: r[k] for k in keys} for r in rows(out)] == [{k: r[k] for k in keys} for r in extended]
+    assert rows(out, "change") == [{"kind": "change", "step": 4, "changes": {"steps": [4, 6]}}]
+
+
+@pytest.mark.parametrize("name, changed", [("adamw", {"weight_decay": 0.05}), ("foam", {"foam_scale": 0.5}),
+                                           ("adamw8bit", {"weight_decay": 0.02})])
+def test_a_resumed_optimizer_keeps_its_new_settings_and_its_saved_moments(tiny, name, changed):
+    """Loading a checkpoint's optimizer state restores its moments but not its old hyperparameters: a
+    continued run trains with the settings it was given."""
+    from student.optim import build_optimizer, load_state_keeping_settings
+    from student.optim.config import OptimizerConfig
+
+    model = Student.from_pretrained(tiny[0])
+    old = build_optimizer(model, OptimizerConfig(optimizer=name, foam_level=1), "cpu")
+    sum(p.square().sum() for p in model.parameters()).backward()
+    old.step()
+    new = build_optimizer(model, OptimizerConfig(optimizer=name, foam_level=1, **changed), "cpu")
+    load_state_keeping_settings(new, old.state_dict())
+    (field, value), = changed.items()
+    key = field.removeprefix("foam_")  # FOAM's group key of foam_scale
+    assert new.param_groups[0][key] == value != old.param_groups[0][key]  # the matrices' group, first of each
+    assert all(torch.equal(a, b) for a, b in zip(new.state_dict()["state"][0].values(),
+                                                 old.state_dict()["state"][0].values()) if torch.is_tensor(a))
+
+
+def test_a_moved_cache_is_the_same_cache(tiny, tmp_path):
+    """The run knows its cache by id: a cache moved elsewhere (same cache_id) resumes, recorded."""
+    shutil.copytree(tiny[1], tmp_path / "a")
+    out = tmp_path / "run"
+    train(config(tiny, out, cache=str(tmp_path / "a"), steps=2), progress=False)
+    (tmp_path / "a").rename(tmp_path / "b")
+    report = train(config(tiny, out, cache=str(tmp_path / "b"), steps=4), progress=False)
+    assert report.resumed_from == 2 and report.steps == 4
+    change = rows(out, "change")[0]["changes"]
+    assert change["cache"] == [str(tmp_path / "a"), str(tmp_path / "b")] and change["steps"] == [2, 4]
+
+
+def hot_cache(tiny, path: Path, temperature: float) -> Path:
+    """The tiny cache's teacher at another temperature: top-k, tail and target log-probs of
+    log_softmax(logits / T), from the corpus' full distributions; the manifest says T."""
+    from teacher_cache.targets import TeacherTargets
+
+    _, _, corpus = tiny
+    full = corpus.full_logprobs / temperature
+    full = full - np.logaddexp.reduce(full, axis=1, keepdims=True)
+    targets, start = [], 0
+    for ids, t in zip(corpus.sequences, corpus.targets):
+        rows_ = full[start:start + len(ids)]
+        start += len(ids)
+        topk = np.take_along_axis(rows_, t.topk_ids.astype(np.int64), 1)  # the same ids: T keeps the order
+        target = np.full(len(ids), np.nan)
+        target[:-1] = rows_[np.arange(len(ids) - 1), ids[1:]]
+        targets.append(TeacherTargets(t.topk_ids, topk.astype(np.float32),
+                                      np.log1p(-np.exp(topk).sum(1)).astype(np.float32), target.astype(np.float32)))
+    write_cache(path, dataclasses.replace(corpus, targets=targets), tokenizer__hash=tokenizer_hash(tiny[0]),
+                shard_size=4, fmt="parquet", targets__temperature=temperature)
+    return path
+
+
+def test_a_temperature_the_tail_cannot_compose_is_refused_before_training(tiny, tmp_path):
+    """With the bucket (default) or unnormalized tail the distillation temperature must be the cache's:
+    the cached tail mass cannot be re-tempered. One line names both ways out; no run dir is made."""
+    for tail in ("bucket", "unnormalized"):
+        with pytest.raises(ConfigError, match=r"`temperature` is 2 but the cache holds the teacher at temperature 1, "
+                                              rf"and the '{tail}' tail .*--temperature 2\).*--tail renorm"):
+            train(config(tiny, tmp_path / "r", tail=tail, temperature=2.0), progress=False)
+    assert not (tmp_path / "r").exists()
+    hot = hot_cache(tiny, tmp_path / "hot", 2.0)
+    with pytest.raises(ConfigError, match="`temperature` is 1 but the cache holds the teacher at temperature 2"):
+        train(config(tiny, tmp_path / "r", cache=str(hot), temperature=1.0), progress=False)
+
+
+def _kernel_takes_cache_temperature() -> bool:
+    from student.loss import _kernel_takes_cache_temperature as takes
+
+    return takes()
+
+
+@pytest.mark.skipif(not _kernel_takes_cache_temperature(),
+                    reason="needs fused_topk_kl(cache_temperature=) from branch kl (CONTRACTS.md)")
+def test_a_hot_cache_is_not_tempered_twice(tiny, tmp_path):
+    """A T=2 cache trained at its own temperature (None: the cache's) with renorm equals a T=1 cache
+    trained at T=2 with renorm (which composes exactly); both temperatures are recorded; the bucket
+    tail at the cache's temperature is accepted."""
+    hot = hot_cache(tiny, tmp_path / "hot", 2.0)
+    a = tmp_path / "a"
+    train(config(tiny, a, cache=str(hot), tail="renorm", steps=3, eval_every=0), progress=False)
+    train(config(tiny, tmp_path / "b", tail="renorm", temperature=2.0, steps=3, eval_every=0), progress=False)
+    run = json.loads((a / "run.json").read_text())
+    assert run["config"]["temperature"] == run["cache_temperature"] == 2.0
+    for got, want in zip(rows(a), rows(tmp_path / "b"), strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5) and got["kl"] == pytest.approx(want["kl"], rel=1e-5)
+    assert train(config(tiny, tmp_path / "c", cache=str(hot), steps=1), progress=False).steps == 1
 
 
 @pytest.mark.gpu
@@ -409,7 +589,7 @@ def test_two_runs_read_one_cache_at_the_same_time(tiny, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("DISTILL_TEST_EXIT_AFTER_STEP", None)
     procs = [subprocess.Popen([sys.executable, "-c", _CHILD,
-                               json.dumps(dataclasses.asdict(config(tiny, tmp_path / f"run{i}", seed=i)))],
+                               json.dumps(config(tiny, tmp_path / f"run{i}", seed=i).to_flat())],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     for proc in procs:
         _, err = proc.communicate(timeout=120)

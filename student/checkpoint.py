@@ -1,0 +1,145 @@
+"""Checkpoints of a stage-two run directory: save, load, find the latest, rewind to an older one,
+and the final student folder. Imported by the trainer and by evaluation (never the other way).
+
+  RUN/checkpoints/step-NNNNNN/  model/ (HF folder), trainer_state.pt (step, optimizer, RNG, the loss
+                                of that step, sparse FFN state), data.json (the data position)
+  RUN/student/                  the final student: HF folder with the tokenizer's files
+
+Every folder is written under a temp name and renamed into place (distill.files.atomic_dir), so a
+kill leaves whole checkpoints and temp folders that `remove_stale_temps` clears on the next run.
+torch and numpy are imported inside the functions: the CLI imports the trainer (and so this
+module) for its option defaults without loading torch.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+from distill.errors import DistillUserError
+from distill.files import atomic_dir, atomic_write_text, remove_stale_temps
+
+KEEP_CHECKPOINTS = 2  # the newest ones; an older one is deleted when a new one is written
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+
+
+class RunDirError(DistillUserError):
+    """The run directory holds another run, or a checkpoint of another model."""
+
+
+def checkpoints(out) -> list[Path]:
+    """The run's checkpoint folders, oldest first."""
+    return sorted((Path(out) / "checkpoints").glob("step-[0-9]*"))
+
+
+def latest_checkpoint(out) -> Path | None:
+    found = checkpoints(out)
+    return found[-1] if found else None
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    return int(ckpt.name.removeprefix("step-"))
+
+
+def remove_stale(out) -> None:
+    """Temp files and folders a run killed mid-write left in `out` and its checkpoints."""
+    for folder in (Path(out), Path(out) / "checkpoints"):
+        if folder.is_dir():
+            remove_stale_temps(folder)
+
+
+def _rng_state() -> dict:
+    import numpy as np
+    import torch
+
+    np_state = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def _set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(out, step: int, model, trainer_state: dict, data_state: dict) -> Path:
+    """Write checkpoint `step` (the model, `trainer_state` plus the RNG states, `data_state`) and
+    delete all but the newest KEEP_CHECKPOINTS."""
+    import torch
+
+    final = Path(out) / "checkpoints" / f"step-{step:06d}"
+    with atomic_dir(final) as tmp:
+        model.save_pretrained(tmp / "model")
+        torch.save({"step": step, **trainer_state, "rng": _rng_state()}, tmp / "trainer_state.pt")
+        (tmp / "data.json").write_text(json.dumps(data_state, indent=2) + "\n")
+    for old in checkpoints(out)[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old)
+    return final
+
+
+def load_checkpoint(ckpt: Path, model) -> tuple[dict, dict]:
+    """Load checkpoint `ckpt`'s weights into `model` and restore the RNG states; returns
+    (trainer_state, data_state). Refuses a checkpoint of another model shape."""
+    import torch
+
+    from student.model import Student
+
+    saved = json.loads((ckpt / "model" / "config.json").read_text())
+    ours = model.config.to_hf_dict(saved.get("dtype", "float32"))
+    diffs = [f"{k}: {saved.get(k)!r} (checkpoint) vs {v!r}" for k, v in ours.items() if saved.get(k) != v]
+    if diffs:
+        raise RunDirError(f"checkpoint {ckpt} is of another model ({'; '.join(diffs[:4])}); use a new `out` "
+                          "or remove that checkpoint")
+    weights = Student.from_pretrained(ckpt / "model", device=model.embed_tokens.weight.device)
+    model.load_state_dict(weights.state_dict())
+    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    _set_rng_state(state["rng"])
+    return state, json.loads((ckpt / "data.json").read_text())
+
+
+def rewind(out, step: int) -> None:
+    """Make checkpoint `step` the run's latest: delete the newer checkpoints and the final student
+    and evaluation, so the next `train` continues from `step` (its metrics rewound there)."""
+    kept = checkpoints(out)
+    if step not in [checkpoint_step(c) for c in kept]:
+        have = ", ".join(str(checkpoint_step(c)) for c in kept) or "none"
+        raise RunDirError(f"--resume-from {step}: {out} has no checkpoint at step {step} (kept: {have})")
+    for ckpt in kept:
+        if checkpoint_step(ckpt) > step:
+            shutil.rmtree(ckpt)
+    shutil.rmtree(Path(out) / "student", ignore_errors=True)
+    (Path(out) / "eval.json").unlink(missing_ok=True)
+
+
+def rewind_metrics(path: Path, step: int) -> None:
+    """Keep only the rows up to checkpoint `step` (0: none), as a resumed run rewrites what follows."""
+    lines = path.read_text().splitlines() if path.exists() and step > 0 else []
+    atomic_write_text(path, "".join(line + "\n" for line in lines if _row_step(line) <= step))
+
+
+def _row_step(line: str) -> float:
+    """A row's step; a line cut short by a kill counts as after every checkpoint (dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except json.JSONDecodeError:
+        return float("inf")
+
+
+def save_student(model, folder: Path, tokenizer_dir: str) -> None:
+    """The final student as an HF folder with the tokenizer's files, renamed into place whole."""
+    with atomic_dir(folder) as tmp:
+        model.save_pretrained(tmp)  # replaces the (empty) temp folder whole
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy2(Path(tokenizer_dir) / name, tmp / name)

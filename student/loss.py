@@ -1,0 +1,91 @@
+"""The distillation loss of stage two, one function for training and evaluation.
+
+`distill_loss` hands the final hidden states, the lm-head and a batch's cached targets to
+kernels.fused_topk_kl (the KL exists only there: its dense reference and fused paths). The cached
+log-probabilities are the teacher's at the cache's temperature (the manifest's
+targets.temperature); `LossConfig.temperature` is the temperature of the distillation. With the
+"renorm" tail any pair composes exactly; "bucket" and "unnormalized" use the cached tail mass,
+which cannot be re-tempered (it is one number for many tokens), so they train only at the
+cache's temperature, where the loss's optimum is the teacher itself.
+
+torch and the kernel are imported inside `distill_loss`: the CLI imports `LossConfig` for its
+option defaults without loading torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from distill.configs import ConfigError, check_types, require
+
+TailMode = Literal["bucket", "renorm", "unnormalized"]  # kernels.fused_topk_kl.TAIL_MODES (a test holds them equal)
+
+
+@dataclass
+class LossConfig:
+    """What the student is trained to match: the teacher's cached top-k (and tail), and or the actual tokens."""
+
+    # How the teacher's mass beyond the top-k counts (kernels/fused_topk_kl.py has the formulas).
+    # "bucket" is the default: "renorm" never moves the student's mass into the teacher's top-k and
+    # learned worst of the three on real data (RESULTS.md, KD vs CE, bench_kd_vs_ce.py).
+    tail: TailMode = "bucket"
+    # Temperature of the distillation (KL scaled by T^2); None: the cache's temperature. With tail
+    # "bucket" or "unnormalized" it must equal the cache's (see the module docstring).
+    temperature: float | None = None
+    ce_weight: float = 0.0  # weight of next-token cross-entropy; 1.0 is the CE-only baseline (no teacher)
+
+    def __post_init__(self):
+        check_types(self)
+        require("temperature", self.temperature,
+                self.temperature is None or (math.isfinite(self.temperature) and self.temperature > 0),
+                "None (the cache's) or a number > 0")
+        require("ce_weight", self.ce_weight, 0 <= self.ce_weight <= 1, "in [0, 1]")
+
+    def distillation_temperature(self, cache_temperature: float) -> float:
+        return cache_temperature if self.temperature is None else self.temperature
+
+    def check_cache_temperature(self, cache_temperature: float) -> None:
+        """Refuse a temperature this tail cannot compose with a cache at `cache_temperature`."""
+        temperature = self.distillation_temperature(cache_temperature)
+        if self.tail != "renorm" and temperature != cache_temperature:
+            raise ConfigError("temperature", (
+                f"is {temperature:g} but the cache holds the teacher at temperature {cache_temperature:g}, and the "
+                f"{self.tail!r} tail cannot re-temper the cached tail mass; cache the teacher at temperature "
+                f"{temperature:g} (distill cache-teacher --temperature {temperature:g}), or use the 'renorm' tail "
+                "(--tail renorm), which composes exactly"))
+
+
+@functools.cache
+def _kernel_takes_cache_temperature() -> bool:
+    from kernels.fused_topk_kl import fused_topk_kl
+
+    return "cache_temperature" in inspect.signature(fused_topk_kl).parameters
+
+
+def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_temperature: float,
+                 reduction: str = "mean", check_ids: bool = True):
+    """(loss, kl) of the student `hidden_ND @ weight_VD.T` against `batch`'s cached targets.
+
+    hidden_ND: [N, d] final hidden states; weight_VD: [V, d] lm-head, same dtype and device.
+    batch: a student.data.Batch of N rows. loss = (1 - ce_weight) T^2 KL + ce_weight CE, with
+    gradients to hidden and weight; kl: the KL(teacher || student) term alone at temperature T,
+    detached, reduced as the loss ("mean" over the unmasked rows, or "sum"). One fused pass: the
+    [N, V] logits never exist in full.
+    """
+    from kernels.fused_topk_kl import fused_topk_kl
+
+    temperature = config.distillation_temperature(cache_temperature)
+    extra = {}
+    if _kernel_takes_cache_temperature():
+        extra["cache_temperature"] = cache_temperature
+    elif cache_temperature != 1.0:  # until the kernel takes it, only a T = 1 cache reads right
+        raise NotImplementedError("kernels.fused_topk_kl has no cache_temperature argument; a cache at temperature "
+                                  f"{cache_temperature:g} needs it")
+    return fused_topk_kl(hidden_ND, weight_VD, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass,
+                         target_ids=batch.target_ids, mask=batch.mask, tail=config.tail, temperature=temperature,
+                         ce_weight=config.ce_weight, reduction=reduction, impl="auto", check_ids=check_ids,
+                         return_kl=True, **extra)

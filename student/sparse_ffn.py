@@ -1,0 +1,209 @@
+"""The sparse FFN (TwELL) in training: its config and the policy built on what the model measures.
+
+A ReLU-gated student's MLPs measure each forward (Student.forward(..., return_ffn_terms=True)
+returns per layer an FFNTerms: the differentiable l1 and kernels.twell_ffn.FFNStats); the model
+keeps nothing of it. Everything decided from those measurements lives here: the L1 penalty, the
+statistics window behind the metrics rows, routing each layer to the sparse kernels by its
+measured non-zeros, and the dead-neuron re-initialisation of the paper's App. C.3.
+
+torch is imported inside the functions: the CLI imports `SparseFFNConfig` for its option
+defaults without loading torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from distill.configs import ConfigError, check_types, require
+
+# The authors route a layer to their sparse kernels once its mean non-zeros per token fall under 50
+# (`sparsity_l0_cutoff` in SakanaAI/sparser-faster-llms' configs). Our kernels break even with dense
+# near there at the width they were measured at (RESULTS.md, TwELL vs dense); each non-zero costs a
+# fixed gather, so for other widths the break-even is about 1% of d_ff.
+TWELL_MAX_NNZ = 50
+# App. C.3 of the paper: the noise the gate rows of dead neurons are pulled toward.
+DEAD_REINIT_STD = 0.02
+
+
+@dataclass
+class SparseFFNConfig:
+    """The sparse FFN: a ReLU gate made sparse by an L1 penalty on its activations, and how it runs."""
+
+    # A SwiGLU student gets the ReLU gate (same weights), and the loss adds l1 * the mean over layers
+    # of (sum over d_ff of |h|, mean over tokens), the authors' code normalisation.
+    sparse_ffn: bool = False
+    l1: float = 2e-5  # the L1 coefficient (used only with sparse_ffn); the paper's conservative value
+    # How a ReLU-gated FFN computes: "dense" (three matmuls) or "twell": at each logging step, layers
+    # whose mean non-zeros per token fell under TWELL_MAX_NNZ switch to kernels/twell_ffn.py's sparse
+    # Triton kernels on a GPU (less activation memory), the others stay dense; metrics rows record each
+    # layer's choice as ffn_kernel. Dense is the default: the kernels pay only on large calls
+    # (batch_size x seq_len tokens), not at the trainer's usual sizes (RESULTS.md, sparse FFN through
+    # the trainer).
+    sparse_kernel: Literal["dense", "twell"] = "dense"
+    # Dead-neuron mitigation (App. C.3): the paper calls a neuron dead when it fires on no token of a
+    # ~1M-token step, and after each such step moves its gate row to (1 - r) w + r N(0, 0.02^2),
+    # r = 0.1. Here the judgement covers windows of whole steps holding at least dead_window real
+    # tokens: after the step that closes a window, the neurons silent over all of it move. Judged over
+    # single small steps it moves many neurons silent only by chance (RESULTS.md, dead-neuron
+    # mitigation). 0 turns it off.
+    dead_reinit: float = 0.0
+    dead_window: int = 1_000_000  # tokens (whole steps) a neuron must stay silent to count as dead
+
+    def __post_init__(self):
+        check_types(self)
+        require("l1", self.l1, self.l1 >= 0, "a number >= 0")
+        require("dead_reinit", self.dead_reinit, 0 <= self.dead_reinit <= 1, "a number in [0, 1]")
+        require("dead_window", self.dead_window, self.dead_window >= 1, "an integer >= 1 (tokens)")
+        if self.dead_reinit and not self.sparse_ffn:
+            raise ConfigError("dead_reinit", "acts on the sparse FFN's gate: turn on sparse_ffn (--sparse-ffn) "
+                                             "or set it to 0")
+
+
+def l1_penalty(terms: list):
+    """Mean over layers of each layer's l1 (sum over d_ff of |h|, mean over tokens); differentiable.
+    terms: per layer FFNTerms (l1, stats) of one forward."""
+    import torch
+
+    return torch.stack([l1 for l1, _ in terms]).mean()
+
+
+class FFNWindow:
+    """Per-layer statistics of a ReLU-gated student summed on its device over the micro-batches
+    since the last metrics row; only `row` copies them to the host (at logging steps)."""
+
+    def __init__(self, num_layers: int, d_ff: int, device):
+        import torch
+
+        self.d_ff = d_ff
+        self.l1_step = torch.zeros((), device=device)  # sum over this step's micro-batches of the mean-layer l1
+        self.nnz_L = torch.zeros(num_layers, device=device)  # sum over calls of mean non-zeros per token
+        self.active_LF = torch.zeros(num_layers, d_ff, dtype=torch.bool, device=device)
+        self.overflow_L = torch.zeros(num_layers, dtype=torch.int64, device=device)
+        self.fallback_L = torch.zeros(num_layers, dtype=torch.int64, device=device)
+        self.reinit_L = torch.zeros(num_layers, dtype=torch.int64, device=device)  # gate rows moved (dead_reinit)
+        self.calls = 0
+        self.l1_last = torch.zeros((), device=device)  # mean over the last step's micro-batches
+        # Neurons active since the current dead window (SparseFFNConfig.dead_window) began, and its tokens.
+        self.dead_active_LF = torch.zeros(num_layers, d_ff, dtype=torch.bool, device=device)
+        self.dead_tokens = 0
+
+    def add(self, terms: list) -> None:
+        """terms: per layer FFNTerms (l1, FFNStats) of one micro-batch."""
+        import torch
+
+        self.l1_step += torch.stack([l1.detach() for l1, _ in terms]).mean()
+        self.nnz_L += torch.stack([s.nnz for _, s in terms]).to(self.nnz_L)
+        active_LF = torch.stack([s.active for _, s in terms])
+        self.active_LF |= active_LF
+        self.dead_active_LF |= active_LF
+        self.overflow_L += torch.stack([s.overflow_rows for _, s in terms])
+        self.fallback_L += torch.stack([s.fallback_rows for _, s in terms])
+        self.calls += 1
+
+    def end_step(self, grad_accum: int, tokens: int, dead_window: int):
+        """Close the step of `tokens` real tokens. When that closes a dead window (at least
+        `dead_window` tokens since it began), returns the neurons active over the window (bool
+        [L, d_ff]) and starts the next; else None."""
+        import torch
+
+        self.l1_last = self.l1_step / grad_accum
+        self.l1_step = torch.zeros_like(self.l1_step)
+        self.dead_tokens += tokens
+        if self.dead_tokens < dead_window:
+            return None
+        active, self.dead_active_LF = self.dead_active_LF, torch.zeros_like(self.dead_active_LF)
+        self.dead_tokens = 0
+        return active
+
+    def row(self) -> dict:
+        """The metrics of the window (one host sync), then start a new one."""
+        nnz = (self.nnz_L / max(self.calls, 1)).tolist()
+        out = {"l1": self.l1_last.item(), "ffn_nnz": nnz, "ffn_sparsity": [1 - n / self.d_ff for n in nnz],
+               "ffn_dead": (1 - self.active_LF.float().mean(1)).tolist(),
+               "ffn_overflow_rows": self.overflow_L.tolist(), "ffn_fallback_rows": self.fallback_L.tolist(),
+               "ffn_reinit": self.reinit_L.tolist()}
+        self.nnz_L.zero_(), self.active_LF.zero_(), self.overflow_L.zero_(), self.fallback_L.zero_()
+        self.reinit_L.zero_()
+        self.calls = 0
+        return out
+
+    def state_dict(self) -> dict:
+        return {"nnz_L": self.nnz_L.cpu(), "active_LF": self.active_LF.cpu(), "overflow_L": self.overflow_L.cpu(),
+                "fallback_L": self.fallback_L.cpu(), "reinit_L": self.reinit_L.cpu(), "calls": self.calls,
+                "dead_active_LF": self.dead_active_LF.cpu(), "dead_tokens": self.dead_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in ("nnz_L", "active_LF", "overflow_L", "fallback_L", "reinit_L", "dead_active_LF"):
+            if name in state:  # checkpoints written before dead_reinit / dead_window lack the last two
+                getattr(self, name).copy_(state[name])
+        self.calls = state["calls"]
+        self.dead_tokens = state.get("dead_tokens", 0)
+
+
+def route_layers(model, nnz: list[float]) -> list[str]:
+    """Send each layer to the sparse kernels ("auto") when its mean non-zeros per token are under
+    TWELL_MAX_NNZ, else to the dense matmuls ("torch"); returns each layer's choice, "twell" or "dense"."""
+    for layer, layer_nnz in zip(model.layers, nnz):
+        layer.mlp.impl = "auto" if layer_nnz < TWELL_MAX_NNZ else "torch"
+    return ["twell" if layer.mlp.impl == "auto" else "dense" for layer in model.layers]
+
+
+def reinit_dead_gates(model, active_LF, rate: float, seed: int, step: int):
+    """Gate rows of the neurons inactive over the dead window (~active_LF) <- (1 - rate) w + rate N(0, 0.02^2),
+    the noise from a generator seeded by (seed, step), so a resumed run draws the same. Returns the
+    number moved per layer (int64 [L], on the device; no host sync)."""
+    import torch
+
+    gen = torch.Generator(device=active_LF.device).manual_seed(seed * 1_000_003 + step)
+    with torch.no_grad():
+        for layer, active_F in zip(model.layers, active_LF):
+            w = layer.mlp.gate_proj.weight
+            noise = torch.randn(w.shape, generator=gen, device=w.device, dtype=torch.float32) * DEAD_REINIT_STD
+            moved = (1 - rate) * w.float() + rate * noise
+            w.copy_(torch.where(active_F[:, None], w.float(), moved).to(w.dtype))
+    return (~active_LF).sum(dim=1)
+
+
+class SparseFFNPolicy:
+    """The sparse FFN's part of training a ReLU-gated student: the penalty added to each
+    micro-batch's loss, the window of statistics, the per-layer routing at logging steps, and the
+    dead-neuron re-init after the steps that close a window. Its state travels in checkpoints.
+    Every layer starts dense, until the first logging step has measured it."""
+
+    def __init__(self, config: SparseFFNConfig, model, device, seed: int):
+        self.config, self.seed = config, seed
+        self.window = FFNWindow(model.config.num_layers, model.config.intermediate_size, device)
+        for layer in model.layers:
+            layer.mlp.impl = "torch"
+
+    def penalty(self, terms: list):
+        """l1 * the mean layer l1 of one forward, or None when the penalty is off (sparse_ffn False:
+        a ReLU-gated student trained without it)."""
+        return self.config.l1 * l1_penalty(terms) if self.config.sparse_ffn else None
+
+    def observe(self, terms: list) -> None:
+        self.window.add(terms)
+
+    def end_step(self, model, step: int, grad_accum: int, tokens: int) -> None:
+        """After optimizer step `step` (1-based) of `tokens` real tokens: close the step's window and,
+        when a dead window closes, move the gate rows of the neurons silent over all of it."""
+        active_LF = self.window.end_step(grad_accum, tokens, self.config.dead_window)
+        if self.config.dead_reinit and active_LF is not None:
+            self.window.reinit_L += reinit_dead_gates(model, active_LF, self.config.dead_reinit, self.seed, step)
+
+    def metrics(self, model) -> dict:
+        """The window's metrics row; with sparse_kernel "twell" also routes each layer by its non-zeros."""
+        row = self.window.row()
+        if self.config.sparse_kernel == "twell":
+            row["ffn_kernel"] = route_layers(model, row["ffn_nnz"])
+        return row
+
+    def state_dict(self, model) -> dict:
+        return {"ffn_window": self.window.state_dict(), "ffn_impl": [layer.mlp.impl for layer in model.layers]}
+
+    def load_state_dict(self, state: dict, model) -> None:
+        if state.get("ffn_window") is not None:
+            self.window.load_state_dict(state["ffn_window"])
+        for layer, impl in zip(model.layers, state.get("ffn_impl") or []):
+            layer.mlp.impl = impl
