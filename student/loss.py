@@ -14,8 +14,6 @@ option defaults without loading torch.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -59,13 +57,6 @@ class LossConfig:
                 "(--tail renorm), which composes exactly"))
 
 
-@functools.cache
-def _kernel_takes_cache_temperature() -> bool:
-    from kernels.fused_topk_kl import fused_topk_kl
-
-    return "cache_temperature" in inspect.signature(fused_topk_kl).parameters
-
-
 def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_temperature: float,
                  reduction: str = "mean", check_ids: bool = True):
     """(loss, kl) of the student `hidden_ND @ weight_VD.T` against `batch`'s cached targets.
@@ -79,13 +70,7 @@ def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_tempe
     from kernels.fused_topk_kl import fused_topk_kl
 
     temperature = config.distillation_temperature(cache_temperature)
-    extra = {}
-    if _kernel_takes_cache_temperature():
-        extra["cache_temperature"] = cache_temperature
-    elif cache_temperature != 1.0:  # until the kernel takes it, only a T = 1 cache reads right
-        raise NotImplementedError("kernels.fused_topk_kl has no cache_temperature argument; a cache at temperature "
-                                  f"{cache_temperature:g} needs it")
     return fused_topk_kl(hidden_ND, weight_VD, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass,
                          target_ids=batch.target_ids, mask=batch.mask, tail=config.tail, temperature=temperature,
-                         ce_weight=config.ce_weight, reduction=reduction, impl="auto", check_ids=check_ids,
-                         return_kl=True, **extra)
+                         cache_temperature=cache_temperature, ce_weight=config.ce_weight, reduction=reduction,
+                         impl="auto", check_ids=check_ids, return_kl=True)

@@ -191,18 +191,6 @@ def _resolve(config: TrainConfig) -> TrainConfig:
         device=device, dtype=resolve_dtype(config.dtype, device), warmup_steps=config.schedule.warmup)
 
 
-def _check_cache(path: str) -> None:
-    """Every shard's size and checksum against the manifest (cheap: no decoding), so nothing is
-    trained on, or written for, a damaged cache. (teacher_cache.verify.check_shards replaces this
-    once it lands, CONTRACTS.md.)"""
-    from teacher_cache.errors import CorruptShardError
-    from teacher_cache.verify import verify_cache
-
-    report = verify_cache(path)
-    if not report.ok:
-        raise CorruptShardError(report.message)
-
-
 def _initial_student(config: TrainConfig):
     """(model on config.device, identity for run.json)."""
     from student.config import StudentConfig
@@ -324,6 +312,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
     from student.optim.clip import clip_grad_norm_foreach
     from student.sparse_ffn import SparseFFNPolicy
     from teacher_cache.reader import CacheReader
+    from teacher_cache.verify import check_shards
 
     out, device = Path(config.out), config.device
     if resume_from is not None and not (out / "run.json").exists():
@@ -335,7 +324,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
     cache_temperature = reader.manifest.spec.targets.temperature
     config.loss.check_cache_temperature(cache_temperature)
     config = config.with_flat(temperature=config.loss.distillation_temperature(cache_temperature))
-    _check_cache(config.cache)
+    check_shards(config.cache)  # every shard's size and checksum, before anything is written
     train_idx, held_idx = split_indices(reader.num_sequences, config.heldout)
     model, identity = _initial_student(config)
     if model.config.vocab_size < tok["vocab_size"]:

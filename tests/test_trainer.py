@@ -522,14 +522,6 @@ def test_a_temperature_the_tail_cannot_compose_is_refused_before_training(tiny, 
         train(config(tiny, tmp_path / "r", cache=str(hot), temperature=1.0), progress=False)
 
 
-def _kernel_takes_cache_temperature() -> bool:
-    from student.loss import _kernel_takes_cache_temperature as takes
-
-    return takes()
-
-
-@pytest.mark.skipif(not _kernel_takes_cache_temperature(),
-                    reason="needs fused_topk_kl(cache_temperature=) from branch kl (CONTRACTS.md)")
 def test_a_hot_cache_is_not_tempered_twice(tiny, tmp_path):
     """A T=2 cache trained at its own temperature (None: the cache's) with renorm equals a T=1 cache
     trained at T=2 with renorm (which composes exactly); both temperatures are recorded; the bucket
