@@ -89,7 +89,12 @@ def test_aligned_launches_compile_to_vector_accesses():
     """The alignment a launch checked reaches the compiler: compiled for sm_90 (no GPU needed), an
     aligned launch of either optimizer kernel loads and stores vectors and a misaligned one does not
     (a hint set inside a called helper was lost, and with it the vector accesses)."""
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        # Triton 3.6 (the H200 image's) emits scalar accesses for these kernels whatever the hint:
+        # compiled for sm_90 there, neither these kernels nor the ones before the move to kernels/
+        # load vectors, so the hint has nothing to reach.
+        pytest.skip(f"triton {triton.__version__} does not vectorise these accesses from an alignment hint")
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
     env["PYTHONPATH"] = str(root)

@@ -275,7 +275,9 @@ def main():
                                    heldout=1, eval_every=0, eval_sequences=1, save_every=0, log_every=4, device=device,
                                    seed=0)
     flat = config.to_flat()
-    loss_kw = {key: flat[key] for key in ("tail", "temperature", "ce_weight")}
+    cache_temperature = reader.manifest.spec.targets.temperature
+    loss_kw = {"tail": flat["tail"], "ce_weight": flat["ce_weight"], "cache_temperature": cache_temperature,
+               "temperature": config.loss.distillation_temperature(cache_temperature)}
     amp = torch.autocast(device, dtype=torch.bfloat16)
     shape = SHAPES[args.shape]
     base = {"shape": {**shape, "parameters": params}, "seq_len": args.seq_len, "loss": loss_kw,
