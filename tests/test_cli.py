@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_helpers import one_error_line, run_cli
 from distill.cli import app, main
 from teacher_cache.writer import CacheWriter
 from test_trainer import tiny  # noqa: F401  (the module-scoped fixture: a tiny student and cache)
@@ -16,28 +17,10 @@ from test_trainer import tiny  # noqa: F401  (the module-scoped fixture: a tiny 
 SMALL = ["--max-sequences", "4", "--seq-len", "48", "-k", "8", "--shard-size", "2", "-q"]
 
 
-def run_cli(args, capsys):
-    """Run `distill ARGS` in-process; returns (exit code, stdout, stderr)."""
-    old = sys.argv
-    sys.argv = ["distill", *map(str, args)]
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    finally:
-        sys.argv = old
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def assert_one_line_error(code, err, *needles):
-    assert code != 0
-    lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
+    line = one_error_line(code, err)
     for needle in needles:
-        assert needle in lines[0], lines[0]
+        assert needle in line, line
 
 
 @pytest.fixture(scope="module")

@@ -12,31 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from cli_helpers import one_error_line, run_cli
 from distill.cli import main
 
 SMALL = ["--max-sequences", "4", "--seq-len", "32", "-k", "8", "--shard-size", "2", "-q"]
-
-
-def run_cli(args, capsys):
-    """Run `distill ARGS` in-process; returns (exit code, stdout, stderr)."""
-    old = sys.argv
-    sys.argv = ["distill", *map(str, args)]
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    finally:
-        sys.argv = old
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def one_error_line(code, err) -> str:
-    assert code != 0
-    lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
