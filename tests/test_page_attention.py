@@ -1,0 +1,222 @@
+"""Page attention: both paths against an independent dense check (the table's pages gathered into
+contiguous K/V, plain masked softmax attention in fp64, gradients by autograd), forward and
+backward, page-set splits merged and summed, in-place gradient accumulation, and the inputs the
+engine may hand over (shuffled slots, NaN in unused slots and past the sequence's end). The Triton
+path runs under the interpreter on the CPU (conftest sets TRITON_INTERPRET=1 without a GPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.page_attention import (
+    PageAttentionSettings,
+    merge_partials,
+    page_attention_backward,
+    page_attention_forward,
+)
+
+try:
+    import triton  # noqa: F401
+    IMPLS = ["torch", "triton"]
+except ImportError:
+    IMPLS = ["torch"]
+
+# ||got - want|| / ||want|| against the fp64 dense check on the same rounded inputs.
+# fp32: sums in another order, 1e-5 (the issue's exactness bar). The torch path computes in fp32
+# whatever the input dtype, so it keeps 1e-5 on bf16 inputs too. The Triton path rounds p and ds to
+# bf16 before its tensor-core products, as FlashAttention does: relative error up to 2^-8 per
+# element, and the interpreter casts by truncation (biased toward zero), so 2e-2 normwise.
+TOL = {("torch", torch.float32): 1e-5, ("torch", torch.bfloat16): 1e-5,
+       ("triton", torch.float32): 1e-5, ("triton", torch.bfloat16): 2e-2}
+# small blocks so that the tiny shapes below run several query and key blocks, pages smaller and
+# larger than a key block, and both the unmasked and the masked loops
+SMALL = PageAttentionSettings(fwd_block_m=16, fwd_block_n=32, dq_block_m=16, dq_block_n=16, dkv_block_m=32,
+                              dkv_block_n=16)
+
+
+def rel_err(got, want) -> float:
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def make_case(*, B=2, Hkv=2, G=2, Tq=37, D=32, P=16, q_start=45, first_page=0, num_pages=None, dtype=torch.float32,
+              seed=0):
+    """Inputs with the table's slots shuffled among unused slots that hold NaN, and NaN keys and
+    values past the sequence's end (position q_start + Tq) in the last page."""
+    gen = torch.Generator().manual_seed(seed)
+    H = Hkv * G
+    end = q_start + Tq
+    if num_pages is None:
+        num_pages = math.ceil(end / P) - first_page
+    S = B * num_pages + 5
+    q = torch.randn(B, H, Tq, D, generator=gen).to(dtype)
+    k_pool = torch.full((S, Hkv, P, D), float("nan"), dtype=dtype)
+    v_pool = torch.full((S, Hkv, P, D), float("nan"), dtype=dtype)
+    table = torch.randperm(S, generator=gen)[:B * num_pages].reshape(B, num_pages).to(torch.int32)
+    for b in range(B):
+        for j in range(num_pages):
+            start = (first_page + j) * P
+            filled = max(0, min(P, end - start))
+            k_pool[table[b, j], :, :filled] = torch.randn(Hkv, filled, D, generator=gen).to(dtype)
+            v_pool[table[b, j], :, :filled] = torch.randn(Hkv, filled, D, generator=gen).to(dtype)
+    dout = torch.randn(B, H, Tq, D, generator=gen).to(dtype)
+    return dict(q=q, k_pool=k_pool, v_pool=v_pool, table=table, first_page=first_page, q_start=q_start), dout
+
+
+def dense(case, dout=None):
+    """fp64 (out, lse) and, given dout, (dq, dk_pool, dv_pool) from autograd on contiguous K/V."""
+    q, k_pool, v_pool, table = case["q"], case["k_pool"], case["v_pool"], case["table"].long()
+    B, H, Tq, D = q.shape
+    Hkv, P = k_pool.shape[1], k_pool.shape[2]
+    N = table.shape[1]
+    key_pos = case["first_page"] * P + torch.arange(N * P)
+    mask = key_pos[None, :] <= case["q_start"] + torch.arange(Tq)[:, None]  # [Tq, N*P]
+    seen = mask.any(0)
+    k = torch.stack([torch.cat([k_pool[table[b, j]] for j in range(N)], dim=1) for b in range(B)]).double()
+    v = torch.stack([torch.cat([v_pool[table[b, j]] for j in range(N)], dim=1) for b in range(B)]).double()
+    k = k.masked_fill(~seen[None, None, :, None], 0.0).requires_grad_()  # unseen keys: NaN in the pool
+    v = v.masked_fill(~seen[None, None, :, None], 0.0).requires_grad_()
+    qd = q.double().requires_grad_()
+    k_h = k.repeat_interleave(H // Hkv, dim=1)
+    v_h = v.repeat_interleave(H // Hkv, dim=1)
+    s = (qd @ k_h.transpose(-1, -2)) / math.sqrt(D)
+    s = s.masked_fill(~mask, -1e30)  # finite, so rows that see nothing keep finite gradients
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.where(mask, torch.exp(s - lse[..., None]), 0.0)
+    out = p @ v_h
+    lse = torch.where(mask.any(-1), lse, float("-inf"))
+    if dout is None:
+        return out.detach(), lse.detach()
+    dq, dk, dv = torch.autograd.grad((out * dout.double()).sum(), (qd, k, v))
+    dk_pool = torch.zeros(k_pool.shape, dtype=torch.float64)
+    dv_pool = torch.zeros(k_pool.shape, dtype=torch.float64)
+    for b in range(B):
+        for j in range(N):
+            dk_pool[table[b, j]] = dk[b, :, j * P:(j + 1) * P]
+            dv_pool[table[b, j]] = dv[b, :, j * P:(j + 1) * P]
+    return out.detach(), lse.detach(), dq, dk_pool, dv_pool
+
+
+def check_lse(got, want):
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), "rows that see no key must get lse = -inf, only they"
+    finite = torch.isfinite(want)
+    assert torch.allclose(got[finite].double(), want[finite], atol=1e-4, rtol=1e-4)
+
+
+def backward(case, dout, lse, delta, dk_pool, dv_pool, impl, settings=None):
+    return page_attention_backward(case["q"], dout, lse, delta, case["k_pool"], case["v_pool"], dk_pool, dv_pool,
+                                   case["table"], first_page=case["first_page"], q_start=case["q_start"], impl=impl,
+                                   settings=settings)
+
+
+CASES = {
+    # Tq odd, q_start not page aligned, the pages up to the last query's
+    "unaligned": dict(q_start=45),
+    "q_start0": dict(q_start=0, Tq=33),
+    # the table starts at page 2 (first keys at 32): queries 0..2 see none of it (lse -inf)
+    "subset": dict(q_start=29, first_page=2, num_pages=3),
+    "head_dim24": dict(q_start=20, D=24, Tq=21),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 2, 7])
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_backward_match_dense(impl, dtype, group, name):
+    settings = SMALL if group != 2 else None
+    case, dout = make_case(G=group, Hkv=1 if group == 7 else 2, dtype=dtype, **CASES[name])
+    out_ref, lse_ref, dq_ref, dk_ref, dv_ref = dense(case, dout)
+    out, lse = page_attention_forward(**case, impl=impl, settings=settings)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert rel_err(out, out_ref) < TOL[impl, dtype]
+    check_lse(lse, lse_ref)
+    if name == "subset":
+        assert torch.isinf(lse).any() and (out[torch.isinf(lse)] == 0).all()
+    delta = (dout.float() * out).sum(-1)
+    # pre-filled pools: the kernel adds; unused slots hold a value the test sees unchanged
+    gen = torch.Generator().manual_seed(1)
+    dk_pool0 = torch.randn(case["k_pool"].shape, generator=gen)
+    dv_pool0 = torch.randn(case["k_pool"].shape, generator=gen)
+    dk_pool, dv_pool = dk_pool0.clone(), dv_pool0.clone()
+    dq = backward(case, dout, lse, delta, dk_pool, dv_pool, impl, settings)
+    assert dq.dtype == torch.float32 and dq.shape == case["q"].shape
+    assert rel_err(dq, dq_ref) < TOL[impl, dtype]
+    assert rel_err(dk_pool - dk_pool0, dk_ref) < TOL[impl, dtype]
+    assert rel_err(dv_pool - dv_pool0, dv_ref) < TOL[impl, dtype]
+    unused = torch.ones(case["k_pool"].shape[0], dtype=torch.bool)
+    unused[case["table"].long().flatten()] = False
+    assert torch.equal(dk_pool[unused], dk_pool0[unused]) and torch.equal(dv_pool[unused], dv_pool0[unused])
+    assert torch.isfinite(dk_pool).all() and torch.isfinite(dv_pool).all() and torch.isfinite(dq).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("splits", [[2], [1, 3]], ids=["2sets", "3sets"])
+def test_page_set_splits_merge_and_sum_to_the_whole(impl, splits):
+    """Forward over page sets merged = the whole; backward per set with the merged lse/delta summed
+    = the whole's dq, dk, dv. The last set starts past some queries (their lse there is -inf)."""
+    case, dout = make_case(G=2, q_start=13, Tq=37, P=16)  # pages 0..3, queries at 13..49
+    out_ref, lse_ref, dq_ref, dk_ref, dv_ref = dense(case, dout)
+    bounds = [0, *splits, case["table"].shape[1]]
+    sets = [dict(case, table=case["table"][:, a:b].contiguous(), first_page=a) for a, b in zip(bounds, bounds[1:])]
+    parts = [page_attention_forward(**s, impl=impl, settings=SMALL) for s in sets]
+    assert torch.isinf(parts[-1][1]).any()
+    out, lse = merge_partials(parts)
+    assert rel_err(out, out_ref) < TOL[impl, torch.float32]
+    check_lse(lse, lse_ref)
+    delta = (dout.float() * out).sum(-1)
+    dk_pool = torch.zeros(case["k_pool"].shape)
+    dv_pool = torch.zeros(case["k_pool"].shape)
+    dq = sum(backward(s, dout, lse, delta, dk_pool, dv_pool, impl, SMALL) for s in sets)
+    assert rel_err(dq, dq_ref) < TOL[impl, torch.float32]
+    assert rel_err(dk_pool, dk_ref) < TOL[impl, torch.float32]
+    assert rel_err(dv_pool, dv_ref) < TOL[impl, torch.float32]
+
+
+def test_merge_partials_of_nothing_is_minus_inf_and_zero():
+    out = torch.zeros(1, 2, 3, 4)
+    lse = torch.full((1, 2, 3), float("-inf"))
+    got_out, got_lse = merge_partials([(out, lse), (out.clone(), lse.clone())])
+    assert torch.equal(got_out, out) and torch.isinf(got_lse).all()
+
+
+@pytest.mark.skipif("triton" not in IMPLS, reason="needs triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_matches_torch_reference(dtype):
+    """The two paths against each other at default settings, P 32 (a page larger than the test's
+    key blocks is covered above), GQA 2."""
+    case, dout = make_case(G=2, P=32, q_start=40, Tq=37, dtype=dtype, seed=3)
+    outs = {impl: page_attention_forward(**case, impl=impl) for impl in IMPLS}
+    assert rel_err(outs["triton"][0], outs["torch"][0].double()) < TOL["triton", dtype]
+    lse = outs["torch"][1]
+    delta = (dout.float() * outs["torch"][0]).sum(-1)
+    grads = {}
+    for impl in IMPLS:
+        pools = torch.zeros(case["k_pool"].shape), torch.zeros(case["k_pool"].shape)
+        grads[impl] = (backward(case, dout, lse, delta, *pools, impl), *pools)
+    for got, want in zip(grads["triton"], grads["torch"]):
+        assert rel_err(got, want.double()) < TOL["triton", dtype]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(q=torch.zeros(1, 3, 5, 16)), "multiple of the kv heads"),
+    (dict(table=torch.zeros(1, 2, dtype=torch.float32)), "table must be int32"),
+    (dict(table=torch.full((1, 2), 9, dtype=torch.int32)), "table slots must be in"),
+    (dict(first_page=-1), "first_page must be an int >= 0"),
+    (dict(k_pool=torch.zeros(4, 2, 16, 16, dtype=torch.bfloat16)), "share one of"),
+    (dict(impl="cuda"), "impl must be one of"),
+])
+def test_bad_arguments_are_one_line_errors(change, message):
+    args = dict(q=torch.zeros(1, 4, 5, 16), k_pool=torch.zeros(4, 2, 16, 16), v_pool=torch.zeros(4, 2, 16, 16),
+                table=torch.zeros(1, 2, dtype=torch.int32), first_page=0, q_start=0)
+    args.update(change)
+    with pytest.raises(ValueError, match=message) as info:
+        page_attention_forward(**args)
+    assert "\n" not in str(info.value)
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="fwd_block_m must be a power of two"):
+        PageAttentionSettings(fwd_block_m=48)
