@@ -218,6 +218,10 @@ def train_student(
     sparse_kernel: str = typer.Option(_TRAIN["sparse_kernel"], "--sparse-kernel", help="With --sparse-ffn on a GPU: dense (matmuls) or twell (a layer switches to the sparse Triton kernels once under 50 non-zeros per token; they pay only on large calls, so raise --batch-size; see RESULTS.md)."),
     dead_reinit: float = typer.Option(_TRAIN["dead_reinit"], "--dead-reinit", help="With --sparse-ffn: gate rows of neurons silent on every token of a --dead-window move to (1-r) w + r N(0, 0.02^2) when it closes (the paper's App. C.3 uses 0.1); 0 = off."),
     dead_window: int = typer.Option(_TRAIN["dead_window"], "--dead-window", help="With --dead-reinit: tokens (whole steps) a neuron must stay silent to count as dead; the paper's steps are ~1M tokens."),
+    chunk_tokens: Optional[int] = typer.Option(_TRAIN["chunk_tokens"], "--chunk-tokens", help="Train each sequence in chunks of N tokens, exactly (OOMB chunk-recurrent: keys and values in pages, the activations of one chunk); default: whole sequences."),
+    page_tokens: int = typer.Option(_TRAIN["page_tokens"], "--page-tokens", help="With --chunk-tokens: positions per key/value page (a power of two >= 16)."),
+    kv_offload: bool = typer.Option(_TRAIN["kv_offload"], "--kv-offload/--no-kv-offload", help="With --chunk-tokens on a GPU: keep the pages and their gradients in pinned host memory, streamed to the GPU a page set at a time."),
+    offload_pages: int = typer.Option(_TRAIN["offload_pages"], "--offload-pages", help="With --kv-offload: pages per set streamed to the GPU (two sets are resident at once)."),
     resume_from: Optional[int] = typer.Option(None, "--resume-from", help="Continue from the kept checkpoint of this step instead of the latest (newer ones are deleted)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -234,6 +238,8 @@ def train_student(
       distill train-student --cache caches/default --num-layers 4 --optimizer foam --foam-level 3 --out runs/foam
 
       distill train-student --cache caches/default --num-layers 4 --sparse-ffn --l1 2e-5 --out runs/sparse
+
+      distill train-student --cache caches/long-1m --student ./qwen-0.5b --batch-size 1 --chunk-tokens 16384 --kv-offload --out runs/long
 
     Rerunning the same command after an interruption continues from the last checkpoint.
 
@@ -267,6 +273,7 @@ def evaluate(
     cache: Optional[Path] = typer.Option(None, "--cache", "-c", help="Teacher cache (default: the run's)."),
     heldout: Optional[int] = typer.Option(None, help="Held-out sequences (default: the run's split)."),
     tokenizer: Optional[Path] = typer.Option(None, help="The student's tokenizer folder (default: the student folder, or the run's)."),
+    chunk_tokens: Optional[int] = typer.Option(None, "--chunk-tokens", help="Run long sequences in chunks of N tokens against a paged key/value store (default: as the run trained; whole sequences for a folder)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Held-out KL to the teacher, cross-entropy, perplexity and top-1 agreement, beside the teacher's own.
@@ -285,7 +292,8 @@ def evaluate(
     from student.evaluate import evaluate_run_or_folder
 
     try:
-        results = evaluate_run_or_folder(path, cache=cache, heldout=heldout, tokenizer=tokenizer)
+        results = evaluate_run_or_folder(path, cache=cache, heldout=heldout, tokenizer=tokenizer,
+                                         chunk_tokens=chunk_tokens)
     except ConfigError as e:
         raise e.as_option() from None
     typer.echo(json.dumps(_jsonable_eval(results), indent=2) if as_json else _eval_table(results))

@@ -9,6 +9,7 @@ t + 1. A batch flattens [B, L] positions to B * L rows; padded rows (ragged sequ
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import queue
 import threading
 from collections import OrderedDict
@@ -65,6 +66,12 @@ class Batch:
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
         return Batch(**{k: v.to(device, non_blocking=non_blocking) for k, v in vars(self).items()})
+
+    def positions(self, start: int, end: int) -> "Batch":
+        """The rows of positions start..end of every sequence: a batch of B * (end - start) rows."""
+        B, L = self.input_ids.shape
+        rows = lambda t: t.view(B, L, *t.shape[1:])[:, start:end].reshape(B * (end - start), *t.shape[1:])
+        return Batch(self.input_ids[:, start:end], *(rows(getattr(self, f.name)) for f in dataclasses.fields(self)[1:]))
 
     def pin_memory(self) -> "Batch":
         return Batch(**{k: v.pin_memory() for k, v in vars(self).items()})

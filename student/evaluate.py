@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from distill.devices import resolve_device, resolve_dtype
 from distill.errors import DistillUserError
 from student.checkpoint import latest_checkpoint
 from student.data import Batch, CacheBatches, split_indices, tokenizer_info_of
+from student.long_context import LongContextConfig, chunked_forward
 from student.loss import LossConfig, distill_loss
 from teacher_cache.reader import CacheReader
 
@@ -96,7 +96,8 @@ def _ce_and_top1(logits_CV, batch: Batch, rows: slice):
 
 @torch.no_grad()
 def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, device, seq_len: int | None = None,
-                     autocast_dtype: torch.dtype | None = None, row_chunk: int = ROW_CHUNK) -> EvalResult:
+                     autocast_dtype: torch.dtype | None = None, row_chunk: int = ROW_CHUNK,
+                     long: LongContextConfig | None = None) -> EvalResult:
     """Evaluate `model` (a ``Student``) on sequences `indices` of `reader`, without gradients.
 
     kl: the training loss's KL (student/loss.py, the fused kernel, summed over rows): forward
@@ -105,7 +106,9 @@ def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, de
     bound of the full-vocabulary KL (KL_NOTE). ce / ppl: cross-entropy of the actual next token
     (rows that have one). top1: agreement of the student's argmax with the teacher's top-1 id.
     For ce and top1 the logits are formed `row_chunk` rows at a time; the [tokens, V] logits never
-    exist at once. seq_len crops each sequence to its first seq_len rows. A ReLU-gated student also
+    exist at once. seq_len crops each sequence to its first seq_len rows. With `long.chunk_tokens`
+    the sequences run chunk by chunk against a paged key/value store, as in training (same
+    results, the memory of one chunk). A ReLU-gated student also
     gets ffn_nnz / ffn_sparsity / ffn_dead per layer, counted over the real tokens of the batches
     (padding of ragged sequences left out).
     """
@@ -113,24 +116,24 @@ def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, de
     model.eval()
     sums = _Sums()
     data = CacheBatches(reader, indices, batch_size, seq_len=seq_len, shuffle=False)
-    amp = torch.autocast(torch.device(device).type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     weight = model.lm_head_weight.float()
     cache_temperature = reader.manifest.spec.targets.temperature
-    for batch in data.epoch_batches():
-        batch = batch.to(device)
-        with amp:
-            hidden, terms = model(batch.input_ids, token_mask=batch.mask, return_ffn_terms=True)
-        hidden_ND = hidden.reshape(-1, hidden.shape[-1]).float()
-        if terms:  # a ReLU-gated student: statistics over the real tokens (the padding rows left out)
-            sums.add_ffn(terms, batch.num_tokens)
-        _, kl = distill_loss(hidden_ND, weight, batch, _EVAL_LOSS, cache_temperature=cache_temperature,
-                             reduction="sum", check_ids=not str(device).startswith("cuda"))
-        sums.kl += kl.item()
-        for lo in range(0, hidden_ND.shape[0], row_chunk):
-            rows = slice(lo, lo + row_chunk)
-            ce, ce_rows, hits = _ce_and_top1(hidden_ND[rows] @ weight.T, batch, rows)
-            sums.ce, sums.ce_rows, sums.top1 = sums.ce + ce, sums.ce_rows + ce_rows, sums.top1 + hits
-        sums.rows += batch.num_tokens
+    for whole in data.epoch_batches():
+        input_ids, mask = whole.input_ids.to(device), whole.mask.to(device)
+        for start, end, hidden, terms in chunked_forward(model, input_ids, mask, long or LongContextConfig(),
+                                                         autocast_dtype=autocast_dtype):
+            batch = whole.positions(start, end).to(device)
+            hidden_ND = hidden.reshape(-1, hidden.shape[-1]).float()
+            if terms:  # a ReLU-gated student: statistics over the real tokens (the padding rows left out)
+                sums.add_ffn(terms, batch.num_tokens)
+            _, kl = distill_loss(hidden_ND, weight, batch, _EVAL_LOSS, cache_temperature=cache_temperature,
+                                 reduction="sum", check_ids=not str(device).startswith("cuda"))
+            sums.kl += kl.item()
+            for lo in range(0, hidden_ND.shape[0], row_chunk):
+                rows = slice(lo, lo + row_chunk)
+                ce, ce_rows, hits = _ce_and_top1(hidden_ND[rows] @ weight.T, batch, rows)
+                sums.ce, sums.ce_rows, sums.top1 = sums.ce + ce, sums.ce_rows + ce_rows, sums.top1 + hits
+            sums.rows += batch.num_tokens
     model.train(was_training)
     return sums.result(model.config.intermediate_size)
 
@@ -148,7 +151,8 @@ def teacher_reference(reader: CacheReader, indices, *, seq_len: int | None = Non
 
 
 def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batch_size: int | None = None,
-                           device: str = "auto", seq_len: int | None = None, tokenizer=None) -> dict:
+                           device: str = "auto", seq_len: int | None = None, tokenizer=None,
+                           chunk_tokens: int | None = None) -> dict:
     """`distill eval`: evaluate a run directory (its run.json gives the cache, held-out split,
     evaluation sequences, seq_len and batch size; its final student, else its latest checkpoint) or
     a student HF folder with `cache` (held-out: the `heldout` evenly spaced sequences, default all of
@@ -160,7 +164,8 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
     Returns {"teacher": EvalResult, "before": EvalResult | None, "after": EvalResult} for a run
     directory ("before": its step-0 student, recorded by the trainer, on the same sequences; None
     when `heldout` asks for other ones) and {"teacher", "student"} for a folder, plus "cache" (str)
-    and "num_sequences" (int).
+    and "num_sequences" (int). chunk_tokens: run long sequences chunk by chunk (default: as the
+    run trained, whole sequences for a folder).
     """
     from student.model import Student
 
@@ -174,6 +179,7 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
         cache = cache or cfg["cache"]
         seq_len = seq_len if seq_len is not None else cfg["seq_len"]
         batch_size = batch_size or cfg.get("batch_size")  # the trainer's own evaluations batch so
+        chunk_tokens = chunk_tokens or cfg.get("chunk_tokens")
         if tokenizer is not None:
             tok = tokenizer_info_of(tokenizer)
             reader = CacheReader(cache, expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])
@@ -210,7 +216,7 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
                                f"{reader.manifest.spec.tokenizer.vocab_size}; evaluate it against a cache of its tokenizer")
     amp = torch.bfloat16 if resolve_dtype("auto", device) == "bfloat16" else None
     student = evaluate_student(model, reader, held, batch_size=batch_size or 8, device=device, seq_len=seq_len,
-                               autocast_dtype=amp)
+                               autocast_dtype=amp, long=LongContextConfig(chunk_tokens=chunk_tokens))
     result = {"teacher": teacher_reference(reader, held, seq_len=seq_len)}
     if is_run:
         result.update(before=initial, after=student, run=_run_summary(path, cfg))

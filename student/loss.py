@@ -58,19 +58,33 @@ class LossConfig:
 
 
 def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_temperature: float,
-                 reduction: str = "mean", check_ids: bool = True):
+                 reduction: str = "mean", check_ids: bool = True, whole: tuple[int, int] | None = None):
     """(loss, kl) of the student `hidden_ND @ weight_VD.T` against `batch`'s cached targets.
 
     hidden_ND: [N, d] final hidden states; weight_VD: [V, d] lm-head, same dtype and device.
     batch: a student.data.Batch of N rows. loss = (1 - ce_weight) T^2 KL + ce_weight CE, with
     gradients to hidden and weight; kl: the KL(teacher || student) term alone at temperature T,
-    detached, reduced as the loss ("mean" over the unmasked rows, or "sum"). One fused pass: the
-    [N, V] logits never exist in full.
+    detached, reduced as the loss ("mean" over the unmasked rows, CE over the rows with a next
+    token, or "sum"). One fused pass: the [N, V] logits never exist in full.
+
+    whole: (real rows, rows with a next token) of the micro-batch that `batch` is a part of (a
+    chunk of chunk-recurrent training): loss and kl are then this part's share of the micro-
+    batch's means, so the parts' values sum to them (reduction must be "mean").
     """
     from kernels.fused_topk_kl import fused_topk_kl
 
     temperature = config.distillation_temperature(cache_temperature)
-    return fused_topk_kl(hidden_ND, weight_VD, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass,
-                         target_ids=batch.target_ids, mask=batch.mask, tail=config.tail, temperature=temperature,
-                         cache_temperature=cache_temperature, ce_weight=config.ce_weight, reduction=reduction,
-                         impl="auto", check_ids=check_ids, return_kl=True)
+    ce_weight, scale = config.ce_weight, None
+    if whole is not None:
+        # Sums over the part, each term scaled by the whole's count: a ce_weight w' and a factor s with
+        # s (1 - w') = (1 - w) / rows and s w' = w / target_rows.
+        rows, target_rows = whole
+        kl_part, ce_part = (1 - ce_weight) / max(rows, 1), ce_weight / max(target_rows, 1)
+        scale, ce_weight, reduction = kl_part + ce_part, ce_part / (kl_part + ce_part), "sum"
+    loss, kl = fused_topk_kl(hidden_ND, weight_VD, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass,
+                             target_ids=batch.target_ids, mask=batch.mask, tail=config.tail, temperature=temperature,
+                             cache_temperature=cache_temperature, ce_weight=ce_weight, reduction=reduction,
+                             impl="auto", check_ids=check_ids, return_kl=True)
+    if scale is not None:
+        loss, kl = loss * scale, kl / max(whole[0], 1)
+    return loss, kl

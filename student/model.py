@@ -30,12 +30,16 @@ _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5
 
 
 class KVStore(Protocol):
-    """Past keys and values of each layer, after RoPE, shaped [B, num_kv_heads, T_past, head_dim]."""
+    """The attention of a chunk that follows earlier ones: it owns the past keys and values of each
+    layer (after RoPE) and attends the chunk's queries over them and the chunk's own, causally.
+    ListKVStore is the plain one; student/long_context.py's PagedKVStore keeps them in pages."""
 
-    def get(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    def past_length(self) -> int:
+        """Positions before the chunk being run (its first position id)."""
 
-    def put(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Receives only the keys/values of the chunk just run; the store decides what to keep."""
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, H, T, D], the chunk's k/v [B, Hkv, T, D] -> attention output [B, H, T, D]; the
+        store keeps what it needs of k/v for later chunks."""
 
 
 class ListKVStore:
@@ -47,11 +51,15 @@ class ListKVStore:
     def get(self, layer_idx):
         return self.kv.get(layer_idx)
 
-    def put(self, layer_idx, k, v):
+    def past_length(self) -> int:
+        return self.kv[0][0].shape[2] if 0 in self.kv else 0
+
+    def attend(self, layer_idx, q, k, v):
         past = self.kv.get(layer_idx)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         self.kv[layer_idx] = (k, v)
+        return causal_attention(q, k, v)
 
 
 class RMSNorm(nn.Module):
@@ -133,12 +141,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        if kv_store is not None:
-            past = kv_store.get(self.layer_idx)
-            kv_store.put(self.layer_idx, k, v)
-            if past is not None:
-                k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        out = causal_attention(q, k, v)
+        out = causal_attention(q, k, v) if kv_store is None else kv_store.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -237,7 +240,7 @@ class Student(nn.Module):
         """input_ids [B, T] int64 -> final hidden states [B, T, hidden_size] (after the last norm);
         with return_ffn_terms, (hidden states, per layer FFNTerms of a ReLU-gated student, [] for SwiGLU).
 
-        position_ids [B, T] default to past_length + arange(T), past_length read from kv_store.
+        position_ids [B, T] default to kv_store.past_length() + arange(T).
         token_mask (bool, [B, T] or [B * T]; False on padding): a ReLU-gated student's FFN terms
         leave the padding rows out; the outputs at real tokens do not change (padding follows them,
         and attention is causal)."""
@@ -246,8 +249,7 @@ class Student(nn.Module):
         row_mask = None if token_mask is None else token_mask.reshape(-1)
         x = self.embed_tokens(input_ids)
         if position_ids is None:
-            past = kv_store.get(0) if kv_store is not None else None
-            start = past[0].shape[2] if past is not None else 0
+            start = kv_store.past_length() if kv_store is not None else 0
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids[None].expand(input_ids.shape[0], -1)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)

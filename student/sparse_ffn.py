@@ -88,18 +88,19 @@ class FFNWindow:
         self.dead_active_LF = torch.zeros(num_layers, d_ff, dtype=torch.bool, device=device)
         self.dead_tokens = 0
 
-    def add(self, terms: list) -> None:
-        """terms: per layer FFNTerms (l1, FFNStats) of one micro-batch."""
+    def add(self, terms: list, share: float = 1.0) -> None:
+        """terms: per layer FFNTerms (l1, FFNStats) of one micro-batch, or of a chunk of it holding
+        `share` of its real tokens (the means then add up over the chunks)."""
         import torch
 
-        self.l1_step += torch.stack([l1.detach() for l1, _ in terms]).mean()
-        self.nnz_L += torch.stack([s.nnz for _, s in terms]).to(self.nnz_L)
+        self.l1_step += torch.stack([l1.detach() for l1, _ in terms]).mean() * share
+        self.nnz_L += torch.stack([s.nnz for _, s in terms]).to(self.nnz_L) * share
         active_LF = torch.stack([s.active for _, s in terms])
         self.active_LF |= active_LF
         self.dead_active_LF |= active_LF
         self.overflow_L += torch.stack([s.overflow_rows for _, s in terms])
         self.fallback_L += torch.stack([s.fallback_rows for _, s in terms])
-        self.calls += 1
+        self.calls += share
 
     def end_step(self, grad_accum: int, tokens: int, dead_window: int):
         """Close the step of `tokens` real tokens. When that closes a dead window (at least
@@ -182,8 +183,8 @@ class SparseFFNPolicy:
         a ReLU-gated student trained without it)."""
         return self.config.l1 * l1_penalty(terms) if self.config.sparse_ffn else None
 
-    def observe(self, terms: list) -> None:
-        self.window.add(terms)
+    def observe(self, terms: list, share: float = 1.0) -> None:
+        self.window.add(terms, share)
 
     def end_step(self, model, step: int, grad_accum: int, tokens: int) -> None:
         """After optimizer step `step` (1-based) of `tokens` real tokens: close the step's window and,

@@ -36,7 +36,6 @@ import logging
 import math
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -46,6 +45,7 @@ from distill.devices import resolve_device, resolve_dtype
 from distill.errors import DistillUserError
 from distill.files import atomic_write_json
 from student.checkpoint import RunDirError
+from student.long_context import LongContextConfig
 from student.loss import LossConfig
 from student.optim.config import OptimizerConfig
 from student.schedule import ScheduleConfig, lr_factor
@@ -58,10 +58,12 @@ __all__ = ["TrainConfig", "TrainReport", "train", "RunDirError", "NonFiniteLossE
 
 # Settings a rerun may change; the run continues from its checkpoint and metrics.jsonl records each
 # change. They alter the learning-rate schedule, the optimizer's hyperparameters (not its kind or
-# the shape of its state), the sparse FFN's policy, or where the cache lives (it is identified by
+# the shape of its state), the sparse FFN's policy, how sequences are chunked and where their
+# keys and values live (the gradients stay exact), or where the cache lives (it is identified by
 # its id), never the model or the data.
 CHANGEABLE = ("cache", "steps", "warmup_steps", "min_lr_ratio", "lr", "weight_decay", "clip_grad", "foam_scale",
-              "l1", "sparse_kernel", "dead_reinit", "dead_window")
+              "l1", "sparse_kernel", "dead_reinit", "dead_window", "chunk_tokens", "page_tokens", "kv_offload",
+              "offload_pages")
 # Settings of how often things are logged, evaluated or saved, and where: free to change, not recorded.
 _FREE = ("out", "eval_every", "eval_sequences", "save_every", "log_every")
 _TEST_EXIT_ENV = "DISTILL_TEST_EXIT_AFTER_STEP"  # tests only: os._exit after this step, as a kill would
@@ -104,6 +106,7 @@ class TrainConfig:
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)  # optimizer, lr, weight_decay, clip_grad, foam_*
     loss: LossConfig = field(default_factory=LossConfig)  # tail, temperature, ce_weight
     sparse: SparseFFNConfig = field(default_factory=SparseFFNConfig)  # sparse_ffn, l1, sparse_kernel, dead_*
+    long: LongContextConfig = field(default_factory=LongContextConfig)  # chunk_tokens, page_tokens, kv_offload, ...
 
     def __post_init__(self):
         check_types(self)
@@ -155,7 +158,8 @@ class TrainConfig:
         return own
 
 
-_PARTS = {"schedule": ScheduleConfig, "optim": OptimizerConfig, "loss": LossConfig, "sparse": SparseFFNConfig}
+_PARTS = {"schedule": ScheduleConfig, "optim": OptimizerConfig, "loss": LossConfig, "sparse": SparseFFNConfig,
+          "long": LongContextConfig}
 
 
 def _field_names(cls) -> set[str]:
@@ -248,27 +252,51 @@ def _check_run_dir(out: Path, run: dict) -> dict:
 # --- the loop -----------------------------------------------------------------------------------
 
 
-def _step_loss(model, batch, config: TrainConfig, amp, *, cache_temperature: float, policy=None):
-    """(loss to backpropagate, KL at the distillation temperature) of one micro-batch; with a
-    sparse FFN `policy`, the FFN's measurements go to it and the loss adds its L1 penalty."""
+def _loss(hidden, terms, rows, model, config: TrainConfig, *, cache_temperature: float, policy=None, part=None):
+    """(loss to backpropagate, KL at the distillation temperature) of the final hidden states
+    [B, T, d] of `rows`: a micro-batch, or a chunk of one (`part`, a student.long_context.Part: the
+    chunks' losses then sum to the micro-batch's); with a sparse FFN `policy`, the FFN's
+    measurements go to it and the loss adds its L1 penalty."""
     import torch
 
     from student.loss import distill_loss
 
-    with amp:
-        hidden, terms = model(batch.input_ids, token_mask=batch.mask, return_ffn_terms=True)
     hidden_ND = hidden.reshape(-1, hidden.shape[-1])
     if config.dtype == "bfloat16":  # the final norm returns fp32 under autocast; the lm-head matmuls run in bf16
         hidden_ND = hidden_ND.to(torch.bfloat16)
     # One call: the loss mixes CE in when 0 < ce_weight, and the KL term comes back beside it for the metrics.
-    loss, kl = distill_loss(hidden_ND, model.lm_head_weight.to(hidden_ND.dtype), batch, config.loss,
-                            cache_temperature=cache_temperature, check_ids=not config.device.startswith("cuda"))
+    loss, kl = distill_loss(hidden_ND, model.lm_head_weight.to(hidden_ND.dtype), rows, config.loss,
+                            cache_temperature=cache_temperature, check_ids=not config.device.startswith("cuda"),
+                            whole=part.whole if part is not None else None)
+    share = part.share if part is not None else 1.0
     if policy is not None:
-        policy.observe(terms)
+        policy.observe(terms, share)
         penalty = policy.penalty(terms)
         if penalty is not None:
-            loss = loss + penalty
+            loss = loss + penalty * share
     return loss, kl
+
+
+def _micro_batch_backward(model, batch, config: TrainConfig, amp_dtype, *, cache_temperature: float, policy=None):
+    """Forward and backward of one micro-batch (host memory) scaled by 1 / grad_accum, whole or
+    chunk by chunk (student/long_context.py); returns its (loss, KL), detached."""
+    import torch
+
+    from student.long_context import chunk_recurrent_backward
+
+    grad_scale = 1.0 / config.grad_accum
+    loss_of = lambda hidden, terms, rows, part=None: _loss(hidden, terms, rows, model, config, policy=policy,
+                                                             cache_temperature=cache_temperature, part=part)
+    if config.long.chunk_tokens is not None:
+        chunk_loss = lambda hidden, rows, terms, part: loss_of(hidden, terms, rows, part)
+        return chunk_recurrent_backward(model, batch, chunk_loss, config.long, device=config.device,
+                                        autocast_dtype=amp_dtype, grad_scale=grad_scale)
+    batch = batch.to(config.device, non_blocking=True)
+    with torch.autocast(torch.device(config.device).type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        hidden, terms = model(batch.input_ids, token_mask=batch.mask, return_ffn_terms=True)
+    loss, kl = loss_of(hidden, terms, batch)
+    (loss * grad_scale).backward()
+    return loss.detach(), kl.detach()
 
 
 def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None = None) -> TrainReport:
@@ -340,11 +368,10 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
 
     eval_idx = held_idx[:config.eval_sequences] if config.eval_sequences else held_idx
     amp_dtype = torch.bfloat16 if config.dtype == "bfloat16" else None
-    amp = torch.autocast(torch.device(device).type, dtype=amp_dtype) if amp_dtype else nullcontext()
 
     def evaluate(step: int) -> EvalResult:
         result = evaluate_student(model, reader, eval_idx, batch_size=config.batch_size, device=device,
-                                  seq_len=config.seq_len, autocast_dtype=amp_dtype)
+                                  seq_len=config.seq_len, autocast_dtype=amp_dtype, long=config.long)
         logger.info("eval at step %d: %s", step, result.summary())
         return result
 
@@ -396,9 +423,9 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
                 group["lr"] = lr
             loss_sum, kl_sum, tokens = 0.0, 0.0, 0
             for _ in range(config.grad_accum):
-                batch = next(batches).to(device, non_blocking=True)
-                loss, kl = _step_loss(model, batch, config, amp, cache_temperature=cache_temperature, policy=policy)
-                (loss / config.grad_accum).backward()
+                batch = next(batches)
+                loss, kl = _micro_batch_backward(model, batch, config, amp_dtype, cache_temperature=cache_temperature,
+                                                 policy=policy)
                 loss_sum, kl_sum, tokens = loss_sum + loss.item(), kl_sum + kl.item(), tokens + batch.num_tokens
             max_norm = config.optim.clip_grad if config.optim.clip_grad > 0 else float("inf")
             grad_norm = clip_grad_norm_foreach(model.parameters(), max_norm).item()

@@ -20,7 +20,7 @@ from student.data import CacheBatches
 from student.evaluate import evaluate_run_or_folder, evaluate_student
 from student.model import Student, to_relu_gate
 from student.sparse_ffn import SparseFFNPolicy
-from student.trainer import TrainConfig, _resolve, _step_loss, train
+from student.trainer import TrainConfig, _loss, _resolve, train
 from distill.errors import DistillUserError
 from teacher_cache.reader import CacheReader
 from test_trainer import config, rows, tiny  # noqa: F401  (the module-scoped fixture)
@@ -123,13 +123,12 @@ def test_step_loss_adds_l1_times_the_mean_layer_l1(tiny, tmp_path):  # noqa: F81
     student, cache, _ = tiny
     model = to_relu_gate(Student.from_pretrained(student))
     batch = next(iter(CacheBatches(CacheReader(cache), range(24), 4)))
-    no_amp = torch.autocast("cpu", enabled=False)
-    dense_loss, kl = _step_loss(model, batch, _resolve(config(tiny, tmp_path / "a")), no_amp, cache_temperature=1.0)
-    _, terms = model(batch.input_ids, token_mask=batch.mask, return_ffn_terms=True)
+    hidden, terms = model(batch.input_ids, token_mask=batch.mask, return_ffn_terms=True)
+    dense_loss, kl = _loss(hidden, terms, batch, model, _resolve(config(tiny, tmp_path / "a")), cache_temperature=1.0)
     penalty = torch.stack([l1 for l1, _ in terms]).mean()
     cfg = _resolve(config(tiny, tmp_path / "b", sparse_ffn=True, l1=0.5))
     policy = SparseFFNPolicy(cfg.sparse, model, "cpu", seed=0)
-    loss, kl2 = _step_loss(model, batch, cfg, no_amp, cache_temperature=1.0, policy=policy)
+    loss, kl2 = _loss(hidden, terms, batch, model, cfg, cache_temperature=1.0, policy=policy)
     torch.testing.assert_close(loss, dense_loss + 0.5 * penalty)
     torch.testing.assert_close(kl2, kl)
     assert policy.window.calls == 1  # the policy saw what the model measured

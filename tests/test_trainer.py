@@ -269,12 +269,13 @@ def test_resumed_sparse_run_matches_bit_for_bit(tiny, tmp_path):
 
 def test_ce_only_baseline_and_mixing_follow_the_kernel_terms(tiny, tmp_path):
     from kernels.fused_topk_kl import fused_topk_kl
-    from student.trainer import _resolve, _step_loss
+    from student.trainer import _loss, _resolve
 
     student, cache, _ = tiny
     model = Student.from_pretrained(student)
     batch = next(iter(CacheBatches(CacheReader(cache), range(24), 4)))
-    hidden = model(batch.input_ids).reshape(-1, 32)
+    hidden_BLD = model(batch.input_ids)
+    hidden = hidden_BLD.reshape(-1, 32)
     logq = torch.log_softmax(model.logits(hidden), -1)
     has = batch.mask & (batch.target_ids >= 0)
     ce = -logq.gather(1, batch.target_ids.clamp_min(0)[:, None])[:, 0][has].mean()
@@ -282,7 +283,7 @@ def test_ce_only_baseline_and_mixing_follow_the_kernel_terms(tiny, tmp_path):
                        mask=batch.mask, tail=LossConfig().tail)
     for weight, expected in ((1.0, ce), (0.25, 0.75 * kl + 0.25 * ce), (0.0, kl)):
         cfg = _resolve(config(tiny, tmp_path / "x", ce_weight=weight))
-        loss, kl_metric = _step_loss(model, batch, cfg, torch.autocast("cpu", enabled=False), cache_temperature=1.0)
+        loss, kl_metric = _loss(hidden_BLD, [], batch, model, cfg, cache_temperature=1.0)
         torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(kl_metric, kl.detach(), rtol=1e-5, atol=1e-6)
     report = train(config(tiny, tmp_path / "ce", ce_weight=1.0, steps=2), progress=False)

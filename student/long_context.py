@@ -1,0 +1,389 @@
+"""Chunk-recurrent training of long sequences with a paged key/value store (OOMB, arXiv 2602.02108).
+
+A micro-batch of sequences of L positions is cut into chunks of `chunk_tokens`. The gradient is
+that of full backpropagation, exactly, while the activations held at once are those of one chunk:
+
+  pass 1, no gradients, chunks in order (all but the last): every layer writes the chunk's keys
+          and values (after RoPE) into pages of a `PagedKVStore` and attends over the pages so far;
+  pass 2, chunks in reverse: the chunk runs again with gradients against the stored pages; its
+          loss (the fused top-k KL on its cached rows, normalised by the micro-batch's real
+          tokens, so the chunks' losses sum to the full-sequence loss) is backpropagated. The page
+          attention's backward adds the gradients of every key and value it read into that page's
+          gradient accumulator, and hands the chunk's own keys and values their accumulated
+          gradient: what this chunk's queries and every later chunk's (already run) sent them.
+          Parameter gradients accumulate over the chunks.
+
+The store is the attention seam of `student.model.Student` (its `kv_store` argument), so the model
+has one forward for whole sequences, inference with a cache, and both passes here. Attention over
+pages is kernels/page_attention.py (Triton on a GPU, its torch reference elsewhere). With
+`kv_offload` the pages live in pinned host memory and only the pages an attention call reads come
+to the GPU, a page set at a time (`offload_pages`), copied on a side stream ahead of use.
+
+The paper's reference code moves a whole layer's pages between host and GPU at once and its
+rectangular backend drops the past pages' gradients; neither is done here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, NamedTuple
+
+from distill.configs import ConfigError, check_types, require
+
+if TYPE_CHECKING:
+    from student.data import Batch
+
+__all__ = ["LongContextConfig", "PagedKVStore", "Part", "chunk_bounds", "chunk_recurrent_backward", "chunked_forward"]
+
+
+@dataclass
+class LongContextConfig:
+    """How sequences are cut into chunks and where their keys and values live."""
+
+    # Tokens per chunk: a micro-batch's sequences run chunk by chunk (exact gradients; activation
+    # memory of one chunk). None: whole sequences at once.
+    chunk_tokens: int | None = None
+    page_tokens: int = 64  # positions per page of the key/value store (a power of two >= 16)
+    kv_offload: bool = False  # keep pages (and their gradients) in pinned host memory, not on the GPU
+    # Pages that come to the GPU at once when offloaded (one page set of an attention call); two
+    # sets are resident while one is read and the next is copied.
+    offload_pages: int = 1024
+
+    def __post_init__(self):
+        check_types(self)
+        require("chunk_tokens", self.chunk_tokens, self.chunk_tokens is None or self.chunk_tokens >= 1,
+                "None or an integer >= 1")
+        p = self.page_tokens
+        require("page_tokens", p, p >= 16 and p & (p - 1) == 0, "a power of two >= 16")
+        require("offload_pages", self.offload_pages, self.offload_pages >= 1, "an integer >= 1")
+        if self.kv_offload and self.chunk_tokens is None:
+            raise ConfigError("kv_offload", "keeps the pages of chunk-recurrent training in host memory: give "
+                                            "--chunk-tokens too, or drop --kv-offload")
+
+
+class Part(NamedTuple):
+    """What a chunk is of its micro-batch: the micro-batch's real rows and rows with a next token
+    (student.loss.distill_loss's `whole`), and the chunk's share of the real rows (for means over
+    tokens such as the sparse FFN's L1 penalty)."""
+
+    rows: int
+    target_rows: int
+    share: float
+
+    @property
+    def whole(self) -> tuple[int, int]:
+        return self.rows, self.target_rows
+
+
+def chunk_bounds(length: int, chunk_tokens: int | None) -> list[tuple[int, int]]:
+    """[(start, end)] of the chunks of `length` positions, in order; the last may be shorter."""
+    step = length if chunk_tokens is None else chunk_tokens
+    return [(s, min(s + step, length)) for s in range(0, length, step)]
+
+
+class PagedKVStore:
+    """Keys and values of every layer of one micro-batch, in pages; the `kv_store` of a Student.
+
+    Layer l's pages are `k[l]`, `v[l]`: [num_pages * B, Hkv, P, D] in the attention dtype, slot
+    j * B + b holding positions j*P .. (j+1)*P - 1 of row b (page-major, so a run of pages of
+    every row is one contiguous block to copy), on the GPU or pinned on the host with offload.
+    `begin(start, end, grad)` opens a chunk; each layer's `attend` then writes the chunk's keys and
+    values into their pages and attends its queries over every page up to the chunk's end,
+    causally. With grad=True it is differentiable: the backward adds the key and value gradients
+    into `dk[l]`, `dv[l]` (fp32) and returns the chunk's own keys and values their accumulated
+    gradient. Pages are written before they are read (pass 1 in order, then the last chunk in
+    pass 2), and gradient pages are zeroed on the GPU when first touched, by the last chunk,
+    which reads every page: nothing is cleared on the host.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, seq_len: int, num_kv_heads: int, head_dim: int, *,
+                 page_tokens: int, dtype, device, offload: bool = False, offload_pages: int = 1024):
+        import torch
+
+        self.P, self.B, self.seq_len = page_tokens, batch_size, seq_len
+        self.num_pages = -(-seq_len // page_tokens)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.offload = offload and self.device.type == "cuda"
+        self.offload_pages = offload_pages
+        self.page_shape = (num_kv_heads, page_tokens, head_dim)
+        self.k = [self._pool(dtype) for _ in range(num_layers)]
+        self.v = [self._pool(dtype) for _ in range(num_layers)]
+        self.dk: list = [None] * num_layers  # fp32 gradient pages, allocated by the first backward of a layer
+        self.dv: list = [None] * num_layers
+        self.grads_touched: set[int] = set()  # layers whose offloaded gradient pages exist on the host
+        self.start = self.end = 0
+        self.grad = False
+        slots = torch.arange(self.num_pages * batch_size, dtype=torch.int32, device=self.device)
+        self.table = slots.view(self.num_pages, batch_size).T.contiguous()  # [B, num_pages]: row b's page j -> its slot
+
+    def _pool(self, dtype):
+        import torch
+
+        shape = (self.num_pages * self.B, *self.page_shape)
+        if self.offload:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    # --- the KVStore seam ---------------------------------------------------------------------------
+
+    def past_length(self) -> int:
+        return self.start
+
+    def begin(self, start: int, end: int, grad: bool) -> None:
+        self.start, self.end, self.grad = start, end, grad
+
+    def attend(self, layer: int, q, k, v):
+        """q [B, H, T, D], k/v [B, Hkv, T, D] of positions start..end -> attention output [B, H, T, D]."""
+        q, k, v = q.to(self.dtype), k.to(self.dtype), v.to(self.dtype)
+        self._write(self.k[layer], k.detach())
+        self._write(self.v[layer], v.detach())
+        if self.grad:
+            return _AttendPages.apply(q, k, v, self, layer)
+        out, _ = self._forward(layer, q)
+        return out.to(q.dtype)
+
+    # --- pages ------------------------------------------------------------------------------------
+
+    def _page_range(self) -> tuple[int, int]:
+        """First and one-past-last page of the current chunk's positions."""
+        return self.start // self.P, -(-self.end // self.P)
+
+    def _pages(self, pool, j0: int, j1: int):
+        """Pages j0..j1-1 of every row, on the compute device (copied there on the current stream,
+        after the writes queued on it, when offloaded): [(j1 - j0) * B, Hkv, P, D]."""
+        return pool[j0 * self.B:j1 * self.B].to(self.device, non_blocking=True)
+
+    def _as_positions(self, pages):
+        """[n * B, Hkv, P, D] page-major -> [B, Hkv, n * P, D] (a copy)."""
+        n = pages.shape[0] // self.B
+        return pages.view(n, self.B, *self.page_shape).permute(1, 2, 0, 3, 4).reshape(
+            self.B, self.page_shape[0], n * self.P, self.page_shape[2])
+
+    def _write(self, pool, x) -> None:
+        """Store x [B, Hkv, end - start, D] at positions start..end of every row; the rest of the
+        chunk's last page is zeros (finite: the attention masks it, but 0 * NaN would leak)."""
+        import torch
+
+        j0, j1 = self._page_range()
+        lo = self.start - j0 * self.P
+        region = torch.zeros(self.B, x.shape[1], (j1 - j0) * self.P, x.shape[-1], dtype=pool.dtype, device=x.device)
+        if lo:  # the first page holds the previous chunk's last positions
+            region[:, :, :lo] = self._as_positions(self._pages(pool, j0, j0 + 1))[:, :, :lo]
+        region[:, :, lo:lo + x.shape[2]] = x
+        pages = region.view(self.B, x.shape[1], j1 - j0, self.P, x.shape[-1]).permute(2, 0, 1, 3, 4)
+        pool[j0 * self.B:j1 * self.B].view(j1 - j0, self.B, *self.page_shape).copy_(pages, non_blocking=True)
+
+    def _own(self, pool):
+        """The current chunk's positions of `pool` (gradient pages): [B, Hkv, end - start, D]."""
+        j0, j1 = self._page_range()
+        lo = self.start - j0 * self.P
+        return self._as_positions(self._pages(pool, j0, j1))[:, :, lo:lo + self.end - self.start]
+
+    def _page_sets(self, layer: int, with_grads: bool):
+        """(k, v, dk, dv, table, first_page) for the page sets that cover pages 0 .. the chunk's
+        last, in order; resident pools give one set. dk/dv are None without grads."""
+        import torch
+
+        num = self._page_range()[1]
+        if with_grads and self.dk[layer] is None:
+            if self.offload:
+                self.dk[layer], self.dv[layer] = self._pool(torch.float32), self._pool(torch.float32)
+            else:
+                self.dk[layer] = torch.zeros_like(self.k[layer], dtype=torch.float32)
+                self.dv[layer] = torch.zeros_like(self.v[layer], dtype=torch.float32)
+        if not self.offload:
+            grads = (self.dk[layer], self.dv[layer]) if with_grads else (None, None)
+            yield self.k[layer], self.v[layer], *grads, self.table[:, :num].contiguous(), 0
+            return
+        yield from _offloaded_sets(self, layer, num, with_grads)
+
+    def _forward(self, layer: int, q):
+        from kernels.page_attention import merge_partials, page_attention_forward
+
+        parts = [page_attention_forward(q, k, v, table, first_page=first, q_start=self.start)
+                 for k, v, _, _, table, first in self._page_sets(layer, with_grads=False)]
+        return parts[0] if len(parts) == 1 else merge_partials(parts)
+
+
+def _offloaded_sets(store: PagedKVStore, layer: int, num_pages: int, with_grads: bool):
+    """Page sets of `offload_pages` pages (of every row) copied to the GPU on a side stream, the
+    next set's copy in flight while the caller computes on this one. With grads, each set's
+    gradient pages come along (zeros the first time a layer's are touched: the sequence's last
+    chunk reads every page) and go back to the host after the caller has added to them."""
+    import torch
+
+    B, step = store.B, store.offload_pages
+    compute, side = torch.cuda.current_stream(store.device), _side_stream(store.device)
+    pools = [store.k[layer], store.v[layer]]
+    fresh = with_grads and layer not in store.grads_touched
+    if with_grads:
+        pools += [store.dk[layer], store.dv[layer]]
+        store.grads_touched.add(layer)
+
+    def fetch(j0: int, j1: int):
+        side.wait_stream(compute)  # the pages were last written, and the buffers last read, on compute
+        with torch.cuda.stream(side):
+            out = [pool[j0 * B:j1 * B].to(store.device, non_blocking=True) for pool in pools[:2]]
+            for pool in pools[2:]:
+                out.append(torch.zeros((j1 - j0) * B, *store.page_shape, device=store.device) if fresh
+                           else pool[j0 * B:j1 * B].to(store.device, non_blocking=True))
+        done = torch.cuda.Event()
+        done.record(side)
+        return out, done
+
+    bounds = [(j0, min(j0 + step, num_pages)) for j0 in range(0, num_pages, step)]
+    pending = fetch(*bounds[0])
+    for i, (j0, j1) in enumerate(bounds):
+        gpu, done = pending
+        if i + 1 < len(bounds):
+            pending = fetch(*bounds[i + 1])
+        compute.wait_event(done)
+        for t in gpu:
+            t.record_stream(compute)
+        table = torch.arange((j1 - j0) * B, dtype=torch.int32, device=store.device).view(j1 - j0, B).T.contiguous()
+        k, v, *grads = gpu
+        yield k, v, *(grads or [None, None]), table, j0
+        if with_grads:  # the caller added this set's gradients: send them home
+            side.wait_stream(compute)
+            with torch.cuda.stream(side):
+                for pool, new in zip(pools[2:], grads):
+                    pool[j0 * B:j1 * B].copy_(new, non_blocking=True)
+    if with_grads:
+        compute.wait_stream(side)  # the chunk's own gradients are read back right after
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device):
+    import torch
+
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def _attend_backward(store: PagedKVStore, layer: int, q, out, lse, dout):
+    from kernels.page_attention import page_attention_backward
+
+    delta = (dout.float() * out.float()).sum(-1)
+    dq = None
+    for k, v, dk, dv, table, first in store._page_sets(layer, with_grads=True):
+        part = page_attention_backward(q, dout, lse, delta, k, v, dk, dv, table, first_page=first,
+                                       q_start=store.start)
+        dq = part if dq is None else dq + part
+    return dq
+
+
+def _make_attend_function():
+    import torch
+
+    class AttendPages(torch.autograd.Function):
+        """The chunk's attention over its layer's pages; backward fills the page accumulators."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, store: PagedKVStore, layer: int):
+            out, lse = store._forward(layer, q)
+            out = out.to(q.dtype)
+            ctx.store, ctx.layer = store, layer
+            ctx.save_for_backward(q, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, out, lse = ctx.saved_tensors
+            store, layer = ctx.store, ctx.layer
+            dq = _attend_backward(store, layer, q, out, lse, dout.contiguous())
+            # Complete now: later chunks ran before this one and this chunk's queries just added theirs.
+            dk, dv = store._own(store.dk[layer]), store._own(store.dv[layer])
+            return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None
+
+    return AttendPages
+
+
+class _LazyFunction:
+    """Builds the autograd Function on first use, so importing this module does not import torch."""
+
+    def __init__(self, make):
+        self.make, self.fn = make, None
+
+    def apply(self, *args):
+        if self.fn is None:
+            self.fn = self.make()
+        return self.fn.apply(*args)
+
+
+_AttendPages = _LazyFunction(_make_attend_function)
+
+
+def _store_for(model, batch_size: int, seq_len: int, config: LongContextConfig, dtype, device) -> PagedKVStore:
+    c = model.config
+    return PagedKVStore(c.num_layers, batch_size, seq_len, c.num_kv_heads, c.head_dim, page_tokens=config.page_tokens,
+                        dtype=dtype, device=device, offload=config.kv_offload, offload_pages=config.offload_pages)
+
+
+def _attention_dtype(model, autocast_dtype):
+    return autocast_dtype if autocast_dtype is not None else model.embed_tokens.weight.dtype
+
+
+def chunked_forward(model, input_ids, token_mask, config: LongContextConfig, *, autocast_dtype=None):
+    """Without gradients: yield (start, end, hidden [B, end - start, d], ffn terms) of each chunk of
+    input_ids [B, L] in order (one chunk of the whole sequence when chunk_tokens is None)."""
+    import torch
+
+    B, L = input_ids.shape
+    device = input_ids.device
+    amp = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    bounds = chunk_bounds(L, config.chunk_tokens)
+    store = None if len(bounds) == 1 else _store_for(model, B, L, config, _attention_dtype(model, autocast_dtype),
+                                                      device)
+    mask_BL = token_mask.view(B, L)
+    with torch.no_grad():
+        for s, e in bounds:
+            if store is not None:
+                store.begin(s, e, grad=False)
+            with amp:
+                hidden, terms = model(input_ids[:, s:e], kv_store=store, token_mask=mask_BL[:, s:e],
+                                      return_ffn_terms=True)
+            yield s, e, hidden, terms
+
+
+def chunk_recurrent_backward(model, batch: Batch, chunk_loss: Callable, config: LongContextConfig, *,
+                             device, autocast_dtype=None, grad_scale: float = 1.0):
+    """Backpropagate the loss of micro-batch `batch` chunk by chunk (module docstring); returns the
+    sum over chunks of what `chunk_loss` returned, detached.
+
+    batch: a student.data.Batch, on the host or the device (each chunk's rows go to `device` as
+    they are needed). chunk_loss(hidden [B, T, d], rows: Batch of the chunk, terms, part: Part)
+    -> (loss, *logged): the chunk's part of the micro-batch's loss, such that the chunks' losses
+    sum to it (student.loss.distill_loss's `whole` argument does this for the fused loss);
+    `loss * grad_scale` is backpropagated and the rest summed. Parameter .grad accumulate as for
+    a plain backward.
+    """
+    import torch
+
+    input_ids = batch.input_ids.to(device, non_blocking=True)
+    B, L = input_ids.shape
+    mask_BL = batch.mask.view(B, L)
+    real_L = mask_BL.sum(0).tolist()  # one host sync (none when the batch is on the host)
+    whole = (sum(real_L), int((mask_BL & (batch.target_ids.view(B, L) >= 0)).sum()))
+    bounds = chunk_bounds(L, config.chunk_tokens)
+    store = _store_for(model, B, L, config, _attention_dtype(model, autocast_dtype), device)
+    mask_BL = mask_BL.to(device, non_blocking=True)
+    amp = torch.autocast(torch.device(device).type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    with torch.no_grad(), amp:
+        for s, e in bounds[:-1]:  # pass 1: the last chunk writes its own pages in pass 2
+            store.begin(s, e, grad=False)
+            model(input_ids[:, s:e], kv_store=store, token_mask=mask_BL[:, s:e])
+    sums = None
+    for s, e in reversed(bounds):  # pass 2
+        store.begin(s, e, grad=True)
+        rows = batch.positions(s, e).to(device, non_blocking=True)
+        with amp:
+            hidden, terms = model(input_ids[:, s:e], kv_store=store, token_mask=mask_BL[:, s:e],
+                                  return_ffn_terms=True)
+        loss, *logged = chunk_loss(hidden, rows, terms, Part(*whole, share=sum(real_L[s:e]) / whole[0]))
+        (loss * grad_scale).backward()
+        values = [loss.detach(), *[x.detach() for x in logged]]
+        sums = values if sums is None else [a + b for a, b in zip(sums, values)]
+    return tuple(sums)
