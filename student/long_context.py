@@ -33,7 +33,7 @@ from distill.configs import ConfigError, check_types, require
 if TYPE_CHECKING:
     from student.data import Batch
 
-__all__ = ["LongContextConfig", "PagedKVStore", "Part", "chunk_bounds", "chunk_recurrent_backward", "chunked_forward"]
+__all__ = ["LongContextConfig", "PagedKVStore", "Part", "select_pages", "chunk_bounds", "chunk_recurrent_backward", "chunked_forward"]
 
 
 @dataclass
@@ -48,6 +48,10 @@ class LongContextConfig:
     # Pages that come to the GPU at once when offloaded (one page set of an attention call); two
     # sets are resident while one is read and the next is copied.
     offload_pages: int = 1024
+    # Sparse attention (not exact): each chunk attends its own pages causally plus this many past
+    # pages, those its queries score highest against the pages' mean keys (OOMB's page top-k).
+    # None: dense attention over every past page.
+    sparse_pages: int | None = None
 
     def __post_init__(self):
         check_types(self)
@@ -56,6 +60,11 @@ class LongContextConfig:
         p = self.page_tokens
         require("page_tokens", p, p >= 16 and p & (p - 1) == 0, "a power of two >= 16")
         require("offload_pages", self.offload_pages, self.offload_pages >= 1, "an integer >= 1")
+        require("sparse_pages", self.sparse_pages, self.sparse_pages is None or self.sparse_pages >= 1,
+                "None or an integer >= 1")
+        if self.sparse_pages is not None and self.chunk_tokens is None:
+            raise ConfigError("sparse_pages", "selects past pages for each chunk of chunk-recurrent training: give "
+                                              "--chunk-tokens too, or drop --sparse-pages")
         if self.kv_offload and self.chunk_tokens is None:
             raise ConfigError("kv_offload", "keeps the pages of chunk-recurrent training in host memory: give "
                                             "--chunk-tokens too, or drop --kv-offload")
@@ -97,7 +106,8 @@ class PagedKVStore:
     """
 
     def __init__(self, num_layers: int, batch_size: int, seq_len: int, num_kv_heads: int, head_dim: int, *,
-                 page_tokens: int, dtype, device, offload: bool = False, offload_pages: int = 1024):
+                 page_tokens: int, dtype, device, offload: bool = False, offload_pages: int = 1024,
+                 sparse_pages: int | None = None):
         import torch
 
         self.P, self.B, self.seq_len = page_tokens, batch_size, seq_len
@@ -111,6 +121,12 @@ class PagedKVStore:
         self.dk: list = [None] * num_layers  # fp32 gradient pages, allocated by the first backward of a layer
         self.dv: list = [None] * num_layers
         self.grads_touched: set[int] = set()  # layers whose offloaded gradient pages exist on the host
+        self.sparse_pages = sparse_pages
+        # Sparse mode: mean key of every page [num_pages, B, Hkv, D] fp32 on the device, and the past
+        # pages each (layer, chunk start) selected in pass 1, reused by pass 2 (same sparse function).
+        self.mean_k = [torch.zeros(self.num_pages, batch_size, num_kv_heads, head_dim, device=self.device)
+                       for _ in range(num_layers)] if sparse_pages is not None else None
+        self.selected: dict[tuple[int, int], object] = {}
         self.start = self.end = 0
         self.grad = False
         slots = torch.arange(self.num_pages * batch_size, dtype=torch.int32, device=self.device)
@@ -135,8 +151,9 @@ class PagedKVStore:
     def attend(self, layer: int, q, k, v):
         """q [B, H, T, D], k/v [B, Hkv, T, D] of positions start..end -> attention output [B, H, T, D]."""
         q, k, v = q.to(self.dtype), k.to(self.dtype), v.to(self.dtype)
-        self._write(self.k[layer], k.detach())
+        self._write(self.k[layer], k.detach(), None if self.mean_k is None else self.mean_k[layer])
         self._write(self.v[layer], v.detach())
+        self._select(layer, q)
         if self.grad:
             return _AttendPages.apply(q, k, v, self, layer)
         out, _ = self._forward(layer, q)
@@ -159,9 +176,10 @@ class PagedKVStore:
         return pages.view(n, self.B, *self.page_shape).permute(1, 2, 0, 3, 4).reshape(
             self.B, self.page_shape[0], n * self.P, self.page_shape[2])
 
-    def _write(self, pool, x) -> None:
+    def _write(self, pool, x, mean_k=None) -> None:
         """Store x [B, Hkv, end - start, D] at positions start..end of every row; the rest of the
-        chunk's last page is zeros (finite: the attention masks it, but 0 * NaN would leak)."""
+        chunk's last page is zeros (finite: the attention masks it, but 0 * NaN would leak). With
+        `mean_k`, also each written page's mean key (over its P positions)."""
         import torch
 
         j0, j1 = self._page_range()
@@ -171,6 +189,8 @@ class PagedKVStore:
             region[:, :, :lo] = self._as_positions(self._pages(pool, j0, j0 + 1))[:, :, :lo]
         region[:, :, lo:lo + x.shape[2]] = x
         pages = region.view(self.B, x.shape[1], j1 - j0, self.P, x.shape[-1]).permute(2, 0, 1, 3, 4)
+        if mean_k is not None:
+            mean_k[j0:j1] = pages.float().mean(3)
         pool[j0 * self.B:j1 * self.B].view(j1 - j0, self.B, *self.page_shape).copy_(pages, non_blocking=True)
 
     def _own(self, pool):
@@ -179,23 +199,45 @@ class PagedKVStore:
         lo = self.start - j0 * self.P
         return self._as_positions(self._pages(pool, j0, j1))[:, :, lo:lo + self.end - self.start]
 
+    def _select(self, layer: int, q) -> None:
+        """Sparse mode: choose the chunk's past pages once (pass 1, or pass 2 for the last chunk)
+        with `select_pages`; none while the chunk has no more past pages than the budget."""
+        j0 = self.start // self.P
+        if self.sparse_pages is None or j0 <= self.sparse_pages or (layer, self.start) in self.selected:
+            return
+        self.selected[(layer, self.start)] = select_pages(q, self.mean_k[layer][:j0], self.sparse_pages)
+
     def _page_sets(self, layer: int, with_grads: bool):
-        """(k, v, dk, dv, table, first_page) for the page sets that cover pages 0 .. the chunk's
-        last, in order; resident pools give one set. dk/dv are None without grads."""
+        """(k, v, dk, dv, table, first_page) for the page sets an attention call reads, in order:
+        dense, pages 0 .. the chunk's last; sparse, the selected past pages (given as pages 0..N-1
+        of the set: every one lies before the chunk, so all are visible to its queries) and then
+        the chunk's own pages. Resident pools give one set per kind; dk/dv are None without grads."""
         import torch
 
-        num = self._page_range()[1]
+        j0, num = self._page_range()
         if with_grads and self.dk[layer] is None:
-            if self.offload:
+            if self.offload and self.sparse_pages is not None:  # the last chunk does not read every page
+                self.dk[layer], self.dv[layer] = self._pool(torch.float32).zero_(), self._pool(torch.float32).zero_()
+                self.grads_touched.add(layer)
+            elif self.offload:
                 self.dk[layer], self.dv[layer] = self._pool(torch.float32), self._pool(torch.float32)
             else:
                 self.dk[layer] = torch.zeros_like(self.k[layer], dtype=torch.float32)
                 self.dv[layer] = torch.zeros_like(self.v[layer], dtype=torch.float32)
+        picked = self.selected.get((layer, self.start))
         if not self.offload:
             grads = (self.dk[layer], self.dv[layer]) if with_grads else (None, None)
-            yield self.k[layer], self.v[layer], *grads, self.table[:, :num].contiguous(), 0
+            if picked is None:
+                yield self.k[layer], self.v[layer], *grads, self.table[:, :num].contiguous(), 0
+                return
+            yield self.k[layer], self.v[layer], *grads, self.table.gather(1, picked).contiguous(), 0
+            yield self.k[layer], self.v[layer], *grads, self.table[:, j0:num].contiguous(), j0
             return
-        yield from _offloaded_sets(self, layer, num, with_grads)
+        if picked is None:
+            yield from _offloaded_sets(self, layer, 0, num, with_grads)
+            return
+        yield from _selected_set(self, layer, picked, with_grads)
+        yield from _offloaded_sets(self, layer, j0, num, with_grads)
 
     def _forward(self, layer: int, q):
         from kernels.page_attention import merge_partials, page_attention_forward
@@ -205,7 +247,25 @@ class PagedKVStore:
         return parts[0] if len(parts) == 1 else merge_partials(parts)
 
 
-def _offloaded_sets(store: PagedKVStore, layer: int, num_pages: int, with_grads: bool):
+def select_pages(q, mean_k, budget: int):
+    """Page indices [B, budget] (ascending) of the past pages a chunk attends in sparse mode: those
+    with the largest attention mass of the chunk's queries q [B, H, T, D] (summed over each GQA
+    group, no 1/sqrt(D), as OOMB scores) against the pages' mean keys mean_k [J, B, Hkv, D],
+    summed over queries and heads. OOMB selects per block of 128 queries; here one selection
+    serves the whole chunk, so one page table serves every query."""
+    import torch
+
+    Hkv = mean_k.shape[2]
+    with torch.no_grad():
+        q_group = q.float().unflatten(1, (Hkv, q.shape[1] // Hkv)).sum(2)  # [B, Hkv, T, D]
+        mean_BHDJ = mean_k.float().permute(1, 2, 3, 0)
+        score = torch.zeros(q.shape[0], mean_k.shape[0], device=q.device)
+        for t in range(0, q_group.shape[2], 1024):  # [.., 1024, J] at a time, never [T, J]
+            score += (q_group[:, :, t:t + 1024] @ mean_BHDJ).softmax(-1).sum((1, 2))
+        return score.topk(budget, dim=1).indices.sort(dim=1).values
+
+
+def _offloaded_sets(store: PagedKVStore, layer: int, first_page: int, num_pages: int, with_grads: bool):
     """Page sets of `offload_pages` pages (of every row) copied to the GPU on a side stream, the
     next set's copy in flight while the caller computes on this one. With grads, each set's
     gradient pages come along (zeros the first time a layer's are touched: the sequence's last
@@ -216,6 +276,7 @@ def _offloaded_sets(store: PagedKVStore, layer: int, num_pages: int, with_grads:
     compute, side = torch.cuda.current_stream(store.device), _side_stream(store.device)
     pools = [store.k[layer], store.v[layer]]
     fresh = with_grads and layer not in store.grads_touched
+    assert not fresh or first_page == 0, "the first backward of a layer (the last chunk's) reads every page"
     if with_grads:
         pools += [store.dk[layer], store.dv[layer]]
         store.grads_touched.add(layer)
@@ -231,7 +292,7 @@ def _offloaded_sets(store: PagedKVStore, layer: int, num_pages: int, with_grads:
         done.record(side)
         return out, done
 
-    bounds = [(j0, min(j0 + step, num_pages)) for j0 in range(0, num_pages, step)]
+    bounds = [(j0, min(j0 + step, num_pages)) for j0 in range(first_page, num_pages, step)]
     pending = fetch(*bounds[0])
     for i, (j0, j1) in enumerate(bounds):
         gpu, done = pending
@@ -250,6 +311,25 @@ def _offloaded_sets(store: PagedKVStore, layer: int, num_pages: int, with_grads:
                     pool[j0 * B:j1 * B].copy_(new, non_blocking=True)
     if with_grads:
         compute.wait_stream(side)  # the chunk's own gradients are read back right after
+
+
+def _selected_set(store: PagedKVStore, layer: int, picked, with_grads: bool):
+    """The selected past pages of an offloaded sparse chunk, gathered on the host into one page set
+    (with their gradient pages, scattered back after the caller added to them). The host gather
+    waits for the device (a sync per call): simple, and sparse mode reads few pages."""
+    import torch
+
+    B = store.B
+    slots = (picked * B + torch.arange(B, device=picked.device)[:, None]).reshape(-1).cpu()  # syncs
+    torch.cuda.synchronize(store.device)  # pending writes of these pages (pass 1, gradient write-backs) land
+    pools = [store.k[layer], store.v[layer]] + ([store.dk[layer], store.dv[layer]] if with_grads else [])
+    gpu = [pool.index_select(0, slots).pin_memory().to(store.device, non_blocking=True) for pool in pools]
+    table = torch.arange(slots.numel(), dtype=torch.int32, device=store.device).view(B, -1)
+    k, v, *grads = gpu
+    yield k, v, *(grads or [None, None]), table, 0
+    if with_grads:
+        for pool, new in zip(pools[2:], grads):
+            pool.index_copy_(0, slots, new.cpu())
 
 
 _SIDE_STREAMS: dict = {}
@@ -319,7 +399,8 @@ _AttendPages = _LazyFunction(_make_attend_function)
 def _store_for(model, batch_size: int, seq_len: int, config: LongContextConfig, dtype, device) -> PagedKVStore:
     c = model.config
     return PagedKVStore(c.num_layers, batch_size, seq_len, c.num_kv_heads, c.head_dim, page_tokens=config.page_tokens,
-                        dtype=dtype, device=device, offload=config.kv_offload, offload_pages=config.offload_pages)
+                        dtype=dtype, device=device, offload=config.kv_offload, offload_pages=config.offload_pages,
+                        sparse_pages=config.sparse_pages)
 
 
 def _attention_dtype(model, autocast_dtype):

@@ -59,11 +59,11 @@ __all__ = ["TrainConfig", "TrainReport", "train", "RunDirError", "NonFiniteLossE
 # Settings a rerun may change; the run continues from its checkpoint and metrics.jsonl records each
 # change. They alter the learning-rate schedule, the optimizer's hyperparameters (not its kind or
 # the shape of its state), the sparse FFN's policy, how sequences are chunked and where their
-# keys and values live (the gradients stay exact), or where the cache lives (it is identified by
+# keys and values live (exact) or which past pages a chunk attends (sparse pages), or where the cache lives (it is identified by
 # its id), never the model or the data.
 CHANGEABLE = ("cache", "steps", "warmup_steps", "min_lr_ratio", "lr", "weight_decay", "clip_grad", "foam_scale",
               "l1", "sparse_kernel", "dead_reinit", "dead_window", "chunk_tokens", "page_tokens", "kv_offload",
-              "offload_pages")
+              "offload_pages", "sparse_pages")
 # Settings of how often things are logged, evaluated or saved, and where: free to change, not recorded.
 _FREE = ("out", "eval_every", "eval_sequences", "save_every", "log_every")
 _TEST_EXIT_ENV = "DISTILL_TEST_EXIT_AFTER_STEP"  # tests only: os._exit after this step, as a kill would

@@ -11,7 +11,8 @@ import torch
 
 from distill.configs import ConfigError
 from student.data import Batch
-from student.long_context import LongContextConfig, chunk_bounds, chunk_recurrent_backward, chunked_forward
+from student.long_context import (LongContextConfig, Part, chunk_bounds, chunk_recurrent_backward, chunked_forward,
+                                  select_pages)
 from student.loss import LossConfig, distill_loss
 from student.model import Student, to_relu_gate
 from student.sparse_ffn import l1_penalty
@@ -92,6 +93,67 @@ def test_chunk_recurrent_gradients_equal_full_backprop(family, sparse, chunk_tok
         assert_rel(p.grad, want_grads[name], name)
 
 
+class SparseReferenceStore:
+    """Plain autograd reference of sparse mode: keeps every past key/value with its graph (as
+    ListKVStore) and masks the attention to the pages `select_pages` picks plus the chunk's own."""
+
+    def __init__(self, page_tokens: int, budget: int):
+        self.P, self.budget, self.kv, self.start = page_tokens, budget, {}, 0
+
+    def past_length(self):
+        return self.start
+
+    def attend(self, layer, q, k, v):
+        if layer in self.kv:
+            k, v = torch.cat([self.kv[layer][0], k], 2), torch.cat([self.kv[layer][1], v], 2)
+        self.kv[layer] = (k, v)
+        B, Hkv, Tk, D = k.shape
+        T, j0 = q.shape[2], self.start // self.P
+        allowed = torch.ones(B, Tk, dtype=torch.bool)
+        if j0 > self.budget:
+            mean_k = k[:, :, :j0 * self.P].detach().view(B, Hkv, j0, self.P, D).mean(3).permute(2, 0, 1, 3)
+            picked = select_pages(q, mean_k, self.budget)
+            allowed[:, :j0 * self.P] = False
+            for b in range(B):
+                for j in picked[b].tolist():
+                    allowed[b, j * self.P:(j + 1) * self.P] = True
+        causal = torch.arange(Tk)[None] <= torch.arange(self.start, self.start + T)[:, None]  # [T, Tk]
+        mask = (causal[None] & allowed[:, None])[:, None]  # [B, 1, T, Tk]
+        groups = q.shape[1] // Hkv
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_sparse_pages_gradients_equal_autograd_through_the_same_sparse_attention(family, tmp_path):
+    _, folder = saved_hf(family, tmp_path)
+    model = Student.from_pretrained(folder)
+    batch = make_batch([100, 83], vocab=model.config.vocab_size, seed=11)
+    config = LongContextConfig(chunk_tokens=20, page_tokens=16, sparse_pages=2)
+    chunk_loss = lambda hidden, rows, terms, part: loss_of(model, hidden, terms, rows, part)
+
+    store, parts, L = SparseReferenceStore(16, 2), [], 100
+    whole = (batch.num_tokens, int((batch.mask & (batch.target_ids >= 0)).sum()))
+    for s, e in chunk_bounds(L, 20):
+        store.start = s
+        rows = batch.positions(s, e)
+        hidden = model(batch.input_ids[:, s:e], kv_store=store, token_mask=rows.mask)
+        parts.append(loss_of(model, hidden, [], rows, Part(*whole, share=0.0))[0])
+    want_loss = sum(parts)
+    want_loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    got_loss, _ = chunk_recurrent_backward(model, batch, chunk_loss, config, device="cpu")
+    assert_rel(got_loss, want_loss.detach(), "loss")
+    for name, p in model.named_parameters():
+        assert_rel(p.grad, want[name], name)
+    # and it is another function than dense attention: the gradients move far beyond the tolerance
+    model.zero_grad()
+    chunk_recurrent_backward(model, batch, chunk_loss, LongContextConfig(chunk_tokens=20, page_tokens=16), device="cpu")
+    moved = max(((p.grad - want[n]).abs().max() / want[n].abs().max()).item() for n, p in model.named_parameters())
+    assert moved > 100 * REL
+
+
 def test_gradient_scale_and_accumulation(tmp_path):
     """grad_scale scales every gradient, and a second call adds to .grad like a plain backward."""
     _, folder = saved_hf("qwen3", tmp_path)
@@ -126,6 +188,8 @@ def test_config_errors_name_the_option():
         LongContextConfig(chunk_tokens=0)
     with pytest.raises(ConfigError, match="kv_offload.*--chunk-tokens"):
         LongContextConfig(kv_offload=True)
+    with pytest.raises(ConfigError, match="sparse_pages.*--chunk-tokens"):
+        LongContextConfig(sparse_pages=8)
     assert str(ConfigError("page_tokens", "x").as_option()).startswith("--page-tokens")
 
 
@@ -143,3 +207,45 @@ def test_deterministic_training_with_chunks_matches_whole_sequences(tiny, tmp_pa
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
     for g, w in zip(rows(tmp_path / "chunked", "eval"), rows(tmp_path / "whole", "eval")):
         assert g["kl"] == pytest.approx(w["kl"], rel=REL) and g["top1"] == w["top1"]
+
+
+# --- GPU: bf16 at 8K tokens, resident and offloaded pages ---------------------------------------
+
+def gpu_student(seed=0) -> Student:
+    from student.config import StudentConfig
+
+    torch.manual_seed(seed)
+    config = StudentConfig(model_type="qwen2", vocab_size=2048, hidden_size=512, intermediate_size=1408, num_layers=4,
+                           num_heads=8, num_kv_heads=2, head_dim=64, attention_bias=True, rope_theta=1e6,
+                           tie_word_embeddings=True)
+    return Student(config).cuda()
+
+
+def grads_of(model, batch, config: LongContextConfig | None):
+    """Loss and parameter gradients under bf16 autocast (fp32 master weights), as the trainer runs."""
+    model.zero_grad()
+    amp = torch.bfloat16
+    if config is None:
+        with torch.autocast("cuda", dtype=amp):
+            hidden = model(batch.input_ids, token_mask=batch.mask)
+        loss, _ = loss_of(model, hidden.to(torch.bfloat16), [], batch)
+        loss.backward()
+    else:
+        chunk_loss = lambda hidden, rows, terms, part: loss_of(model, hidden.to(torch.bfloat16), terms, rows, part)
+        loss, _ = chunk_recurrent_backward(model, batch, chunk_loss, config, device="cuda", autocast_dtype=amp)
+    return loss.float(), {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("offload", [False, True])
+def test_gpu_bf16_chunk_recurrent_gradients_match_full_backprop_at_8k(offload):
+    model = gpu_student()
+    batch = make_batch([8192], vocab=model.config.vocab_size, k=16, seed=3).to("cuda")
+    want_loss, want = grads_of(model, batch, None)
+    config = LongContextConfig(chunk_tokens=1536, page_tokens=64, kv_offload=offload, offload_pages=40)
+    got_loss, got = grads_of(model, batch, config)
+    assert abs(got_loss.item() - want_loss.item()) <= 2e-3 * abs(want_loss.item())
+    for name in want:
+        err = ((got[name] - want[name]).norm() / want[name].norm().clamp_min(1e-30)).item()
+        assert err <= 3e-2, f"{name}: relative norm error {err:.3g} (bf16 tolerance 3e-2)"
