@@ -222,6 +222,7 @@ def train_student(
     page_tokens: int = typer.Option(_TRAIN["page_tokens"], "--page-tokens", help="With --chunk-tokens: positions per key/value page (a power of two >= 16)."),
     kv_offload: bool = typer.Option(_TRAIN["kv_offload"], "--kv-offload/--no-kv-offload", help="With --chunk-tokens on a GPU: keep the pages and their gradients in pinned host memory, streamed to the GPU a page set at a time."),
     offload_pages: int = typer.Option(_TRAIN["offload_pages"], "--offload-pages", help="With --kv-offload: pages per set streamed to the GPU (two sets are resident at once)."),
+    checkpoint_layers: bool = typer.Option(_TRAIN["checkpoint_layers"], "--checkpoint-layers/--no-checkpoint-layers", help="With --chunk-tokens: keep only each layer's input of a chunk and run the layer again in its backward (less memory, one more forward)."),
     sparse_pages: Optional[int] = typer.Option(_TRAIN["sparse_pages"], "--sparse-pages", help="With --chunk-tokens: sparse attention (not exact): each chunk attends its own pages plus the N past pages its queries score highest against their mean keys (OOMB's page top-k); default: dense."),
     resume_from: Optional[int] = typer.Option(None, "--resume-from", help="Continue from the kept checkpoint of this step instead of the latest (newer ones are deleted)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),

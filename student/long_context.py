@@ -48,6 +48,9 @@ class LongContextConfig:
     # Pages that come to the GPU at once when offloaded (one page set of an attention call); two
     # sets are resident while one is read and the next is copied.
     offload_pages: int = 1024
+    # Pass 2 keeps only each layer's input for the backward and runs the layer again there: the
+    # activations held are one layer's of one chunk, for one more forward of every layer.
+    checkpoint_layers: bool = True
     # Sparse attention (not exact): each chunk attends its own pages causally plus this many past
     # pages, those its queries score highest against the pages' mean keys (OOMB's page top-k).
     # None: dense attention over every past page.
@@ -462,7 +465,7 @@ def chunk_recurrent_backward(model, batch: Batch, chunk_loss: Callable, config: 
         rows = batch.positions(s, e).to(device, non_blocking=True)
         with amp:
             hidden, terms = model(input_ids[:, s:e], kv_store=store, token_mask=mask_BL[:, s:e],
-                                  return_ffn_terms=True)
+                                  return_ffn_terms=True, checkpoint_layers=config.checkpoint_layers)
         loss, *logged = chunk_loss(hidden, rows, terms, Part(*whole, share=sum(real_L[s:e]) / whole[0]))
         (loss * grad_scale).backward()
         values = [loss.detach(), *[x.detach() for x in logged]]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -236,14 +237,16 @@ class Student(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids, position_ids=None, kv_store: KVStore | None = None, token_mask=None,
-                return_ffn_terms: bool = False):
+                return_ffn_terms: bool = False, checkpoint_layers: bool = False):
         """input_ids [B, T] int64 -> final hidden states [B, T, hidden_size] (after the last norm);
         with return_ffn_terms, (hidden states, per layer FFNTerms of a ReLU-gated student, [] for SwiGLU).
 
         position_ids [B, T] default to kv_store.past_length() + arange(T).
         token_mask (bool, [B, T] or [B * T]; False on padding): a ReLU-gated student's FFN terms
         leave the padding rows out; the outputs at real tokens do not change (padding follows them,
-        and attention is causal)."""
+        and attention is causal). checkpoint_layers: keep only each layer's input for the backward
+        and run the layer again there (activation checkpointing; needs a store whose attend may be
+        called twice for the same chunk, as ListKVStore may not)."""
         if input_ids.ndim != 2:
             raise DistillUserError(f"`input_ids` must be [batch, seq], got shape {tuple(input_ids.shape)}")
         row_mask = None if token_mask is None else token_mask.reshape(-1)
@@ -254,8 +257,13 @@ class Student(nn.Module):
             position_ids = position_ids[None].expand(input_ids.shape[0], -1)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
         terms = []
+        recompute = checkpoint_layers and torch.is_grad_enabled()
         for layer in self.layers:
-            x, layer_terms = layer(x, cos, sin, kv_store, row_mask)
+            if recompute:
+                x, layer_terms = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, kv_store, row_mask,
+                                                                   use_reentrant=False)
+            else:
+                x, layer_terms = layer(x, cos, sin, kv_store, row_mask)
             if layer_terms is not None:
                 terms.append(layer_terms)
         hidden = self.norm(x)
