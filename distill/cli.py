@@ -54,6 +54,7 @@ def cache_teacher(
     dtype: str = typer.Option(_stage_one_default("teacher", "dtype"), help="Teacher dtype: auto (bfloat16 on a GPU, float32 on a CPU), bfloat16, float16, float32."),
     device: str = typer.Option(_stage_one_default("teacher", "device"), help="auto, cpu, cuda or cuda:N (hf backend)."),
     compile: bool = typer.Option(_stage_one_default("teacher", "compile"), "--compile", help="torch.compile the teacher body (hf; pays off on long GPU runs)."),
+    prefill_tokens: int = typer.Option(_stage_one_default("teacher", "prefill_tokens"), help="Longest sequence run in one teacher forward; a longer one (a long --seq-len) is prefilled in chunks of this many tokens through the teacher's KV cache, so memory follows the KV, not the length."),
     corpus: Optional[list[Path]] = typer.Option(None, help="Files or folders of text (repeatable); default: the Python standard library."),
     corpus_format: str = typer.Option(_stage_one_default("corpus", "format"), "--format", help="auto, text, json, jsonl, parquet, arrow or hf-dataset."),
     text_field: str = typer.Option(_stage_one_default("corpus", "text_field"), help="Column holding the text (json, parquet, arrow, hf-dataset)."),
@@ -89,7 +90,8 @@ def cache_teacher(
     corpus_kwargs = {} if not corpus else {"paths": tuple(str(p) for p in corpus)}
     try:
         config = StageOneConfig(
-            teacher=TeacherConfig(model=model, backend=backend, dtype=dtype, device=device, compile=compile),
+            teacher=TeacherConfig(model=model, backend=backend, dtype=dtype, device=device, compile=compile,
+                                  prefill_tokens=prefill_tokens),
             corpus=CorpusConfig(
                 **corpus_kwargs, format=corpus_format, text_field=text_field, file_glob=glob,
                 encoding_errors=encoding_errors, seq_len=seq_len, max_sequences=max_sequences,

@@ -24,12 +24,20 @@ def current_umask() -> int:
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, durable: bool = True) -> None:
     """Write `data` to `path` through a temp file in the same folder and a rename."""
+    with atomic_file(path, durable=durable) as f:
+        f.write(data)
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike, durable: bool = True) -> Iterator[Any]:
+    """Yield a binary file open on a temp name beside `path`; on success it is flushed and renamed
+    to `path`, on an error removed. For files written piece by piece, too large to hold at once."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_MARK, dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             if durable:
                 f.flush()
                 os.fsync(f.fileno())

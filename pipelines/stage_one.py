@@ -21,7 +21,7 @@ from distill.configs import ConfigError, check_types, require
 from distill.devices import resolve_device, resolve_dtype
 from distill.files import atomic_write_json
 from pipelines.corpus import CorpusConfig, prepare_corpus
-from teacher_cache.backends import canonical_dtype, open_teacher_folder, weights_hash
+from teacher_cache.backends import PREFILL_TOKENS, canonical_dtype, open_teacher_folder, weights_hash
 from teacher_cache.build import (
     BuildReport, CacheConfig, build_cache, cache_identity, check_k_fits, complete_cache_id, other_cache_diff,
 )
@@ -42,9 +42,13 @@ class TeacherConfig:
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N (hf backend)
     compile: bool = False  # torch.compile the model body (hf backend; pays off on long GPU runs)
+    # longest sequence run in one forward; longer ones are prefilled in chunks of this many tokens
+    # through the teacher's KV cache, so --seq-len may exceed what fits on the device at once
+    prefill_tokens: int = PREFILL_TOKENS
 
     def __post_init__(self) -> None:
         check_types(self)
+        require("prefill_tokens", self.prefill_tokens, self.prefill_tokens >= 1, "an integer >= 1")
         require("device", self.device, re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                 "'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.model is not None:  # checked here, before the corpus is tokenised
@@ -126,6 +130,7 @@ def _cache_teacher(config: StageOneConfig, progress: bool) -> BuildReport:
             k=config.cache.k,
             max_len=max(lengths),
             batch_size=config.cache.batch_size,
+            prefill_tokens=config.teacher.prefill_tokens,
             **({"compile": True} if config.teacher.compile else {}),
         )
         try:

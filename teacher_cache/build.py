@@ -1,8 +1,11 @@
 """Stage one: score packed sequences with a teacher backend and write a cache.
 
-Teacher compute runs on the calling thread; shards are encoded, compressed and written on a
-background thread, so a GPU teacher never waits for the disk unless the writer falls behind
-(the run summary reports both times so that shows).
+Teacher compute runs on the calling thread; shards are encoded, compressed and written on
+background threads, so a GPU teacher never waits for the disk unless the writers fall behind
+(the run summary reports both times so that shows). Rows stream: each block of rows the teacher
+produces (a batch of short sequences, or one prefill chunk of a long one) is handed to the
+writer thread of its shard at once, and the rows handed over but not yet taken are bounded, so
+host memory stays bounded however long a sequence is.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +36,11 @@ if TYPE_CHECKING:
     from teacher_cache.writer import CacheLock
 
 log = logging.getLogger(__name__)
+
+# Rows scored but not yet taken by a writer thread. Several default shards (64 x 1024 rows at
+# k = 100) fit, so a fast teacher hands whole shards over without waiting, as before rows
+# streamed; a long sequence's rows wait here instead of piling up in host memory.
+_HANDOFF_BYTES = 1 << 30
 
 
 @dataclass
@@ -209,10 +218,14 @@ def _score_and_write(sequences, lengths, todo, backend, config, writer, report, 
     total = int(sum(lengths[i * shard_size:(i + 1) * shard_size].sum() for i in todo))
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc="scoring", disable=not progress, smoothing=0.1)
     lock = threading.Lock()
+    handoff = _Handoff(_HANDOFF_BYTES)
 
-    def write(index, seqs, parts) -> None:
+    def write(index, seqs, pipe: _Pipe) -> None:
         t0 = time.perf_counter()
-        writer.write_shard(index, seqs, TeacherTargets.concat(parts))  # the copy stays off the teacher thread
+        try:
+            writer.write_shard(index, seqs, pipe.blocks())
+        finally:
+            pipe.stop_reading()
         with lock:
             report.writer_seconds += time.perf_counter() - t0
 
@@ -220,22 +233,20 @@ def _score_and_write(sequences, lengths, todo, backend, config, writer, report, 
         try:
             for index in todo:
                 seqs = sequences[index * shard_size:(index + 1) * shard_size]
-                parts: list[TeacherTargets] = []
-                for b in range(0, len(seqs), config.batch_size):
-                    batch = seqs[b:b + config.batch_size]
-                    t0 = time.perf_counter()
-                    parts.extend(backend.score(batch, config.k))
-                    report.teacher_seconds += time.perf_counter() - t0
-                    tokens = sum(len(s) for s in batch)
-                    report.tokens_scored += tokens
-                    bar.update(tokens)
-                # At most one shard per writer in flight: memory stays bounded, the drain at the end
-                # is short, and waiting here means the writers are the bottleneck.
+                # At most one shard per writer in flight, each with a thread reading its rows as
+                # they come; waiting here means the writers are the bottleneck.
                 t0 = time.perf_counter()
                 while len(in_flight) >= workers or (in_flight and in_flight[0].done()):
                     in_flight.popleft().result()
                 report.writer_wait_seconds += time.perf_counter() - t0
-                in_flight.append(pool.submit(write, index, seqs, parts))
+                pipe = handoff.pipe()
+                in_flight.append(pool.submit(write, index, seqs, pipe))
+                try:
+                    _score_shard(seqs, backend, config, pipe, report, bar)
+                except BaseException:
+                    pipe.abort()  # its writer removes the partial shard
+                    raise
+                pipe.close()
                 report.written_shards += 1
             t0 = time.perf_counter()
             while in_flight:
@@ -244,3 +255,98 @@ def _score_and_write(sequences, lengths, todo, backend, config, writer, report, 
         finally:
             # On an interrupt, let shards already handed over finish: they are complete work.
             bar.close()
+
+
+def _score_shard(seqs, backend, config, pipe: "_Pipe", report, bar) -> None:
+    for b in range(0, len(seqs), config.batch_size):
+        batch = seqs[b:b + config.batch_size]
+        t0 = time.perf_counter()
+        for block in _row_blocks(backend, batch, config.k):
+            report.teacher_seconds += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            pipe.put(block)
+            report.writer_wait_seconds += time.perf_counter() - t1
+            report.tokens_scored += block.num_positions
+            bar.update(block.num_positions)
+            t0 = time.perf_counter()
+        report.teacher_seconds += time.perf_counter() - t0
+
+
+def _row_blocks(backend: TeacherBackend, batch: list[np.ndarray], k: int) -> Iterable[TeacherTargets]:
+    """The batch's rows as the backend produces them: its ``score_blocks`` where it has one (rows
+    of a long sequence chunk by chunk), else its ``score`` (one block per sequence)."""
+    score_blocks = getattr(backend, "score_blocks", None)
+    if score_blocks is None:
+        return backend.score(batch, k)
+    return (block for _, block in score_blocks(batch, k))
+
+
+class _Aborted(Exception):
+    """The teacher thread stopped in the middle of a shard."""
+
+
+class _Handoff:
+    """Row blocks passed from the teacher thread to writer threads, one pipe per shard, with at
+    most ``max_bytes`` of them handed over and not yet taken, over all pipes (one block always
+    passes, so a block larger than the bound still moves)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.queued = max_bytes, 0
+        self.cond = threading.Condition()
+
+    def pipe(self) -> "_Pipe":
+        return _Pipe(self)
+
+
+class _Pipe:
+    def __init__(self, handoff: _Handoff):
+        self._handoff, self._cond = handoff, handoff.cond
+        self._items: deque[tuple[TeacherTargets, int]] = deque()
+        self._closed = self._aborted = self._reader_gone = False
+
+    def put(self, block: TeacherTargets) -> None:
+        """Teacher side; waits while the handoff is full. Dropped once the reader has stopped (its
+        error surfaces from the writer's future)."""
+        nbytes = sum(a.nbytes for a in (block.topk_ids, block.topk_logprobs, block.tail_logmass, block.target_logprob))
+        h = self._handoff
+        with self._cond:
+            while h.queued and h.queued + nbytes > h.max_bytes and not self._reader_gone:
+                self._cond.wait()
+            if self._reader_gone:
+                return
+            self._items.append((block, nbytes))
+            h.queued += nbytes
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    def blocks(self) -> Iterator[TeacherTargets]:
+        """Writer side: the blocks in order until ``close``; raises ``_Aborted`` after ``abort``."""
+        while True:
+            with self._cond:
+                while not (self._items or self._closed or self._aborted):
+                    self._cond.wait()
+                if self._aborted:
+                    raise _Aborted("the teacher stopped in the middle of this shard")
+                if not self._items:
+                    return
+                block, nbytes = self._items.popleft()
+                self._handoff.queued -= nbytes
+                self._cond.notify_all()
+            yield block
+
+    def stop_reading(self) -> None:
+        """Writer side, when it is done (or failed): drop what is left, unblock the teacher."""
+        with self._cond:
+            self._reader_gone = True
+            self._handoff.queued -= sum(nbytes for _, nbytes in self._items)
+            self._items.clear()
+            self._cond.notify_all()

@@ -11,6 +11,11 @@ The codec's arrays are treated generically (any names, dtypes and trailing shape
 that adds per-row scales needs no change here. A ``ShardStore`` (Zarr or Parquet) turns that dict
 into files and back, losslessly; where each store keeps ``seq_offsets`` is in its module doc and
 the README's cache format section.
+
+A shard is written as a stream of row blocks (``write_stream``): consecutive rows of every
+N-axis array, cut anywhere. Stores regroup them into Parquet row groups / Zarr chunks of a size
+fixed by the store alone, so the bytes of a shard do not depend on how its rows arrived, and a
+writer holds about one row group or chunk per array, whatever the length of a sequence.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import numpy as np
@@ -39,9 +45,16 @@ class ShardStore(Protocol):
         ...
 
     def write(self, path: Path, arrays: dict[str, np.ndarray]) -> None:
-        """Create ``path`` (which does not exist) holding ``arrays``, atomically and durably: written
-        under a temp name of ``distill.files`` (found by its ``remove_stale_temps`` after a kill),
-        flushed to disk, then renamed, so ``path`` is whole or absent."""
+        """``write_stream`` of the whole shard ``arrays`` as one block."""
+        ...
+
+    def write_stream(self, path: Path, seq_offsets: np.ndarray, blocks: Iterable[dict[str, np.ndarray]]) -> None:
+        """Create ``path`` (which does not exist) holding the shard whose sequences ``seq_offsets``
+        int64 [S + 1] delimits and whose N = seq_offsets[-1] rows arrive in ``blocks`` (each a dict
+        of every N-axis array, consecutive rows), atomically and durably: written under a temp name
+        of ``distill.files`` (found by its ``remove_stale_temps`` after a kill), flushed to disk,
+        then renamed, so ``path`` is whole or absent. An error raised by ``blocks``, or blocks that
+        do not add up to N rows, leave nothing."""
         ...
 
     def read(self, path: Path) -> dict[str, np.ndarray]:
@@ -71,25 +84,87 @@ def shard_name(index: int, store: ShardStore) -> str:
 
 def encode_shard(input_ids: list[np.ndarray], targets: TeacherTargets, codec: ValueCodec) -> dict[str, np.ndarray]:
     """input_ids: one int array [L_i] per sequence; targets: sum(L_i) rows. Returns the shard's arrays."""
+    seq_offsets, all_ids = shard_offsets(input_ids)
+    blocks = list(encode_blocks(all_ids, [targets], codec))
+    return {"seq_offsets": seq_offsets, **blocks[0]}
+
+
+def shard_offsets(input_ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(seq_offsets int64 [S + 1], input_ids int32 [N]) of a shard's sequences."""
     lengths = np.array([len(s) for s in input_ids], dtype=np.int64)
     seq_offsets = np.zeros(len(input_ids) + 1, dtype=np.int64)
     np.cumsum(lengths, out=seq_offsets[1:])
-    n = int(seq_offsets[-1])
-    if n != targets.num_positions:
-        raise CacheError(f"shard has {n} tokens in its sequences but {targets.num_positions} target rows; "
+    return seq_offsets, np.concatenate([np.asarray(s) for s in input_ids]).astype(np.int32, copy=False)
+
+
+def encode_blocks(input_ids: np.ndarray, targets: Iterable[TeacherTargets],
+                  codec: ValueCodec) -> Iterator[dict[str, np.ndarray]]:
+    """The row blocks of a shard for ``ShardStore.write_stream``, one per block of ``targets``.
+
+    input_ids: int32 [N], the shard's tokens; targets: consecutive row blocks, N rows in all (a
+    CacheError, raised into the store's write, when they are more or fewer).
+    """
+    n, start = len(input_ids), 0
+    for block in targets:
+        stop = start + block.num_positions
+        if stop > n:
+            raise CacheError(f"shard has {n} tokens in its sequences but more target rows; "
+                             "the backend returned targets for other sequences")
+        rows = {
+            "input_ids": input_ids[start:stop],
+            "tail_logmass": np.ascontiguousarray(block.tail_logmass, dtype=np.float32),
+            "target_logprob": np.ascontiguousarray(block.target_logprob, dtype=np.float32),
+        }
+        for key, value in codec.encode(block.topk_ids, block.topk_logprobs).items():
+            assert key not in FIXED_ARRAYS, f"codec {codec.name} array name {key!r} clashes with a shard array"
+            assert value.shape[0] == stop - start, f"codec {codec.name} array {key} has {value.shape[0]} rows"
+            rows[key] = np.ascontiguousarray(value)
+        yield rows
+        start = stop
+    if start != n:
+        raise CacheError(f"shard has {n} tokens in its sequences but {start} target rows; "
                          "the backend returned targets for other sequences")
-    arrays = {
-        "input_ids": np.concatenate([np.asarray(s) for s in input_ids]).astype(np.int32, copy=False),
-        "seq_offsets": seq_offsets,
-        "tail_logmass": np.ascontiguousarray(targets.tail_logmass, dtype=np.float32),
-        "target_logprob": np.ascontiguousarray(targets.target_logprob, dtype=np.float32),
-    }
-    encoded = codec.encode(targets.topk_ids, targets.topk_logprobs)
-    for key, value in encoded.items():
-        assert key not in FIXED_ARRAYS, f"codec {codec.name} array name {key!r} clashes with a shard array"
-        assert value.shape[0] == n, f"codec {codec.name} array {key} has first axis {value.shape[0]}, expected {n}"
-        arrays[key] = np.ascontiguousarray(value)
-    return arrays
+
+
+class RowBuffer:
+    """Row blocks of one or more arrays in, blocks of a chosen number of rows out (copies only
+    where a block is cut or blocks are joined)."""
+
+    def __init__(self):
+        self._blocks: list[dict[str, np.ndarray]] = []
+        self.rows = 0
+
+    def add(self, block: dict[str, np.ndarray]) -> None:
+        rows = len(next(iter(block.values())))
+        assert all(len(v) == rows for v in block.values()), "a row block's arrays differ in length"
+        if rows:
+            self._blocks.append(block)
+            self.rows += rows
+
+    def take(self, rows: int) -> dict[str, np.ndarray]:
+        """The first ``rows`` rows held (at most ``self.rows``)."""
+        assert 0 < rows <= self.rows, (rows, self.rows)
+        parts, got = [], 0
+        while got < rows:
+            block = self._blocks[0]
+            size = len(next(iter(block.values())))
+            if got + size <= rows:
+                parts.append(self._blocks.pop(0))
+                got += size
+            else:
+                cut = rows - got
+                parts.append({k: v[:cut] for k, v in block.items()})
+                self._blocks[0] = {k: v[cut:] for k, v in block.items()}
+                got = rows
+        self.rows -= rows
+        if len(parts) == 1:
+            return parts[0]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def check_row_count(rows: int, seq_offsets: np.ndarray) -> None:
+    if rows != int(seq_offsets[-1]):
+        raise CacheError(f"shard blocks hold {rows} rows, its sequence offsets {int(seq_offsets[-1])}")
 
 
 def decode_shard(arrays: dict[str, np.ndarray], codec: ValueCodec,

@@ -10,6 +10,11 @@ Parquet reader gets exact values back.
 
 FixedSizeList columns with BYTE_STREAM_SPLIT and zstd were chosen because on top-k data they came
 out smaller than plain encodings and than one column per rank, and as small as the Zarr store.
+
+Rows go to disk as they arrive, in row groups of a fixed number of rows (``row_group_bytes`` of
+stored values, at most 2^20 rows, the size pyarrow picks for a whole table): a long sequence spans
+several row groups and a writer holds one at a time; a shard that fits in one (the default
+corpus's) is laid out as a single ``pq.write_table`` of it would be.
 """
 
 from __future__ import annotations
@@ -19,52 +24,73 @@ from pathlib import Path
 
 import numpy as np
 
-from distill.files import atomic_write_bytes
+from distill.files import atomic_file
+from teacher_cache.store import RowBuffer, check_row_count
 
 _META_KEY = b"distill.shard"
 # Level 3 compresses top-k data nearly as well as level 9 and writes much faster.
 _ZSTD_LEVEL = 3
+# Large enough that a row group compresses as well as a whole shard (zstd works per page), small
+# enough that a writer thread holds little of a million-token sequence at once.
+ROW_GROUP_BYTES = 128 << 20
+_MAX_ROW_GROUP_ROWS = 1 << 20
 
 
 class ParquetStore:
+    """row_group_bytes: stored bytes of the rows of one row group (rows of all columns)."""
+
     format = "parquet"
     suffix = ".parquet"
+
+    def __init__(self, row_group_bytes: int = ROW_GROUP_BYTES):
+        self.row_group_bytes = row_group_bytes
 
     def codecs(self) -> dict:
         return {"compression": f"zstd(level={_ZSTD_LEVEL})", "encoding": "BYTE_STREAM_SPLIT, no dictionary",
                 "layout": "one row per position; [N, k] arrays as FixedSizeList<k>", "checksum": "page crc32"}
 
     def write(self, path: Path, arrays: dict[str, np.ndarray]) -> None:
-        atomic_write_bytes(path, self._encode(arrays))
+        rows = {name: value for name, value in arrays.items() if name != "seq_offsets"}
+        self.write_stream(path, arrays["seq_offsets"], [rows])
 
-    def _encode(self, arrays: dict[str, np.ndarray]) -> bytes:
-        import pyarrow as pa
+    def write_stream(self, path: Path, seq_offsets: np.ndarray, blocks) -> None:
         import pyarrow.parquet as pq
 
-        columns, fields, described = [], [], {}
-        for name, value in arrays.items():
-            if name == "seq_offsets":
-                continue
-            described[name] = {"dtype": value.dtype.str, "shape": list(value.shape[1:])}
-            stored = value.view(np.uint16) if value.dtype == np.float16 else value
-            width = int(np.prod(value.shape[1:], dtype=np.int64))
-            flat = pa.array(stored.reshape(-1))
-            if value.ndim == 1:
-                column = flat
-            else:
-                column = pa.FixedSizeListArray.from_arrays(
-                    flat, type=pa.list_(pa.field("item", flat.type, nullable=False), width))
-            columns.append(column)
-            fields.append(pa.field(name, column.type, nullable=False))
-        meta = {"seq_offsets": arrays["seq_offsets"].tolist(), "arrays": described}
-        schema = pa.schema(fields, metadata={_META_KEY: json.dumps(meta).encode()})
-        table = pa.Table.from_arrays(columns, schema=schema)
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink, compression="zstd", compression_level=_ZSTD_LEVEL, use_dictionary=False,
-                       use_byte_stream_split=True, write_statistics=False, write_page_checksum=True)
-        return sink.getvalue().to_pybytes()
+        buffer, writer, group_rows, written = RowBuffer(), None, 0, 0
+        with atomic_file(path) as f:
+            try:
+                for block in blocks:
+                    buffer.add(block)
+                    if writer is None:
+                        schema = _schema(block, seq_offsets)
+                        writer = pq.ParquetWriter(
+                            f, schema, compression="zstd", compression_level=_ZSTD_LEVEL, use_dictionary=False,
+                            use_byte_stream_split=True, write_statistics=False, write_page_checksum=True)
+                        group_rows = self._group_rows(block)
+                    while buffer.rows >= group_rows:
+                        written += self._write_group(writer, schema, buffer.take(group_rows))
+                if buffer.rows:
+                    written += self._write_group(writer, schema, buffer.take(buffer.rows))
+                check_row_count(written, seq_offsets)
+            finally:
+                if writer is not None:
+                    writer.close()
 
-    def _meta(self, schema) -> dict:
+    def _group_rows(self, block: dict[str, np.ndarray]) -> int:
+        row_bytes = sum(v.itemsize * int(np.prod(v.shape[1:], dtype=np.int64)) for v in block.values())
+        return max(1, min(_MAX_ROW_GROUP_ROWS, self.row_group_bytes // max(1, row_bytes)))
+
+    @staticmethod
+    def _write_group(writer, schema, rows: dict[str, np.ndarray]) -> int:
+        import pyarrow as pa
+
+        num_rows = len(rows["input_ids"])
+        columns = [_column(rows[field.name]) for field in schema]
+        writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=num_rows)
+        return num_rows
+
+    @staticmethod
+    def _meta(schema) -> dict:
         return json.loads(schema.metadata[_META_KEY])
 
     def read(self, path: Path) -> dict[str, np.ndarray]:
@@ -87,3 +113,28 @@ class ParquetStore:
         import pyarrow.parquet as pq
 
         return np.asarray(self._meta(pq.read_schema(str(path)))["seq_offsets"], dtype=np.int64)
+
+
+def _column(value: np.ndarray):
+    """A 1-D array as a plain column, [n, ...] as FixedSizeList<prod(...)>; float16 as its bits."""
+    import pyarrow as pa
+
+    stored = value.view(np.uint16) if value.dtype == np.float16 else value
+    flat = pa.array(stored.reshape(-1))
+    if value.ndim == 1:
+        return flat
+    width = int(np.prod(value.shape[1:], dtype=np.int64))
+    return pa.FixedSizeListArray.from_arrays(flat, type=pa.list_(pa.field("item", flat.type, nullable=False), width))
+
+
+def _schema(block: dict[str, np.ndarray], seq_offsets: np.ndarray):
+    """The shard's schema from its first row block; ``seq_offsets`` and the arrays' numpy dtypes
+    and trailing shapes in its metadata."""
+    import pyarrow as pa
+
+    fields, described = [], {}
+    for name, value in block.items():
+        described[name] = {"dtype": value.dtype.str, "shape": list(value.shape[1:])}
+        fields.append(pa.field(name, _column(value[:0]).type, nullable=False))
+    meta = {"seq_offsets": np.asarray(seq_offsets).tolist(), "arrays": described}
+    return pa.schema(fields, metadata={_META_KEY: json.dumps(meta).encode()})

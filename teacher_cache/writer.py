@@ -16,6 +16,7 @@ import fcntl
 import os
 import shutil
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,9 @@ from teacher_cache.manifest import (
     MANIFEST_NAME, CacheSpec, Manifest, ShardInfo, StorageInfo, identity_diff, load_manifest,
     manifest_path, tool_version,
 )
-from teacher_cache.store import SHARDS_DIR, encode_shard, get_store, shard_checksum, shard_name
+from teacher_cache.store import (
+    SHARDS_DIR, ShardStore, encode_blocks, get_store, shard_checksum, shard_name, shard_offsets,
+)
 from teacher_cache.targets import TeacherTargets
 
 LOCK_NAME = "LOCK"
@@ -132,13 +135,14 @@ class CacheWriter:
     complete (then ``damaged_shards()`` says whether it needs a ``repair``), and ``done_shards()``
     which shards a resumed run can skip. ``write_shard`` may be called from a background thread;
     ``finalize`` writes the manifest. lock: a ``CacheLock`` already held on ``path`` (the writer
-    takes it over and releases it on close); None acquires one.
+    takes it over and releases it on close); None acquires one. store: the ``ShardStore`` of the
+    spec's format with other settings than the defaults (row group or chunk size), or None.
     """
 
     def __init__(self, path: str | os.PathLike, spec: CacheSpec | dict, *, shard_size: int | None = None,
-                 storage_format: str | None = None, lock: CacheLock | None = None):
+                 storage_format: str | None = None, lock: CacheLock | None = None, store: ShardStore | None = None):
         spec = spec if isinstance(spec, CacheSpec) else CacheSpec.from_dict(_with_storage_defaults(spec))
-        store = get_store(storage_format or spec.storage.format)
+        store = store or get_store(storage_format or spec.storage.format)
         storage = StorageInfo(format=store.format, shard_size=shard_size or spec.storage.shard_size,
                               codecs=store.codecs())
         self.spec = dataclasses.replace(spec, storage=storage)
@@ -229,11 +233,14 @@ class CacheWriter:
         """Indices of shards whose final name exists (complete by construction)."""
         return {i for i in range(self.num_shards) if (self._shards_dir / shard_name(i, self._store)).exists()}
 
-    def write_shard(self, index: int, input_ids: list[np.ndarray], targets: TeacherTargets) -> ShardInfo:
+    def write_shard(self, index: int, input_ids: list[np.ndarray],
+                    targets: TeacherTargets | Iterable[TeacherTargets]) -> ShardInfo:
         """Encode, compress and atomically place shard ``index``.
 
         input_ids: one int array [L_i] per sequence of the shard (``shard_size`` of them, fewer for
-        the last shard); targets: sum(L_i) rows in the same order. Thread-safe.
+        the last shard); targets: sum(L_i) rows in the same order, whole or as an iterable of
+        consecutive row blocks (cut anywhere, e.g. a backend's ``score_blocks``), which are
+        encoded and written as they come, so a shard is never held whole. Thread-safe.
         """
         self._check_writable()
         if not 0 <= index < self.num_shards:
@@ -241,20 +248,25 @@ class CacheWriter:
         expected = self.spec.shard_sequences(index)
         if len(input_ids) != expected:
             raise CacheError(f"shard {index} must hold {expected} sequences, got {len(input_ids)}")
-        if targets.k != self.spec.targets.k:
-            raise CacheError(f"shard {index} targets have k={targets.k}, the cache has k={self.spec.targets.k}")
         name = shard_name(index, self._store)
         final = self._shards_dir / name
         if final.exists():
             raise CacheError(f"shard {name} is already written in {self.path}; skip the indices in done_shards()")
-        arrays = encode_shard(input_ids, targets, self._codec)
-        self._store.write(final, arrays)  # a temp name, fsync, then the rename
+        seq_offsets, all_ids = shard_offsets(input_ids)
+        blocks = [targets] if isinstance(targets, TeacherTargets) else targets
+        self._store.write_stream(final, seq_offsets, encode_blocks(all_ids, self._checked_k(index, blocks),
+                                                                   self._codec))  # a temp name, fsync, rename
         checksum, nbytes = shard_checksum(final)
-        info = ShardInfo(name=name, sequences=len(input_ids), tokens=len(arrays["input_ids"]), checksum=checksum,
-                         bytes=nbytes)
+        info = ShardInfo(name=name, sequences=len(input_ids), tokens=len(all_ids), checksum=checksum, bytes=nbytes)
         with self._mutex:
             self._written[index] = info
         return info
+
+    def _checked_k(self, index: int, blocks: Iterable[TeacherTargets]):
+        for block in blocks:
+            if block.k != self.spec.targets.k:
+                raise CacheError(f"shard {index} targets have k={block.k}, the cache has k={self.spec.targets.k}")
+            yield block
 
     def _shard_info_from_disk(self, index: int) -> ShardInfo:
         """For shards an earlier (interrupted) process wrote."""

@@ -25,6 +25,11 @@ _DTYPE_ALIASES = {
     "float32": "float32", "fp32": "float32", "float": "float32",
 }  # fmt: skip
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+# Longest sequence a backend runs in one forward; longer ones are prefilled in chunks of this
+# many tokens through the teacher's KV cache. As many tokens as the default batch of packed
+# sequences (CacheConfig: 8 x 1024), so a chunk keeps a GPU as busy as a batch does and the
+# default corpus never takes the chunked path.
+PREFILL_TOKENS = 8192
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
@@ -45,7 +50,7 @@ def make_backend(
     temperature (vllm supports only 1.0). k, max_len: the largest k and sequence length that
     will be scored; vllm sizes its engine from them (max_logprobs = k, max_model_len =
     max_len + 1), hf ignores them. options: backend-specific keyword arguments, e.g. batch_size
-    (both), chunk_size (hf), kv_cache_bytes / engine_kwargs (vllm).
+    and prefill_tokens (both), chunk_size (hf), kv_cache_bytes / engine_kwargs (vllm).
     """
     if name == "hf":
         from teacher_cache.backends.hf import HFBackend

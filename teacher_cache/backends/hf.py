@@ -3,12 +3,19 @@
 The model body gives the final hidden states; ``kernels.topk_logprobs`` then applies the lm-head,
 log-softmax, top-k and the target gather in row chunks, so the [tokens, vocab] fp32 logits never
 exist in full (the model's own forward would build them for the whole batch).
+
+Sequences of at most ``prefill_tokens`` tokens run whole, several to a forward. A longer one runs
+alone, chunk by chunk, through the teacher's own KV cache (chunked prefill): memory is its keys
+and values plus one chunk's activations, never full-length activations, and each chunk's rows
+leave as soon as they are computed (``score_blocks``). A chunk attends to the cached keys and its
+own with a lower-right causal mask that SDPA applies itself, so no [chunk, length] mask is built.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +23,7 @@ import torch
 
 from kernels.topk_logprobs import topk_logprobs
 from teacher_cache.backends import (
+    PREFILL_TOKENS,
     canonical_dtype,
     check_k,
     check_model_dir,
@@ -35,6 +43,8 @@ log = logging.getLogger(__name__)
 # in bf16/fp16 they may round differently: 2**-8 relative per logit, well below 2e-2.
 _PROBE_RTOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
 _PROBE_TOKENS = 16
+# The attention the model uses once a sequence is prefilled in chunks (see _chunk_attention).
+_CHUNK_ATTENTION = "distill_chunked_sdpa"
 
 
 class HFBackend:
@@ -46,6 +56,8 @@ class HFBackend:
     are divided by T before the log-softmax. chunk_size: rows per lm-head chunk (None: auto).
     impl: lm-head top-k path, "auto" (Triton on a GPU) | "torch" | "triton". compile: run the
     model body through torch.compile (fuses its element-wise work; pays off on long GPU runs).
+    prefill_tokens: longest sequence run in one forward; a longer one is prefilled alone in
+    chunks of this many tokens through the teacher's KV cache (see the module doc).
     """
 
     name = "hf"
@@ -60,18 +72,21 @@ class HFBackend:
         chunk_size: int | None = None,
         impl: str = "auto",
         compile: bool = False,
+        prefill_tokens: int = PREFILL_TOKENS,
     ):
         from transformers import AutoModelForCausalLM
 
         self.model_dir = check_model_dir(model_dir)
         self.dtype = canonical_dtype(dtype)
         self.temperature = check_temperature(temperature)
-        for field, value in (("batch_size", batch_size), ("chunk_size", chunk_size)):
+        for field, value in (("batch_size", batch_size), ("chunk_size", chunk_size),
+                             ("prefill_tokens", prefill_tokens)):
             if value is None and field == "chunk_size":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DistillUserError(f"{field} must be a positive int, got {value!r}")
         self.batch_size, self.chunk_size, self.impl = batch_size, chunk_size, impl
+        self.prefill_tokens = prefill_tokens
         self.device = torch.device(resolve_device(device))
         self._weights_hash: str | None = None
         _warn_if_slow_half_precision(self.device, self.dtype)
@@ -99,10 +114,28 @@ class HFBackend:
 
     def score(self, sequences: list[np.ndarray], k: int) -> list[TeacherTargets]:
         """sequences: int [L_i] token ids each (L_i >= 2); one TeacherTargets of L_i rows each."""
+        rows: list[list[TeacherTargets]] = [[] for _ in sequences]
+        for i, block in self.score_blocks(sequences, k):
+            rows[i].append(block)
+        return [parts[0] if len(parts) == 1 else TeacherTargets.concat(parts) for parts in rows]
+
+    def score_blocks(self, sequences: list[np.ndarray], k: int) -> Iterator[tuple[int, TeacherTargets]]:
+        """The rows of ``score`` as they are produced: (i, consecutive rows of sequence i), sequence
+        after sequence in the order given; a sequence longer than prefill_tokens comes in chunks."""
         seqs = check_sequences(sequences, self.vocab_size)
         check_k(k, self.vocab_size)
-        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))  # longest first
-        results: list[TeacherTargets | None] = [None] * len(seqs)
+        short = [i for i, s in enumerate(seqs) if len(s) <= self.prefill_tokens]
+        results = self._score_batched(seqs, short, k)
+        for i, seq in enumerate(seqs):
+            if i in results:
+                yield i, results.pop(i)
+            else:
+                for block in self._prefill_in_chunks(seq, k):
+                    yield i, block
+
+    def _score_batched(self, seqs: list[np.ndarray], indices: list[int], k: int) -> dict[int, TeacherTargets]:
+        order = sorted(indices, key=lambda i: -len(seqs[i]))  # longest first, so a batch pads little
+        results: dict[int, TeacherTargets] = {}
         # One batch in flight: batch j's results copy to the host while batch j+1 is launched,
         # so the GPU does not idle through the copy and the host-side work between batches.
         pending = None
@@ -115,6 +148,36 @@ class HFBackend:
         if pending is not None:
             self._collect(*pending, results)
         return results
+
+    def _prefill_in_chunks(self, seq: np.ndarray, k: int) -> Iterator[TeacherTargets]:
+        """seq: int64 [L], L > prefill_tokens. Its rows, one block per chunk of prefill_tokens."""
+        from transformers import DynamicCache
+
+        _refuse_windowed_attention(self.model.config, self.model_dir, len(seq), self.prefill_tokens)
+        if self.model.config._attn_implementation != _CHUNK_ATTENTION:
+            _register_chunk_attention()
+            self.model.set_attn_implementation(_CHUNK_ATTENTION)
+        ids = torch.from_numpy(seq).to(self.device)
+        next_ids = torch.cat([ids[1:], ids.new_full((1,), -1)])  # the last row has no next token
+        cache = DynamicCache(config=self.model.config)
+        pending = None
+        for start in range(0, len(seq), self.prefill_tokens):
+            stop = min(start + self.prefill_tokens, len(seq))
+            launched = self._launch_chunk(ids[start:stop], next_ids[start:stop], cache, start, k)
+            if pending is not None:
+                yield _host_targets(pending)
+            pending = launched
+        yield _host_targets(pending)
+
+    @torch.inference_mode()
+    def _launch_chunk(self, ids_C, next_ids_C, cache, start: int, k: int):
+        """Positions start..start+C of one sequence against its cache (which the call extends)."""
+        positions = torch.arange(start, start + len(ids_C), device=self.device)
+        hidden_CD = self._body(input_ids=ids_C[None], past_key_values=cache, use_cache=True,
+                               cache_position=positions, position_ids=positions[None]).last_hidden_state[0]
+        out = topk_logprobs(hidden_CD, self._lm_weight, k, next_ids_C, temperature=self.temperature / self._logit_scale,
+                            chunk_size=self.chunk_size, impl=self.impl, check_ids=False)
+        return self._to_host(out)
 
     def close(self) -> None:
         for attr in ("model", "_body", "_lm_weight"):
@@ -157,20 +220,21 @@ class HFBackend:
             impl=self.impl,
             check_ids=False,  # check_sequences has checked them on the host
         )
+        return lengths, self._to_host(out)
+
+    def _to_host(self, out: tuple[torch.Tensor, ...]):
+        """Queue the copy of ``out`` to the host; returns (host arrays or tensors, event or None)."""
         if self.device.type != "cuda":
-            return lengths, tuple(t.numpy() for t in out), None
+            return tuple(t.numpy() for t in out), None
         host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in out)
         done = torch.cuda.Event()
         done.record()
-        return lengths, host, done
+        return host, done
 
     @staticmethod
     def _collect(batch_idx, launched, results) -> None:
-        lengths, host, done = launched
-        if done is not None:
-            done.synchronize()
-        arrays = tuple(t.numpy() if isinstance(t, torch.Tensor) else t for t in host)
-        for i, parts in zip(batch_idx, split_rows(arrays, lengths)):
+        lengths, copied = launched
+        for i, parts in zip(batch_idx, split_rows(_host_arrays(copied), lengths)):
             results[i] = TeacherTargets(*parts)
 
     @torch.inference_mode()
@@ -196,6 +260,61 @@ class HFBackend:
             return 1.0
         log.info("%s scales its logits by %.6g; folded into the temperature", self.model_dir, scale)
         return scale
+
+
+def _host_arrays(copied) -> tuple[np.ndarray, ...]:
+    host, done = copied
+    if done is not None:
+        done.synchronize()
+    return tuple(t.numpy() if isinstance(t, torch.Tensor) else t for t in host)
+
+
+def _host_targets(copied) -> TeacherTargets:
+    return TeacherTargets(*_host_arrays(copied))
+
+
+def _chunk_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Causal attention of C queries, the last C of S positions, over all S keys (SDPA).
+
+    query [B, H, C, D]; key, value [B, Hkv, S, D] (the cache plus this chunk). Lower-right causal:
+    query i sees keys 0..S-C+i. SDPA runs it without a mask tensor (flash on a GPU), so a chunk
+    late in a long sequence costs no [C, S] mask.
+    """
+    from torch.nn.attention.bias import causal_lower_right
+
+    groups = query.shape[1] // key.shape[1]
+    q_len, kv_len = query.shape[2], key.shape[2]
+    # Flash takes grouped heads as they are; SDPA's other lower-right kernel on a GPU does not.
+    if groups > 1 and query.device.type == "cuda" and query.dtype == torch.float32:
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    causal = dict(is_causal=True) if q_len == kv_len else dict(attn_mask=causal_lower_right(q_len, kv_len))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=key.shape[1] != query.shape[1], **causal)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    return None  # _chunk_attention applies the causal mask itself
+
+
+def _register_chunk_attention() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(_CHUNK_ATTENTION, _chunk_attention)
+    AttentionMaskInterface.register(_CHUNK_ATTENTION, _no_mask)
+
+
+def _refuse_windowed_attention(config, model_dir: Path, length: int, prefill_tokens: int) -> None:
+    """Chunked prefill applies plain causal attention: refuse a teacher with sliding-window layers."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        layer_types = set(getattr(cfg, "layer_types", None) or ())
+        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        if layer_types - {"full_attention"} or window:
+            raise DistillUserError(
+                f"{model_dir}: a sequence of {length} tokens is longer than --prefill-tokens {prefill_tokens}, and "
+                "this teacher uses sliding-window attention, which chunked prefill does not apply; raise "
+                f"--prefill-tokens to at least {length} (or lower --seq-len), or use the vllm backend"
+            )
 
 
 def _warn_if_slow_half_precision(device: torch.device, dtype: str) -> None:

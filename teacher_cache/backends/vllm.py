@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from teacher_cache.backends import (
+    PREFILL_TOKENS,
     canonical_dtype,
     check_k,
     check_model_dir,
@@ -56,7 +57,10 @@ class VLLMBackend:
     (vLLM's max_logprobs; vLLM rejects larger requests). max_model_len: engine context length;
     sequences may hold at most max_model_len - 1 tokens (the one generated token needs a slot).
     batch_size: sequences per ``LLM.generate`` call (bounds the Python lists vLLM returns).
-    kv_cache_bytes: KV cache size; None: 1 GiB on the CPU, vLLM's own sizing on a GPU.
+    kv_cache_bytes: KV cache size; None: 1 GiB on the CPU, vLLM's own sizing on a GPU; it must
+    hold one sequence of max_model_len tokens (vLLM refuses to start otherwise).
+    prefill_tokens: tokens per engine step (vLLM's max_num_batched_tokens) when max_model_len is
+    longer: a longer prompt is prefilled in chunks of this many tokens (vLLM's chunked prefill).
     engine_kwargs: more ``vllm.LLM`` arguments (e.g. tensor_parallel_size), applied last.
     """
 
@@ -72,6 +76,7 @@ class VLLMBackend:
         max_model_len: int = 2048,
         batch_size: int = 64,
         kv_cache_bytes: int | None = None,
+        prefill_tokens: int = PREFILL_TOKENS,
         engine_kwargs: dict | None = None,
     ):
         self.model_dir = check_model_dir(model_dir)
@@ -82,7 +87,8 @@ class VLLMBackend:
                 f"temperature), got temperature={temperature}; cache at 1.0 and set a training "
                 "temperature, or use the hf backend"
             )
-        for field, value in (("max_k", max_k), ("max_model_len", max_model_len), ("batch_size", batch_size)):
+        for field, value in (("max_k", max_k), ("max_model_len", max_model_len), ("batch_size", batch_size),
+                             ("prefill_tokens", prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (2 if field == "max_model_len" else 1):
                 raise DistillUserError(f"{field} must be a positive int (max_model_len >= 2), got {value!r}")
         self.max_k, self.max_model_len, self.batch_size = max_k, max_model_len, batch_size
@@ -108,6 +114,8 @@ class VLLMBackend:
             enforce_eager=on_cpu,
             seed=0,
         )
+        if max_model_len > prefill_tokens:
+            kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=prefill_tokens)
         if kv_cache_bytes is None and on_cpu:
             kv_cache_bytes = _CPU_KV_CACHE_BYTES
         if kv_cache_bytes is not None:
