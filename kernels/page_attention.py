@@ -202,6 +202,6 @@ def _check_backward(q, dout, lse, delta, k_pool, dk_pool, dv_pool) -> None:
         if t.shape != q.shape[:3] or t.dtype != torch.float32 or t.device != q.device:
             raise ValueError(f"{name} must be fp32 {tuple(q.shape[:3])}, got {t.dtype} {tuple(t.shape)}")
     for name, t in (("dk_pool", dk_pool), ("dv_pool", dv_pool)):
-        if t.shape != k_pool.shape or t.dtype != torch.float32 or t.device != k_pool.device:
-            raise ValueError(f"{name} must be fp32 {tuple(k_pool.shape)} on {k_pool.device}, got {t.dtype} "
-                             f"{tuple(t.shape)} on {t.device}")
+        if t.shape != k_pool.shape or t.dtype != torch.float32 or t.device != k_pool.device or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous fp32 {tuple(k_pool.shape)} on {k_pool.device} (it is "
+                             f"updated in place), got {t.dtype} {tuple(t.shape)} on {t.device}")
