@@ -192,7 +192,7 @@ def _dq_kernel(Q, DO, LSE, DELTA, K, V, TABLE, DQ,
 
 
 @triton.jit
-def _dkv_step(dk, dv, k, v, Q, DO, LSE, DELTA, b, hkv, pid_m, Tq, q_start, kpos, key_in_table, d, d_ok, qk_scale,
+def _dkv_step(dk, dv, k, v, Q, DO, LSE, DELTA, b, hkv, pid_m, Tq, q_start, kpos, d, d_ok, qk_scale,
               stride_qb, stride_qh, stride_qt, stride_lb, stride_lh,
               G: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
     t, g, row_ok = _rows(pid_m, Tq, G, BLOCK_M)
@@ -204,7 +204,7 @@ def _dkv_step(dk, dv, k, v, Q, DO, LSE, DELTA, b, hkv, pid_m, Tq, q_start, kpos,
     delta = tl.load(DELTA + b * stride_lb + h * stride_lh + t, mask=row_ok, other=0.0)
     s_t = _dot(k, tl.trans(q), PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
     if MASK:
-        visible = (kpos[:, None] <= (q_start + t)[None, :]) & row_ok[None, :] & key_in_table[:, None]
+        visible = (kpos[:, None] <= (q_start + t)[None, :]) & row_ok[None, :]
         s_t = tl.where(visible, s_t, float("-inf"))
     p_t = tl.exp2(s_t - lse2[None, :])
     dv += _dot(p_t.to(do.dtype), do, PRECISION)
@@ -240,24 +240,22 @@ def _dkv_kernel(Q, DO, LSE, DELTA, K, V, TABLE, DK, DV,
     kpos_hi = kpos_lo + BLOCK_N - 1
     num_mblocks = tl.cdiv(rows, BLOCK_M)
     m_start = tl.minimum(tl.maximum(kpos_lo - q_start, 0) * G, rows) // BLOCK_M
-    # from m_full on, every row of a block sees every key of this block; a block running past the
-    # table takes the masked loop throughout
-    m_full = tl.cdiv(tl.maximum(kpos_hi - q_start, 0) * G, BLOCK_M)
-    m_full = tl.where(kb * BLOCK_N + BLOCK_N > num_keys, num_mblocks, m_full)
-    m_full = tl.minimum(m_full, num_mblocks)
+    # from m_full on, every row of a block sees every key of this block (keys past the table are
+    # loaded as 0 and their rows are never stored: each row's dk, dv depends on its own key only)
+    m_full = tl.minimum(tl.cdiv(tl.maximum(kpos_hi - q_start, 0) * G, BLOCK_M), num_mblocks)
     m_whole = rows // BLOCK_M  # blocks with no row past the end
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for pid_m in range(m_start, m_full):
-        dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE, DELTA, b, hkv, pid_m, Tq, q_start, kpos, key_in_table, d, d_ok,
+        dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE, DELTA, b, hkv, pid_m, Tq, q_start, kpos, d, d_ok,
                            qk_scale, stride_qb, stride_qh, stride_qt, stride_lb, stride_lh, G, BLOCK_M, True,
                            PRECISION)
     for pid_m in range(m_full, m_whole):
-        dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE, DELTA, b, hkv, pid_m, Tq, q_start, kpos, key_in_table, d, d_ok,
+        dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE, DELTA, b, hkv, pid_m, Tq, q_start, kpos, d, d_ok,
                            qk_scale, stride_qb, stride_qh, stride_qt, stride_lb, stride_lh, G, BLOCK_M, False,
                            PRECISION)
     for pid_m in range(tl.maximum(m_full, m_whole), num_mblocks):
-        dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE, DELTA, b, hkv, pid_m, Tq, q_start, kpos, key_in_table, d, d_ok,
+        dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE, DELTA, b, hkv, pid_m, Tq, q_start, kpos, d, d_ok,
                            qk_scale, stride_qb, stride_qh, stride_qt, stride_lb, stride_lh, G, BLOCK_M, True,
                            PRECISION)
     slot = tl.load(TABLE + b * stride_tb + kidx // P, mask=key_in_table, other=0).to(tl.int64)
