@@ -145,10 +145,9 @@ def _use_triton(impl: str, q: torch.Tensor, k_pool: torch.Tensor) -> bool:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "torch":
         return False
-    can_run = _triton_path is not None and triton_can_run(q.device)
-    if impl == "auto":
-        return _triton_path is not None and q.is_cuda
-    if not can_run:
+    if impl == "auto" and not (_triton_path is not None and q.is_cuda):
+        return False
+    if not (_triton_path is not None and triton_can_run(q.device)):
         raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import) and the "
                          f"triton package, got a tensor on {q.device}; use impl='auto' or 'torch'")
     P, D = k_pool.shape[2], k_pool.shape[3]

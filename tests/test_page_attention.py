@@ -227,6 +227,9 @@ def test_triton_matches_torch_reference(dtype):
     (dict(first_page=-1), "first_page must be an int >= 0"),
     (dict(k_pool=torch.zeros(4, 2, 16, 16, dtype=torch.bfloat16)), "share one of"),
     (dict(impl="cuda"), "impl must be one of"),
+    pytest.param(dict(impl="triton", k_pool=torch.zeros(4, 2, 24, 16), v_pool=torch.zeros(4, 2, 24, 16)),
+                 "power of two >= 16", marks=pytest.mark.skipif("triton" not in IMPLS or TRITON_DEVICE == "cuda",
+                                                                 reason="CPU tensors: the interpreter only")),
 ])
 def test_bad_arguments_are_one_line_errors(change, message):
     args = dict(q=torch.zeros(1, 4, 5, 16), k_pool=torch.zeros(4, 2, 16, 16), v_pool=torch.zeros(4, 2, 16, 16),
