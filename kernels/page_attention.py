@@ -145,10 +145,9 @@ def _use_triton(impl: str, q: torch.Tensor, k_pool: torch.Tensor) -> bool:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "torch":
         return False
-    can_run = _triton_path is not None and triton_can_run(q.device)
-    if impl == "auto":
-        return _triton_path is not None and q.is_cuda
-    if not can_run:
+    if impl == "auto" and not (_triton_path is not None and q.is_cuda):
+        return False
+    if not (_triton_path is not None and triton_can_run(q.device)):
         raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import) and the "
                          f"triton package, got a tensor on {q.device}; use impl='auto' or 'torch'")
     P, D = k_pool.shape[2], k_pool.shape[3]
@@ -202,6 +201,6 @@ def _check_backward(q, dout, lse, delta, k_pool, dk_pool, dv_pool) -> None:
         if t.shape != q.shape[:3] or t.dtype != torch.float32 or t.device != q.device:
             raise ValueError(f"{name} must be fp32 {tuple(q.shape[:3])}, got {t.dtype} {tuple(t.shape)}")
     for name, t in (("dk_pool", dk_pool), ("dv_pool", dv_pool)):
-        if t.shape != k_pool.shape or t.dtype != torch.float32 or t.device != k_pool.device:
-            raise ValueError(f"{name} must be fp32 {tuple(k_pool.shape)} on {k_pool.device}, got {t.dtype} "
-                             f"{tuple(t.shape)} on {t.device}")
+        if t.shape != k_pool.shape or t.dtype != torch.float32 or t.device != k_pool.device or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous fp32 {tuple(k_pool.shape)} on {k_pool.device} (it is "
+                             f"updated in place), got {t.dtype} {tuple(t.shape)} on {t.device}")

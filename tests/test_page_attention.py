@@ -7,6 +7,7 @@ path runs under the interpreter on the CPU (conftest sets TRITON_INTERPRET=1 wit
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ try:
     IMPLS = ["torch", "triton"]
 except ImportError:
     IMPLS = ["torch"]
+# the Triton path runs on CUDA where there is a GPU (the interpreter otherwise); inputs and results
+# of the checks stay on the CPU
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 # ||got - want|| / ||want|| against the fp64 dense check on the same rounded inputs.
 # fp32: sums in another order, 1e-5 (the issue's exactness bar). The torch path computes in fp32
@@ -105,10 +109,26 @@ def check_lse(got, want):
     assert torch.allclose(got[finite].double(), want[finite], atol=1e-4, rtol=1e-4)
 
 
+def on(impl, *tensors):
+    device = TRITON_DEVICE if impl == "triton" else "cpu"
+    return [t.to(device) for t in tensors]
+
+
+def forward(case, impl, settings=None):
+    q, k_pool, v_pool, table = on(impl, case["q"], case["k_pool"], case["v_pool"], case["table"])
+    out, lse = page_attention_forward(q, k_pool, v_pool, table, first_page=case["first_page"],
+                                      q_start=case["q_start"], impl=impl, settings=settings)
+    return out.cpu(), lse.cpu()
+
+
 def backward(case, dout, lse, delta, dk_pool, dv_pool, impl, settings=None):
-    return page_attention_backward(case["q"], dout, lse, delta, case["k_pool"], case["v_pool"], dk_pool, dv_pool,
-                                   case["table"], first_page=case["first_page"], q_start=case["q_start"], impl=impl,
-                                   settings=settings)
+    """dq; adds into the CPU pools dk_pool, dv_pool (through a device copy for the GPU)."""
+    args = on(impl, case["q"], dout, lse, delta, case["k_pool"], case["v_pool"], dk_pool, dv_pool, case["table"])
+    dq = page_attention_backward(*args, first_page=case["first_page"], q_start=case["q_start"], impl=impl,
+                                 settings=settings)
+    dk_pool.copy_(args[6])
+    dv_pool.copy_(args[7])
+    return dq.cpu()
 
 
 CASES = {
@@ -129,7 +149,7 @@ def test_forward_backward_match_dense(impl, dtype, group, name):
     settings = SMALL if group != 2 else None
     case, dout = make_case(G=group, Hkv=1 if group == 7 else 2, dtype=dtype, **CASES[name])
     out_ref, lse_ref, dq_ref, dk_ref, dv_ref = dense(case, dout)
-    out, lse = page_attention_forward(**case, impl=impl, settings=settings)
+    out, lse = forward(case, impl, settings)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     assert rel_err(out, out_ref) < TOL[impl, dtype]
     check_lse(lse, lse_ref)
@@ -161,7 +181,7 @@ def test_page_set_splits_merge_and_sum_to_the_whole(impl, splits):
     out_ref, lse_ref, dq_ref, dk_ref, dv_ref = dense(case, dout)
     bounds = [0, *splits, case["table"].shape[1]]
     sets = [dict(case, table=case["table"][:, a:b].contiguous(), first_page=a) for a, b in zip(bounds, bounds[1:])]
-    parts = [page_attention_forward(**s, impl=impl, settings=SMALL) for s in sets]
+    parts = [forward(s, impl, SMALL) for s in sets]
     assert torch.isinf(parts[-1][1]).any()
     out, lse = merge_partials(parts)
     assert rel_err(out, out_ref) < TOL[impl, torch.float32]
@@ -188,7 +208,7 @@ def test_triton_matches_torch_reference(dtype):
     """The two paths against each other at default settings, P 32 (a page larger than the test's
     key blocks is covered above), GQA 2."""
     case, dout = make_case(G=2, P=32, q_start=40, Tq=37, dtype=dtype, seed=3)
-    outs = {impl: page_attention_forward(**case, impl=impl) for impl in IMPLS}
+    outs = {impl: forward(case, impl) for impl in IMPLS}
     assert rel_err(outs["triton"][0], outs["torch"][0].double()) < TOL["triton", dtype]
     lse = outs["torch"][1]
     delta = (dout.float() * outs["torch"][0]).sum(-1)
@@ -207,6 +227,9 @@ def test_triton_matches_torch_reference(dtype):
     (dict(first_page=-1), "first_page must be an int >= 0"),
     (dict(k_pool=torch.zeros(4, 2, 16, 16, dtype=torch.bfloat16)), "share one of"),
     (dict(impl="cuda"), "impl must be one of"),
+    pytest.param(dict(impl="triton", k_pool=torch.zeros(4, 2, 24, 16), v_pool=torch.zeros(4, 2, 24, 16)),
+                 "power of two >= 16", marks=pytest.mark.skipif("triton" not in IMPLS or TRITON_DEVICE == "cuda",
+                                                                 reason="CPU tensors: the interpreter only")),
 ])
 def test_bad_arguments_are_one_line_errors(change, message):
     args = dict(q=torch.zeros(1, 4, 5, 16), k_pool=torch.zeros(4, 2, 16, 16), v_pool=torch.zeros(4, 2, 16, 16),
