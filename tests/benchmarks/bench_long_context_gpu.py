@@ -32,7 +32,9 @@ and that rate's share of harness.ceilings()' bf16 matmul ceiling.
 Before the first length of a shape, every requested `ours*` variant is checked against an exact
 reference on --check-tokens tokens: the loss and every parameter gradient of the chunked step
 (chunks of min(--chunk-tokens, ceil(check_tokens / 3)) tokens, so at least three, generally not
-page-aligned) against the same Student's whole-sequence backward; the run stops if one differs.
+page-aligned) against the same Student's whole-sequence backward in fp32; under bf16 each
+gradient may be off by a few times what the whole-sequence bf16 step's is (TOLERANCES). The run
+stops if one differs more.
 
     PYTHONPATH=. python tests/benchmarks/bench_long_context_gpu.py --shape qwen2-0.5b \\
         --lengths 65536,131072 --results $OUT/results.jsonl --plot $OUT/long_context.png
@@ -59,10 +61,13 @@ from student.model import Student
 BENCH = "long_context"
 VARIANTS = ("ours", "ours_offload", "hf_liger")
 TOP_K = 32  # cached teacher targets a position (random, valid)
-# (loss relative error, largest per-parameter relative gradient-norm error) the check allows:
-# fp32 is exact up to summation order; under bf16 autocast the chunked and whole-sequence steps
-# round differently (page attention vs SDPA, chunk-sized matmuls), as two implementations do.
-TOLERANCES = {"float32": (1e-5, 1e-4), "bfloat16": (5e-3, 5e-2)}
+# (loss relative error, per-parameter relative gradient-norm error) the check allows against the
+# exact fp32 whole-sequence step: fp32 chunking is exact up to summation order. Under bf16 the
+# gradient bound is BF16_SLACK x the whole-sequence bf16 step's own error, this value its floor:
+# the noise of bf16 differs by parameter (key biases' gradients are the noisiest), so a fixed
+# bound would be either loose for most parameters or too tight for some.
+TOLERANCES = {"float32": (1e-5, 1e-4), "bfloat16": (5e-3, 1e-2)}
+BF16_SLACK = 3.0
 
 
 def shape_config(shape: str, max_len: int) -> StudentConfig:
@@ -161,30 +166,41 @@ def hf_liger_step_fn(config: StudentConfig, length: int, device: str, seed: int)
 
 
 def check_exact(variant: str, config: StudentConfig, args, device: str, dtype: str) -> dict:
-    """The chunked step's loss and gradients against the same Student's whole-sequence step
-    (module docstring); raises AssertionError past TOLERANCES[dtype]."""
+    """The chunked step's loss and parameter gradients against the same Student's exact
+    whole-sequence step in fp32 (module docstring); raises AssertionError past TOLERANCES[dtype].
+    Under bf16 a gradient may differ from the exact one by BF16_SLACK x what the whole-sequence
+    bf16 step's does (at least the floor): chunking may round differently, not worse in kind."""
     n = args.check_tokens
     chunk = min(args.chunk_tokens, -(-n // 3))
     model = build_ours(config, device, args.seed)
     batch = random_batch(n, config.vocab_size, device, args.seed + 1)
+    runs = [(None, "float32"), (chunk, dtype)] + ([(None, dtype)] if dtype != "float32" else [])
     results = []
-    for chunk_tokens in (None, chunk):
-        loss = ours_backward(model, batch, train_config(args, device, dtype, chunk_tokens=chunk_tokens,
-                                                        kv_offload=chunk_tokens is not None and variant == "ours_offload"))
+    for chunk_tokens, run_dtype in runs:
+        offload = chunk_tokens is not None and variant == "ours_offload"
+        loss = ours_backward(model, batch, train_config(args, device, run_dtype, chunk_tokens=chunk_tokens,
+                                                        kv_offload=offload))
         results.append((loss.float(), {name: p.grad.float().clone() for name, p in model.named_parameters()}))
         model.zero_grad(set_to_none=True)
-    (ref_loss, ref_grads), (loss, grads) = results
+    (ref_loss, ref_grads), (loss, grads) = results[:2]
     loss_tol, grad_tol = TOLERANCES[dtype]
     loss_err = check_close(f"{variant} check: loss of {n} tokens in chunks of {chunk}", loss, ref_loss,
                            atol=0.0, rtol=loss_tol)
-    errors = {name: ((grads[name] - g).norm() / g.norm().clamp_min(1e-30)).item() for name, g in ref_grads.items()}
-    worst = max(errors, key=errors.get)
-    check_close(f"{variant} check: relative gradient-norm error of {worst} (in chunks of {chunk})", errors[worst], 0.0,
-                atol=grad_tol)
+    errors = _relative_errors(grads, ref_grads)
+    allowed = {name: grad_tol for name in errors}
+    if len(results) == 3:
+        allowed = {name: BF16_SLACK * max(e, grad_tol) for name, e in _relative_errors(results[2][1], ref_grads).items()}
+    worst = max(errors, key=lambda name: errors[name] / allowed[name])
+    check_close(f"{variant} check: relative gradient-norm error of {worst} (in chunks of {chunk}, {dtype})",
+                errors[worst], 0.0, atol=allowed[worst])
     del model, results, grads, ref_grads
     free_memory(device)
     return {"check_tokens": n, "check_chunk_tokens": chunk, "check_loss_error": loss_err,
-            "check_grad_error": errors[worst], "check_grad_error_param": worst}
+            "check_grad_error": errors[worst], "check_grad_allowed": allowed[worst], "check_grad_error_param": worst}
+
+
+def _relative_errors(grads: dict, ref_grads: dict) -> dict:
+    return {name: ((grads[name] - g).norm() / g.norm().clamp_min(1e-30)).item() for name, g in ref_grads.items()}
 
 
 def param_count(config: StudentConfig) -> int:
@@ -209,7 +225,7 @@ def measure(variant: str, config: StudentConfig, length: int, args, device: str,
             step = ours_step_fn(model, batch, train_config(args, device, dtype, chunk_tokens=args.chunk_tokens,
                                                            kv_offload=variant == "ours_offload"))
             del model, batch
-        if device == "cuda":
+        if device == "cuda" and hasattr(torch.cuda, "reset_peak_host_memory_stats"):
             torch.cuda.reset_peak_host_memory_stats()
             timing = time_gpu(step, warmup=args.warmup, repeats=args.repeats)
         else:
@@ -224,7 +240,8 @@ def measure(variant: str, config: StudentConfig, length: int, args, device: str,
                "tok_s": length / seconds}
     if device == "cuda":
         figures["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-        host = torch.cuda.host_memory_stats().get("allocated_bytes.all.peak")
+        stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+        host = stats.get("active_bytes.peak", stats.get("allocated_bytes.peak"))
         if host is not None:
             figures["peak_pinned_host_gib"] = host / GIB
     figures["model_tflops"] = tflops(model_flops(config, param_count(config), length), timing.median_ms)
