@@ -1,0 +1,82 @@
+"""The long-context benchmark (tests/benchmarks/bench_long_context_gpu.py) on the CPU: its rows, its
+exactness gate (which must stop a wrong engine) and its shapes. No figures are claimed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "benchmarks"))
+import bench_long_context_gpu as bench  # noqa: E402
+
+SMOKE = ["--device", "cpu", "--shape", "tiny", "--lengths", "128,192", "--chunk-tokens", "64", "--check-tokens", "96",
+         "--warmup", "0", "--repeats", "1", "--optimizer", "adamw"]
+
+
+def test_cpu_run_checks_then_appends_one_row_per_length_and_plots(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
+    results, png = tmp_path / "results.jsonl", tmp_path / "lc.png"
+    rows = bench.main([*SMOKE, "--variants", "ours,ours_offload,hf_liger", "--results", str(results),
+                       "--plot", str(png)])
+    assert [json.loads(line) for line in results.read_text().splitlines()] == rows
+    assert [row["id"] for row in rows] == ["long_context/tiny-T128/ours@abc1234", "long_context/tiny-T192/ours@abc1234"]
+    for row, length in zip(rows, (128, 192)):
+        f = row["figures"]
+        assert f["oom"] is False and f["step_s"] > 0 and f["tok_s"] == pytest.approx(length / f["step_s"])
+        assert f["check_tokens"] == 96 and f["check_chunk_tokens"] == 32  # three chunks of the check sequence
+        assert f["check_grad_error"] <= f["check_grad_allowed"] == bench.TOLERANCES["float32"][1]
+        assert row["config"]["length"] == length and row["config"]["chunk_tokens"] == 64
+        assert row["config"]["dtype"] == "float32" and row["config"]["kv_offload"] is False
+    assert png.stat().st_size > 0
+
+
+def test_plot_only_draws_the_rows_already_in_the_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
+    results, png = tmp_path / "results.jsonl", tmp_path / "again.png"
+    bench.main([*SMOKE, "--lengths", "128", "--check-tokens", "0", "--results", str(results)])
+    assert bench.main(["--plot-only", "--results", str(results), "--plot", str(png)]) == []
+    assert png.stat().st_size > 0 and len(results.read_text().splitlines()) == 1
+
+
+def _drop_past_page_gradients(monkeypatch):
+    """OOMB's rectangular backend's defect: a chunk's keys and values get no gradient from later chunks."""
+    import torch
+
+    from student.long_context import PagedKVStore
+
+    own = PagedKVStore._own
+    monkeypatch.setattr(PagedKVStore, "_own", lambda self, pool: torch.zeros_like(own(self, pool)))
+
+
+def _chunk_loss_over_its_own_rows(monkeypatch):
+    """Each chunk's loss normalised over the chunk instead of the whole sequence."""
+    import student.trainer
+
+    loss = student.trainer._loss
+    monkeypatch.setattr(student.trainer, "_loss", lambda *a, part=None, **kw: loss(*a, **kw))
+
+
+@pytest.mark.parametrize("defect", [_drop_past_page_gradients, _chunk_loss_over_its_own_rows])
+def test_the_exactness_check_stops_a_wrong_engine(defect, monkeypatch):
+    args = bench.parse_args(SMOKE)
+    config = bench.shape_config("tiny", 128)
+    defect(monkeypatch)  # the engine as it is passes: the first test
+    with pytest.raises(AssertionError, match="ours check"):
+        bench.check_exact("ours", config, args, "cpu", "float32")
+
+
+def test_shapes_have_their_architectures_parameter_counts():
+    # Qwen2-0.5B as published (tied); Qwen2.5-3B's published count is with a tied lm-head, ours is untied.
+    assert bench.param_count(bench.shape_config("qwen2-0.5b", 65536)) == 494_032_768
+    assert bench.param_count(bench.shape_config("qwen2.5-3b", 65536)) == 3_085_938_688 + 151_936 * 2048
+
+
+def test_bad_options_are_refused_naming_the_option(capsys):
+    for argv, option in ((["--variants", "ours,peer"], "--variants"), (["--lengths", "64k"], "--lengths"),
+                         (["--shape", "7b"], "--shape")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert option in capsys.readouterr().err
