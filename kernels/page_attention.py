@@ -51,8 +51,9 @@ class PageAttentionSettings:
     powers of two (key blocks may be smaller or larger than a page: a key block's rows look up their
     own page in the table). Query blocks count (query, head-of-the-group) rows: the G query heads
     that share a kv head are packed into one block, so each key/value block is loaded once for all
-    of them. The defaults are FlashAttention-2's usual H200 shapes for D 64 / 128, to be replaced by
-    the sweep of tests/benchmarks/bench_page_attention_gpu.py (RESULTS.md, Page attention)."""
+    of them. The field defaults are FlashAttention-2's usual shapes; `for_head_dim` (what a call
+    without settings uses) changes those the H200 sweep of bench_page_attention_gpu.py --sweep
+    found faster for that head size (results.jsonl rows page_attention_sweep/*@94276e0)."""
 
     # forward: (query rows, keys) a step, warps, software-pipeline stages
     fwd_block_m: int = 128
@@ -71,6 +72,15 @@ class PageAttentionSettings:
     dkv_stages: int = 2
     # fp32 inputs: tl.dot's input precision ("ieee" exact fp32; "tf32" faster on tensor cores)
     fp32_precision: str = "ieee"
+
+    @classmethod
+    def for_head_dim(cls, head_dim: int) -> "PageAttentionSettings":
+        """The measured-best settings for keys of `head_dim` (rows cited in the class docstring):
+        D <= 64 runs the forward on 64-row query blocks with 4 warps and the dQ kernel on 128-row
+        blocks with 8 warps; larger D keeps 128-row forward blocks on 4 warps."""
+        if head_dim <= 64:
+            return cls(fwd_block_m=64, fwd_warps=4, dq_block_m=128, dq_warps=8)
+        return cls(fwd_warps=4)
 
     def __post_init__(self):
         for f in fields(self):
@@ -100,7 +110,7 @@ def page_attention_forward(q, k_pool, v_pool, table, *, first_page: int, q_start
     scale = _checked(q, k_pool, v_pool, table, first_page, q_start, scale)
     if _use_triton(impl, q, k_pool):
         return _triton_path.forward_triton(q, k_pool, v_pool, table.to(torch.int32), first_page, q_start, scale,
-                                           settings or PageAttentionSettings())
+                                           settings or PageAttentionSettings.for_head_dim(q.shape[-1]))
     return forward_torch(q, k_pool, v_pool, table, first_page, q_start, scale)
 
 
@@ -118,7 +128,7 @@ def page_attention_backward(q, dout, lse, delta, k_pool, v_pool, dk_pool, dv_poo
     if _use_triton(impl, q, k_pool):
         return _triton_path.backward_triton(q, dout, lse, delta, k_pool, v_pool, dk_pool, dv_pool,
                                             table.to(torch.int32), first_page, q_start, scale,
-                                            settings or PageAttentionSettings())
+                                            settings or PageAttentionSettings.for_head_dim(q.shape[-1]))
     return backward_torch(q, dout, lse, delta, k_pool, v_pool, dk_pool, dv_pool, table, first_page, q_start, scale)
 
 

@@ -245,8 +245,9 @@ class PagedKVStore:
     def _forward(self, layer: int, q):
         from kernels.page_attention import merge_partials, page_attention_forward
 
-        parts = [page_attention_forward(q, k, v, table, first_page=first, q_start=self.start)
-                 for k, v, _, _, table, first in self._page_sets(layer, with_grads=False)]
+        with _no_autocast(q):  # the kernels take their dtypes from the pages; lse and out stay fp32
+            parts = [page_attention_forward(q, k, v, table, first_page=first, q_start=self.start)
+                     for k, v, _, _, table, first in self._page_sets(layer, with_grads=False)]
         return parts[0] if len(parts) == 1 else merge_partials(parts)
 
 
@@ -351,11 +352,18 @@ def _attend_backward(store: PagedKVStore, layer: int, q, out, lse, dout):
 
     delta = (dout.float() * out.float()).sum(-1)
     dq = None
-    for k, v, dk, dv, table, first in store._page_sets(layer, with_grads=True):
-        part = page_attention_backward(q, dout, lse, delta, k, v, dk, dv, table, first_page=first,
-                                       q_start=store.start)
-        dq = part if dq is None else dq + part
+    with _no_autocast(q):
+        for k, v, dk, dv, table, first in store._page_sets(layer, with_grads=True):
+            part = page_attention_backward(q, dout, lse, delta, k, v, dk, dv, table, first_page=first,
+                                           q_start=store.start)
+            dq = part if dq is None else dq + part
     return dq
+
+
+def _no_autocast(tensor):
+    import torch
+
+    return torch.autocast(tensor.device.type, enabled=False)
 
 
 def _make_attend_function():

@@ -43,7 +43,7 @@ def make_batch(lengths: list[int], vocab: int, k: int = 6, seed: int = 0) -> Bat
 
 def loss_of(model, hidden, terms, rows, part=None, l1=0.0):
     hidden_ND = hidden.reshape(-1, hidden.shape[-1])
-    loss, kl = distill_loss(hidden_ND, model.lm_head_weight, rows, LossConfig(tail="bucket", ce_weight=0.25),
+    loss, kl = distill_loss(hidden_ND, model.lm_head_weight.to(hidden_ND.dtype), rows, LossConfig(tail="bucket", ce_weight=0.25),
                             cache_temperature=1.0, whole=part.whole if part else None)
     share = part.share if part else 1.0
     if l1 and terms:
