@@ -48,8 +48,9 @@ class LongContextConfig:
     # Pages that come to the GPU at once when offloaded (one page set of an attention call); two
     # sets are resident while one is read and the next is copied.
     offload_pages: int = 1024
-    # Pass 2 keeps only each layer's input for the backward and runs the layer again there: the
-    # activations held are one layer's of one chunk, for one more forward of every layer.
+    # Pass 2 keeps only each layer's input and attention output for the backward and runs the rest
+    # of the layer again there: the activations held are one layer's of one chunk, for one more
+    # forward of every layer's projections and MLP (not of its attention).
     checkpoint_layers: bool = True
     # Sparse attention (not exact): each chunk attends its own pages causally plus this many past
     # pages, those its queries score highest against the pages' mean keys (OOMB's page top-k).
@@ -130,6 +131,10 @@ class PagedKVStore:
         self.mean_k = [torch.zeros(self.num_pages, batch_size, num_kv_heads, head_dim, device=self.device)
                        for _ in range(num_layers)] if sparse_pages is not None else None
         self.selected: dict[tuple[int, int], object] = {}
+        # Pass 2 with checkpointed layers: each layer's attention output (and lse) from its first run,
+        # taken by the recomputation in the backward (see AttendPages).
+        self.keep_attention = False
+        self.kept_attention: dict[tuple[int, int], tuple] = {}
         self.start = self.end = 0
         self.grad = False
         slots = torch.arange(self.num_pages * batch_size, dtype=torch.int32, device=self.device)
@@ -374,8 +379,16 @@ def _make_attend_function():
 
         @staticmethod
         def forward(ctx, q, k, v, store: PagedKVStore, layer: int):
-            out, lse = store._forward(layer, q)
-            out = out.to(q.dtype)
+            # Under layer checkpointing the layer runs twice; the second run takes the first's output
+            # instead of attending again (attention is the costly part of a long chunk's layer).
+            kept = store.kept_attention.pop((layer, store.start), None)
+            if kept is None:
+                out, lse = store._forward(layer, q)
+                out = out.to(q.dtype)
+                if store.keep_attention:
+                    store.kept_attention[(layer, store.start)] = out, lse
+            else:
+                out, lse = kept
             ctx.store, ctx.layer = store, layer
             ctx.save_for_backward(q, out, lse)
             return out
@@ -461,6 +474,7 @@ def chunk_recurrent_backward(model, batch: Batch, chunk_loss: Callable, config: 
     whole = (sum(real_L), int((mask_BL & (batch.target_ids.view(B, L) >= 0)).sum()))
     bounds = chunk_bounds(L, config.chunk_tokens)
     store = _store_for(model, B, L, config, _attention_dtype(model, autocast_dtype), device)
+    store.keep_attention = config.checkpoint_layers
     mask_BL = mask_BL.to(device, non_blocking=True)
     amp = torch.autocast(torch.device(device).type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     with torch.no_grad(), amp:
