@@ -16,6 +16,8 @@ with a model and optimizer built afresh; an out-of-memory error becomes a row wi
                 normalised over the whole sequence), k = 32 random valid teacher targets built on the
                 device, the optimizer of student.optim.build_optimizer (--optimizer)
   ours_offload  ours with kv_offload=True: pages and their gradients in pinned host memory
+  ours_sparse   ours_offload with --sparse-pages past pages a chunk (OOMB's page top-k; not exact,
+                so not checked: its quality is measured by training, not here)
 Every variant's step: forward and backward (all chunks), global gradient-norm clipping at 1.0,
 optimizer step, zero_grad.
 
@@ -59,7 +61,8 @@ from student.data import Batch
 from student.model import Student
 
 BENCH = "long_context"
-VARIANTS = ("ours", "ours_offload", "hf_liger")
+VARIANTS = ("ours", "ours_offload", "ours_sparse", "hf_liger")
+OFFLOADED = ("ours_offload", "ours_sparse")
 TOP_K = 32  # cached teacher targets a position (random, valid)
 # (loss relative error, per-parameter relative gradient-norm error) the check allows against the
 # exact fp32 whole-sequence step: fp32 chunking is exact up to summation order. Under bf16 the
@@ -97,7 +100,8 @@ def random_batch(length: int, vocab: int, device, seed: int) -> Batch:
                  target_logprob, torch.ones(length, dtype=torch.bool, device=device))
 
 
-def train_config(args, device: str, dtype: str, *, chunk_tokens: int | None, kv_offload: bool = False):
+def train_config(args, device: str, dtype: str, *, chunk_tokens: int | None, kv_offload: bool = False,
+                 sparse_pages: int | None = None):
     """The TrainConfig the trainer's micro-batch path reads (loss, dtype, device, long context,
     optimizer); its paths are never opened."""
     from student.trainer import TrainConfig
@@ -105,7 +109,7 @@ def train_config(args, device: str, dtype: str, *, chunk_tokens: int | None, kv_
     return TrainConfig.from_flat(cache="unused", out="unused", student="unused", device=device, dtype=dtype,
                                  optimizer=args.optimizer, clip_grad=1.0, chunk_tokens=chunk_tokens,
                                  page_tokens=args.page_tokens, kv_offload=kv_offload,
-                                 offload_pages=args.offload_pages)
+                                 offload_pages=args.offload_pages, sparse_pages=sparse_pages)
 
 
 def build_ours(config: StudentConfig, device: str, seed: int) -> Student:
@@ -222,8 +226,9 @@ def measure(variant: str, config: StudentConfig, length: int, args, device: str,
         else:
             model = build_ours(config, device, args.seed)
             batch = random_batch(length, config.vocab_size, device, args.seed + 1)
-            step = ours_step_fn(model, batch, train_config(args, device, dtype, chunk_tokens=args.chunk_tokens,
-                                                           kv_offload=variant == "ours_offload"))
+            step = ours_step_fn(model, batch, train_config(
+                args, device, dtype, chunk_tokens=args.chunk_tokens, kv_offload=variant in OFFLOADED,
+                sparse_pages=args.sparse_pages if variant == "ours_sparse" else None))
             del model, batch
         if device == "cuda" and hasattr(torch.cuda, "reset_peak_host_memory_stats"):
             torch.cuda.reset_peak_host_memory_stats()
@@ -304,6 +309,8 @@ def parse_args(argv=None):
     parser.add_argument("--page-tokens", type=int, default=64, help="positions per page of the key/value store")
     parser.add_argument("--offload-pages", type=int, default=1024,
                         help="pages brought to the GPU at once by ours_offload (LongContextConfig.offload_pages)")
+    parser.add_argument("--sparse-pages", type=int, default=128,
+                        help="past pages a chunk attends in ours_sparse (LongContextConfig.sparse_pages)")
     parser.add_argument("--optimizer", default="adamw8bit", choices=("adamw8bit", "adamw", "foam"),
                         help="optimizer of the ours variants (student.optim.build_optimizer)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before the timed ones")
@@ -335,7 +342,7 @@ def parse_args(argv=None):
     if args.check_tokens and args.check_tokens < 3:
         parser.error(f"--check-tokens must be 0 (no check) or >= 3, got {args.check_tokens}")
     if args.device == "cpu":
-        for skipped in ("hf_liger", "ours_offload"):
+        for skipped in ("hf_liger", *OFFLOADED):
             if skipped in variants:
                 print(f"{skipped} skipped on the CPU (it needs CUDA)", flush=True)
                 variants.remove(skipped)
@@ -361,7 +368,7 @@ def main(argv=None) -> list[dict]:
         checks = {}
         if args.check_tokens:
             for variant in args.variants:
-                if variant.startswith("ours"):
+                if variant.startswith("ours") and variant != "ours_sparse":
                     checks[variant] = check_exact(variant, config, args, device, dtype)
                     print(f"{shape} {variant}: exact against the whole-sequence step ({checks[variant]})", flush=True)
         for variant in args.variants:
@@ -373,8 +380,9 @@ def main(argv=None) -> list[dict]:
                               "torch": torch.__version__, "transformers": transformers.__version__}
                 if variant.startswith("ours"):
                     row_config.update(dtype=dtype, optimizer=args.optimizer, chunk_tokens=args.chunk_tokens,
-                                      page_tokens=args.page_tokens, kv_offload=variant == "ours_offload",
-                                      offload_pages=args.offload_pages, top_k=TOP_K)
+                                      page_tokens=args.page_tokens, kv_offload=variant in OFFLOADED,
+                                      offload_pages=args.offload_pages, top_k=TOP_K,
+                                      sparse_pages=args.sparse_pages if variant == "ours_sparse" else None)
                 results.add(f"{shape}-T{length}/{variant}", figures, row_config)
     print_table(results.rows)
     if args.plot:
