@@ -4,7 +4,8 @@ Run directory (`out`):
   run.json            the resolved config (flat names: TrainConfig.to_flat()), the cache's id and
                       temperature, the student's identity and tokenizer hash
   metrics.jsonl       {"kind": "train", step, loss, kl, lr, grad_norm, tokens, tok_per_s,
-                      optimizer_state_bytes, epoch}, with a ReLU-gated (sparse FFN) student also
+                      optimizer_state_bytes, epoch, and on a GPU peak_gpu_bytes: the most
+                      allocated since the previous row}, with a ReLU-gated (sparse FFN) student also
                       l1 (mean over layers of sum over d_ff of |h|, mean over tokens) and, per layer
                       over the steps since the previous row, ffn_nnz (mean non-zeros of h per token),
                       ffn_sparsity (1 - nnz / d_ff), ffn_dead (share of neurons zero on every token;
@@ -446,7 +447,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
                 log({"kind": "train", "step": step, "loss": loss_value, "kl": kl_sum / config.grad_accum, "lr": lr,
                      "grad_norm": grad_norm, "tokens": tokens, "tok_per_s": window_tokens / max(elapsed, 1e-9),
                      "optimizer_state_bytes": state_bytes(optimizer), "epoch": batches.epoch,
-                     **(policy.metrics(model) if policy is not None else {})})
+                     **_peak_gpu_bytes(device), **(policy.metrics(model) if policy is not None else {})})
                 window_tokens, window_start = 0, time.perf_counter()
             if (config.eval_every and step % config.eval_every == 0) or step == steps:
                 log({"kind": "eval", "step": step, **evaluate(step).to_dict()})
@@ -465,6 +466,18 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
                                           "kl_note": KL_NOTE})
     save_student(model, out / "student", config.tokenizer)
     return TrainReport(str(out), str(out / "student"), step, resumed_from, loss_value, initial, final, teacher)
+
+
+def _peak_gpu_bytes(device: str) -> dict:
+    """{"peak_gpu_bytes": the most memory allocated on the GPU since the previous row} (then reset);
+    {} on the CPU."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return {}
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"peak_gpu_bytes": peak}
 
 
 def _diverged_message(step: int, loss: float, grad_norm: float, last_saved, kept: list[int]) -> str:

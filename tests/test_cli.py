@@ -154,7 +154,9 @@ def test_help_of_the_stage_two_commands_has_examples(capsys):
     command = typer.main.get_command(app).commands["train-student"]
     options = {opt for p in command.params for opt in [*p.opts, *p.secondary_opts]}
     for option in ("--weight-decay", "--clip-grad", "--min-lr-ratio", "--log-every", "--dtype", "--foam-scale",
-                   "--foam-fold-embeddings", "--eval-sequences", "--dead-window", "--tokenizer", "--resume-from"):
+                   "--foam-fold-embeddings", "--eval-sequences", "--dead-window", "--tokenizer", "--resume-from",
+                   "--chunk-tokens", "--page-tokens", "--kv-offload", "--offload-pages", "--checkpoint-layers",
+                   "--sparse-pages"):
         assert option in options, option
 
 
@@ -170,6 +172,9 @@ def test_help_of_the_stage_two_commands_has_examples(capsys):
                                   "--tail renorm"]),
         (["--heldout", "24"], ["--heldout must be an integer in [0, 23] (the cache has 24 sequences", "got 24"]),
         (["--steps", "0"], ["--steps must be an integer >= 1, got 0"]),
+        (["--chunk-tokens", "8", "--page-tokens", "48"], ["--page-tokens must be a power of two >= 16, got 48"]),
+        (["--kv-offload"], ["--kv-offload keeps the pages of chunk-recurrent training", "--chunk-tokens"]),
+        (["--sparse-pages", "4"], ["--sparse-pages selects past pages", "--chunk-tokens"]),
     ],
 )
 def test_train_student_errors_name_the_option(tiny, tmp_path, capsys, args, needles):  # noqa: F811
