@@ -211,6 +211,12 @@ def test_deterministic_training_with_chunks_matches_whole_sequences(tiny, tmp_pa
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
     for g, w in zip(rows(tmp_path / "chunked", "eval"), rows(tmp_path / "whole", "eval")):
         assert g["kl"] == pytest.approx(w["kl"], rel=REL) and g["top1"] == w["top1"]
+    # `distill eval` of the chunked run evaluates as it trained (in chunks), and equals the whole run's
+    from student.evaluate import evaluate_run_or_folder
+
+    got_eval = evaluate_run_or_folder(tmp_path / "chunked", device="cpu")["after"]
+    want_eval = evaluate_run_or_folder(tmp_path / "whole", device="cpu")["after"]
+    assert got_eval.kl == pytest.approx(want_eval.kl, rel=REL) and got_eval.top1 == want_eval.top1
 
 
 # --- GPU: bf16 at 8K tokens, resident and offloaded pages ---------------------------------------
