@@ -49,7 +49,7 @@ def long_stage_one(recipe, *, seq_len: int, sequences: int, out: Path):
 def variant_parser(args):
     """parse(spec) for run_variants: "whole", "dense" or "sparse:B" -> (run name, flat TrainConfig
     overrides). Every variant gets the same shared settings, so only the attention differs."""
-    shared = {"num_layers": args.num_layers, "batch_size": args.batch_size, "heldout": args.heldout,
+    shared = {"seq_len": args.train_seq_len, "num_layers": args.num_layers, "batch_size": args.batch_size, "heldout": args.heldout,
               "warmup_steps": args.warmup_steps, "save_every": args.steps, "log_every": 1}
     chunked = {"chunk_tokens": args.chunk_tokens, "page_tokens": args.page_tokens}
 
@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.set_defaults(steps=30)
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens per cached sequence (stage one)")
     ap.add_argument("--sequences", type=int, default=24, help="cached sequences, the held-out ones among them")
+    ap.add_argument("--train-seq-len", type=int, default=None,
+                    help="train and evaluate on the first N tokens of each cached sequence (the cached targets "
+                         "of those tokens saw only them, so a cropped sequence is exact); default: all --seq-len")
     ap.add_argument("--heldout", type=int, default=4, help="held-out sequences every evaluation uses")
     ap.add_argument("--num-layers", type=int, default=4, help="layers the student keeps of the teacher")
     ap.add_argument("--batch-size", type=int, default=1)
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
         cache_teacher(long_stage_one(load_bench_recipe(args.recipe), seq_len=args.seq_len,
                                      sequences=args.sequences, out=args.cache))
     results = run_variants(args, variant_parser(args), describe, RESULTS_JSON)
-    results.update(cache=str(args.cache), seq_len=args.seq_len)
+    results.update(cache=str(args.cache), seq_len=args.train_seq_len or args.seq_len)
     add_dense_evals(results, args.out, args.chunk_tokens)
     (args.out / RESULTS_JSON).write_text(json.dumps(results, indent=2))
     check_exact(results, args.out)
