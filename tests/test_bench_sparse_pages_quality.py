@@ -13,10 +13,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "benchmarks"))
 import bench_sparse_pages_quality as bench  # noqa: E402
 
-SMOKE = ["--seq-len", "96", "--sequences", "3", "--heldout", "1", "--steps", "2", "--eval-every", "1",
+SMOKE = ["--seq-len", "96", "--train-seq-len", "80", "--sequences", "3", "--heldout", "1", "--steps", "2", "--eval-every", "1",
          "--num-layers", "2", "--warmup-steps", "1", "--chunk-tokens", "32", "--page-tokens", "16"]
 
 
+@pytest.mark.slow
 def test_tiny_run_checks_then_appends_one_row_per_variant_and_plots(tmp_path, monkeypatch, teacher_dir):
     monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
     out, rows_file = tmp_path / "out", tmp_path / "results.jsonl"
@@ -34,12 +35,13 @@ def test_tiny_run_checks_then_appends_one_row_per_variant_and_plots(tmp_path, mo
     assert rows["dense"]["figures"]["kl_cost_vs_dense"] == 0.0
     assert rows["whole"]["figures"]["kl_cost_vs_dense"] == pytest.approx(0.0, abs=1e-4)
     assert runs["sparse_1"]["overrides"]["sparse_pages"] == 1 and "sparse_pages" not in runs["dense"]["overrides"]
-    # Three 32-token chunks of two pages each: the last chunk keeps one of its four past pages, so the
-    # sparse run's own evaluation (sparse) and the dense evaluation of its student differ.
+    # 80 tokens in chunks of 32 (two pages each) and 16: the last chunk keeps one of its four past
+    # pages, so the sparse run's own evaluation (sparse) and the dense evaluation of its student differ.
     sparse = rows["sparse_1"]["figures"]
     assert sparse["heldout_kl"] != pytest.approx(sparse["dense_eval_kl"], rel=1e-4)
     assert (out / "sparse_pages_quality.png").stat().st_size > 0
-    assert (out / "cache_L96_n3" / "manifest.json").exists()
+    assert (out / "cache_L96_n3" / "manifest.json").exists() and results["seq_len"] == 80
+    assert all(row["config"]["overrides"]["seq_len"] == 80 for row in rows.values())
 
 
 def _run(root: Path, name: str, losses: list[float], last_kl: float, dense_kl: float) -> dict:

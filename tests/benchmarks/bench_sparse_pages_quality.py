@@ -120,7 +120,7 @@ def add_rows(results: dict, path: Path | None) -> None:
             figures.update(kl_cost_vs_dense=dense["kl"] - reference["kl"],
                            ce_cost_vs_dense=dense["ce"] - reference["ce"])
         rows.add(name, figures, {"label": run["label"], "overrides": run["overrides"], "cache": results["cache"],
-                                 "seq_len": results["seq_len"]})
+                                 "seq_len": results["seq_len"], "train_command": results["command"]})
 
 
 def plot(results: dict, path: Path) -> None:
@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> dict:
     add_variant_run_args(ap, variants="dense,sparse:4,sparse:16", eval_every=10, results_json=RESULTS_JSON,
                          cache_required=False)
     ap.set_defaults(steps=30)
+    ap.add_argument("--finish", action="store_true",
+                    help=f"train nothing: evaluate, check, add the rows of and plot the runs kept in OUT/{RESULTS_JSON} "
+                         "(a call stopped during a later variant keeps the runs it finished)")
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens per cached sequence (stage one)")
     ap.add_argument("--sequences", type=int, default=24, help="cached sequences, the held-out ones among them")
     ap.add_argument("--train-seq-len", type=int, default=None,
@@ -169,14 +172,22 @@ def main(argv: list[str] | None = None) -> dict:
         results = json.loads((args.out / RESULTS_JSON).read_text())
         plot(results, args.out / f"{BENCH}.png")
         return results
+    if args.finish:
+        return finish(json.loads((args.out / RESULTS_JSON).read_text()), args)
     if args.cache is None:
         from pipelines.stage_one import cache_teacher
 
         args.cache = args.out / f"cache_L{args.seq_len}_n{args.sequences}"
         cache_teacher(long_stage_one(load_bench_recipe(args.recipe), seq_len=args.seq_len,
                                      sequences=args.sequences, out=args.cache))
-    results = run_variants(args, variant_parser(args), describe, RESULTS_JSON)
-    results.update(cache=str(args.cache), seq_len=args.train_seq_len or args.seq_len)
+    return finish(run_variants(args, variant_parser(args), describe, RESULTS_JSON), args)
+
+
+def finish(results: dict, args) -> dict:
+    """The dense evaluations, the exactness checks, the rows and the plot of the trained runs
+    (run_variants' results; its base config names the cache)."""
+    results.setdefault("cache", results["config"]["cache"])
+    results.setdefault("seq_len", args.train_seq_len or args.seq_len)
     add_dense_evals(results, args.out, args.chunk_tokens)
     (args.out / RESULTS_JSON).write_text(json.dumps(results, indent=2))
     check_exact(results, args.out)
