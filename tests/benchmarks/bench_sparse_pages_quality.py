@@ -5,6 +5,7 @@ pages its queries score highest against their mean keys), optionally also on who
 (`whole`, which must give the dense run's losses). Long sequences, so most of the past is dropped.
 
     python tests/benchmarks/bench_sparse_pages_quality.py                        # CPU, default sizes
+    python tests/benchmarks/bench_sparse_pages_quality.py --train-seq-len 2048 --chunk-tokens 256  # the whole cache
     python tests/benchmarks/bench_sparse_pages_quality.py --variants whole,dense,sparse:4 --steps 10
 
 Stage one: the quickstart recipe's teacher and corpus packed into sequences of --seq-len tokens
@@ -158,16 +159,17 @@ def main(argv: list[str] | None = None) -> dict:
                          "(a call stopped during a later variant keeps the runs it finished)")
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens per cached sequence (stage one)")
     ap.add_argument("--sequences", type=int, default=24, help="cached sequences, the held-out ones among them")
-    ap.add_argument("--train-seq-len", type=int, default=None,
+    ap.add_argument("--train-seq-len", type=int, default=1024,
                     help="train and evaluate on the first N tokens of each cached sequence (the cached targets "
-                         "of those tokens saw only them, so a cropped sequence is exact); default: all --seq-len")
-    ap.add_argument("--heldout", type=int, default=4, help="held-out sequences every evaluation uses")
+                         "of those tokens saw only them, so a cropped sequence is exact); 0: all --seq-len")
+    ap.add_argument("--heldout", type=int, default=2, help="held-out sequences every evaluation uses")
     ap.add_argument("--num-layers", type=int, default=4, help="layers the student keeps of the teacher")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--warmup-steps", type=int, default=3)
-    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--chunk-tokens", type=int, default=128)
     ap.add_argument("--page-tokens", type=int, default=16)
     args = ap.parse_args(argv)
+    args.train_seq_len = args.train_seq_len or None
     if args.replot:
         results = json.loads((args.out / RESULTS_JSON).read_text())
         plot(results, args.out / f"{BENCH}.png")
