@@ -1,0 +1,65 @@
+"""The sparse-pages quality benchmark (tests/benchmarks/bench_sparse_pages_quality.py) at a tiny size
+on the CPU: real teacher and text, its rows, its two evaluations per run, and its exactness gate.
+No figures are claimed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "benchmarks"))
+import bench_sparse_pages_quality as bench  # noqa: E402
+
+SMOKE = ["--seq-len", "96", "--train-seq-len", "80", "--sequences", "3", "--heldout", "1", "--steps", "2", "--eval-every", "1",
+         "--num-layers", "2", "--warmup-steps", "1", "--chunk-tokens", "32", "--page-tokens", "16"]
+
+
+@pytest.mark.slow
+def test_tiny_run_checks_then_appends_one_row_per_variant_and_plots(tmp_path, monkeypatch, teacher_dir):
+    monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
+    out, rows_file = tmp_path / "out", tmp_path / "results.jsonl"
+    results = bench.main([*SMOKE, "--variants", "whole,dense,sparse:1", "--out", str(out),
+                          "--results", str(rows_file)])
+    rows = {row["case"]: row for row in map(json.loads, rows_file.read_text().splitlines())}
+    assert list(rows) == ["whole", "dense", "sparse_1"]
+    assert rows["dense"]["id"] == "sparse_pages_quality/dense@abc1234"
+    runs = results["runs"]
+    for name, row in rows.items():
+        f = row["figures"]
+        assert f["steps"] == [0, 1, 2] and len(f["heldout_kl_by_step"]) == 3 and f["seconds"] > 0
+        assert f["dense_eval_kl"] == runs[name]["dense_eval"]["kl"] > 0
+        assert f["kl_cost_vs_dense"] == pytest.approx(f["dense_eval_kl"] - rows["dense"]["figures"]["dense_eval_kl"])
+    assert rows["dense"]["figures"]["kl_cost_vs_dense"] == 0.0
+    assert rows["whole"]["figures"]["kl_cost_vs_dense"] == pytest.approx(0.0, abs=1e-4)
+    assert runs["sparse_1"]["overrides"]["sparse_pages"] == 1 and "sparse_pages" not in runs["dense"]["overrides"]
+    # 80 tokens in chunks of 32 (two pages each) and 16: the last chunk keeps one of its four past
+    # pages, so the sparse run's own evaluation (sparse) and the dense evaluation of its student differ.
+    sparse = rows["sparse_1"]["figures"]
+    assert sparse["heldout_kl"] != pytest.approx(sparse["dense_eval_kl"], rel=1e-4)
+    assert (out / "sparse_pages_quality.png").stat().st_size > 0
+    assert (out / "cache_L96_n3" / "manifest.json").exists() and results["seq_len"] == 80
+    assert all(row["config"]["overrides"]["seq_len"] == 80 for row in rows.values())
+
+
+def _run(root: Path, name: str, losses: list[float], last_kl: float, dense_kl: float) -> dict:
+    (root / name).mkdir(parents=True)
+    (root / name / "metrics.jsonl").write_text(
+        "".join(json.dumps({"kind": "train", "step": i + 1, "loss": x}) + "\n" for i, x in enumerate(losses)))
+    return {"eval": [{"step": len(losses), "kl": last_kl, "ce": 2.0}], "dense_eval": {"kl": dense_kl, "ce": 2.0}}
+
+
+def test_exactness_gate_passes_equal_runs(tmp_path):
+    runs = {"dense": _run(tmp_path, "dense", [3.0, 2.5], 1.5, 1.5), "whole": _run(tmp_path, "whole", [3.0, 2.5], 1.5, 1.5)}
+    bench.check_exact({"runs": runs}, tmp_path)
+
+
+@pytest.mark.parametrize("whole_losses, dense_kl", [([3.0, 2.51], 1.5), ([3.0, 2.5], 1.51)],
+                         ids=["whole-losses-differ", "dense-eval-differs"])
+def test_exactness_gate_stops_a_chunked_run_that_is_not_exact(tmp_path, whole_losses, dense_kl):
+    runs = {"dense": _run(tmp_path, "dense", [3.0, 2.5], 1.5, dense_kl),
+            "whole": _run(tmp_path, "whole", whole_losses, 1.5, 1.5)}
+    with pytest.raises(AssertionError, match="dense"):
+        bench.check_exact({"runs": runs}, tmp_path)
