@@ -174,9 +174,12 @@ def device_name() -> str:
     return f"CPU {cpu}, {os.cpu_count()} cores"
 
 
+@functools.cache
 def commit() -> str:
     """The checkout's short commit, with "-dirty" when tracked files differ from it; the
-    environment variable DISTILL_BENCH_COMMIT overrides it (a copy of the tree without .git)."""
+    environment variable DISTILL_BENCH_COMMIT overrides it (a copy of the tree without .git, or
+    with a stale one, as on the device machine). Read once a process: the rows a benchmark appends
+    to the tracked results.jsonl would otherwise mark its later rows dirty."""
     if os.environ.get("DISTILL_BENCH_COMMIT"):
         return os.environ["DISTILL_BENCH_COMMIT"]
 
