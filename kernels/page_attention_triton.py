@@ -66,9 +66,12 @@ def _key_offsets(TABLE, b, hkv, kidx, num_keys, d, stride_tb, stride_s, stride_h
 
 
 @triton.jit
-def _fwd_step(acc, m_i, l_i, q, K, V, TABLE, b, hkv, kb, num_keys, q_pos, hi_pos, first_key, d, d_ok, qk_scale,
-              stride_tb, stride_s, stride_h, stride_p,
-              P: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+def _key_block(q, K, V, TABLE, b, hkv, kb, num_keys, q_pos, hi_pos, first_key, d, d_ok, qk_scale,
+               stride_tb, stride_s, stride_h, stride_p,
+               P: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+    """Key block kb's keys and values [BLOCK_N, BLOCK_D] and the rows' scaled scores [BLOCK_M,
+    BLOCK_N]; with MASK, keys past the table or the block's last query load as 0 and scores a row
+    may not see are -inf (a block wholly visible to every row skips both)."""
     kidx = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs = _key_offsets(TABLE, b, hkv, kidx, num_keys, d, stride_tb, stride_s, stride_h, stride_p, P)
     if MASK:
@@ -82,6 +85,15 @@ def _fwd_step(acc, m_i, l_i, q, K, V, TABLE, b, hkv, kb, num_keys, q_pos, hi_pos
     if MASK:
         visible = (first_key + kidx)[None, :] <= q_pos[:, None]
         s = tl.where(visible & (kidx < num_keys)[None, :], s, float("-inf"))
+    return k, v, s
+
+
+@triton.jit
+def _fwd_step(acc, m_i, l_i, q, K, V, TABLE, b, hkv, kb, num_keys, q_pos, hi_pos, first_key, d, d_ok, qk_scale,
+              stride_tb, stride_s, stride_h, stride_p,
+              P: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+    k, v, s = _key_block(q, K, V, TABLE, b, hkv, kb, num_keys, q_pos, hi_pos, first_key, d, d_ok, qk_scale,
+                         stride_tb, stride_s, stride_h, stride_p, P, BLOCK_N, MASK, PRECISION)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet: exp2(-inf) = 0
     alpha = tl.exp2(m_i - m_use)
@@ -136,19 +148,8 @@ def _fwd_kernel(Q, K, V, TABLE, OUT, LSE,
 def _dq_step(dq, q, do, lse2, delta, K, V, TABLE, b, hkv, kb, num_keys, q_pos, hi_pos, first_key, d, d_ok,
              qk_scale, stride_tb, stride_s, stride_h, stride_p,
              P: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
-    kidx = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs = _key_offsets(TABLE, b, hkv, kidx, num_keys, d, stride_tb, stride_s, stride_h, stride_p, P)
-    if MASK:
-        key_ok = (kidx < num_keys) & (first_key + kidx <= hi_pos)
-        k = tl.load(K + offs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + offs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-    else:
-        k = tl.load(K + offs, mask=d_ok[None, :], other=0.0)
-        v = tl.load(V + offs, mask=d_ok[None, :], other=0.0)
-    s = _dot(q, tl.trans(k), PRECISION) * qk_scale
-    if MASK:
-        visible = (first_key + kidx)[None, :] <= q_pos[:, None]
-        s = tl.where(visible & (kidx < num_keys)[None, :], s, float("-inf"))
+    k, v, s = _key_block(q, K, V, TABLE, b, hkv, kb, num_keys, q_pos, hi_pos, first_key, d, d_ok, qk_scale,
+                         stride_tb, stride_s, stride_h, stride_p, P, BLOCK_N, MASK, PRECISION)
     p = tl.exp2(s - lse2[:, None])
     dp = _dot(do, tl.trans(v), PRECISION)
     ds = p * (dp - delta[:, None])
