@@ -8,7 +8,14 @@ fields of ``TeacherConfig``, ``CorpusConfig`` and ``CacheConfig``, and in [train
 from the teacher, evenly spaced) or ``from = "path/to/hf-folder"``. Relative paths are relative to
 the directory the command runs in, like the CLI's. Example: ``pipelines/recipes/quickstart.toml``.
 
-``load_recipe`` checks the whole recipe before any work (every section, key, type and range, and
+A [sweep] section lists values of [train] or [student] keys, as ``"section.key" = [values]`` (or
+TOML's dotted ``train.lr = [...]``): the recipe becomes the grid of every combination, in the order
+written, each point a run directory under [train] out named after its settings
+(``lr=0.001,optimizer=foam``). Every point trains on the recipe's one cache, so cache, corpus and
+teacher keys cannot be swept. A sweep resumes: a point whose run holds its final student is
+skipped, an interrupted one continues through the trainer's own resume.
+
+``load_recipe`` checks the whole recipe (every sweep point included) before any work (every section, key, type and range, and
 that the training temperature composes with the cache's): one line naming ``[section] key``.
 ``run_recipe`` builds the cache (or reuses a complete one of the same identity without loading
 the teacher), trains the student (or resumes an interrupted run), and returns the evaluation of
@@ -17,7 +24,9 @@ the student before and after training next to the teacher's own numbers.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import itertools
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -32,6 +41,7 @@ from pipelines.corpus import CorpusConfig
 from pipelines.stage_one import StageOneConfig, TeacherConfig
 
 SECTIONS = ("teacher", "corpus", "cache", "student", "train")
+SWEEPABLE = ("train", "student")  # the one cache is shared: its sections cannot vary within a sweep
 RECIPES_DIR = Path(__file__).parent / "recipes"
 # [train] keys set by the other sections: the cache by [cache] out, the initial student by [student].
 _TRAIN_FROM_OTHER_SECTIONS = {"cache": "[cache] out", "student": "[student] from", "teacher": "[teacher] model",
@@ -60,6 +70,8 @@ class Recipe:
     student: StudentInit
     train: dict[str, Any] = field(default_factory=dict)  # TrainConfig flat fields other than cache and init
     source: Path | None = None
+    settings: dict[str, Any] = field(default_factory=dict)  # a sweep point's values, {"train.lr": 0.001}
+    points: list[Recipe] = field(default_factory=list)  # a sweep's points, in order ([] without [sweep])
 
 
 def builtin_recipe(name: str) -> Path:
@@ -81,9 +93,78 @@ def load_recipe(path: str | Path) -> Recipe:
     except tomllib.TOMLDecodeError as e:
         raise DistillUserError(f"recipe {path} is not valid TOML: {e}") from None
     try:
-        return _build(path, doc)
+        sweep = _sweep_keys(doc.pop("sweep", {}))
+        recipe = _build(path, copy.deepcopy(doc))
+        recipe.points = [_point(path, doc, settings, Path(recipe.train["out"])) for settings in _grid(sweep)]
     except DistillUserError as e:
         raise DistillUserError(f"recipe {path}: {e}") from None
+    names = [point.name for point in recipe.points]
+    if len(set(names)) < len(names):
+        raise DistillUserError(f"recipe {path}: [sweep] gives two points the same run name ({names}); "
+                               "list each value once")
+    return recipe
+
+
+def _sweep_keys(sweep) -> dict[str, list]:
+    """{"train.lr": [values], ...} from [sweep] (quoted "train.lr" keys or TOML dotted keys)."""
+    if not isinstance(sweep, dict):
+        raise DistillUserError(f"[sweep] must be a table of keys, got {type(sweep).__name__}")
+    flat = {}
+    for key, value in sweep.items():
+        if isinstance(value, dict):  # train.lr = [...] parses as {"train": {"lr": [...]}}
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    for key, values in flat.items():
+        section, _, name = key.partition(".")
+        if section not in SWEEPABLE or not name or "." in name:
+            raise DistillUserError(f"[sweep] key {key!r} must be SECTION.KEY with SECTION one of "
+                                   f"{', '.join(SWEEPABLE)} (every point shares the one cache; a recipe per cache "
+                                   "sweeps teacher, corpus or cache settings)")
+        if key == "train.out":
+            raise DistillUserError("[sweep] cannot vary train.out: each point's run directory is named under it")
+        if not isinstance(values, list) or not values:
+            raise DistillUserError(f"[sweep] {key} must be a non-empty list of values, got {values!r}")
+    return flat
+
+
+def _grid(sweep: dict[str, list]) -> list[dict[str, Any]]:
+    """Every combination of the sweep's values, the first key varying slowest."""
+    return [dict(zip(sweep, values)) for values in itertools.product(*sweep.values())]
+
+
+def point_name(settings: dict[str, Any]) -> str:
+    """A run directory name from a point's settings: ``lr=0.001,optimizer=foam`` (the key without its
+    section unless two keys share it; a path value by its last part)."""
+    shorts = [key.partition(".")[2] for key in settings]
+    parts = []
+    for (key, value), short in zip(settings.items(), shorts):
+        label = short if shorts.count(short) == 1 else key
+        if isinstance(value, bool):
+            text = str(value).lower()
+        elif isinstance(value, str):
+            text = Path(value).name or value
+        else:
+            text = repr(value)
+        parts.append(f"{label}={text}")
+    return ",".join(parts)
+
+
+def _point(path: Path, doc: dict, settings: dict[str, Any], sweep_dir: Path) -> Recipe:
+    """One sweep point, checked whole like a recipe; an error names the point."""
+    name = point_name(settings)
+    point_doc = copy.deepcopy(doc)
+    for key, value in settings.items():
+        section, _, field_name = key.partition(".")
+        point_doc.setdefault(section, {})[field_name] = value
+    point_doc["train"]["out"] = str(sweep_dir / name)
+    point_doc["name"] = name
+    try:
+        point = _build(path, point_doc)
+    except DistillUserError as e:
+        raise DistillUserError(f"[sweep] point {name}: {e}") from None
+    point.settings = settings
+    return point
 
 
 def _build(path: Path, doc: dict) -> Recipe:
@@ -168,16 +249,57 @@ def train_config(recipe: Recipe, teacher_dir: Path):
 
 
 @dataclass
+class PointResult:
+    name: str
+    run_dir: Path
+    state: str  # "skipped" (its final student existed) | "trained" | "resumed" (from a checkpoint)
+    seconds: float
+
+
+@dataclass
 class RecipeReport:
     cache_dir: Path
     cache_reused: bool
-    run_dir: Path
-    evaluation: dict  # {"teacher": EvalResult, "before": EvalResult | None, "after": EvalResult}
+    run_dir: Path  # the run, or for a sweep the folder of its points' runs
+    evaluation: dict  # {"teacher": EvalResult, "before": EvalResult | None, "after": EvalResult}; {} for a sweep
     wall_seconds: dict  # {"cache": s, "train": s}
+    points: list[PointResult] = field(default_factory=list)  # a sweep's points, in order
+
+
+def run_state(run_dir: str | Path) -> str:
+    """"finished" (its final student exists), "started" (a run.json: training resumes it) or "new"."""
+    run_dir = Path(run_dir)
+    if (run_dir / "student").is_dir():
+        return "finished"
+    return "started" if (run_dir / "run.json").is_file() else "new"
+
+
+def run_points(recipe: Recipe, teacher_dir: str | Path, progress: bool = True) -> list[PointResult]:
+    """Train a sweep's points one after another on the recipe's cache (built already): a finished
+    point is skipped, an interrupted one resumes from its last checkpoint."""
+    import time
+
+    from student.trainer import train
+
+    results = []
+    for point in recipe.points:
+        config = train_config(point, teacher_dir)
+        if run_state(config.out) == "finished":
+            results.append(PointResult(point.name, Path(config.out), "skipped", 0.0))
+            continue
+        start = time.perf_counter()
+        try:
+            report = train(config, progress=progress)
+        except ConfigError as e:
+            raise e.in_section("train") from None
+        state = "resumed" if report.resumed_from else "trained"
+        results.append(PointResult(point.name, Path(config.out), state, time.perf_counter() - start))
+    return results
 
 
 def run_recipe(recipe: Recipe, progress: bool = True) -> RecipeReport:
-    """Stage one (reusing a complete matching cache), then training (resuming), then evaluation."""
+    """Stage one (reusing a complete matching cache), then training (resuming), then evaluation;
+    for a sweep, stage one once and then every point (run_points)."""
     import time
 
     from pipelines.defaults import default_teacher_dir
@@ -191,6 +313,11 @@ def run_recipe(recipe: Recipe, progress: bool = True) -> RecipeReport:
     built = cache_teacher(recipe.stage_one, progress=progress)
     cache_seconds = time.perf_counter() - start
     start = time.perf_counter()
+    if recipe.points:
+        points = run_points(recipe, teacher_dir, progress=progress)
+        return RecipeReport(cache_dir=built.cache_dir, cache_reused=built.already_complete,
+                            run_dir=Path(recipe.train["out"]), evaluation={}, points=points,
+                            wall_seconds={"cache": cache_seconds, "train": time.perf_counter() - start})
     try:
         train(config, progress=progress)
     except ConfigError as e:  # e.g. fewer steps than the run's last checkpoint

@@ -14,7 +14,12 @@ Run directory (`out`):
                       rows moved by dead_reinit), ffn_kernel (with sparse_kernel "twell");
                       {"kind": "eval", step, kl, ce, ppl, top1, tokens (+ ffn_nnz, ffn_sparsity,
                       ffn_dead for a sparse student)}; and {"kind": "change", step, changes: {name:
-                      [old, new]}} where a rerun continued the run with other settings
+                      [old, new]}} where a rerun continued the run with other settings; {"kind":
+                      "stop", step, reason: "non-finite", message} when a non-finite loss stopped the
+                      run (a rerun resumes from its checkpoint and drops the row)
+  run.pid             {"pid", "host"} of the process training the run, removed when it returns or
+                      raises; one left behind by a killed process names a dead pid (a run is
+                      "running" only while that pid is alive on that host: pipelines/experiments.py)
   initial_eval.json   the step-0 student on the evaluation sequences
   eval.json           initial / final student and teacher reference at the end
   checkpoints/, student/   see student/checkpoint.py
@@ -36,6 +41,7 @@ import json
 import logging
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +61,7 @@ from student.sparse_ffn import SparseFFNConfig
 if TYPE_CHECKING:
     from student.evaluate import EvalResult
 
-__all__ = ["TrainConfig", "TrainReport", "train", "RunDirError", "NonFiniteLossError", "CHANGEABLE"]
+__all__ = ["TrainConfig", "TrainReport", "train", "RunDirError", "NonFiniteLossError", "CHANGEABLE", "PID_FILE"]
 
 # Settings a rerun may change; the run continues from its checkpoint and metrics.jsonl records each
 # change. They alter the learning-rate schedule, the optimizer's hyperparameters (not its kind or
@@ -67,6 +73,7 @@ CHANGEABLE = ("cache", "steps", "warmup_steps", "min_lr_ratio", "lr", "weight_de
               "offload_pages", "checkpoint_layers", "sparse_pages")
 # Settings of how often things are logged, evaluated or saved, and where: free to change, not recorded.
 _FREE = ("out", "eval_every", "eval_sequences", "save_every", "log_every")
+PID_FILE = "run.pid"  # the live trainer's {"pid", "host"}; see the module docstring
 _TEST_EXIT_ENV = "DISTILL_TEST_EXIT_AFTER_STEP"  # tests only: os._exit after this step, as a kill would
 logger = logging.getLogger(__name__)
 
@@ -316,6 +323,7 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     try:
+        pid_path = Path(config.out) / PID_FILE
         if progress:
             from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -324,6 +332,8 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
         return _train(config, progress, resume_from)
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
+        if pid_path.exists() and json.loads(pid_path.read_text()).get("pid") == os.getpid():
+            pid_path.unlink()
 
 
 def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> TrainReport:
@@ -363,6 +373,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
     run = {"config": config.to_flat(), "cache_id": reader.manifest.cache_id, "cache_temperature": cache_temperature,
            "student": identity, "tokenizer_hash": tok["hash"]}
     changes = _check_run_dir(out, run)
+    atomic_write_json(out / PID_FILE, {"pid": os.getpid(), "host": socket.gethostname()})
     if resume_from is not None:
         rewind(out, resume_from)
     remove_stale(out)
@@ -433,7 +444,9 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
             loss_value = loss_sum / config.grad_accum
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                 kept = [checkpoint_step(c) for c in checkpoints(out)]
-                raise NonFiniteLossError(_diverged_message(step + 1, loss_value, grad_norm, last_saved, kept))
+                message = _diverged_message(step + 1, loss_value, grad_norm, last_saved, kept)
+                log({"kind": "stop", "step": step + 1, "reason": "non-finite", "message": message})
+                raise NonFiniteLossError(message)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
