@@ -306,9 +306,12 @@ def evaluate(
 @app.command("run")
 def run_recipe(
     recipe: Path = typer.Argument(..., help="Recipe TOML file (see pipelines/recipes/quickstart.toml)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the recipe and list its runs (a sweep's points) and what a run would do to each; nothing runs."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ) -> None:
     """Run a recipe: cache the teacher (or reuse a complete matching cache), train, evaluate.
+
+    A [sweep] section ("train.lr" = [3e-4, 1e-3], "train.optimizer" = ["adamw", "foam"], "student.num_layers" = [4, 6]) trains every combination on the one cache, one after another, each into a run directory under [train] out named after its settings.
 
     Examples:
 
@@ -316,11 +319,66 @@ def run_recipe(
 
       distill run my_recipe.toml   # a copy with other teacher, corpus, student or steps
 
-    Rerunning resumes: a finished cache is reused and training continues from its last checkpoint.
-    """
-    from pipelines.recipe import load_recipe
+      distill run sweep.toml --dry-run   # list the sweep's points
 
-    _run_and_report(load_recipe(recipe), quiet)
+    Rerunning resumes: a finished cache is reused and training continues from its last checkpoint; in a sweep, finished points are skipped.
+    """
+    from pipelines.recipe import load_recipe, run_state
+
+    loaded = load_recipe(recipe)
+    if dry_run:
+        todo = {"finished": "skip (finished)", "started": "resume", "new": "train"}
+        for point in loaded.points or [loaded]:
+            typer.echo(f"{point.name:<40} {point.train['out']}  {todo[run_state(point.train['out'])]}")
+        return
+    _run_and_report(loaded, quiet)
+
+
+@app.command("runs")
+def runs(
+    folders: Optional[list[Path]] = typer.Argument(None, help="Folders holding run directories (searched below; default: runs)."),
+    cache: Optional[str] = typer.Option(None, "--cache", help="Only the runs of this cache id (a prefix will do)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """A table of the runs under the folders: cache, the settings that differ, steps, held-out KL/CE/top-1, tokens/s, optimizer state, status.
+
+    Status: finished (final student saved), running (its trainer's pid is alive), or stopped with the reason (a non-finite loss, or interrupted after step N: rerun to resume).
+
+    Examples:
+
+      distill runs
+
+      distill runs runs/sweep --cache 3f2a9c --json
+    """
+    from pipelines.experiments import find_runs, runs_table
+
+    found = find_runs(folders or [Path("runs")], cache_id=cache)
+    typer.echo(json.dumps([r.to_dict() for r in found], indent=2) if as_json else runs_table(found))
+
+
+@app.command("compare")
+def compare(
+    run_dirs: list[Path] = typer.Argument(..., help="Run directories."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also write curves of training loss and held-out KL against steps and tokens (needs matplotlib; no suffix: .png)."),
+    allow_different_caches: bool = typer.Option(False, "--allow-different-caches", help="Compare runs over different caches (their KL numbers are to different teacher targets)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """The runs' held-out metrics side by side, each labelled by the settings that differ.
+
+    Runs over different caches are refused unless --allow-different-caches: their KL is measured against different teacher targets.
+
+    Examples:
+
+      distill compare runs/sweep/lr=0.001,optimizer=adamw runs/sweep/lr=0.001,optimizer=foam
+
+      distill compare runs/sweep/* --plot compare.png
+    """
+    from pipelines.experiments import compare_runs, compare_table, plot_compare
+
+    found = compare_runs(run_dirs, allow_different_caches=allow_different_caches)
+    typer.echo(json.dumps([r.to_dict() for r in found], indent=2) if as_json else compare_table(found))
+    if plot is not None:
+        typer.echo(f"wrote {plot_compare(found, plot)}", err=True)
 
 
 @app.command("quickstart")
@@ -346,6 +404,13 @@ def _run_and_report(recipe, quiet: bool) -> None:
     reused = " (reused: complete and matching)" if report.cache_reused else ""
     typer.echo(f"cache {report.cache_dir}{reused}: {report.wall_seconds['cache']:.0f} s; "
                f"training {report.run_dir}: {report.wall_seconds['train']:.0f} s")
+    if report.points:
+        from pipelines.experiments import find_runs, runs_table
+
+        for point in report.points:
+            typer.echo(f"{point.name}: {point.state} ({point.seconds:.0f} s)")
+        typer.echo(runs_table(find_runs([report.run_dir])))
+        return
     typer.echo(_eval_table(report.evaluation))
     typer.echo(f"student: {report.run_dir / 'student'} (an HF folder: transformers and vLLM load it)")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from distill.errors import DistillUserError
+from cli_helpers import one_error_line, run_cli
+from pipelines.experiments import find_runs, read_run
 from pipelines.recipe import load_recipe, point_name, run_points, train_config
-from test_trainer import REPO, config, make_student, rows, tiny  # noqa: F401  (tiny: a fixture)
+from test_trainer import REPO, config, rows, tiny  # noqa: F401  (tiny: the module-scoped fixture)
 
 SWEEP = """
 name = "s"
@@ -99,6 +102,9 @@ def test_interrupted_sweep_skips_finished_points_and_resumes_the_killed_one(tiny
     assert proc.returncode == 17, proc.stderr[-2000:]
     killed = tmp_path / "sweep" / second.name
     assert [r["step"] for r in rows(killed)] == [1, 2, 3] and not (killed / "student").exists()
+    assert (killed / "run.pid").exists()  # left behind by the kill, naming a dead process
+    summary = read_run(killed)
+    assert (summary.status, summary.reason, summary.steps_done) == ("stopped", "interrupted after step 3", 3)
     results = run_points(recipe, "unused", progress=False)
     assert [(r.name, r.state) for r in results] == [(first.name, "skipped"), (second.name, "resumed")]
     assert (tmp_path / "sweep" / first.name / "metrics.jsonl").read_text() == finished_metrics
@@ -109,3 +115,131 @@ def test_interrupted_sweep_skips_finished_points_and_resumes_the_killed_one(tiny
     keys = ("step", "loss", "kl", "lr", "grad_norm")
     assert [{k: r[k] for k in keys} for r in rows(killed)] == [{k: r[k] for k in keys} for r in rows(clean.out)]
     assert run_points(recipe, "unused", progress=False)[1].state == "skipped"
+
+
+def _failing_loss(monkeypatch, at_call: int, failure):
+    """Training's `at_call`-th loss fails: `failure` "nan" makes it NaN, an exception is raised."""
+    import kernels.fused_topk_kl as kl_module
+    import torch
+
+    real, calls = kl_module.fused_topk_kl, {"n": 0}
+
+    def failing(*args, **kwargs):
+        loss, kl = real(*args, **kwargs)
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+            if calls["n"] == at_call:
+                if failure == "nan":
+                    return loss * float("nan"), kl
+                raise failure
+        return loss, kl
+
+    monkeypatch.setattr(kl_module, "fused_topk_kl", failing)
+    return lambda: monkeypatch.setattr(kl_module, "fused_topk_kl", real)
+
+
+@pytest.fixture(scope="module")
+def four_runs(tiny, tmp_path_factory):
+    """Under one folder: two finished runs (lr 1e-2, 3e-3), one stopped by a NaN loss at step 2,
+    one interrupted (an exception) after step 1; 2 steps each."""
+    from student.trainer import NonFiniteLossError, train
+
+    root = tmp_path_factory.mktemp("runs")
+    kw = dict(steps=2, eval_every=1, save_every=1)
+    train(config(tiny, root / "a", **kw), progress=False)
+    train(config(tiny, root / "b", lr=3e-3, **kw), progress=False)
+    with pytest.MonkeyPatch.context() as mp:
+        restore = _failing_loss(mp, 2, "nan")
+        with pytest.raises(NonFiniteLossError):
+            train(config(tiny, root / "nan", **kw), progress=False)
+        restore()
+        _failing_loss(mp, 2, KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            train(config(tiny, root / "cut", **kw), progress=False)
+    return root
+
+
+def test_runs_tells_finished_running_and_stopped_runs_apart(four_runs, capsys):
+    root = four_runs
+    assert not (root / "cut" / "run.pid").exists()  # the trainer removes it when it raises
+    status = lambda: {r.name: (r.status, r.reason, r.steps_done) for r in find_runs([root])}
+    assert status() == {"a": ("finished", None, 2), "b": ("finished", None, 2),
+                        "nan": ("stopped", "non-finite loss at step 2", 1),
+                        "cut": ("stopped", "interrupted after step 1", 1)}
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (root / "cut" / "run.pid").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    assert status()["cut"][0] == "stopped"
+    (root / "cut" / "run.pid").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    try:
+        assert status()["cut"] == ("running", None, 1)
+        runs = find_runs([root])
+        assert {r.name: r.differs for r in runs}["b"] == {"lr": 3e-3}
+        a = {r.name: r for r in runs}["a"]
+        assert a.eval["step"] == 2 and a.tok_per_s > 0 and a.optimizer_state_bytes > 0 and a.steps_total == 2
+        code, out, _ = run_cli(["runs", root], capsys)
+        assert code == 0
+        lines = {line.split()[0]: line for line in out.splitlines()[1:-1]}
+        assert lines["nan"].endswith("stopped (non-finite loss at step 2)") and lines["cut"].endswith("running")
+        assert "lr=0.003" in lines["b"] and "2/2" in lines["a"] and f"{a.eval['kl']:.4f}" in lines["a"]
+        code, out, _ = run_cli(["runs", root, "--json", "--cache", a.cache_id[:8]], capsys)
+        assert code == 0 and sorted(r["name"] for r in json.loads(out)) == ["a", "b", "cut", "nan"]
+        code, out, _ = run_cli(["runs", root, "--json", "--cache", "nosuchcache"], capsys)
+        assert code == 0 and json.loads(out) == []
+    finally:
+        (root / "cut" / "run.pid").unlink()
+
+
+def test_a_nan_stopped_run_resumed_with_a_lower_lr_reads_finished(four_runs, tiny, tmp_path):
+    import shutil
+
+    from student.trainer import train
+
+    run = tmp_path / "nan"
+    shutil.copytree(four_runs / "nan", run)
+    train(config(tiny, run, steps=2, eval_every=1, save_every=1, lr=1e-3), progress=False)
+    assert (read_run(run).status, read_run(run).reason) == ("finished", None)
+    assert not [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "stop"]
+
+
+def test_compare_side_by_side_plots_and_refuses_different_caches(four_runs, tiny, tmp_path, capsys):
+    from student.trainer import train
+    from test_cache_synth import make_corpus, write_cache
+    from test_trainer import VOCAB, tokenizer_hash
+
+    a, b = four_runs / "a", four_runs / "b"
+    code, out, _ = run_cli(["compare", a, b], capsys)
+    assert code == 0
+    header, kl_line = out.splitlines()[0], out.splitlines()[1]
+    assert "lr=0.01" in header and "lr=0.003" in header
+    assert kl_line.split()[2:] == [f"{read_run(a).eval['kl']:.4f}", f"{read_run(b).eval['kl']:.4f}"]
+    code, out, _ = run_cli(["compare", a, b, "--json"], capsys)
+    assert [r["differs"] for r in json.loads(out)] == [{"lr": 0.01}, {"lr": 0.003}]
+    code, _, err = run_cli(["compare", a, b, four_runs / "nan", "--plot", tmp_path / "cmp"], capsys)
+    assert code == 0 and "cmp.png" in err
+    assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    student, _, _ = tiny
+    other_cache = tmp_path / "other-cache"
+    write_cache(other_cache, make_corpus(num_seqs=12, seq_len=24, k=8, vocab=VOCAB, seed=7),
+                tokenizer__hash=tokenizer_hash(student), data__fingerprint="f1", shard_size=4, fmt="parquet")
+    other = tmp_path / "other"
+    train(config(tiny, other, cache=str(other_cache), steps=1, warmup_steps=1, eval_every=1, save_every=1), progress=False)
+    code, _, err = run_cli(["compare", a, other], capsys)
+    line = one_error_line(code, err)
+    assert "different caches" in line and "--allow-different-caches" in line
+    code, out, _ = run_cli(["compare", a, other, "--allow-different-caches"], capsys)
+    assert code == 0 and "held-out kl" in out
+    code, _, err = run_cli(["compare", a, tmp_path], capsys)
+    assert "not a run directory" in one_error_line(code, err)
+
+
+def test_run_dry_run_lists_the_points_and_what_each_would_do(tiny, tmp_path, capsys):
+    path = sweep_recipe(tmp_path, tiny, 'train.lr = [0.01, 0.003]')
+    (tmp_path / "sweep" / "lr=0.01" / "student").mkdir(parents=True)
+    code, out, _ = run_cli(["run", path, "--dry-run"], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("lr=0.01 ") and lines[0].endswith("skip (finished)")
+    assert lines[1].startswith("lr=0.003 ") and lines[1].endswith("train")
+    assert not (tmp_path / "sweep" / "lr=0.003").exists()
