@@ -41,14 +41,14 @@ device = "cpu"
 """
 
 
-def sweep_recipe(tmp_path, tiny, sweep='train.lr = [0.01, 0.003]\n"train.optimizer" = ["adamw", "foam"]'):
+def sweep_recipe(tmp_path, tiny, sweep='train.lr = [0.01, 0.003]\n"train.optimizer" = ["adamw", "foam"]'):  # noqa: F811
     student, cache, _ = tiny
     path = tmp_path / "sweep.toml"
     path.write_text(SWEEP.format(cache=cache, student=student, root=tmp_path, sweep=sweep))
     return path
 
 
-def test_sweep_expands_the_grid_in_order_named_by_its_settings(tiny, tmp_path):
+def test_sweep_expands_the_grid_in_order_named_by_its_settings(tiny, tmp_path):  # noqa: F811
     recipe = load_recipe(sweep_recipe(tmp_path, tiny))
     names = [p.name for p in recipe.points]
     assert names == ["lr=0.01,optimizer=adamw", "lr=0.01,optimizer=foam",
@@ -71,7 +71,7 @@ def test_sweep_expands_the_grid_in_order_named_by_its_settings(tiny, tmp_path):
     ('train.lr = 0.1', ["[sweep] train.lr must be a non-empty list"]),
     ('train.lr = [0.1, 0.1]', ["the same run name"]),
 ])
-def test_every_sweep_point_is_checked_before_any_work(tiny, tmp_path, sweep, needles):
+def test_every_sweep_point_is_checked_before_any_work(tiny, tmp_path, sweep, needles):  # noqa: F811
     with pytest.raises(DistillUserError) as e:
         load_recipe(sweep_recipe(tmp_path, tiny, sweep))
     assert all(n in str(e.value) for n in needles), str(e.value)
@@ -85,7 +85,7 @@ run_points(load_recipe(sys.argv[1]), teacher_dir="unused", progress=False)
 """
 
 
-def test_interrupted_sweep_skips_finished_points_and_resumes_the_killed_one(tiny, tmp_path):
+def test_interrupted_sweep_skips_finished_points_and_resumes_the_killed_one(tiny, tmp_path):  # noqa: F811
     """Point 1 finishes; the sweep is killed (os._exit, as SIGKILL) after step 3 of point 2, with a
     checkpoint at 2; the rerun skips point 1 untouched and resumes point 2 to the losses of an
     uninterrupted run of it."""
@@ -139,7 +139,7 @@ def _failing_loss(monkeypatch, at_call: int, failure):
 
 
 @pytest.fixture(scope="module")
-def four_runs(tiny, tmp_path_factory):
+def four_runs(tiny, tmp_path_factory):  # noqa: F811
     """Under one folder: two finished runs (lr 1e-2, 3e-3), one stopped by a NaN loss at step 2,
     one interrupted (an exception) after step 1; 2 steps each."""
     from student.trainer import NonFiniteLossError, train
@@ -190,7 +190,7 @@ def test_runs_tells_finished_running_and_stopped_runs_apart(four_runs, capsys):
         (root / "cut" / "run.pid").unlink()
 
 
-def test_a_nan_stopped_run_resumed_with_a_lower_lr_reads_finished(four_runs, tiny, tmp_path):
+def test_a_nan_stopped_run_resumed_with_a_lower_lr_reads_finished(four_runs, tiny, tmp_path):  # noqa: F811
     import shutil
 
     from student.trainer import train
@@ -202,7 +202,7 @@ def test_a_nan_stopped_run_resumed_with_a_lower_lr_reads_finished(four_runs, tin
     assert not [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "stop"]
 
 
-def test_compare_side_by_side_plots_and_refuses_different_caches(four_runs, tiny, tmp_path, capsys):
+def test_compare_side_by_side_plots_and_refuses_different_caches(four_runs, tiny, tmp_path, capsys):  # noqa: F811
     from student.trainer import train
     from test_cache_synth import make_corpus, write_cache
     from test_trainer import VOCAB, tokenizer_hash
@@ -234,7 +234,7 @@ def test_compare_side_by_side_plots_and_refuses_different_caches(four_runs, tiny
     assert "not a run directory" in one_error_line(code, err)
 
 
-def test_run_dry_run_lists_the_points_and_what_each_would_do(tiny, tmp_path, capsys):
+def test_run_dry_run_lists_the_points_and_what_each_would_do(tiny, tmp_path, capsys):  # noqa: F811
     path = sweep_recipe(tmp_path, tiny, 'train.lr = [0.01, 0.003]')
     (tmp_path / "sweep" / "lr=0.01" / "student").mkdir(parents=True)
     code, out, _ = run_cli(["run", path, "--dry-run"], capsys)
