@@ -25,6 +25,7 @@ rectangular backend drops the past pages' gradients; neither is done here.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
@@ -32,6 +33,9 @@ from distill.configs import ConfigError, check_types, require
 
 if TYPE_CHECKING:
     from student.data import Batch
+
+logger = logging.getLogger(__name__)
+_WARNED = {"offload": False}  # warn once a process
 
 __all__ = ["LongContextConfig", "PagedKVStore", "Part", "select_pages", "chunk_bounds", "chunk_recurrent_backward", "chunked_forward"]
 
@@ -118,6 +122,10 @@ class PagedKVStore:
         self.num_pages = -(-seq_len // page_tokens)
         self.dtype, self.device = dtype, torch.device(device)
         self.offload = offload and self.device.type == "cuda"
+        if offload and not self.offload and not _WARNED["offload"]:
+            _WARNED["offload"] = True
+            logger.warning("kv_offload keeps pages in pinned host memory for a GPU; on %s they stay where they are",
+                           self.device)
         self.offload_pages = offload_pages
         self.page_shape = (num_kv_heads, page_tokens, head_dim)
         self.k = [self._pool(dtype) for _ in range(num_layers)]
