@@ -95,7 +95,8 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         sweep = _sweep_keys(doc.pop("sweep", {}))
         recipe = _build(path, copy.deepcopy(doc))
-        recipe.points = [_point(path, doc, settings, Path(recipe.train["out"])) for settings in _grid(sweep)]
+        if sweep:  # without one there are no points (the grid of no keys would be one empty point)
+            recipe.points = [_point(path, doc, settings, Path(recipe.train["out"])) for settings in _grid(sweep)]
     except DistillUserError as e:
         raise DistillUserError(f"recipe {path}: {e}") from None
     names = [point.name for point in recipe.points]

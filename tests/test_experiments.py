@@ -59,6 +59,9 @@ def test_sweep_expands_the_grid_in_order_named_by_its_settings(tiny, tmp_path): 
     assert [Path(c.out) for c in configs] == [tmp_path / "sweep" / n for n in names]
     assert all(c.schedule.steps == 4 and c.cache == str(tiny[1]) for c in configs)
     assert recipe.points[1].settings == {"train.lr": 0.01, "train.optimizer": "foam"}
+    no_sweep = tmp_path / "plain.toml"  # a recipe without [sweep] is one run, not a sweep of one point
+    no_sweep.write_text(sweep_recipe(tmp_path, tiny).read_text().split("[sweep]")[0])
+    assert load_recipe(no_sweep).points == []
     assert point_name({"train.num_layers": 4, "student.num_layers": 6, "train.deterministic": True}) == \
         "train.num_layers=4,student.num_layers=6,deterministic=true"
 

@@ -174,14 +174,17 @@ def device_name() -> str:
     return f"CPU {cpu}, {os.cpu_count()} cores"
 
 
-@functools.cache
 def commit() -> str:
     """The checkout's short commit, with "-dirty" when tracked files differ from it; the
     environment variable DISTILL_BENCH_COMMIT overrides it (a copy of the tree without .git, or
-    with a stale one, as on the device machine). Read once a process: the rows a benchmark appends
-    to the tracked results.jsonl would otherwise mark its later rows dirty."""
-    if os.environ.get("DISTILL_BENCH_COMMIT"):
-        return os.environ["DISTILL_BENCH_COMMIT"]
+    with a stale one, as on the device machine)."""
+    return os.environ.get("DISTILL_BENCH_COMMIT") or _git_commit()
+
+
+@functools.cache
+def _git_commit() -> str:
+    """Read once a process: the rows a benchmark appends to the tracked results.jsonl would
+    otherwise mark its later rows dirty."""
 
     def git(*args):
         try:
