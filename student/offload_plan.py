@@ -31,9 +31,43 @@ from typing import Literal
 from distill.configs import ConfigError, check_types
 from distill.files import atomic_write_json
 
-__all__ = ["PLAN_VERSION", "LayerPlan", "OffloadPlan", "Predicted"]
+__all__ = ["PLAN_VERSION", "LayerPlan", "OffloadConfig", "OffloadPlan", "Predicted", "parse_bytes"]
 
 PLAN_VERSION = 1
+
+
+@dataclass
+class OffloadConfig:
+    """Whether and how a training run offloads (the `offload` part of TrainConfig; flat names are
+    the CLI options of `distill train-student` and `distill plan`)."""
+
+    # "none": everything on the GPU (today's behaviour); "auto": profile a step, plan under the
+    # budgets below, train with that plan; a path: train with the plan saved there (`distill plan`).
+    offload: str = "none"
+    gpu_memory: str | None = None  # GPU memory budget, e.g. "40GiB" (None: the device's total)
+    host_memory: str | None = None  # host memory budget, e.g. "120GiB" (None: the host's available memory)
+
+    def __post_init__(self):
+        check_types(self)
+        for name in ("gpu_memory", "host_memory"):
+            if getattr(self, name) is not None:
+                parse_bytes(getattr(self, name), name)
+
+
+def parse_bytes(text: str, field_name: str = "memory") -> int:
+    """'40GiB', '1.5 TB', '512MiB', '1000000' -> bytes (binary units with an i, decimal without)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper().replace(" ", "")
+    number = t.rstrip("KMGTIB")
+    unit = t[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise ConfigError(field_name, f"is {text!r}; give a size such as 40GiB, 512MiB or 1.5TB")
+    return int(value * units[unit])
 
 
 @dataclass(frozen=True)
