@@ -3,133 +3,103 @@
 The chunk-recurrent engine (student/long_context.py) keeps each layer's keys and values (after
 RoPE) in pages: one page is P consecutive positions of one sequence, all kv heads. A table lists,
 per batch row, the slots of N consecutive pages starting at page ``first_page``; the engine calls
-these functions once per page set (the pages resident on the GPU, an offload window) and merges:
+these functions once per page set (the pages resident on the GPU, an offload window, the pages a
+sparse chunk selected) and merges:
 
 - ``page_attention_forward`` -> (out, lse) of the attention over one page set's visible keys;
 - ``merge_partials`` -> the exact (out, lse) over the union of disjoint page sets;
-- ``page_attention_backward`` -> dq of one page set, and its dk, dv ADDED in place into fp32
-  gradient pools (one program owns a (slot, kv head) block: no atomics, deterministic), given the
-  merged lse and delta = rowsum(dout * out) of the whole attention, so page sets' dq sum to the
-  whole's and each page's gradient is exact.
+- ``page_attention_backward`` -> dq of one page set, and its dk, dv ADDED into fp32 gradient
+  pools at the table's slots, given the merged out and lse of the whole attention, so page sets'
+  dq sum to the whole's and each page's gradient is exact.
 
 Shapes: q [B, H, Tq, D]; k_pool, v_pool [S, Hkv, P, D] in q's dtype (fp32, bf16, fp16); table
 int32 [B, N]; query t of every row sits at position q_start + t and sees key position p iff
 p <= q_start + t. Query head h reads kv head h // (H // Hkv) (GQA). Keys past the sequence's end
 are never visible to a real query, so the last page may hold anything there (NaN included).
 
-Paths: "torch" (kernels/page_attention_torch.py, explicit fp32 math, the reference and the CPU
-path) and "triton" (kernels/page_attention_triton.py: online softmax over the table's pages; a dK/dV
-and a dQ kernel for the backward); "auto" picks Triton for CUDA tensors. No autograd Function: the
-engine calls forward and backward per page set itself.
+Paths: "cudnn", bf16/fp16 CUDA tensors: the set's pages are gathered into contiguous keys (a copy
+of Tk x D per kv head, small beside the Tq x Tk x D of attention) and cuDNN's fused attention
+(aten's `_scaled_dot_product_cudnn_attention` and its backward, which take grouped kv heads and
+return the lse) runs on at most three pieces a set: the keys before the chunk (every query sees
+them), the chunk's own keys (a causal square) and, when a set ends inside the chunk, the queries
+past it. Its backward is given the merged out and lse, so each piece's gradients are its exact
+share. "torch" (kernels/page_attention_torch.py): explicit fp32 math, the reference, the CPU path
+and fp32's. "auto" picks cudnn where it applies. An own Triton kernel (forward and a
+deterministic two-kernel backward) lived here until cuDNN's was measured faster at every case of
+bench_page_attention_gpu.py (RESULTS.md, "Page attention"); git history has it.
+No autograd Function: the engine calls forward and backward per page set itself.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
 
 import torch
 
-from kernels.multi_tensor import is_power_of_two, triton_can_run
-from kernels.page_attention_torch import backward_torch, forward_torch, merge_partials_torch
+from kernels.page_attention_torch import (
+    backward_torch,
+    forward_torch,
+    gather_pages,
+    merge_partials_torch,
+)
 
-try:
-    from kernels import page_attention_triton as _triton_path
-except ImportError:  # no Triton: the torch path needs none
-    _triton_path = None
+__all__ = ["merge_partials", "page_attention_backward", "page_attention_forward"]
 
-__all__ = ["PageAttentionSettings", "merge_partials", "page_attention_backward", "page_attention_forward"]
-
-IMPLS = ("auto", "torch", "triton")
+IMPLS = ("auto", "torch", "cudnn")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_TRITON_HEAD_DIM = 128  # one [block, D] tile of q, k, v each in registers / shared memory
-
-
-@dataclass(frozen=True)
-class PageAttentionSettings:
-    """How the Triton kernels run; every setting gives the same results to rounding. Block sizes are
-    powers of two (key blocks may be smaller or larger than a page: a key block's rows look up their
-    own page in the table). Query blocks count (query, head-of-the-group) rows: the G query heads
-    that share a kv head are packed into one block, so each key/value block is loaded once for all
-    of them. The field defaults are FlashAttention-2's usual shapes; `for_head_dim` (what a call
-    without settings uses) changes those the H200 sweep of bench_page_attention_gpu.py --sweep
-    found faster for that head size (results.jsonl rows page_attention_sweep/*@94276e0)."""
-
-    # forward: (query rows, keys) a step, warps, software-pipeline stages
-    fwd_block_m: int = 128
-    fwd_block_n: int = 64
-    fwd_warps: int = 8
-    fwd_stages: int = 2
-    # backward dQ kernel: one program per query block, looping over key blocks
-    dq_block_m: int = 64
-    dq_block_n: int = 64
-    dq_warps: int = 4
-    dq_stages: int = 2
-    # backward dK/dV kernel: one program per (key block, kv head), looping over query blocks
-    dkv_block_m: int = 64
-    dkv_block_n: int = 64
-    dkv_warps: int = 4
-    dkv_stages: int = 2
-    # fp32 inputs: tl.dot's input precision ("ieee" exact fp32; "tf32" faster on tensor cores)
-    fp32_precision: str = "ieee"
-
-    @classmethod
-    def for_head_dim(cls, head_dim: int) -> "PageAttentionSettings":
-        """The measured-best settings for keys of `head_dim` (rows cited in the class docstring):
-        D <= 64 runs the forward on 64-row query blocks with 4 warps and the dQ kernel on 128-row
-        blocks with 8 warps; larger D keeps 128-row forward blocks on 4 warps."""
-        if head_dim <= 64:
-            return cls(fwd_block_m=64, fwd_warps=4, dq_block_m=128, dq_warps=8)
-        return cls(fwd_warps=4)
-
-    def __post_init__(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "fp32_precision":
-                if value not in ("ieee", "tf32"):
-                    raise ValueError(f"fp32_precision must be 'ieee' or 'tf32', got {value!r}")
-            elif f.name.endswith(("_warps",)):
-                if value not in (1, 2, 4, 8, 16):
-                    raise ValueError(f"{f.name} must be 1, 2, 4, 8 or 16, got {value!r}")
-            elif f.name.endswith("_stages"):
-                if not (isinstance(value, int) and 1 <= value <= 8):
-                    raise ValueError(f"{f.name} must be an int in [1, 8], got {value!r}")
-            elif not (is_power_of_two(value) and value >= 16):
-                raise ValueError(f"{f.name} must be a power of two >= 16 (tl.dot's least), got {value!r}")
 
 
 def page_attention_forward(q, k_pool, v_pool, table, *, first_page: int, q_start: int, scale: float | None = None,
-                           impl: str = "auto", settings: PageAttentionSettings | None = None):
+                           impl: str = "auto"):
     """(out fp32 [B, H, Tq, D], lse fp32 [B, H, Tq]) of q's causal attention over the visible keys of
     the table's pages only (natural-log lse of scale * q.k; a query that sees none: lse = -inf, out = 0).
 
     q [B, H, Tq, D]; k_pool, v_pool [S, Hkv, P, D] in q's dtype; table int32 [B, N] of slots in
-    [0, S) (not checked on a GPU: out-of-range slots read outside the pool); first_page: the page
-    index of table[:, 0]; q_start: the position of query 0. scale: None for 1/sqrt(D).
-    impl: "auto" | "torch" | "triton"; settings: the Triton kernels' (None: the defaults)."""
+    [0, S) (not checked on a GPU); first_page: the page index of table[:, 0]; q_start: the
+    position of query 0. scale: None for 1/sqrt(D). impl: "auto" | "torch" | "cudnn"."""
     scale = _checked(q, k_pool, v_pool, table, first_page, q_start, scale)
-    if _use_triton(impl, q, k_pool):
-        return _triton_path.forward_triton(q, k_pool, v_pool, table.to(torch.int32), first_page, q_start, scale,
-                                           settings or PageAttentionSettings.for_head_dim(q.shape[-1]))
-    return forward_torch(q, k_pool, v_pool, table, first_page, q_start, scale)
+    if not _use_cudnn(impl, q):
+        return forward_torch(q, k_pool, v_pool, table, first_page, q_start, scale)
+    B, H, Tq, D = q.shape
+    k, v = gather_pages(k_pool, table), gather_pages(v_pool, table)
+    out = torch.zeros(B, H, Tq, D, device=q.device, dtype=torch.float32)
+    lse = torch.full((B, H, Tq), float("-inf"), device=q.device)
+    for t0, t1, k0, k1, causal in _pieces(Tq, first_page * k_pool.shape[2], k.shape[2], q_start):
+        o, l_ = _cudnn_forward(q[:, :, t0:t1], k[:, :, k0:k1], v[:, :, k0:k1], causal, scale)
+        both = merge_partials_torch([(out[:, :, t0:t1], lse[:, :, t0:t1]), (o.float(), l_.view(B, H, t1 - t0))])
+        out[:, :, t0:t1], lse[:, :, t0:t1] = both
+    return out, lse
 
 
-def page_attention_backward(q, dout, lse, delta, k_pool, v_pool, dk_pool, dv_pool, table, *, first_page: int,
-                            q_start: int, scale: float | None = None, impl: str = "auto",
-                            settings: PageAttentionSettings | None = None) -> torch.Tensor:
+def page_attention_backward(q, dout, out, lse, k_pool, v_pool, dk_pool, dv_pool, table, *, first_page: int,
+                            q_start: int, scale: float | None = None, impl: str = "auto") -> torch.Tensor:
     """dq fp32 [B, H, Tq, D] from this page set's keys; ADDS this set's key and value gradients into
-    dk_pool, dv_pool (fp32 [S, Hkv, P, D]) at the table's slots, in place, deterministically.
+    dk_pool, dv_pool (fp32 [S, Hkv, P, D]) at the table's slots, in place.
 
-    dout [B, H, Tq, D] in q's dtype; lse, delta fp32 [B, H, Tq] of the WHOLE attention (all page sets
-    merged): delta = (dout.float() * out_merged).sum(-1). Distinct table entries must hold distinct
-    slots (not checked). Other arguments as in page_attention_forward."""
+    dout [B, H, Tq, D] in q's dtype; out [B, H, Tq, D] (any float dtype) and lse fp32 [B, H, Tq]
+    of the WHOLE attention (all page sets merged). Distinct table entries must hold distinct slots
+    (not checked). Other arguments as in page_attention_forward."""
     scale = _checked(q, k_pool, v_pool, table, first_page, q_start, scale)
-    _check_backward(q, dout, lse, delta, k_pool, dk_pool, dv_pool)
-    if _use_triton(impl, q, k_pool):
-        return _triton_path.backward_triton(q, dout, lse, delta, k_pool, v_pool, dk_pool, dv_pool,
-                                            table.to(torch.int32), first_page, q_start, scale,
-                                            settings or PageAttentionSettings.for_head_dim(q.shape[-1]))
-    return backward_torch(q, dout, lse, delta, k_pool, v_pool, dk_pool, dv_pool, table, first_page, q_start, scale)
+    _check_backward(q, dout, out, lse, k_pool, dk_pool, dv_pool)
+    if not _use_cudnn(impl, q):
+        delta = (dout.float() * out.float()).sum(-1)
+        return backward_torch(q, dout, lse, delta, k_pool, v_pool, dk_pool, dv_pool, table, first_page, q_start,
+                              scale)
+    B, H, Tq, D = q.shape
+    k, v = gather_pages(k_pool, table), gather_pages(v_pool, table)
+    out = out.to(q.dtype)
+    dq = torch.zeros(B, H, Tq, D, device=q.device, dtype=torch.float32)
+    dk = torch.zeros(k.shape, device=q.device, dtype=torch.float32)
+    dv = torch.zeros(k.shape, device=q.device, dtype=torch.float32)
+    for t0, t1, k0, k1, causal in _pieces(Tq, first_page * k_pool.shape[2], k.shape[2], q_start):
+        grads = _cudnn_backward(dout[:, :, t0:t1], q[:, :, t0:t1], k[:, :, k0:k1], v[:, :, k0:k1], out[:, :, t0:t1],
+                                lse[:, :, t0:t1], causal, scale)
+        dq[:, :, t0:t1] += grads[0]
+        dk[:, :, k0:k1] += grads[1]
+        dv[:, :, k0:k1] += grads[2]
+    _add_pages(dk_pool, dk, table)
+    _add_pages(dv_pool, dv, table)
+    return dq
 
 
 def merge_partials(parts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,23 +120,56 @@ def merge_partials(parts) -> tuple[torch.Tensor, torch.Tensor]:
     return merge_partials_torch(parts)
 
 
-def _use_triton(impl: str, q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+def _pieces(Tq: int, first_pos: int, num_keys: int, q_start: int) -> list[tuple[int, int, int, int, bool]]:
+    """(t0, t1, k0, k1, causal): queries t0..t1 of the chunk against keys k0..k1 of a set whose key
+    j sits at position first_pos + j, such that the pieces cover exactly the visible pairs (query t
+    sees position p iff p <= q_start + t): keys before the chunk, seen by every query; the chunk's
+    own keys in the set, a causal square from the query at their first position; and the queries
+    past the set's end, which see all of those."""
+    pieces = []
+    past = min(first_pos + num_keys, q_start) - first_pos
+    if past > 0:
+        pieces.append((0, Tq, 0, past, False))
+    a, b = max(first_pos, q_start), min(first_pos + num_keys, q_start + Tq)
+    if b > a:
+        t0, n = a - q_start, b - a
+        pieces.append((t0, t0 + n, a - first_pos, b - first_pos, True))
+        if t0 + n < Tq:
+            pieces.append((t0 + n, Tq, a - first_pos, b - first_pos, False))
+    return pieces
+
+
+def _add_pages(pool, grad, table) -> None:
+    """pool[table slots] += grad [B, Hkv, N*P, D] laid back into pages (distinct slots: each once)."""
+    B, N = table.shape
+    _, Hkv, P, D = pool.shape
+    pages = grad.view(B, Hkv, N, P, D).transpose(1, 2).reshape(B * N, Hkv, P, D)
+    slots = table.reshape(-1).long()
+    pool[slots] += pages
+
+
+def _cudnn_forward(q, k, v, causal: bool, scale: float):
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return r[0], r[1]
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    B, H, T, _ = q.shape
+    empty = torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse.reshape(B, H, T, 1), empty, empty, None, empty, empty, T, k.shape[2], 0.0, causal,
+        scale=scale)
+    return dq.float(), dk.float(), dv.float()
+
+
+def _use_cudnn(impl: str, q: torch.Tensor) -> bool:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "torch":
-        return False
-    if impl == "auto" and not (_triton_path is not None and q.is_cuda):
-        return False
-    if not (_triton_path is not None and triton_can_run(q.device)):
-        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import) and the "
-                         f"triton package, got a tensor on {q.device}; use impl='auto' or 'torch'")
-    P, D = k_pool.shape[2], k_pool.shape[3]
-    if not (is_power_of_two(P) and P >= 16):
-        raise ValueError(f"impl='triton' needs a page size that is a power of two >= 16, got {P}; "
-                         f"pick another --page-tokens or use impl='torch'")
-    if D > MAX_TRITON_HEAD_DIM:
-        raise ValueError(f"impl='triton' takes head dims up to {MAX_TRITON_HEAD_DIM}, got {D}; use impl='torch'")
-    return True
+    fits = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and torch.backends.cudnn.is_available()
+    if impl == "cudnn" and not fits:
+        raise ValueError(f"impl='cudnn' needs bf16/fp16 CUDA tensors and cuDNN, got {q.dtype} on {q.device}; "
+                         f"use impl='auto' or 'torch'")
+    return impl != "torch" and fits
 
 
 def _checked(q, k_pool, v_pool, table, first_page, q_start, scale) -> float:
@@ -204,12 +207,13 @@ def _checked(q, k_pool, v_pool, table, first_page, q_start, scale) -> float:
     return float(scale)
 
 
-def _check_backward(q, dout, lse, delta, k_pool, dk_pool, dv_pool) -> None:
+def _check_backward(q, dout, out, lse, k_pool, dk_pool, dv_pool) -> None:
     if dout.shape != q.shape or dout.dtype != q.dtype or dout.device != q.device:
         raise ValueError(f"dout must match q ({q.dtype} {tuple(q.shape)}), got {dout.dtype} {tuple(dout.shape)}")
-    for name, t in (("lse", lse), ("delta", delta)):
-        if t.shape != q.shape[:3] or t.dtype != torch.float32 or t.device != q.device:
-            raise ValueError(f"{name} must be fp32 {tuple(q.shape[:3])}, got {t.dtype} {tuple(t.shape)}")
+    if out.shape != q.shape or not out.is_floating_point() or out.device != q.device:
+        raise ValueError(f"out must be a float {tuple(q.shape)} on {q.device}, got {out.dtype} {tuple(out.shape)}")
+    if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device:
+        raise ValueError(f"lse must be fp32 {tuple(q.shape[:3])}, got {lse.dtype} {tuple(lse.shape)}")
     for name, t in (("dk_pool", dk_pool), ("dv_pool", dv_pool)):
         if t.shape != k_pool.shape or t.dtype != torch.float32 or t.device != k_pool.device or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous fp32 {tuple(k_pool.shape)} on {k_pool.device} (it is "

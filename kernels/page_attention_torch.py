@@ -1,4 +1,4 @@
-"""Page attention in plain torch: the reference the Triton kernels are tested against, and the CPU path.
+"""Page attention in plain torch: the reference the cuDNN path is tested against, and the CPU path.
 
 Layout (kernels/page_attention.py has the full contract): k_pool, v_pool [S, Hkv, P, D]; table
 [B, N] holds the slot of the page of positions (first_page + j) * P + [0, P) of row b; query t sits
@@ -22,8 +22,8 @@ import torch
 
 
 def gather_pages(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """pool [S, Hkv, P, D], table [B, N] -> fp32 [B, Hkv, N*P, D], the table's pages in order."""
-    pages = pool[table.long()].float()  # [B, N, Hkv, P, D]
+    """pool [S, Hkv, P, D], table [B, N] -> [B, Hkv, N*P, D] in the pool's dtype, the table's pages in order."""
+    pages = pool[table.long()]  # [B, N, Hkv, P, D]
     B, N, Hkv, P, D = pages.shape
     return pages.permute(0, 2, 1, 3, 4).reshape(B, Hkv, N * P, D)
 
@@ -46,8 +46,8 @@ def _keys_values(k_pool, v_pool, table, visible):
     hold anything (NaN included), and 0 * NaN would reach the outputs through p @ V."""
     seen = visible.any(0)[None, None, :, None]
     zero = torch.zeros((), device=k_pool.device)
-    return (torch.where(seen, gather_pages(k_pool, table), zero),
-            torch.where(seen, gather_pages(v_pool, table), zero))
+    return (torch.where(seen, gather_pages(k_pool, table).float(), zero),
+            torch.where(seen, gather_pages(v_pool, table).float(), zero))
 
 
 def forward_torch(q, k_pool, v_pool, table, first_page: int, q_start: int, scale: float):

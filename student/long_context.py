@@ -15,7 +15,7 @@ that of full backpropagation, exactly, while the activations held at once are th
 
 The store is the attention seam of `student.model.Student` (its `kv_store` argument), so the model
 has one forward for whole sequences, inference with a cache, and both passes here. Attention over
-pages is kernels/page_attention.py (Triton on a GPU, its torch reference elsewhere). With
+pages is kernels/page_attention.py (cuDNN's fused attention on a GPU, its torch reference elsewhere). With
 `kv_offload` the pages live in pinned host memory and only the pages an attention call reads come
 to the GPU, a page set at a time (`offload_pages`), copied on a side stream ahead of use.
 
@@ -363,11 +363,10 @@ def _side_stream(device):
 def _attend_backward(store: PagedKVStore, layer: int, q, out, lse, dout):
     from kernels.page_attention import page_attention_backward
 
-    delta = (dout.float() * out.float()).sum(-1)
     dq = None
     with _no_autocast(q):
         for k, v, dk, dv, table, first in store._page_sets(layer, with_grads=True):
-            part = page_attention_backward(q, dout, lse, delta, k, v, dk, dv, table, first_page=first,
+            part = page_attention_backward(q, dout, out, lse, k, v, dk, dv, table, first_page=first,
                                            q_start=store.start)
             dq = part if dq is None else dq + part
     return dq

@@ -4,8 +4,10 @@ at positions [T_past, T_past + Tq) against every earlier key and its own (causal
 one (16 / 2, D 128).
 
 Variants of the same exact computation, on the same inputs:
-  ours   kernels.page_attention: forward over the page table, delta, backward adding dk, dv into
-         fp32 gradient pools (the engine's call sequence; the pools are not zeroed in the timed loop)
+  ours   kernels.page_attention: forward over the page table (cuDNN's fused attention on the table's
+         pages gathered, in pieces, LSE-merged), backward with the merged out and lse adding dk, dv
+         into fp32 gradient pools (the engine's call sequence; the pools are not zeroed in the timed
+         loop; the gathers are timed)
   flex   torch.nn.attention.flex_attention, compiled, return_lse, a causal block mask with the chunk's
          offset, over a contiguous [B, Hkv, T, D] copy of the keys (the copy is not timed)
   sdpa   FlashAttention through aten's flash op: past keys without a mask plus the chunk's own keys
@@ -16,9 +18,6 @@ against ours (out, lse, dq, dk, dv; a variant that disagrees is recorded as a mi
 Rows `page_attention/<shape>-Tq<Tq>-Tk<T_past>/<variant>`: median ms of fwd+bwd and of the forward
 alone, TFLOP/s counting 4 Tq Tvis D H for the forward (Tvis: the mean visible keys) and 2.5x that
 for the backward, its fraction of the bf16 matmul ceiling, peak GiB above the inputs.
-
---sweep times a few PageAttentionSettings for ours at one case a shape (rows page_attention_sweep/*)
-before the main run, to pick the defaults.
 
 The H200 run (repo root, about 4 minutes):
 
@@ -33,18 +32,13 @@ On the CPU (torch path, tiny):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import math
 
 import torch
 from harness import Results, add_results_arg, ceilings, check_close, tflops, time_cpu, time_gpu
 
-from kernels.page_attention import (
-    PageAttentionSettings,
-    page_attention_backward,
-    page_attention_forward,
-)
+from kernels.page_attention import page_attention_backward, page_attention_forward
 
 SHAPES = {"qwen2-0.5b": (14, 2, 64), "qwen2.5-3b": (16, 2, 128), "tiny": (4, 2, 16)}  # (H, Hkv, D)
 GIB = 2**30
@@ -67,14 +61,12 @@ def contiguous_kv(pool, table, T):
     return pool[table[0].long()].permute(1, 0, 2, 3).reshape(1, pool.shape[1], -1, pool.shape[3])[:, :, :T]
 
 
-def run_ours(q, dout, k_pool, v_pool, table, T_past, impl, settings, grads=None):
-    out, lse = page_attention_forward(q, k_pool, v_pool, table, first_page=0, q_start=T_past, impl=impl,
-                                      settings=settings)
+def run_ours(q, dout, k_pool, v_pool, table, T_past, impl, grads=None):
+    out, lse = page_attention_forward(q, k_pool, v_pool, table, first_page=0, q_start=T_past, impl=impl)
     if grads is None:
         return out, lse
-    delta = (dout.float() * out).sum(-1)
-    dq = page_attention_backward(q, dout, lse, delta, k_pool, v_pool, *grads, table, first_page=0, q_start=T_past,
-                                 impl=impl, settings=settings)
+    dq = page_attention_backward(q, dout, out, lse, k_pool, v_pool, *grads, table, first_page=0, q_start=T_past,
+                                 impl=impl)
     return out, lse, dq
 
 
@@ -146,16 +138,18 @@ def flops(H, D, Tq, T_past):
 
 
 def check_reference(device):
-    """Ours against the torch reference (fp32, small, GQA 7) before anything is timed."""
+    """Ours (bf16) against the torch reference (fp32 math on the same bf16 inputs, small, GQA 7)
+    before anything is timed."""
     H, Hkv, D, Tq, T_past, P = 14, 2, 64, 130, 300, 64
-    q, dout, k_pool, v_pool, table = make_inputs(H, Hkv, D, Tq, T_past, P, device, torch.float32)
+    q, dout, k_pool, v_pool, table = make_inputs(H, Hkv, D, Tq, T_past, P, device)
     got, want = [], []
     for impl, out in (("auto", got), ("torch", want)):
         grads = torch.zeros(k_pool.shape, device=device), torch.zeros(k_pool.shape, device=device)
-        out.extend([*run_ours(q, dout, k_pool, v_pool, table, T_past, impl, None, grads), *grads])
+        out.extend([*run_ours(q, dout, k_pool, v_pool, table, T_past, impl, grads), *grads])
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
-        check_close(f"ours {name} vs torch reference", a, b, atol=2e-4, rtol=2e-4)
-    print("check passed: ours against the torch reference (fp32)", flush=True)
+        scale = b.float().abs().max().item()
+        check_close(f"ours {name} vs torch reference", a, b, atol=2e-2 * max(scale, 1.0), rtol=2e-2)
+    print("check passed: ours against the torch reference", flush=True)
 
 
 def pool_grads_as_contiguous(grads, table, T):
@@ -167,13 +161,12 @@ def run_case(args, results, shape, Tq, T_past, device, timer):
     T = T_past + Tq
     q, dout, k_pool, v_pool, table = make_inputs(H, Hkv, D, Tq, T_past, args.page, device)
     grads = torch.zeros(k_pool.shape, device=device), torch.zeros(k_pool.shape, device=device)
-    ours = [*run_ours(q, dout, k_pool, v_pool, table, T_past, "auto", None, grads)]
+    ours = [*run_ours(q, dout, k_pool, v_pool, table, T_past, "auto", grads)]
     ours += pool_grads_as_contiguous(grads, table, T)
     del grads
     fwd_flops, total_flops = flops(H, D, Tq, T_past)
     case = f"{shape}-Tq{Tq}-Tk{T_past}"
-    config = dict(H=H, Hkv=Hkv, D=D, Tq=Tq, T_past=T_past, page=args.page, dtype="bf16",
-                  settings=dataclasses.asdict(PageAttentionSettings.for_head_dim(D)))
+    config = dict(H=H, Hkv=Hkv, D=D, Tq=Tq, T_past=T_past, page=args.page, dtype="bf16")
     variants = {"ours": None}
     if device.type == "cuda":
         k, v = contiguous_kv(k_pool, table, T), contiguous_kv(v_pool, table, T)
@@ -187,8 +180,8 @@ def run_case(args, results, shape, Tq, T_past, device, timer):
     for name, extra in variants.items():
         if name == "ours":
             grads = torch.zeros(k_pool.shape, device=device), torch.zeros(k_pool.shape, device=device)
-            both = lambda: run_ours(q, dout, k_pool, v_pool, table, T_past, "auto", None, grads)  # noqa: E731
-            fwd = lambda: run_ours(q, dout, k_pool, v_pool, table, T_past, "auto", None)  # noqa: E731
+            both = lambda: run_ours(q, dout, k_pool, v_pool, table, T_past, "auto", grads)  # noqa: E731
+            fwd = lambda: run_ours(q, dout, k_pool, v_pool, table, T_past, "auto")  # noqa: E731
         else:
             fn, k, v = extra
             try:
@@ -226,34 +219,6 @@ def run_case(args, results, shape, Tq, T_past, device, timer):
     return rows
 
 
-SWEEP = [dict(), dict(fwd_warps=4), dict(fwd_block_n=128), dict(fwd_block_m=64, fwd_warps=4),
-         dict(fwd_stages=3), dict(dq_block_m=128, dq_warps=8), dict(dkv_block_m=128, dkv_warps=8),
-         dict(dkv_block_n=128, dkv_warps=8), dict(dq_stages=3, dkv_stages=3)]
-
-
-def sweep(args, results, device, timer):
-    """Forward and backward times of a few settings at Tq 4K, T_past 256K (or the first case)."""
-    for shape in args.shapes:
-        H, Hkv, D = SHAPES[shape]
-        Tq, T_past = args.tq[0], args.tk[min(1, len(args.tk) - 1)]
-        q, dout, k_pool, v_pool, table = make_inputs(H, Hkv, D, Tq, T_past, args.page, device)
-        out, lse = run_ours(q, dout, k_pool, v_pool, table, T_past, "auto", None)
-        delta = (dout.float() * out).sum(-1)
-        grads = torch.zeros(k_pool.shape, device=device), torch.zeros(k_pool.shape, device=device)
-        fwd_flops, total_flops = flops(H, D, Tq, T_past)
-        for change in SWEEP:
-            settings = PageAttentionSettings(**change)
-            t_fwd = timer(lambda: run_ours(q, dout, k_pool, v_pool, table, T_past, "auto", settings))
-            t_bwd = timer(lambda: page_attention_backward(q, dout, lse, delta, k_pool, v_pool, *grads, table,
-                                                          first_page=0, q_start=T_past, settings=settings))
-            name = "-".join(f"{k}{v}" for k, v in change.items()) or "default"
-            results.add(f"{shape}-Tq{Tq}-Tk{T_past}/{name}",
-                        dict(fwd_ms=t_fwd.median_ms, bwd_ms=t_bwd.median_ms,
-                             fwd_tflops=tflops(fwd_flops, t_fwd.median_ms),
-                             bwd_tflops=tflops(total_flops - fwd_flops, t_bwd.median_ms)),
-                        dict(settings=dataclasses.asdict(settings), page=args.page))
-
-
 def print_table(rows):
     print("\n| case | variant | fwd+bwd ms | fwd ms | TFLOP/s | of ceiling | peak GiB |")
     print("|---|---|---|---|---|---|---|")
@@ -281,7 +246,6 @@ def main():
     parser.add_argument("--tk", type=csv_ints, default=[65536, 262144, 1048576], help="past keys before the chunk")
     parser.add_argument("--page", type=int, default=64, help="page size (the engine's --page-tokens)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls a variant (after one warm-up)")
-    parser.add_argument("--sweep", action="store_true", help="also time a few kernel settings first")
     add_results_arg(parser)
     args = parser.parse_args()
     for shape in args.shapes:
@@ -294,8 +258,6 @@ def main():
     else:
         timer = lambda fn: time_cpu(fn, warmup=1, repeats=args.repeats)  # noqa: E731
     check_reference(device)
-    if args.sweep:
-        sweep(args, Results(bench="page_attention_sweep", path=args.results), device, timer)
     results, rows = Results(bench="page_attention", path=args.results), []
     for shape in args.shapes:
         for Tq in args.tq:
