@@ -155,9 +155,9 @@ def _cudnn_forward(q, k, v, causal: bool, scale: float):
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     B, H, T, _ = q.shape
-    empty = torch.empty(0, device=q.device)
+    no_rng = torch.empty(0, device=q.device)  # philox seed and offset: no dropout
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout, q, k, v, out, lse.reshape(B, H, T, 1), empty, empty, None, empty, empty, T, k.shape[2], 0.0, causal,
+        dout, q, k, v, out, lse.reshape(B, H, T, 1), no_rng, no_rng, None, None, None, T, k.shape[2], 0.0, causal,
         scale=scale)
     return dq.float(), dk.float(), dv.float()
 

@@ -225,11 +225,13 @@ def test_vllm_prefills_a_long_prompt_in_chunks_like_hf(tmp_path, teacher_tokeniz
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_chunked_prefill_gives_the_rows_of_one_full_pass(tmp_path, dtype):
+def test_gpu_chunked_prefill_gives_the_rows_of_one_full_pass(tmp_path):
     """On CUDA the chunks attend through SDPA's lower-right causal path (flash with grouped kv heads
-    in bf16; kv heads repeated in fp32): a random GQA teacher's rows equal one full pass, up to the
-    order of near-tied ids (seen on the H200 in fp32: 2 of 80,000 entries swapped at ranks 13-14)."""
+    in bf16; kv heads repeated in fp32). fp32: a random GQA teacher's rows equal one full pass, up
+    to the order of near-tied ids (seen on the H200: 2 of 80,000 entries swapped at ranks 13-14).
+    bf16: two kernels round differently and the scaled head magnifies it (seen: up to 0.5 nats from
+    the first chunk boundary on), so chunking must add no error beyond bf16's own: against the fp32
+    full pass, the chunked bf16 rows are within 1.5x the full bf16 pass's error."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -241,14 +243,20 @@ def test_gpu_chunked_prefill_gives_the_rows_of_one_full_pass(tmp_path, dtype):
         model.get_output_embeddings().weight.mul_(30)
     model.save_pretrained(tmp_path)
     seq = np.random.default_rng(0).integers(0, 4096, 5000).astype(np.int32)
-    backend = HFBackend(tmp_path, dtype=dtype, device="cuda", prefill_tokens=1 << 20)
-    whole = backend.score([seq], 16)[0]
-    backend.prefill_tokens = 1536  # 3 chunks and a short one
-    chunked = backend.score([seq], 16)[0]
-    backend.close()
-    atol = FP32_ATOL if dtype == "float32" else 0.1  # bf16: two attention kernels round differently
+    rows = {}
+    for dtype in ("float32", "bfloat16"):
+        backend = HFBackend(tmp_path, dtype=dtype, device="cuda", prefill_tokens=1 << 20)
+        rows[dtype, "whole"] = backend.score([seq], 16)[0]
+        backend.prefill_tokens = 1536  # 3 chunks and a short one
+        rows[dtype, "chunked"] = backend.score([seq], 16)[0]
+        backend.close()
+    whole, chunked = rows["float32", "whole"], rows["float32", "chunked"]
     # Sorted values do not care which of two tied ids comes first; a clear top-1 must be the same id.
-    np.testing.assert_allclose(chunked.topk_logprobs, whole.topk_logprobs, atol=atol, rtol=0)
-    clear = whole.topk_logprobs[:, 0] - whole.topk_logprobs[:, 1] > 4 * atol
+    np.testing.assert_allclose(chunked.topk_logprobs, whole.topk_logprobs, atol=FP32_ATOL, rtol=0)
+    clear = whole.topk_logprobs[:, 0] - whole.topk_logprobs[:, 1] > 4 * FP32_ATOL
     assert clear.mean() > 0.5
     np.testing.assert_array_equal(chunked.topk_ids[clear, 0], whole.topk_ids[clear, 0])
+    bf16_error = {kind: np.abs(rows["bfloat16", kind].topk_logprobs - whole.topk_logprobs)
+                  for kind in ("whole", "chunked")}
+    assert bf16_error["chunked"].mean() <= 1.5 * bf16_error["whole"].mean() + 1e-3
+    assert bf16_error["chunked"].max() <= 1.5 * bf16_error["whole"].max() + 1e-3
