@@ -4,7 +4,9 @@ A micro-batch of sequences of L positions is cut into chunks of `chunk_tokens`. 
 that of full backpropagation, exactly, while the activations held at once are those of one chunk:
 
   pass 1, no gradients, chunks in order (all but the last): every layer writes the chunk's keys
-          and values (after RoPE) into pages of a `PagedKVStore` and attends over the pages so far;
+          and values (after RoPE) into pages of a `PagedKVStore` and attends over the pages so far,
+          keeping the attention output and lse (pinned host memory on a GPU) for pass 2, which
+          would compute the same again;
   pass 2, chunks in reverse: the chunk runs again with gradients against the stored pages; its
           loss (the fused top-k KL on its cached rows, normalised by the micro-batch's real
           tokens, so the chunks' losses sum to the full-sequence loss) is backpropagated. The page
@@ -139,8 +141,9 @@ class PagedKVStore:
         self.mean_k = [torch.zeros(self.num_pages, batch_size, num_kv_heads, head_dim, device=self.device)
                        for _ in range(num_layers)] if sparse_pages is not None else None
         self.selected: dict[tuple[int, int], object] = {}
-        # Pass 2 with checkpointed layers: each layer's attention output (and lse) from its first run,
-        # taken by the recomputation in the backward (see AttendPages).
+        # Training: each (layer, chunk)'s attention output and lse from pass 1 (in pinned host memory
+        # on a GPU, so the GPU holds one chunk's), used by pass 2's run and by the recomputation of
+        # its checkpointed layer instead of attending again; the backward drops it (AttendPages).
         self.keep_attention = False
         self.kept_attention: dict[tuple[int, int], tuple] = {}
         self.start = self.end = 0
@@ -172,8 +175,20 @@ class PagedKVStore:
         self._select(layer, q)
         if self.grad:
             return _AttendPages.apply(q, k, v, self, layer)
-        out, _ = self._forward(layer, q)
-        return out.to(q.dtype)
+        out, lse = self._forward(layer, q)
+        out = out.to(q.dtype)
+        if self.keep_attention:
+            self.kept_attention[(layer, self.start)] = self._stash(out), self._stash(lse)
+        return out
+
+    def _stash(self, x):
+        """x, or on a GPU a pinned host copy of it (queued on the current stream, like its use)."""
+        import torch
+
+        if self.device.type != "cuda":
+            return x
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        return host.copy_(x, non_blocking=True)
 
     # --- pages ------------------------------------------------------------------------------------
 
@@ -386,16 +401,18 @@ def _make_attend_function():
 
         @staticmethod
         def forward(ctx, q, k, v, store: PagedKVStore, layer: int):
-            # Under layer checkpointing the layer runs twice; the second run takes the first's output
-            # instead of attending again (attention is the costly part of a long chunk's layer).
-            kept = store.kept_attention.pop((layer, store.start), None)
+            # Pass 1 attended with the same queries and pages (the last chunk's first run did, under
+            # layer checkpointing, for its recomputation): take that output instead of attending
+            # again (attention is the costly part of a long chunk's layer). The backward drops it.
+            key = (layer, store.start)
+            kept = store.kept_attention.get(key)
             if kept is None:
                 out, lse = store._forward(layer, q)
                 out = out.to(q.dtype)
-                if store.keep_attention:
-                    store.kept_attention[(layer, store.start)] = out, lse
             else:
-                out, lse = kept
+                out, lse = (x.to(q.device, non_blocking=True) for x in kept)
+            if store.keep_attention:
+                store.kept_attention[key] = out, lse
             ctx.store, ctx.layer = store, layer
             ctx.save_for_backward(q, out, lse)
             return out
@@ -404,6 +421,7 @@ def _make_attend_function():
         def backward(ctx, dout):
             q, out, lse = ctx.saved_tensors
             store, layer = ctx.store, ctx.layer
+            store.kept_attention.pop((layer, store.start), None)
             dq = _attend_backward(store, layer, q, out, lse, dout.contiguous())
             # Complete now: later chunks ran before this one and this chunk's queries just added theirs.
             dk, dv = store._own(store.dk[layer]), store._own(store.dv[layer])
@@ -481,7 +499,7 @@ def chunk_recurrent_backward(model, batch: Batch, chunk_loss: Callable, config: 
     whole = (sum(real_L), int((mask_BL & (batch.target_ids.view(B, L) >= 0)).sum()))
     bounds = chunk_bounds(L, config.chunk_tokens)
     store = _store_for(model, B, L, config, _attention_dtype(model, autocast_dtype), device)
-    store.keep_attention = config.checkpoint_layers
+    store.keep_attention = True
     mask_BL = mask_BL.to(device, non_blocking=True)
     amp = torch.autocast(torch.device(device).type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     with torch.no_grad(), amp:

@@ -261,9 +261,11 @@ def test_gpu_bf16_chunk_recurrent_gradients_match_full_backprop_at_8k(offload):
         assert err <= 3e-2, f"{name}: relative norm error {err:.3g} (bf16 tolerance 3e-2)"
 
 
-def test_checkpointed_layers_attend_once_per_pass(tmp_path, monkeypatch):
-    """With checkpoint_layers the backward's rerun of a layer takes the attention output of its first
-    run: the page attention runs once per layer and chunk in each pass (a spy counts the calls)."""
+@pytest.mark.parametrize("checkpoint_layers", [True, False])
+def test_attention_runs_once_per_layer_and_chunk(tmp_path, monkeypatch, checkpoint_layers):
+    """Pass 2 and the backward's rerun of a checkpointed layer take the attention output of pass 1
+    (the last chunk's, of its first run in pass 2): the page attention runs once per layer and
+    chunk in the whole step (a spy counts the calls)."""
     import kernels.page_attention as page_attention
 
     _, folder = saved_hf("qwen2", tmp_path)
@@ -273,6 +275,6 @@ def test_checkpointed_layers_attend_once_per_pass(tmp_path, monkeypatch):
     real = page_attention.page_attention_forward
     monkeypatch.setattr(page_attention, "page_attention_forward", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     chunk_loss = lambda hidden, rows, terms, part: loss_of(model, hidden, terms, rows, part)
-    chunk_recurrent_backward(model, batch, chunk_loss, LongContextConfig(chunk_tokens=16, page_tokens=16), device="cpu")
-    num_chunks = len(chunk_bounds(40, 16))
-    assert len(calls) == model.config.num_layers * ((num_chunks - 1) + num_chunks)
+    config = LongContextConfig(chunk_tokens=16, page_tokens=16, checkpoint_layers=checkpoint_layers)
+    chunk_recurrent_backward(model, batch, chunk_loss, config, device="cpu")
+    assert len(calls) == model.config.num_layers * len(chunk_bounds(40, 16))
