@@ -246,7 +246,8 @@ def _optimizer_slices(costs: CostTable, side: str) -> int:
 @dataclass
 class _Program:
     """A MILP under construction: columns, rows `lb <= sum(coef * x) <= ub`, a linear objective.
-    Times are in milliseconds and bytes in GiB inside the program, for the solver's tolerances."""
+    Times are in milliseconds and bytes in `_memory_unit`s inside the program, for the solver's
+    tolerances."""
 
     objective: list[float] = field(default_factory=list)
     integer: list[int] = field(default_factory=list)
@@ -312,7 +313,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
     """The program of `predict` for a fixed prefetch depth and optimizer side, without budgets.
     Returns (program, choice columns y[i][k], step-time expression, GPU peak rows, host expression):
     each GPU row is an expression that must stay under the GPU budget."""
-    ms, gib = 1e3, 1.0 / GiB
+    ms, per_byte = 1e3, 1.0 / _memory_unit(costs)
     prog, L, d, c = _Program(), len(costs.layers), depth, costs.layers
     h2d = lambda n: n / costs.h2d_bytes_per_s * ms
     d2h = lambda n: n / costs.d2h_bytes_per_s * ms
@@ -396,26 +397,36 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         prog.at_least(T2, end, {})
     step = {T: (costs.micro_batches - 1) / ms, T2: 1.0 / ms}  # seconds
 
-    # Memory (GiB): the two GPU peaks of `_peaks` and the host's.
+    # Memory (in units): the two GPU peaks of `_peaks` and the host's.
     MW, MA = prog.var(), prog.var()
     for i in range(L):
-        prog.at_least(MW, None, _add(pick(i, c[i].weight_bytes * gib, "recompute", "stream"),
-                                     pick(i, c[i].weight_bytes * gib, "offload", "stream")))
-        prog.at_least(MA, None, pick(i, c[i].boundary_bytes * gib, act="offload"))
-    turnaround = _add(const((costs.static_gpu_bytes + _fixed_gpu_bytes(costs, d)) * gib),
+        prog.at_least(MW, None, _add(pick(i, c[i].weight_bytes * per_byte, "recompute", "stream"),
+                                     pick(i, c[i].weight_bytes * per_byte, "offload", "stream")))
+        prog.at_least(MA, None, pick(i, c[i].boundary_bytes * per_byte, act="offload"))
+    turnaround = _add(const((costs.static_gpu_bytes + _fixed_gpu_bytes(costs, d)) * per_byte),
                       {MW: d + 1.0, MA: 2.0 * (d + 1)},
-                      *[pick(i, c[i].weight_bytes * gib, par="resident") for i in range(L)],
-                      *[pick(i, c[i].weight_bytes * gib, "keep", "stream") for i in range(L)],
-                      *[pick(i, c[i].keep_bytes * gib, act="keep") for i in range(L)],
-                      *[pick(i, c[i].boundary_bytes * gib, act="recompute") for i in range(L)])
-    optimizer_phase = _add(const((costs.static_gpu_bytes + _optimizer_slices(costs, optimizer)) * gib),
-                           *[pick(i, c[i].weight_bytes * gib, par="resident") for i in range(L)])
-    host = _add(const((costs.static_host_bytes + sum(x.host_bytes for x in c)) * gib),
-                *[pick(i, c[i].boundary_bytes * gib, act="offload") for i in range(L)])
+                      *[pick(i, c[i].weight_bytes * per_byte, par="resident") for i in range(L)],
+                      *[pick(i, c[i].weight_bytes * per_byte, "keep", "stream") for i in range(L)],
+                      *[pick(i, c[i].keep_bytes * per_byte, act="keep") for i in range(L)],
+                      *[pick(i, c[i].boundary_bytes * per_byte, act="recompute") for i in range(L)])
+    optimizer_phase = _add(const((costs.static_gpu_bytes + _optimizer_slices(costs, optimizer)) * per_byte),
+                           *[pick(i, c[i].weight_bytes * per_byte, par="resident") for i in range(L)])
+    host = _add(const((costs.static_host_bytes + sum(x.host_bytes for x in c)) * per_byte),
+                *[pick(i, c[i].boundary_bytes * per_byte, act="offload") for i in range(L)])
     return prog, y, step, (turnaround, optimizer_phase), host
 
 
-_BUDGET_SLACK_GIB = 2**-20  # budgets shrink by 1 KiB inside the program, past the solver's feasibility tolerance
+# Budgets shrink by this many memory units inside the program: ten times HiGHS's feasibility
+# tolerance (1e-6), so a plan the program accepts is within the budget in whole bytes too.
+_BUDGET_SLACK = 1e-5
+
+
+def _memory_unit(costs: CostTable) -> float:
+    """Bytes per unit of memory in the program: all the bytes a step could hold, so one unit of
+    the solver's tolerance is a small share of any budget."""
+    return float(costs.static_gpu_bytes + costs.static_host_bytes
+                 + sum(x.weight_bytes + x.keep_bytes + x.boundary_bytes + x.workspace_bytes + x.host_bytes
+                       for x in costs.layers))
 
 
 def solve_fixed(costs: CostTable, gpu_memory: int | None, host_memory: int | None, *, depth: int, optimizer: str,
@@ -423,11 +434,12 @@ def solve_fixed(costs: CostTable, gpu_memory: int | None, host_memory: int | Non
     """The fastest plan at this prefetch depth and optimizer side under the budgets (bytes; None:
     unbounded); None when no plan meets them (or the time limit found none)."""
     prog, y, step, gpu_rows, host = _build(costs, depth, optimizer, settings)
+    unit = _memory_unit(costs)
     for row in gpu_rows:
         if gpu_memory is not None:
-            prog.at_most(row, gpu_memory / GiB - _BUDGET_SLACK_GIB)
+            prog.at_most(row, gpu_memory / unit - _BUDGET_SLACK)
     if host_memory is not None:
-        prog.at_most(host, host_memory / GiB - _BUDGET_SLACK_GIB)
+        prog.at_most(host, host_memory / unit - _BUDGET_SLACK)
     result = prog.solve(time_limit_s, settings.mip_rel_gap)
     if result.x is None:
         return None
@@ -450,20 +462,21 @@ def smallest_budget(costs: CostTable, which: str, other_budget: int | None, *, t
     `other_budget`, or of least host peak (which="host") under that GPU budget. Prefetch depth 0
     and the CPU optimizer hold the least, so the program fixes them."""
     prog, y, _, gpu_rows, host = _build(costs, 0, "cpu", settings)
+    unit = _memory_unit(costs)
     prog.objective = [0.0] * len(prog.objective)
     if which == "gpu":
         peak = prog.var(cost=1.0)
         for row in gpu_rows:
             prog.at_least(peak, None, row)
         if other_budget is not None:
-            prog.at_most(host, other_budget / GiB - _BUDGET_SLACK_GIB)
+            prog.at_most(host, other_budget / unit - _BUDGET_SLACK)
     else:
         for col, coef in host.items():
             if col is not None:
                 prog.objective[col] += coef
         for row in gpu_rows:
             if other_budget is not None:
-                prog.at_most(row, other_budget / GiB - _BUDGET_SLACK_GIB)
+                prog.at_most(row, other_budget / unit - _BUDGET_SLACK)
     result = prog.solve(time_limit_s, settings.mip_rel_gap)
     if result.x is None:
         return None, None
@@ -494,7 +507,7 @@ def solve(costs: CostTable, gpu_memory: int, host_memory: int, *, time_limit_s: 
 
 
 def _raise_budget_error(costs, gpu_memory, host_memory, time_limit_s, settings):
-    slack = 2 * int(_BUDGET_SLACK_GIB * GiB)
+    slack = math.ceil(2 * _BUDGET_SLACK * _memory_unit(costs))
     least_host = costs.static_host_bytes + sum(x.host_bytes for x in costs.layers)  # nothing offloaded
     if least_host > host_memory - slack:
         raise BudgetError("host_memory", host_memory, _rounded_up(least_host + slack))
