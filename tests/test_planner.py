@@ -218,6 +218,23 @@ def test_distill_plan_refuses_a_budget_in_one_line_with_the_smallest(tiny, capsy
     assert "--gpu-memory is 'lots'" in one_error_line(code, err)
 
 
+def test_distill_plan_takes_train_students_options_and_has_examples(capsys):
+    """One option set: every option of train-student but a run's own is an option of plan, with the
+    same default, so a plan is made for the step train-student runs."""
+    import typer.main
+
+    from distill.cli import app
+
+    commands = typer.main.get_command(app).commands
+    params = lambda name: {p.name: (p.opts, p.default) for p in commands[name].params}
+    train, plan = params("train-student"), params("plan")
+    for name in set(train) - {"out", "resume_from", "quiet", "offload", "gpu_memory", "host_memory"}:
+        assert plan[name] == train[name], name
+    assert {"gpu_memory", "host_memory", "as_json", "plan_out"} <= set(plan)
+    code, out, _ = run_cli(["plan", "--help"], capsys)
+    assert code == 0 and "Example" in out and "--gpu-memory" in out
+
+
 def test_plan_for_training_takes_the_budgets_as_bytes(tiny, tmp_path):  # noqa: F811
     from student.planner import plan_for_training
     from student.trainer import TrainConfig
