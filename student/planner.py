@@ -27,7 +27,7 @@ from student.offload_plan import LayerPlan, OffloadPlan, Predicted
 from student.step_profile import ProfileSettings, profile
 
 __all__ = ["LayerCosts", "CostTable", "SolverSettings", "BudgetError", "ProfileSettings", "predict", "solve",
-           "smallest_budget", "profile", "make_plan", "plan_for_training", "plan_table"]
+           "smallest_budget", "program_step_s", "profile", "make_plan", "plan_for_training", "plan_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -447,6 +447,19 @@ def solve_fixed(costs: CostTable, gpu_memory: int | None, host_memory: int | Non
     plan = _plan_of(result.x, y, depth, optimizer)
     step_s = sum(coef * result.x[col] for col, coef in step.items())
     return ProgramResult(plan, step_s, result.fun / 1e3, optimal=result.status == 0)
+
+
+def program_step_s(costs: CostTable, plan: OffloadPlan) -> float:
+    """The program's step time with every binary fixed to `plan` (no budgets): equal to
+    `predict(costs, plan).step_s` when the program encodes the cost model exactly (tests hold it)."""
+    prog, y, step, _, _ = _build(costs, plan.prefetch_depth, plan.optimizer, SolverSettings(tie_break_s=0.0))
+    for cols, lp in zip(y, plan.layers):
+        for col, choice in zip(cols, CHOICES):
+            value = float(choice == (lp.activation, lp.params))
+            prog.rows.append(({col: 1.0}, value, value))
+    result = prog.solve(60.0, 0.0)
+    assert result.status == 0, result.message
+    return sum(coef * result.x[col] for col, coef in step.items())
 
 
 def _plan_of(x, y, depth: int, optimizer: str) -> OffloadPlan:

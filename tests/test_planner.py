@@ -11,8 +11,8 @@ import pytest
 
 from cli_helpers import one_error_line, run_cli
 from student.offload_plan import LayerPlan, OffloadPlan, parse_bytes
-from student.planner import (CHOICES, BudgetError, CostTable, LayerCosts, SolverSettings, predict, smallest_budget,
-                             solve, solve_fixed)
+from student.planner import (CHOICES, BudgetError, CostTable, LayerCosts, SolverSettings, predict, program_step_s,
+                             smallest_budget, solve, solve_fixed)
 from test_trainer import tiny  # noqa: F401  (the module-scoped fixture: a tiny student and cache)
 
 GiB = 2**30
@@ -122,6 +122,18 @@ def test_the_programs_optimum_is_predicts_step_time_of_its_plan(depth, side):
         assert found is not None and found.optimal
         assert (found.plan.prefetch_depth, found.plan.optimizer) == (depth, side)
         assert found.step_s == pytest.approx(predict(costs, found.plan).step_s, rel=1e-7)
+
+
+def test_the_program_encodes_predict_for_any_plan():
+    """Every decision, depth and side: the program with its binaries fixed to a plan gives that
+    plan's predicted step time (slow copies, so that every wait of the model binds somewhere)."""
+    r = random.Random(5)
+    for trial in range(24):
+        costs = random_table(4, seed=trial, h2d_bytes_per_s=r.choice([5e9, 50e9]), d2h_bytes_per_s=r.choice([3e9, 40e9]),
+                             micro_batches=r.choice([1, 3]))
+        plan = OffloadPlan(layers=tuple(LayerPlan(*r.choice(CHOICES)) for _ in range(4)),
+                           prefetch_depth=r.choice([0, 1, 2, 3]), optimizer=r.choice(["cpu", "gpu"]))
+        assert program_step_s(costs, plan) == pytest.approx(predict(costs, plan).step_s, rel=1e-7), plan
 
 
 def test_plenty_of_memory_keeps_everything_resident():
