@@ -51,13 +51,18 @@ class LayerCosts:
     master_bytes: int  # fp32 master weights on the host (the fp32 gradient accumulator is as large)
     state_bytes: int  # the optimizer's states of the layer, on the host
     update_gpu_s: float  # one optimizer update of the layer on the GPU (its slice is there)
-    update_cpu_s: float  # the same on the CPU
+    update_cpu_s: float  # the same on the CPU, with the cast of its staging copy
+
+    @property
+    def staging_bytes(self) -> int:
+        """The host copy of the working weights that copies to the device read, when their dtype is
+        not the masters' fp32 (else the masters are read)."""
+        return self.weight_bytes if self.weight_bytes < self.master_bytes else 0
 
     @property
     def host_bytes(self) -> int:
-        """Master weights, gradient accumulator, optimizer states and the host copy of the working
-        weights that streaming reads."""
-        return 2 * self.master_bytes + self.state_bytes + self.weight_bytes
+        """Master weights, gradient accumulator, optimizer states and the staging copy."""
+        return 2 * self.master_bytes + self.state_bytes + self.staging_bytes
 
     @property
     def update_in_bytes(self) -> int:
@@ -134,12 +139,13 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       weight gradient goes out to the host accumulator after its backward; the backward of layer
       i-d-1 waits until that copy is done.
     - Micro-batches run one after another, each starting on empty queues; the step is
-      (micro_batches - 1) x one micro-batch + the last one, which also runs the optimizer:
-      "cpu": layers update on the CPU in backward order as their last gradients arrive, one at a
-      time; the working weights of resident layers then go back to the GPU. The static parameters
-      update on the GPU after the backward. "gpu": after the static update, per layer in backward
-      order, master, gradient and states come in (H2D), update on the GPU, master and states (and
-      the host copy of streamed weights) go back (D2H); two layers' slices are on the GPU at once.
+      (micro_batches - 1) x one micro-batch + the last one, which also runs the optimizer once
+      every gradient is on the host (clipping needs the global norm):
+      "cpu": the layers update on the CPU one after another (with the cast of their staging
+      copies); each resident layer's working weights go to the GPU after its update; the static
+      parameters update on the GPU meanwhile. "gpu": layer after layer on the compute stream,
+      nothing overlapped: master, gradient and states come in (H2D), update, master, states and
+      the staging copy go back (D2H); then the static parameters update.
       Nothing of the optimizer overlaps the next step.
     - GPU peak: the larger of the turnaround (end of the forward) and the optimizer phase.
       Turnaround: static + weights of resident and kept layers + (d+1) buffers of the largest
@@ -147,9 +153,12 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       2 (d+1) of the largest offloaded input (copies out and back in flight) + (d+1) gradient
       buffers of the largest layer + the largest layer's workspace and recomputed activations.
       Optimizer phase: static + resident weights (+ two slices of the largest layer's master,
-      gradient and states on "gpu").
-    - Host peak: static + every layer's master, gradient accumulator, states and working-weight
-      copy + the offloaded inputs of one micro-batch.
+      gradient and states on "gpu": one is there at a time; the second is the allocator's slack).
+    - Host peak: static + every layer's master, gradient accumulator, states and staging copy +
+      the offloaded inputs of one micro-batch.
+    - Not modelled: the copy back of an offloaded input waiting for its copy out (the forward and
+      backward between them hide it); the CPU adding gradients into the accumulators (a worker
+      thread, beside the GPU's work); the clipping norm's host sync.
     """
     L, d, m = len(costs.layers), plan.prefetch_depth, costs.micro_batches
     assert len(plan.layers) == L, f"the plan has {len(plan.layers)} layers, the cost table {L}"
@@ -188,24 +197,18 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
         grad_end[i] = copy_out
     micro_batch = max(compute, copy_in, copy_out)
 
-    # The optimizer, after the last micro-batch's gradients.
-    compute += costs.static_update_s
+    # The optimizer, once every gradient of the last micro-batch is on the host (clipping needs them all).
+    start = max(compute, copy_out)
     if plan.optimizer == "cpu":
-        cpu = 0.0
-        for i in reversed(range(L)):
-            cpu = max(cpu, grad_end[i]) + c[i].update_cpu_s
+        cpu = start
+        for i in range(L):
+            cpu += c[i].update_cpu_s
             copy_in = max(copy_in, cpu) + (not stream[i]) * h2d(c[i].weight_bytes)
-        last = max(micro_batch, compute, cpu, copy_in)
+        last = max(micro_batch, start + costs.static_update_s, cpu, copy_in)
     else:
-        slice_out = [0.0] * L
-        for i in reversed(range(L)):
-            freed = slice_out[i + 2] if i + 2 < L else 0.0
-            copy_in = max(copy_in, grad_end[i], freed) + h2d(c[i].update_in_bytes)
-            compute = max(compute, copy_in) + c[i].update_gpu_s
-            copy_out = max(copy_out, compute) + d2h(c[i].master_bytes + c[i].state_bytes
-                                                    + stream[i] * c[i].weight_bytes)
-            slice_out[i] = copy_out
-        last = max(micro_batch, compute, copy_out)
+        last = start + costs.static_update_s + sum(
+            h2d(x.update_in_bytes) + x.update_gpu_s + d2h(x.master_bytes + x.state_bytes + x.staging_bytes)
+            for x in c)
     step_s = (m - 1) * micro_batch + last
 
     gpu_peak, host_peak = _peaks(costs, plan)
@@ -362,40 +365,23 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
     for end in (BE[0], XB[0], GB[0]):
         prog.at_least(T, end, {})
     prog.at_least(T2, T, {})
-    static_update = const(costs.static_update_s * ms)
+    start = prog.var()  # every gradient on the host
+    prog.at_least(start, BE[0], {})
+    prog.at_least(start, GB[0], {})
+    prog.at_least(T2, start, const(costs.static_update_s * ms))
     if optimizer == "cpu":
         U, R = [prog.var() for _ in range(L)], [prog.var() for _ in range(L)]
-        for i in reversed(range(L)):
-            update = const(c[i].update_cpu_s * ms)
-            if i + 1 < L:
-                prog.at_least(U[i], U[i + 1], update)
-            prog.at_least(U[i], GB[i], update)
+        for i in range(L):
+            prog.at_least(U[i], U[i - 1] if i else start, const(c[i].update_cpu_s * ms))
             refresh = pick(i, h2d(c[i].weight_bytes), par="resident")
-            prog.at_least(R[i], R[i + 1] if i + 1 < L else XB[0], refresh)
+            prog.at_least(R[i], R[i - 1] if i else XB[0], refresh)
             prog.at_least(R[i], U[i], refresh)
-        ends = (U[0], R[0])
+        prog.at_least(T2, U[-1], {})
+        prog.at_least(T2, R[-1], {})
     else:
-        HI, CO, DO = [prog.var() for _ in range(L)], [prog.var() for _ in range(L)], [prog.var() for _ in range(L)]
-        for i in reversed(range(L)):
-            slice_in = const(h2d(c[i].update_in_bytes))
-            prog.at_least(HI[i], HI[i + 1] if i + 1 < L else XB[0], slice_in)
-            prog.at_least(HI[i], GB[i], slice_in)
-            if i + 2 < L:
-                prog.at_least(HI[i], DO[i + 2], slice_in)
-            update = const(c[i].update_gpu_s * ms)
-            if i + 1 < L:
-                prog.at_least(CO[i], CO[i + 1], update)
-            else:
-                prog.at_least(CO[i], BE[0], _add(update, static_update))
-            prog.at_least(CO[i], HI[i], update)
-            slice_out = _add(const(d2h(c[i].master_bytes + c[i].state_bytes)),
-                             pick(i, d2h(c[i].weight_bytes), par="stream"))
-            prog.at_least(DO[i], DO[i + 1] if i + 1 < L else GB[0], slice_out)
-            prog.at_least(DO[i], CO[i], slice_out)
-        ends = (CO[0], DO[0])
-    prog.at_least(T2, BE[0], static_update)
-    for end in ends:
-        prog.at_least(T2, end, {})
+        prog.at_least(T2, start, const(costs.static_update_s * ms + sum(
+            h2d(x.update_in_bytes) + x.update_gpu_s * ms + d2h(x.master_bytes + x.state_bytes + x.staging_bytes)
+            for x in c)))
     step = {T: (costs.micro_batches - 1) / ms, T2: 1.0 / ms}  # seconds
 
     # Memory (in units): the two GPU peaks of `_peaks` and the host's.

@@ -81,8 +81,9 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     loss_workspace = max(m["loss_workspace"] for m in measured)
 
     gpu_update_s, states = _update_seconds(model.layers[0], config.optim, device, settings, build_optimizer)
-    cpu_update_s = gpu_update_s if not cuda else _update_seconds(model.layers[0], config.optim, "cpu", settings,
-                                                                 build_optimizer)[0]
+    # On the CPU the update also casts the layer's matrices to its staging copy (the runtime's refresh).
+    cpu_update_s = _update_seconds(model.layers[0], config.optim, "cpu", settings, build_optimizer,
+                                   cast_to=amp)[0] if cuda else gpu_update_s
     numel0 = sum(p.numel() for p in model.layers[0].parameters())
     layers = []
     for layer, m in zip(model.layers, per_layer):
@@ -172,7 +173,11 @@ def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_
     cos, sin = rope_cos_sin(model.inv_freq, positions, x.dtype)
     layers = []
     for layer in model.layers:
-        working = copy.deepcopy(layer).to(device=device, dtype=dtype)
+        # The runtime's working weights: matrices in the compute dtype, vectors (norms, biases) fp32.
+        working = copy.deepcopy(layer).to(device)
+        for p in working.parameters():
+            if p.ndim >= 2:
+                p.data = p.data.to(dtype)
         params = list(working.parameters())
         shared = [*params, cos, sin, row_mask]  # one copy for all layers: not a layer's activations
         forward, backward, saved = [], [], None
@@ -227,9 +232,10 @@ def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_
 
 
 def _update_seconds(module, optim_config, device: str, settings: ProfileSettings, build_optimizer,
-                    copy_first: bool = True) -> tuple[float, int]:
-    """(seconds of one optimizer update of `module`'s fp32 parameters on `device`, the optimizer's
-    state bytes after it): the first update (which creates the states) is not timed."""
+                    copy_first: bool = True, cast_to=None) -> tuple[float, int]:
+    """(seconds of one optimizer update of `module`'s fp32 parameters on `device`, then a cast of
+    its matrices to `cast_to` if given; the optimizer's state bytes after it): the first update
+    (which creates the states) is not timed."""
     import copy
 
     import torch
@@ -241,7 +247,13 @@ def _update_seconds(module, optim_config, device: str, settings: ProfileSettings
     generator = torch.Generator(device=device).manual_seed(0)
     for p in module.parameters():
         p.grad = torch.randn(p.shape, device=device, generator=generator) * 1e-3
-    seconds = [_timed(device, optimizer.step)[0] for _ in range(settings.repeats + 1)][1:]
+    matrices = [p for p in module.parameters() if p.ndim >= 2]
+
+    def update():
+        optimizer.step()
+        return [p.detach().to(cast_to) for p in matrices] if cast_to is not None else None
+
+    seconds = [_timed(device, update)[0] for _ in range(settings.repeats + 1)][1:]
     states = state_bytes(optimizer)
     for p in module.parameters():
         p.grad = None

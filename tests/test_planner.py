@@ -3,6 +3,7 @@ cost tables, budget errors, and `distill plan` on a tiny CPU student."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -67,9 +68,8 @@ def test_predict_adds_recompute_and_exposed_copies_as_its_docstring_says():
     costs = table([layer(), layer()], **fast)
     kept = OffloadPlan.uniform(2, "keep", "resident", optimizer="cpu")
     compute = 2 * (10 + 20) * MS + 10 * MS
-    # The CPU updates layer 1 as soon as its gradient is out, during layer 0's backward: 40 ms from
-    # 20 ms before the end of compute, then layer 0's 40 ms.
-    assert predict(costs, kept).step_s == pytest.approx(compute - 20 * MS + 80 * MS)
+    # The CPU updates the layers one after the other once every gradient is out.
+    assert predict(costs, kept).step_s == pytest.approx(compute + 2 * 40 * MS)
     # Recompute runs each layer's forward again before its backward.
     recomputed = OffloadPlan.uniform(2, "recompute", "resident", optimizer="gpu")
     assert predict(costs, recomputed).step_s == pytest.approx(compute + 2 * 10 * MS + 2 * 2 * MS)
@@ -137,14 +137,28 @@ def test_the_program_encodes_predict_for_any_plan():
 
 
 def test_plenty_of_memory_keeps_everything_resident():
+    # A slow CPU: the update runs on the GPU, where resident weights are updated in place. (With the
+    # update on the CPU, streaming the last layers saves refreshing them after it: see the next test.)
     costs = random_table(5, seed=7)
+    costs = table([dataclasses.replace(x, update_cpu_s=1.0) for x in costs.layers])
     plan = solve(costs, 1000 * GiB, 1000 * GiB)
-    assert all(lp == LayerPlan("keep", "resident") for lp in plan.layers)
+    assert plan.optimizer == "gpu" and all(lp == LayerPlan("keep", "resident") for lp in plan.layers)
+
+
+def test_with_the_update_on_the_cpu_the_last_layers_stream_instead_of_a_refresh():
+    costs = table([layer(update_cpu_s=10 * MS, forward_s=20 * MS) for _ in range(4)], h2d_bytes_per_s=100e9)
+    plan = solve(costs, 1000 * GiB, 1000 * GiB, settings=SolverSettings(depths=(1,)))
+    assert plan.optimizer == "cpu" and all(lp.activation == "keep" for lp in plan.layers)
+    assert plan.layers[-1].params == "stream" and plan.layers[0].params == "resident"
 
 
 def test_a_tight_budget_recomputes_the_cheap_layer_then_offloads_then_streams():
     # Layer 2 saves much for its backward and recomputes cheaply: the first to give up "keep".
-    costs = table([layer(), layer(), layer(keep_bytes=6 * GiB, forward_s=1 * MS), layer()])
+    # The update on the GPU (a slow CPU; small slices), where resident weights cost no refresh; fast
+    # gradient copies.
+    slow_cpu = dict(update_cpu_s=1.0, master_bytes=GiB // 2, state_bytes=GiB)
+    costs = table([layer(**slow_cpu), layer(**slow_cpu), layer(keep_bytes=6 * GiB, forward_s=1 * MS, **slow_cpu),
+                   layer(**slow_cpu)], d2h_bytes_per_s=1e12)
     everything = predict(costs, OffloadPlan.uniform(4, "keep", "resident", prefetch_depth=0)).gpu_peak_bytes
     plan = solve(costs, everything - GiB, 100 * GiB)
     assert [lp.activation for lp in plan.layers] == ["keep", "keep", "recompute", "keep"]
