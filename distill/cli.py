@@ -271,6 +271,79 @@ def train_student(
     typer.echo(_eval_table({"teacher": report.teacher_eval, "before": report.initial_eval, "after": report.final_eval}))
 
 
+def _plan_own_options(
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory budget, e.g. 40GiB (default: the device's total, less 5%; on a CPU-only machine the host's available memory)."),
+    host_memory: Optional[str] = typer.Option(None, "--host-memory", help="Host memory budget, e.g. 120GiB (default: the host's available memory, less 10%)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (what --out saves) instead of a table."),
+    plan_out: Optional[Path] = typer.Option(None, "--out", "-o", help="Save the plan to this JSON file (for train-student --offload PLAN.json)."),
+    time_limit: float = typer.Option(60.0, "--time-limit", help="Seconds the solver may take in all; past it, the best plan found so far."),
+) -> None:
+    """The options of `distill plan` beside train-student's (see `_with_train_options`)."""
+
+
+def _with_train_options(command):
+    """Give `command` (which takes **values) the options of train-student, less a run's own (--out,
+    --resume-from, --quiet, --offload), plus those of `_plan_own_options`: one option set, so a
+    plan is made for exactly the step train-student would run."""
+    import inspect
+
+    own = inspect.signature(_plan_own_options, eval_str=True).parameters
+    skip = {"out", "resume_from", "quiet", "offload", *own}
+    train = [p for name, p in inspect.signature(train_student, eval_str=True).parameters.items() if name not in skip]
+    params = [*train, *own.values()]
+    command.__signature__ = inspect.Signature(params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    return command
+
+
+@app.command("plan")
+@_with_train_options
+def plan(**values) -> None:
+    """Profile the training step train-student would run and solve for the fastest offload plan under the memory budgets (a mixed-integer program, LazyTrain-style).
+
+    Per decoder layer: keep its activations, recompute them, or offload its input to host memory; keep its weights resident or stream them; and the prefetch depth and where the optimizer update runs. On a CPU-only machine it profiles the CPU.
+
+    Examples:
+
+      distill plan --cache caches/default --num-layers 4 --gpu-memory 2GiB --host-memory 8GiB
+
+      distill plan --cache caches/qwen --student ./qwen-14b --batch-size 1 --seq-len 8192 --gpu-memory 40GiB --out plan.json
+
+      distill plan --cache caches/qwen --student ./qwen-14b --optimizer foam --json
+
+    Train with a saved plan: distill train-student ... --offload plan.json (or --offload auto to plan and train in one go). A budget no plan meets is refused with the smallest one that works. Long-context chunking (--chunk-tokens) is not planned yet.
+    """
+    from distill.configs import ConfigError
+    from pipelines.defaults import default_teacher_dir
+    from student.offload_plan import parse_bytes
+    from student.planner import make_plan, plan_table
+
+    options = {name: value for name, value in values.items() if name in _TRAIN}
+    if options["student"] is None and options["num_layers"] is None:
+        raise DistillUserError("say where the student starts: --student HF_FOLDER, or --num-layers N to prune the teacher")
+    if options["student"] is not None and (options["teacher"] is not None or options["num_layers"] is not None):
+        raise DistillUserError("give either --student or --teacher/--num-layers, not both")
+    if options["student"] is None:
+        options["teacher"] = options["teacher"] or default_teacher_dir()
+    options = {name: str(value) if isinstance(value, Path) else value for name, value in options.items()}
+    try:
+        budgets = {name: parse_bytes(values[name], name) if values[name] is not None else None
+                   for name in ("gpu_memory", "host_memory")}
+        # `out` is the run directory of a training run; profiling writes nothing there.
+        config = TrainConfig.from_flat(cache=str(values["cache"]), out="unused-by-plan", **options)
+        made, costs = make_plan(config, **budgets, time_limit_s=values["time_limit"])
+    except ConfigError as e:
+        raise e.as_option() from None
+    if values["plan_out"] is not None:
+        made.save(values["plan_out"])
+    if values["as_json"]:
+        typer.echo(json.dumps(made.to_dict(), indent=2))
+    else:
+        typer.echo(plan_table(made, costs))
+    if values["plan_out"] is not None:
+        typer.echo(f"wrote {values['plan_out']}", err=True)
+
+
 @app.command("eval")
 def evaluate(
     path: Path = typer.Argument(..., help="A run directory (from train-student), or a student HF folder with --cache."),

@@ -1,0 +1,300 @@
+"""Measuring a student's training step for the offload planner (student/planner.py): per decoder
+layer forward and backward seconds and bytes on one real micro-batch, copy bandwidth each way, one
+optimizer update on each side, and the default memory budgets of this machine.
+
+torch is imported inside the functions (the planner's cost model and program need none of it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from distill.configs import ConfigError
+
+if TYPE_CHECKING:
+    from student.planner import CostTable
+
+__all__ = ["ProfileSettings", "profile", "default_budgets", "available_host_bytes"]
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """How `profile` measures and how `plan_for_training` picks default budgets."""
+
+    repeats: int = 3  # timed runs of each measurement after one warm-up run; the median is kept
+    copy_bytes: int = 64 * 2**20  # bytes of each bandwidth measurement (one copy each way)
+    reserve_bytes: int = 512 * 2**20  # GPU allocator slack added to the static bytes (none on the CPU)
+    gpu_headroom: float = 0.05  # share of the device's memory the default budget leaves to the CUDA context and others
+    host_headroom: float = 0.10  # share of the host's available memory the default budget leaves to the process
+
+
+def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = ProfileSettings()) -> CostTable:
+    """Measure the costs of `config`'s training step: the student and real micro-batches built as
+    student/trainer.py builds them; each decoder layer run forward and backward on the device in
+    the compute dtype (its working weights), timed with CUDA events on a GPU and perf_counter on
+    the CPU; copy bandwidth each way (pinned host memory on a GPU); one layer's optimizer update on
+    the GPU and on the CPU (the same measurement on a CPU-only machine). `micro_batches` real
+    micro-batches are timed (medians); the table's `micro_batches` is config.grad_accum.
+
+    Bytes are counted from tensors: a layer's working weights, its input, what its forward saves
+    for the backward (parameters left out), the optimizer's states after one update. Transient
+    workspace is the allocator's peak beyond those on a GPU; on the CPU, where no allocator
+    reports a peak, it is estimated as the largest saved tensor plus two layer inputs (the
+    gradients flowing in and out). All decoder layers of a student have one shape, so the update
+    is timed on layer 0 and scaled by parameter count."""
+    import torch
+
+    from student.data import CacheBatches, split_indices, tokenizer_info_of
+    from student.planner import CostTable, LayerCosts
+    from student.optim import build_optimizer
+    from student.trainer import _initial_student, _resolve
+    from teacher_cache.reader import CacheReader
+
+    config = _resolve(config)
+    if config.long.chunk_tokens is not None:
+        raise ConfigError("chunk_tokens", f"is {config.long.chunk_tokens}: the offload planner does not plan "
+                                          "chunk-recurrent training yet; plan without --chunk-tokens")
+    tok = tokenizer_info_of(config.tokenizer)
+    reader = CacheReader(config.cache, expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])
+    cache_temperature = reader.manifest.spec.targets.temperature
+    config.loss.check_cache_temperature(cache_temperature)
+    config = config.with_flat(temperature=config.loss.distillation_temperature(cache_temperature))
+    train_idx, _ = split_indices(reader.num_sequences, config.heldout)
+    data = CacheBatches(reader, train_idx, config.batch_size, seq_len=config.seq_len, seed=config.seed)
+    batches = [batch for batch, _ in zip(data, range(micro_batches))]
+    model, _ = _initial_student(config.with_flat(device="cpu"))  # the layers come to the device one at a time
+    device, cuda = config.device, config.device.startswith("cuda")
+    amp = torch.bfloat16 if config.dtype == "bfloat16" else None
+    for name in ("embed_tokens", "norm", "lm_head"):
+        if getattr(model, name) is not None:
+            setattr(model, name, getattr(model, name).to(device))
+    model.inv_freq = model.inv_freq.to(device)
+
+    measured = [_measure_layers(model, batch.to(device), config, amp, settings, cache_temperature) for batch in batches]
+    median = lambda values: sorted(values)[len(values) // 2]
+    per_layer = [
+        {key: (median([m["layers"][i][key] for m in measured]) if key.endswith("_s")
+               else max(m["layers"][i][key] for m in measured)) for key in measured[0]["layers"][i]}
+        for i in range(len(model.layers))]
+    head_s = median([m["head_s"] for m in measured])
+    loss_workspace = max(m["loss_workspace"] for m in measured)
+
+    gpu_update_s, states = _update_seconds(model.layers[0], config.optim, device, settings, build_optimizer)
+    # On the CPU the update also casts the layer's matrices to its staging copy (the runtime's refresh).
+    cpu_update_s = _update_seconds(model.layers[0], config.optim, "cpu", settings, build_optimizer,
+                                   cast_to=amp)[0] if cuda else gpu_update_s
+    numel0 = sum(p.numel() for p in model.layers[0].parameters())
+    layers = []
+    for layer, m in zip(model.layers, per_layer):
+        share = sum(p.numel() for p in layer.parameters()) / numel0
+        layers.append(LayerCosts(**m, state_bytes=int(states * share), update_gpu_s=gpu_update_s * share,
+                                 update_cpu_s=cpu_update_s * share))
+    static = torch.nn.ModuleDict({name: getattr(model, name) for name in ("embed_tokens", "norm", "lm_head")
+                                  if getattr(model, name) is not None})
+    static_update_s, static_states = _update_seconds(static, config.optim, device, settings, build_optimizer,
+                                                     copy_first=False)
+    static_params = sum(p.numel() * p.element_size() for p in static.parameters())
+    h2d, d2h = _bandwidths(device, settings)
+    return CostTable(layers=tuple(layers), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
+                     static_gpu_bytes=2 * static_params + static_states + loss_workspace
+                     + (settings.reserve_bytes if cuda else 0),
+                     head_s=head_s, static_update_s=static_update_s, micro_batches=config.grad_accum)
+
+
+def _timed(device: str, fn):
+    """(seconds, fn()) with the device's work finished."""
+    import time
+
+    import torch
+
+    if device.startswith("cuda"):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3, out
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+class _SavedBytes:
+    """Bytes of the distinct storages autograd saves for the backward inside the block, but those
+    of the tensors given (parameters, counted as weights; tensors all layers share)."""
+
+    def __init__(self, params):
+        self.skip = {t.untyped_storage().data_ptr() for t in params}
+        self.storages: dict[int, int] = {}
+
+    def __enter__(self):
+        import torch
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self.skip:
+                self.storages[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+    @property
+    def largest(self) -> int:
+        return max(self.storages.values(), default=0)
+
+
+def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_temperature: float) -> dict:
+    """Per layer forward/backward seconds and bytes on one micro-batch (on config.device), and the
+    head's seconds and workspace (embeddings, final norm, head, loss)."""
+    import copy
+
+    import torch
+
+    from student.model import rope_cos_sin
+    from student.trainer import _loss
+
+    device, cuda = config.device, config.device.startswith("cuda")
+    dtype = amp or torch.float32
+    autocast = lambda: torch.autocast(torch.device(device).type, dtype=amp, enabled=amp is not None)
+    ids, row_mask = batch.input_ids, batch.mask
+    positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
+    with torch.no_grad(), autocast():
+        x = model.embed_tokens(ids)
+    cos, sin = rope_cos_sin(model.inv_freq, positions, x.dtype)
+    layers = []
+    for layer in model.layers:
+        # The runtime's working weights: matrices in the compute dtype, vectors (norms, biases) fp32.
+        working = copy.deepcopy(layer).to(device)
+        for p in working.parameters():
+            if p.ndim >= 2:
+                p.data = p.data.to(dtype)
+        params = list(working.parameters())
+        shared = [*params, cos, sin, row_mask]  # one copy for all layers: not a layer's activations
+        forward, backward, saved = [], [], None
+        for run in range(settings.repeats + 1):
+            x_in = x.detach().requires_grad_(True)
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            with _SavedBytes(shared) as counted, autocast():
+                seconds, (out, _) = _timed(device, lambda: working(x_in, cos, sin, None, row_mask))
+            saved = saved or counted
+            forward.append(seconds)
+            backward.append(_timed(device, lambda: out.backward(torch.ones_like(out)))[0])
+            if cuda and run == 0:
+                workspace = max(torch.cuda.max_memory_allocated(device) - base - saved.total, 0)
+            working.zero_grad(set_to_none=True)
+        boundary = x.numel() * x.element_size()
+        x = out.detach()
+        layers.append(dict(
+            forward_s=sorted(forward[1:])[len(forward[1:]) // 2], backward_s=sorted(backward[1:])[len(backward[1:]) // 2],
+            weight_bytes=sum(p.numel() * p.element_size() for p in params), boundary_bytes=boundary,
+            keep_bytes=saved.total, workspace_bytes=workspace if cuda else saved.largest + 2 * boundary,
+            master_bytes=sum(p.numel() * 4 for p in params)))
+        working = out = None  # free the layer before the next one comes to the device
+
+    static_params = [p for name in ("embed_tokens", "norm", "lm_head") if getattr(model, name) is not None
+                     for p in getattr(model, name).parameters()]
+
+    def head():
+        with autocast():
+            x0 = model.embed_tokens(ids)
+            hidden = model.norm(leaf)
+        loss, _ = _loss(hidden, [], batch, model, config, cache_temperature=cache_temperature)
+        torch.autograd.backward([loss, x0], [None, torch.ones_like(x0)])
+
+    seconds = []
+    for run in range(settings.repeats + 1):
+        leaf = x.detach().requires_grad_(True)
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        with _SavedBytes(static_params) as counted:
+            seconds.append(_timed(device, head)[0])
+        if run == 0:
+            workspace = (torch.cuda.max_memory_allocated(device) - base if cuda
+                         else counted.total + 2 * leaf.numel() * leaf.element_size())
+        for p in static_params:
+            p.grad = None
+    return {"layers": layers, "head_s": sorted(seconds[1:])[len(seconds[1:]) // 2], "loss_workspace": workspace}
+
+
+def _update_seconds(module, optim_config, device: str, settings: ProfileSettings, build_optimizer,
+                    copy_first: bool = True, cast_to=None) -> tuple[float, int]:
+    """(seconds of one optimizer update of `module`'s fp32 parameters on `device`, then a cast of
+    its matrices to `cast_to` if given; the optimizer's state bytes after it): the first update
+    (which creates the states) is not timed."""
+    import copy
+
+    import torch
+
+    from student.optim import state_bytes
+
+    module = copy.deepcopy(module).to(device=device, dtype=torch.float32) if copy_first else module
+    optimizer = build_optimizer(module, optim_config, device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    for p in module.parameters():
+        p.grad = torch.randn(p.shape, device=device, generator=generator) * 1e-3
+    matrices = [p for p in module.parameters() if p.ndim >= 2]
+
+    def update():
+        optimizer.step()
+        return [p.detach().to(cast_to) for p in matrices] if cast_to is not None else None
+
+    seconds = [_timed(device, update)[0] for _ in range(settings.repeats + 1)][1:]
+    states = state_bytes(optimizer)
+    for p in module.parameters():
+        p.grad = None
+    return sorted(seconds)[len(seconds) // 2], states
+
+
+def _bandwidths(device: str, settings: ProfileSettings) -> tuple[float, float]:
+    """(host->device, device->host) bytes per second: pinned host memory on a GPU, plain copies
+    between two host buffers on the CPU."""
+    import torch
+
+    n = settings.copy_bytes
+    cuda = device.startswith("cuda")
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    rate = []
+    for dst, src in ((dev, host), (host, dev)):
+        seconds = [_timed(device, lambda: dst.copy_(src, non_blocking=cuda))[0] for _ in range(settings.repeats + 1)]
+        rate.append(n / max(sorted(seconds[1:])[len(seconds[1:]) // 2], 1e-9))
+    return rate[0], rate[1]
+
+
+def available_host_bytes() -> int:
+    """The host's available memory (MemAvailable of /proc/meminfo; free pages where there is none)."""
+    import os
+
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_budgets(device: str, settings: ProfileSettings = ProfileSettings()) -> tuple[int, int]:
+    """(GPU, host) budgets when none is given: the device's total memory and the host's available
+    memory, less the headrooms of `settings`. On a CPU-only machine the "GPU" is the host too."""
+    host = int(available_host_bytes() * (1 - settings.host_headroom))
+    if not device.startswith("cuda"):
+        return host, host
+    import torch
+
+    return int(torch.cuda.get_device_properties(device).total_memory * (1 - settings.gpu_headroom)), host

@@ -1,0 +1,273 @@
+"""student/planner.py: the cost model, the mixed-integer program against brute force on hand-made
+cost tables, budget errors, and `distill plan` on a tiny CPU student."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import random
+
+import pytest
+
+from cli_helpers import one_error_line, run_cli
+from student.offload_plan import LayerPlan, OffloadPlan, parse_bytes
+from student.planner import (CHOICES, BudgetError, CostTable, LayerCosts, SolverSettings, predict, program_step_s,
+                             smallest_budget, solve, solve_fixed)
+from test_trainer import tiny  # noqa: F401  (the module-scoped fixture: a tiny student and cache)
+
+GiB = 2**30
+MS = 1e-3
+
+
+def layer(**changes) -> LayerCosts:
+    base = dict(forward_s=10 * MS, backward_s=20 * MS, weight_bytes=GiB, boundary_bytes=GiB // 8, keep_bytes=GiB,
+                workspace_bytes=GiB // 8, master_bytes=2 * GiB, state_bytes=4 * GiB, update_gpu_s=2 * MS,
+                update_cpu_s=40 * MS)
+    return LayerCosts(**{**base, **changes})
+
+
+def table(layers, **changes) -> CostTable:
+    base = dict(layers=tuple(layers), h2d_bytes_per_s=50e9, d2h_bytes_per_s=40e9, static_gpu_bytes=2 * GiB,
+                static_host_bytes=GiB, head_s=10 * MS, static_update_s=2 * MS, micro_batches=2)
+    return CostTable(**{**base, **changes})
+
+
+def random_table(num_layers: int, seed: int, **changes) -> CostTable:
+    r = random.Random(seed)
+    u = lambda lo, hi: r.uniform(lo, hi)
+    return table([layer(forward_s=u(5, 20) * MS, backward_s=u(10, 40) * MS, weight_bytes=int(u(0.3, 1.0) * GiB),
+                        boundary_bytes=int(u(0.05, 0.2) * GiB), keep_bytes=int(u(0.5, 2) * GiB),
+                        master_bytes=int(u(0.6, 2) * GiB), state_bytes=int(u(1, 4) * GiB),
+                        update_gpu_s=u(1, 5) * MS, update_cpu_s=u(5, 80) * MS) for _ in range(num_layers)],
+                 **changes)
+
+
+def every_plan(num_layers: int, depths):
+    for d, side in itertools.product(depths, ("cpu", "gpu")):
+        for combo in itertools.product(CHOICES, repeat=num_layers):
+            yield OffloadPlan(layers=tuple(LayerPlan(a, p) for a, p in combo), prefetch_depth=d, optimizer=side)
+
+
+def brute_force(costs: CostTable, gpu: int, host: int, depths) -> float | None:
+    """The least predicted step time over every plan within the budgets (None: no plan fits)."""
+    best = None
+    for plan in every_plan(len(costs.layers), depths):
+        p = predict(costs, plan)
+        if p.gpu_peak_bytes <= gpu and p.host_peak_bytes <= host and (best is None or p.step_s < best):
+            best = p.step_s
+    return best
+
+
+# --- the cost model -----------------------------------------------------------------------------
+
+
+def test_predict_adds_recompute_and_exposed_copies_as_its_docstring_says():
+    # Copies of nothing cost nothing: all kept and resident, the step is compute plus the CPU update tail.
+    fast = dict(h2d_bytes_per_s=1e30, d2h_bytes_per_s=1e30, micro_batches=1, static_update_s=0.0)
+    costs = table([layer(), layer()], **fast)
+    kept = OffloadPlan.uniform(2, "keep", "resident", optimizer="cpu")
+    compute = 2 * (10 + 20) * MS + 10 * MS
+    # The CPU updates the layers one after the other once every gradient is out.
+    assert predict(costs, kept).step_s == pytest.approx(compute + 2 * 40 * MS)
+    # Recompute runs each layer's forward again before its backward.
+    recomputed = OffloadPlan.uniform(2, "recompute", "resident", optimizer="gpu")
+    assert predict(costs, recomputed).step_s == pytest.approx(compute + 2 * 10 * MS + 2 * 2 * MS)
+    # Streamed weights with no lookahead: layer 0's forward waits for its copy (1 GiB at 1 GiB/s).
+    slow = table([layer(), layer()], h2d_bytes_per_s=GiB, d2h_bytes_per_s=1e30, micro_batches=1, static_update_s=0.0)
+    first = OffloadPlan(layers=(LayerPlan("keep", "stream"), LayerPlan("keep", "resident")), prefetch_depth=0,
+                        optimizer="gpu")
+    base = OffloadPlan.uniform(2, "keep", "resident", prefetch_depth=0, optimizer="gpu")
+    assert predict(slow, first).step_s > predict(slow, base).step_s + 0.99
+    assert predict(slow, first).layer_s[0] == pytest.approx(predict(slow, base).layer_s[0] + 1.0)
+
+
+def test_predict_peaks_count_what_each_decision_holds():
+    costs = table([layer(), layer(), layer(), layer()])
+    kept = predict(costs, OffloadPlan.uniform(4, "keep", "resident", prefetch_depth=1))
+    recomputed = predict(costs, OffloadPlan.uniform(4, "recompute", "resident", prefetch_depth=1))
+    offloaded = predict(costs, OffloadPlan.uniform(4, "offload", "resident", prefetch_depth=1))
+    streamed = predict(costs, OffloadPlan.uniform(4, "recompute", "stream", prefetch_depth=1))
+    assert kept.gpu_peak_bytes - recomputed.gpu_peak_bytes == 4 * (GiB - GiB // 8)
+    assert recomputed.gpu_peak_bytes - offloaded.gpu_peak_bytes == 4 * (GiB // 8) - 2 * 2 * (GiB // 8)
+    assert offloaded.host_peak_bytes - recomputed.host_peak_bytes == 4 * (GiB // 8)
+    assert recomputed.gpu_peak_bytes - streamed.gpu_peak_bytes == 4 * GiB - 2 * GiB  # a ring of depth + 1 layers
+    assert kept.host_peak_bytes == GiB + 4 * (2 * 2 + 4 + 1) * GiB  # master, grads, states, weight copy
+
+
+# --- the program --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_layers, seed, gpu_gib, depths", [
+    (3, 0, 6.5, (0, 1, 2, 3)), (3, 1, 9, (0, 1, 2, 3)), (3, 2, 40, (0, 1, 2, 3)),
+    (4, 3, 8, (0, 1, 2)), (4, 4, 11, (0, 1, 2)), (5, 5, 10, (1,)),
+])
+def test_the_program_finds_the_brute_force_optimum(num_layers, seed, gpu_gib, depths):
+    costs = random_table(num_layers, seed)
+    gpu, host = int(gpu_gib * GiB), 60 * GiB
+    best = brute_force(costs, gpu, host, depths)
+    assert best is not None, "the case must be feasible"
+    plan = solve(costs, gpu, host, settings=SolverSettings(depths=depths))
+    assert plan.predicted == predict(costs, plan)
+    assert plan.predicted.step_s == pytest.approx(best, rel=1e-6)
+    assert plan.predicted.gpu_peak_bytes <= gpu and plan.predicted.host_peak_bytes <= host
+    assert (plan.gpu_memory, plan.host_memory) == (gpu, host)
+
+
+@pytest.mark.parametrize("depth, side", [(0, "cpu"), (1, "gpu"), (2, "cpu"), (3, "gpu")])
+def test_the_programs_optimum_is_predicts_step_time_of_its_plan(depth, side):
+    for seed in range(3):
+        costs = random_table(4, seed, micro_batches=1 + seed)
+        found = solve_fixed(costs, 24 * GiB, 60 * GiB, depth=depth, optimizer=side)
+        assert found is not None and found.optimal
+        assert (found.plan.prefetch_depth, found.plan.optimizer) == (depth, side)
+        assert found.step_s == pytest.approx(predict(costs, found.plan).step_s, rel=1e-7)
+
+
+def test_the_program_encodes_predict_for_any_plan():
+    """Every decision, depth and side: the program with its binaries fixed to a plan gives that
+    plan's predicted step time (slow copies, so that every wait of the model binds somewhere)."""
+    r = random.Random(5)
+    for trial in range(24):
+        costs = random_table(4, seed=trial, h2d_bytes_per_s=r.choice([5e9, 50e9]), d2h_bytes_per_s=r.choice([3e9, 40e9]),
+                             micro_batches=r.choice([1, 3]))
+        plan = OffloadPlan(layers=tuple(LayerPlan(*r.choice(CHOICES)) for _ in range(4)),
+                           prefetch_depth=r.choice([0, 1, 2, 3]), optimizer=r.choice(["cpu", "gpu"]))
+        assert program_step_s(costs, plan) == pytest.approx(predict(costs, plan).step_s, rel=1e-7), plan
+
+
+def test_plenty_of_memory_keeps_everything_resident():
+    # A slow CPU: the update runs on the GPU, where resident weights are updated in place. (With the
+    # update on the CPU, streaming the last layers saves refreshing them after it: see the next test.)
+    costs = random_table(5, seed=7)
+    costs = table([dataclasses.replace(x, update_cpu_s=1.0) for x in costs.layers])
+    plan = solve(costs, 1000 * GiB, 1000 * GiB)
+    assert plan.optimizer == "gpu" and all(lp == LayerPlan("keep", "resident") for lp in plan.layers)
+
+
+def test_with_the_update_on_the_cpu_the_last_layers_stream_instead_of_a_refresh():
+    costs = table([layer(update_cpu_s=10 * MS, forward_s=20 * MS) for _ in range(4)], h2d_bytes_per_s=100e9)
+    plan = solve(costs, 1000 * GiB, 1000 * GiB, settings=SolverSettings(depths=(1,)))
+    assert plan.optimizer == "cpu" and all(lp.activation == "keep" for lp in plan.layers)
+    assert plan.layers[-1].params == "stream" and plan.layers[0].params == "resident"
+
+
+def test_a_tight_budget_recomputes_the_cheap_layer_then_offloads_then_streams():
+    # Layer 2 saves much for its backward and recomputes cheaply: the first to give up "keep".
+    # The update on the GPU (a slow CPU; small slices), where resident weights cost no refresh; fast
+    # gradient copies.
+    slow_cpu = dict(update_cpu_s=1.0, master_bytes=GiB // 2, state_bytes=GiB)
+    costs = table([layer(**slow_cpu), layer(**slow_cpu), layer(keep_bytes=6 * GiB, forward_s=1 * MS, **slow_cpu),
+                   layer(**slow_cpu)], d2h_bytes_per_s=1e12)
+    everything = predict(costs, OffloadPlan.uniform(4, "keep", "resident", prefetch_depth=0)).gpu_peak_bytes
+    plan = solve(costs, everything - GiB, 100 * GiB)
+    assert [lp.activation for lp in plan.layers] == ["keep", "keep", "recompute", "keep"]
+    assert all(lp.params == "resident" for lp in plan.layers)
+
+    # Below every layer recomputed with its input on the GPU, by more than streaming every layer's
+    # (small) weights saves, some input must go to the host.
+    light = table([layer(weight_bytes=GiB // 16, boundary_bytes=GiB // 4) for _ in range(4)])
+    recomputed = predict(light, OffloadPlan.uniform(4, "recompute", "resident", prefetch_depth=0)).gpu_peak_bytes
+    budget = recomputed - 3 * GiB // 16 - 1
+    plan = solve(light, budget, 100 * GiB)
+    assert any(lp.activation == "offload" for lp in plan.layers)
+    assert plan.predicted.gpu_peak_bytes <= budget
+
+    # Below every layer's weights resident, some must stream.
+    many = table([layer(boundary_bytes=GiB // 64) for _ in range(6)])
+    resident = predict(many, OffloadPlan.uniform(6, "offload", "resident", prefetch_depth=0)).gpu_peak_bytes
+    plan = solve(many, resident - 1, 100 * GiB)
+    assert any(lp.params == "stream" for lp in plan.layers)
+    assert plan.predicted.gpu_peak_bytes <= resident - 1
+
+
+def test_a_budget_no_plan_meets_names_the_option_and_the_smallest_that_works():
+    costs = random_table(3, seed=11)
+    least_gpu = min(predict(costs, p).gpu_peak_bytes for p in every_plan(3, (0,)))
+    with pytest.raises(BudgetError) as caught:
+        solve(costs, least_gpu - GiB // 4, 60 * GiB)
+    error = caught.value
+    assert error.field == "gpu_memory" and "\n" not in str(error)
+    assert f"the smallest that can is {error.smallest_bytes / GiB:.1f} GiB" in str(error)
+    assert least_gpu <= error.smallest_bytes <= least_gpu + GiB // 10 + 2**21
+    assert parse_bytes(str(error).rsplit(" is ", 1)[1]) == error.smallest_bytes
+    plan = solve(costs, error.smallest_bytes, 60 * GiB)  # the smallest budget itself is met
+    assert plan.predicted.gpu_peak_bytes <= error.smallest_bytes
+
+    least_host = min(predict(costs, p).host_peak_bytes for p in every_plan(3, (0,)))
+    with pytest.raises(BudgetError, match="host_memory.*cannot hold") as caught:
+        solve(costs, 100 * GiB, least_host - 1)
+    assert least_host <= caught.value.smallest_bytes <= least_host + GiB // 10 + 2**21
+    solve(costs, 100 * GiB, caught.value.smallest_bytes)
+
+
+def test_the_smallest_gpu_budget_respects_the_host_budget():
+    # With little host memory nothing can be offloaded, so the least GPU peak is higher.
+    costs = random_table(3, seed=12)
+    _, free = smallest_budget(costs, "gpu", None)
+    everything_on_host = costs.static_host_bytes + sum(x.host_bytes for x in costs.layers)
+    plan, bounded = smallest_budget(costs, "gpu", everything_on_host + 2**24)
+    assert bounded > free and all(lp.activation != "offload" for lp in plan.layers)
+
+
+# --- distill plan on a tiny CPU student ---------------------------------------------------------
+
+
+def plan_args(tiny, *more):  # noqa: F811
+    student, cache, _ = tiny
+    return ["plan", "--cache", cache, "--student", student, "--batch-size", "3", "--heldout", "4", "--device", "cpu",
+            "--host-memory", "4GiB", *more]
+
+
+def test_distill_plan_prints_a_table_and_saves_the_json_it_prints(tiny, tmp_path, capsys):  # noqa: F811
+    code, out, err = run_cli(plan_args(tiny, "--gpu-memory", "1GiB"), capsys)
+    assert code == 0, err
+    assert "activation" in out and "predicted step time" in out and "of 1.0 GiB" in out
+    assert sum(line.strip().startswith(("│     0", "│     1")) for line in out.splitlines()) == 2
+
+    path = tmp_path / "plan.json"
+    code, out, err = run_cli(plan_args(tiny, "--gpu-memory", "1GiB", "--json", "--out", path), capsys)
+    assert code == 0, err
+    printed = json.loads(out)
+    saved = OffloadPlan.load(path)
+    assert json.loads(path.read_text()) == printed and saved == OffloadPlan.from_dict(printed)
+    assert len(saved.layers) == 2
+    assert saved.gpu_memory == GiB and saved.host_memory == 4 * GiB
+    assert 0 < saved.predicted.step_s and saved.predicted.gpu_peak_bytes <= GiB
+
+
+def test_distill_plan_refuses_a_budget_in_one_line_with_the_smallest(tiny, capsys):  # noqa: F811
+    code, _, err = run_cli(plan_args(tiny, "--gpu-memory", "64KiB"), capsys)
+    line = one_error_line(code, err)
+    assert line.startswith("error: --gpu-memory 64.0 KiB cannot hold this student's step; the smallest that can is ")
+    code, _, err = run_cli(plan_args(tiny, "--gpu-memory", "lots"), capsys)
+    assert "--gpu-memory is 'lots'" in one_error_line(code, err)
+
+
+def test_distill_plan_takes_train_students_options_and_has_examples(capsys):
+    """One option set: every option of train-student but a run's own is an option of plan, with the
+    same default, so a plan is made for the step train-student runs."""
+    import typer.main
+
+    from distill.cli import app
+
+    commands = typer.main.get_command(app).commands
+    params = lambda name: {p.name: (p.opts, p.default) for p in commands[name].params}
+    train, plan = params("train-student"), params("plan")
+    for name in set(train) - {"out", "resume_from", "quiet", "offload", "gpu_memory", "host_memory"}:
+        assert plan[name] == train[name], name
+    assert {"gpu_memory", "host_memory", "as_json", "plan_out"} <= set(plan)
+    code, out, _ = run_cli(["plan", "--help"], capsys)
+    assert code == 0 and "Example" in out and "--gpu-memory" in out
+
+
+def test_plan_for_training_takes_the_budgets_as_bytes(tiny, tmp_path):  # noqa: F811
+    from student.planner import plan_for_training
+    from student.trainer import TrainConfig
+
+    student, cache, _ = tiny
+    config = TrainConfig.from_flat(cache=str(cache), out=str(tmp_path / "run"), student=str(student), batch_size=3,
+                                   heldout=4, device="cpu", grad_accum=2)
+    plan = plan_for_training(config, gpu_memory=GiB, host_memory=2 * GiB)
+    assert len(plan.layers) == 2 and (plan.gpu_memory, plan.host_memory) == (GiB, 2 * GiB)
+    assert plan.predicted.gpu_peak_bytes <= GiB and not (tmp_path / "run").exists()
