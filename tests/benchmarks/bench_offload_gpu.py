@@ -53,7 +53,7 @@ from harness import Results, add_results_arg, ceilings, check_close, tflops, tim
 
 from student.config import StudentConfig
 from student.model import Student, rope_inv_freq
-from student.offload_plan import LayerPlan, OffloadPlan, parse_bytes
+from student.offload_plan import OffloadPlan, parse_bytes
 
 BENCH = "offload"
 VARIANTS = ("none", "zero_offload", "planned", "file")
