@@ -157,7 +157,7 @@ def test_offload_auto_trains_with_the_planners_plan(small, tmp_path, tmp_path_fa
     pytest.importorskip("student.planner")
     want = reference(small, tmp_path_factory, "adamw")
     out = tmp_path / "run"
-    train(config(small, out, offload="auto", host_memory="4GiB"), progress=False)
+    train(config(small, out, offload="auto", gpu_memory="1GiB", host_memory="4GiB"), progress=False)
     assert results(out) == results(want)
     assert len(json.loads((out / "run.json").read_text())["offload_plan"]["layers"]) == NUM_LAYERS
 
