@@ -226,6 +226,9 @@ def train_student(
     offload_pages: int = typer.Option(_TRAIN["offload_pages"], "--offload-pages", help="With --kv-offload: pages per set streamed to the GPU (two sets are resident at once)."),
     checkpoint_layers: bool = typer.Option(_TRAIN["checkpoint_layers"], "--checkpoint-layers/--no-checkpoint-layers", help="With --chunk-tokens: keep only each layer's input of a chunk and run the layer again in its backward (less memory, one more forward)."),
     sparse_pages: Optional[int] = typer.Option(_TRAIN["sparse_pages"], "--sparse-pages", help="With --chunk-tokens: sparse attention (not exact): each chunk attends its own pages plus the N past pages its queries score highest against their mean keys (OOMB's page top-k); default: dense."),
+    offload: str = typer.Option(_TRAIN["offload"], "--offload", help="Train a student bigger than the GPU: none (everything on the GPU), auto (profile a step, plan under --gpu-memory / --host-memory, train with that plan) or PLAN.json (a plan `distill plan` saved). Decoder layers' fp32 weights, gradients and optimizer states then live in host memory; the results are those of --offload none."),
+    gpu_memory: Optional[str] = typer.Option(_TRAIN["gpu_memory"], "--gpu-memory", help="With --offload auto: GPU memory budget, e.g. 40GiB (default: the device's total)."),
+    host_memory: Optional[str] = typer.Option(_TRAIN["host_memory"], "--host-memory", help="With --offload auto: host memory budget, e.g. 120GiB (default: the host's available memory)."),
     resume_from: Optional[int] = typer.Option(None, "--resume-from", help="Continue from the kept checkpoint of this step instead of the latest (newer ones are deleted)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -244,6 +247,8 @@ def train_student(
       distill train-student --cache caches/default --num-layers 4 --sparse-ffn --l1 2e-5 --out runs/sparse
 
       distill train-student --cache caches/long-1m --student ./qwen-0.5b --batch-size 1 --chunk-tokens 16384 --kv-offload --out runs/long
+
+      distill train-student --cache caches/qwen --student ./qwen-14b --offload auto --gpu-memory 40GiB --out runs/big
 
     Rerunning the same command after an interruption continues from the last checkpoint.
 

@@ -220,6 +220,10 @@ class Student(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # How each decoder layer runs, when not by itself: runner(index, x, cos, sin, kv_store, row_mask)
+        # -> (x, terms); student/offload.py installs one that streams the layer's weights and places its
+        # activations (it then also decides recomputation: checkpoint_layers is not consulted).
+        self.layer_runner = None
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -258,8 +262,10 @@ class Student(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
         terms = []
         recompute = checkpoint_layers and torch.is_grad_enabled()
-        for layer in self.layers:
-            if recompute:
+        for index, layer in enumerate(self.layers):
+            if self.layer_runner is not None:
+                x, layer_terms = self.layer_runner(index, x, cos, sin, kv_store, row_mask)
+            elif recompute:
                 x, layer_terms = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, kv_store, row_mask,
                                                                    use_reentrant=False)
             else:

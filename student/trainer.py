@@ -2,10 +2,14 @@
 
 Run directory (`out`):
   run.json            the resolved config (flat names: TrainConfig.to_flat()), the cache's id and
-                      temperature, the student's identity and tokenizer hash
+                      temperature, the student's identity and tokenizer hash, and with offload the
+                      plan the run trains with (offload_plan: OffloadPlan.to_dict(), its predictions)
   metrics.jsonl       {"kind": "train", step, loss, kl, lr, grad_norm, tokens, tok_per_s,
                       optimizer_state_bytes, epoch, and on a GPU peak_gpu_bytes: the most
-                      allocated since the previous row}, with a ReLU-gated (sparse FFN) student also
+                      allocated since the previous row}; with offload also offload_step_s (mean
+                      seconds of the window's steps, evaluation and checkpoints left out),
+                      offload_predicted_step_s / _gpu_peak_bytes / _host_peak_bytes (the plan's)
+                      and offload_host_bytes (what the offloaded layers hold on the host); with a ReLU-gated (sparse FFN) student also
                       l1 (mean over layers of sum over d_ff of |h|, mean over tokens) and, per layer
                       over the steps since the previous row, ffn_nnz (mean non-zeros of h per token),
                       ffn_sparsity (1 - nnz / d_ff), ffn_dead (share of neurons zero on every token;
@@ -54,6 +58,7 @@ from distill.files import atomic_write_json
 from student.checkpoint import RunDirError
 from student.long_context import LongContextConfig
 from student.loss import LossConfig
+from student.offload_plan import OffloadConfig
 from student.optim.config import OptimizerConfig
 from student.schedule import ScheduleConfig, lr_factor
 from student.sparse_ffn import SparseFFNConfig
@@ -66,11 +71,12 @@ __all__ = ["TrainConfig", "TrainReport", "train", "RunDirError", "NonFiniteLossE
 # Settings a rerun may change; the run continues from its checkpoint and metrics.jsonl records each
 # change. They alter the learning-rate schedule, the optimizer's hyperparameters (not its kind or
 # the shape of its state), the sparse FFN's policy, how sequences are chunked and where their
-# keys and values live (exact) or which past pages a chunk attends (sparse pages), or where the cache lives (it is identified by
-# its id), never the model or the data.
+# keys and values live (exact) or which past pages a chunk attends (sparse pages), where the decoder
+# layers' weights, states and activations live (offload: the same results), or where the cache lives
+# (it is identified by its id), never the model or the data.
 CHANGEABLE = ("cache", "steps", "warmup_steps", "min_lr_ratio", "lr", "weight_decay", "clip_grad", "foam_scale",
               "l1", "sparse_kernel", "dead_reinit", "dead_window", "chunk_tokens", "page_tokens", "kv_offload",
-              "offload_pages", "checkpoint_layers", "sparse_pages")
+              "offload_pages", "checkpoint_layers", "sparse_pages", "offload", "gpu_memory", "host_memory")
 # Settings of how often things are logged, evaluated or saved, and where: free to change, not recorded.
 _FREE = ("out", "eval_every", "eval_sequences", "save_every", "log_every")
 PID_FILE = "run.pid"  # the live trainer's {"pid", "host"}; see the module docstring
@@ -115,6 +121,7 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)  # tail, temperature, ce_weight
     sparse: SparseFFNConfig = field(default_factory=SparseFFNConfig)  # sparse_ffn, l1, sparse_kernel, dead_*
     long: LongContextConfig = field(default_factory=LongContextConfig)  # chunk_tokens, page_tokens, kv_offload, ...
+    offload: OffloadConfig = field(default_factory=OffloadConfig)  # offload (none | auto | PLAN.json), gpu_memory, host_memory
 
     def __post_init__(self):
         check_types(self)
@@ -133,6 +140,12 @@ class TrainConfig:
         require("seq_len", self.seq_len, self.seq_len is None or self.seq_len >= 2, "None or an integer >= 2")
         require("eval_sequences", self.eval_sequences, self.eval_sequences is None or self.eval_sequences >= 1,
                 "None or an integer >= 1")
+        if self.offload.offload != "none" and self.long.chunk_tokens is not None:
+            raise ConfigError("offload", f"is {self.offload.offload!r}: offloaded training runs whole sequences, "
+                                         "not yet chunk by chunk; drop --chunk-tokens or use --offload none")
+        if self.offload.offload != "none" and self.sparse.sparse_ffn:
+            raise ConfigError("offload", f"is {self.offload.offload!r}: offloaded training does not run the sparse "
+                                         "FFN yet; drop --sparse-ffn or use --offload none")
 
     @classmethod
     def from_flat(cls, **values) -> TrainConfig:
@@ -167,7 +180,7 @@ class TrainConfig:
 
 
 _PARTS = {"schedule": ScheduleConfig, "optim": OptimizerConfig, "loss": LossConfig, "sparse": SparseFFNConfig,
-          "long": LongContextConfig}
+          "long": LongContextConfig, "offload": OffloadConfig}
 
 
 def _field_names(cls) -> set[str]:
@@ -197,25 +210,27 @@ def _resolve(config: TrainConfig) -> TrainConfig:
     """Absolute paths, the device and dtype "auto" resolved, and the warmup as a number of steps."""
     absolute = lambda p: None if p is None else str(Path(p).expanduser().resolve())
     device = resolve_device(config.device)
+    offload = config.offload.offload
     return config.with_flat(
+        offload=offload if offload in ("none", "auto") else absolute(offload),
         cache=absolute(config.cache), out=absolute(config.out), student=absolute(config.student),
         teacher=absolute(config.teacher), tokenizer=absolute(config.tokenizer or config.student or config.teacher),
         device=device, dtype=resolve_dtype(config.dtype, device), warmup_steps=config.schedule.warmup)
 
 
-def _initial_student(config: TrainConfig):
-    """(model on config.device, identity for run.json)."""
+def _initial_student(config: TrainConfig, device: str):
+    """(model on `device`, identity for run.json)."""
     from student.config import StudentConfig
     from student.model import Student, to_relu_gate
 
     if config.student is not None and not any(Path(config.student).glob("*.safetensors")):
         # A folder with only config.json: a student of that shape, randomly initialised (seeded).
         cfg = StudentConfig.from_hf_dict(json.loads((Path(config.student) / "config.json").read_text()))
-        model, init = Student(cfg).to(config.device), f"config:{config.student}"
+        model, init = Student(cfg).to(device), f"config:{config.student}"
     elif config.student is not None:
-        model, init = Student.from_pretrained(config.student, device=config.device), f"student:{config.student}"
+        model, init = Student.from_pretrained(config.student, device=device), f"student:{config.student}"
     else:
-        model = Student.from_teacher_pruned(config.teacher, config.num_layers, device=config.device)
+        model = Student.from_teacher_pruned(config.teacher, config.num_layers, device=device)
         init = f"teacher:{config.teacher}:num_layers={config.num_layers}"
     if config.sparse.sparse_ffn and not model.config.sparse_ffn:
         to_relu_gate(model)
@@ -365,7 +380,9 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
     config = config.with_flat(temperature=config.loss.distillation_temperature(cache_temperature))
     check_shards(config.cache)  # every shard's size and checksum, before anything is written
     train_idx, held_idx = split_indices(reader.num_sequences, config.heldout)
-    model, identity = _initial_student(config)
+    offloading = config.offload.offload != "none"
+    # Offloaded, the model is built in host memory: its decoder layers stay there (student/offload.py).
+    model, identity = _initial_student(config, "cpu" if offloading else device)
     if model.config.vocab_size < tok["vocab_size"]:
         raise DistillUserError(f"the student's vocab size {model.config.vocab_size} is smaller than its "
                                f"tokenizer's {tok['vocab_size']}; use a student built for this tokenizer")
@@ -380,6 +397,9 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
 
     eval_idx = held_idx[:config.eval_sequences] if config.eval_sequences else held_idx
     amp_dtype = torch.bfloat16 if config.dtype == "bfloat16" else None
+    runtime = _offload_runtime(config, model, amp_dtype) if offloading else None  # before the optimizer sees the params
+    if runtime is not None:
+        run["offload_plan"] = runtime.plan.to_dict()
 
     def evaluate(step: int) -> EvalResult:
         result = evaluate_student(model, reader, eval_idx, batch_size=config.batch_size, device=device,
@@ -395,6 +415,8 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
     step, last_saved = 0, None  # last_saved: (checkpoint, the loss of its step)
     if (ckpt := latest_checkpoint(out)) is not None:
         state, data_state = load_checkpoint(ckpt, model)
+        if runtime is not None:
+            runtime.refresh()
         step = int(state["step"])
         if steps < step:
             raise ConfigError("steps", f"is {steps}, below the run's last checkpoint at step {step}; give at least "
@@ -427,9 +449,11 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
     batches = Prefetcher(data)
     exit_after = int(os.environ.get(_TEST_EXIT_ENV, "-1"))
     loss_value, window_tokens, window_start = None, 0, time.perf_counter()
+    window_step_s, window_steps = 0.0, 0  # time in the steps themselves (offload rows)
     bar = tqdm(total=steps, initial=step, disable=not progress, desc="train", unit="step")
     with bar, metrics, batches:
         while step < steps:
+            step_start = time.perf_counter()
             lr = config.optim.lr * lr_factor(step, config.schedule)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -439,6 +463,8 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
                 loss, kl = _micro_batch_backward(model, batch, config, amp_dtype, cache_temperature=cache_temperature,
                                                  policy=policy)
                 loss_sum, kl_sum, tokens = loss_sum + loss.item(), kl_sum + kl.item(), tokens + batch.num_tokens
+            if runtime is not None:
+                runtime.finish_grads()
             max_norm = config.optim.clip_grad if config.optim.clip_grad > 0 else float("inf")
             grad_norm = clip_grad_norm_foreach(model.parameters(), max_norm).item()
             loss_value = loss_sum / config.grad_accum
@@ -447,9 +473,13 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
                 message = _diverged_message(step + 1, loss_value, grad_norm, last_saved, kept)
                 log({"kind": "stop", "step": step + 1, "reason": "non-finite", "message": message})
                 raise NonFiniteLossError(message)
-            optimizer.step()
+            if runtime is not None:
+                runtime.step(optimizer)
+            else:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            window_step_s, window_steps = window_step_s + time.perf_counter() - step_start, window_steps + 1
             if policy is not None:
                 policy.end_step(model, step, config.grad_accum, tokens)
             window_tokens += tokens
@@ -460,11 +490,15 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
                 log({"kind": "train", "step": step, "loss": loss_value, "kl": kl_sum / config.grad_accum, "lr": lr,
                      "grad_norm": grad_norm, "tokens": tokens, "tok_per_s": window_tokens / max(elapsed, 1e-9),
                      "optimizer_state_bytes": state_bytes(optimizer), "epoch": batches.epoch,
-                     **_peak_gpu_bytes(device), **(policy.metrics(model) if policy is not None else {})})
+                     **_peak_gpu_bytes(device), **(policy.metrics(model) if policy is not None else {}),
+                     **(_offload_figures(runtime, optimizer, window_step_s / window_steps) if runtime else {})})
                 window_tokens, window_start = 0, time.perf_counter()
+                window_step_s, window_steps = 0.0, 0
             if (config.eval_every and step % config.eval_every == 0) or step == steps:
                 log({"kind": "eval", "step": step, **evaluate(step).to_dict()})
             if (config.save_every and step % config.save_every == 0) or step == steps:
+                if runtime is not None:
+                    runtime.synchronize()  # the host weights and states are written by copies in flight
                 trainer_state = {"optimizer": optimizer.state_dict(), "loss": loss_value,
                                  **(policy.state_dict(model) if policy is not None else {})}
                 last_saved = (save_checkpoint(out, step, model, trainer_state, batches.state_dict()), loss_value)
@@ -477,8 +511,35 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
     atomic_write_json(out / "eval.json", {"step": step, "initial": initial.to_dict() if initial else None,
                                           "final": final.to_dict(), "teacher": teacher.to_dict(),
                                           "kl_note": KL_NOTE})
+    if runtime is not None:
+        runtime.close()  # every copy done: the host weights are final
     save_student(model, out / "student", config.tokenizer)
     return TrainReport(str(out), str(out / "student"), step, resumed_from, loss_value, initial, final, teacher)
+
+
+def _offload_runtime(config: TrainConfig, model, amp_dtype):
+    """The offload runtime carrying out the run's plan: a saved one, or the planner's (auto)."""
+    from student.offload import OffloadRuntime
+    from student.offload_plan import OffloadPlan
+
+    if config.offload.offload == "auto":
+        try:
+            from student.planner import plan_for_training
+        except ImportError:
+            raise ConfigError("offload", "is 'auto' but this distill has no planner (student/planner.py); give a "
+                                         "plan file `distill plan` wrote, or --offload none") from None
+        plan = plan_for_training(config)
+    else:
+        plan = OffloadPlan.load(config.offload.offload)
+    return OffloadRuntime(model, plan, config.device, amp_dtype)
+
+
+def _offload_figures(runtime, optimizer, step_s: float) -> dict:
+    predicted = runtime.plan.predicted
+    return {"offload_step_s": step_s, "offload_predicted_step_s": predicted.step_s,
+            "offload_predicted_gpu_peak_bytes": predicted.gpu_peak_bytes,
+            "offload_predicted_host_peak_bytes": predicted.host_peak_bytes,
+            "offload_host_bytes": runtime.host_bytes(optimizer)}
 
 
 def _peak_gpu_bytes(device: str) -> dict:

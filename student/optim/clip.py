@@ -49,7 +49,9 @@ def clip_grad_norm_foreach(params: torch.Tensor | Iterable[torch.Tensor], max_no
         return torch.tensor(0.0)
     groups = _grads_by_device_and_dtype(grads)
     first_device = grads[0].device
-    norms = [norm.to(first_device, non_blocking=True)
+    # A copy to the host is blocking: the host reads it at once (offloaded training has host and device grads).
+    to = lambda t, device: t.to(device, non_blocking=device.type != "cpu")
+    norms = [to(norm, first_device)
              for group in groups.values() for norm in torch._foreach_norm(group, 2.0, dtype=torch.float32)]
     total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
     if error_if_nonfinite and not torch.isfinite(total_norm):
@@ -62,7 +64,7 @@ def clip_grad_norm_foreach(params: torch.Tensor | Iterable[torch.Tensor], max_no
     clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     clip_coef = torch.where(torch.isfinite(total_norm), clip_coef, torch.ones_like(clip_coef))
     for (device, dtype), group in groups.items():
-        coef = clip_coef.to(device, non_blocking=True)
+        coef = to(clip_coef, device)
         if dtype in (torch.bfloat16, torch.float16):
             # A 0-dim device tensor of another dtype is cast to the grads' dtype before the multiply
             # (torch's fast foreach route needs equal dtypes, its fallback casts the 0-dim operand):

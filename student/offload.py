@@ -1,0 +1,491 @@
+"""The offload runtime: trains a Student whose decoder layers live in host memory, carrying out an
+OffloadPlan (student/offload_plan.py says what each decision means; the planner, student/planner.py,
+makes plans). LazyTrain's executor (arXiv 2608.11919, after MegaTrain): layers stream through the
+GPU, the host keeps the fp32 state.
+
+Where things live:
+  host (pinned when the device is CUDA), per decoder layer: its fp32 master weights (the model's own
+      parameters, made views of one flat buffer, so the optimizer, clipping and checkpoints see them
+      as without offload), its fp32 gradient accumulators (the parameters' .grad after
+      `finish_grads`, views of a second flat buffer), its optimizer states (the optimizer creates
+      them on the parameters' device) and, when the compute dtype is not fp32, a staging copy of its
+      matrices in that dtype (what the device reads: half the bytes of the masters).
+  device: the embeddings, the final norm and the lm-head with their gradients and optimizer states,
+      exactly as without offload (they are not offloaded); the working weights of "resident" layers
+      (kept across steps, refreshed after each update); a ring of prefetch_depth + 1 buffers the
+      "stream" layers' working weights pass through; activations as the plan says.
+Working weights: matrices in the compute dtype (bf16 under autocast on a GPU: the same rounding
+autocast applies to an fp32 weight; fp32 on a CPU), vectors (norms, biases) fp32, as the masters.
+
+A step:
+  forward   Student.forward's `layer_runner` seam runs each layer (the model's one forward, through
+            torch.func.functional_call with the working weights). A layer is one autograd Function:
+            "keep" keeps its autograd graph (and so its weights) until its backward; "recompute"
+            keeps only its input on the device and runs the layer again in the backward; "offload"
+            copies its input to host memory on a side stream and back ahead of the backward, then
+            recomputes. Weight copies of "stream" layers and returning activations are issued
+            `prefetch_depth` items ahead, in the order of use (forward in order, backward in reverse),
+            on a side stream, with events the compute stream waits on; nothing waits on the host.
+  backward  as soon as a layer's backward has its weight gradients (one flat tensor per dtype), they
+            go device -> host on a second side stream, and a worker thread adds them into the fp32
+            accumulators once their copy is done (the first micro-batch of a step copies).
+  finish_grads()  waits for that worker (the CPU update needs the gradients: the step's host wait).
+  clipping  the trainer's clip_grad_norm_foreach over every gradient, on the host and on the device.
+  step()    plan.optimizer "cpu": the configured optimizer steps the host parameters on the host and
+            the device ones on the device, in one call; then the staging copies and resident working
+            weights are refreshed from the masters. "gpu": layer by layer, master, gradient and
+            states go to the device, the same optimizer steps that slice there (a step over only the
+            parameters that have gradients), the results go back, the working copies are written from
+            the updated device master; then the device parameters step. Both give what the optimizer
+            gives without offload (per-parameter updates do not depend on which others step with them).
+
+On a CPU device there are no streams: every copy is a plain copy, the same code path otherwise, so
+the CPU tests hold offloaded training to the losses of training without it, bit for bit.
+Not supported yet (the trainer refuses them in one line): chunk-recurrent training (a KV store) and
+the sparse FFN (its L1 terms and dead-neuron reinitialisation would have to cross the layer Function).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch.func import functional_call
+
+from distill.configs import ConfigError
+from distill.errors import DistillUserError
+from student.offload_plan import OffloadPlan
+
+__all__ = ["OffloadRuntime"]
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The parameters of one layer that share a working dtype: contiguous in the layer's flats."""
+
+    dtype: torch.dtype  # working dtype
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    sizes: tuple[int, ...]
+    start: int  # offset in the layer's master and gradient flats
+    numel: int
+
+    @property
+    def span(self) -> slice:
+        return slice(self.start, self.start + self.numel)
+
+
+def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Host memory, page-locked in place when `pin` (cudaHostRegister, as torch.cuda's own helper
+    does): torch's pinned allocator would round each buffer up to a power of two, a third more
+    host memory for a layer's weights. `_unpin` gives it back."""
+    tensor = torch.empty(numel, dtype=dtype)
+    if pin and numel:
+        error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
+        if error:
+            raise RuntimeError(f"page-locking {tensor.nbytes} bytes of host memory failed (cudaError {error}); "
+                               "give the plan a smaller host budget (--host-memory)")
+    return tensor
+
+
+def _unpin(tensor: torch.Tensor) -> None:
+    error = int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
+    assert not error, f"cudaHostUnregister of a buffer this runtime registered failed (cudaError {error})"
+
+
+class _HostLayer:
+    """One decoder layer's host state: flat fp32 master and gradient buffers whose views are the
+    layer's parameters and their gradients, and per group the staging copy the device reads."""
+
+    def __init__(self, layer: torch.nn.Module, compute_dtype: torch.dtype, pin: bool):
+        named = list(layer.named_parameters())
+        members = [[(n, p) for n, p in named if p.ndim >= 2], [(n, p) for n, p in named if p.ndim < 2]]
+        self.groups, start = [], 0
+        for group, dtype in zip(members, (compute_dtype, torch.float32)):
+            if group:
+                sizes = tuple(p.numel() for _, p in group)
+                self.groups.append(_Group(dtype, tuple(n for n, _ in group), tuple(p.shape for _, p in group),
+                                          sizes, start, sum(sizes)))
+                start += sum(sizes)
+        self.numel = start
+        self.master = _host_empty(start, torch.float32, pin)
+        self.grad = _host_empty(start, torch.float32, pin)
+        self.params, self.grad_views, self.spans = [], [], []
+        offset = 0
+        with torch.no_grad():
+            for _, p in members[0] + members[1]:
+                span = slice(offset, offset + p.numel())
+                view = self.master[span].view(p.shape)
+                view.copy_(p.detach())
+                p.data = view
+                self.params.append(p)
+                self.grad_views.append(self.grad[span].view(p.shape))
+                self.spans.append((span, p.shape))
+                offset += p.numel()
+        self.staging = [self.master[g.span] if g.dtype == torch.float32 else _host_empty(g.numel, g.dtype, pin)
+                        for g in self.groups]
+        self.has_grad = False  # gradients of this step arrived (else the next ones are copied, not added)
+
+    def separate_staging(self):
+        """(group, staging) of the groups whose staging is not the master itself."""
+        return [(g, s) for g, s in zip(self.groups, self.staging) if g.dtype != torch.float32]
+
+
+class _Schedule:
+    """The copies to the device of one forward (and its backward), in the order of use: weights of
+    stream layers in the forward, then per layer in reverse an offloaded input and stream weights.
+    Each is issued `depth` items before it is taken; ring items pass through the ring's slots,
+    the forward weights of a kept layer get their own buffer (they live until its backward)."""
+
+    def __init__(self, runtime: OffloadRuntime, grad: bool):
+        layers, depth = runtime.plan.layers, runtime.plan.prefetch_depth
+        items = [("w", i, "fwd") for i, lp in enumerate(layers) if lp.params == "stream"]
+        if grad:
+            for i in reversed(range(len(layers))):
+                if layers[i].activation == "offload":
+                    items.append(("x", i, "bwd"))
+                if layers[i].params == "stream" and layers[i].activation != "keep":
+                    items.append(("w", i, "bwd"))
+        self.runtime, self.depth, self.items = runtime, depth, items
+        self.position = {item: k for k, item in enumerate(items)}
+        self.slot, count = {}, 0
+        for k, (kind, i, phase) in enumerate(items):
+            if kind == "w" and not (grad and phase == "fwd" and layers[i].activation == "keep"):
+                self.slot[k], count = count % (depth + 1), count + 1
+        self.issued: dict[int, tuple[list[torch.Tensor], object]] = {}
+        self.next, self.taken = 0, -1
+
+    def pump(self) -> None:
+        """Issue the items up to `depth` past the last taken one (stopping at one not ready yet)."""
+        while self.next < len(self.items) and self.next <= self.taken + self.depth:
+            issued = self.runtime._issue(self, self.next)
+            if issued is None:
+                return
+            self.issued[self.next] = issued
+            self.next += 1
+
+    def take(self, item: tuple) -> list[torch.Tensor]:
+        k = self.position[item]
+        self.taken = k
+        self.pump()
+        assert k in self.issued, f"copy {item} is issued before it is taken"
+        tensors, event = self.issued.pop(k)
+        self.runtime._wait(event)
+        return tensors
+
+
+class _LayerFunction(torch.autograd.Function):
+    """One decoder layer with offloaded weights: forward and backward per its LayerPlan."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, row_mask, runtime: OffloadRuntime, index: int):
+        activation = runtime.plan.layers[index].activation
+        weights = runtime._weights(index, "fwd")
+        ctx.runtime, ctx.index, ctx.graph = runtime, index, None
+        ctx.amp = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
+        if activation == "keep":
+            with torch.enable_grad():
+                x_ = x.detach().requires_grad_()
+                flats = [w.detach().requires_grad_() for w in weights]
+                y = runtime._call(index, flats, x_, cos, sin, row_mask)
+            ctx.graph = (x_, flats, y)
+            ctx.save_for_backward()
+            return y.detach()
+        y = runtime._call(index, weights, x, cos, sin, row_mask)
+        ctx.save_for_backward(x if activation == "recompute" else None, cos, sin, row_mask)
+        if activation == "offload":
+            runtime._offload_input(index, x)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        runtime, index = ctx.runtime, ctx.index
+        if ctx.graph is not None:
+            x_, flats, y = ctx.graph
+            ctx.graph = None
+        else:
+            x, cos, sin, row_mask = ctx.saved_tensors
+            if x is None:
+                x = runtime._schedule.take(("x", index, "bwd"))[0]
+            weights = runtime._weights(index, "bwd")
+            enabled, dtype = ctx.amp
+            with torch.enable_grad(), torch.autocast(runtime.device.type, dtype=dtype, enabled=enabled):
+                x_ = x.detach().requires_grad_()
+                flats = [w.detach().requires_grad_() for w in weights]
+                y = runtime._call(index, flats, x_, cos, sin, row_mask)
+        dx, *dflats = torch.autograd.grad(y, [x_, *flats], dy)
+        runtime._grads_ready(index, dflats)
+        return dx, None, None, None, None, None
+
+
+class OffloadRuntime:
+    """Carries out `plan` for `model` (a student.model.Student): moves its decoder layers' weights
+    into host memory and installs itself as the model's layer runner; the embeddings, the final
+    norm, the lm-head and the RoPE table go to `device` (they stay there, not offloaded).
+
+    compute_dtype: the autocast dtype the trainer runs under (None: fp32). The trainer calls
+    `finish_grads()` after the micro-batches' backwards, clips, then `step(optimizer)` instead of
+    optimizer.step(); `refresh()` after loading weights into the model, `synchronize()` before
+    reading host weights (a checkpoint). Build the optimizer after this runtime (it must see the
+    parameters where they live)."""
+
+    def __init__(self, model, plan: OffloadPlan, device, compute_dtype: torch.dtype | None = None):
+        num_layers = model.config.num_layers
+        if len(plan.layers) != num_layers:
+            raise ConfigError("offload", f"holds a plan for {len(plan.layers)} decoder layers but the student has "
+                                         f"{num_layers}; make the plan for this student (`distill plan`) or use "
+                                         "--offload auto")
+        self.model, self.plan, self.device = model, plan, torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        compute_dtype = compute_dtype or torch.float32
+        for module in (model.embed_tokens, model.norm, model.lm_head):
+            if module is not None:
+                module.to(self.device)
+        model.inv_freq = model.inv_freq.to(self.device)
+        self.host = [_HostLayer(layer, compute_dtype, pin=self.cuda) for layer in model.layers]
+        self._pinned = self.cuda  # the host buffers are page-locked until `close`
+        self._host_params = {p for h in self.host for p in h.params}
+        self.resident = {i: [torch.empty(g.numel, dtype=g.dtype, device=self.device) for g in h.groups]
+                         for i, h in enumerate(self.host) if plan.layers[i].params == "resident"}
+        streamed = [h for h, lp in zip(self.host, plan.layers) if lp.params == "stream"]
+        widths = [max(h.groups[k].numel for h in streamed) for k in range(len(streamed[0].groups))] if streamed else []
+        dtypes = [g.dtype for g in streamed[0].groups] if streamed else []
+        self.ring = [[torch.empty(n, dtype=d, device=self.device) for n, d in zip(widths, dtypes)]
+                     for _ in range(plan.prefetch_depth + 1)] if streamed else []
+        self.h2d = torch.cuda.Stream(self.device) if self.cuda else None
+        self.d2h = torch.cuda.Stream(self.device) if self.cuda else None
+        self._resident_ready: dict[int, object] = {}
+        self._schedule: _Schedule | None = None
+        self._offloaded: dict[int, tuple[torch.Tensor, object]] = {}
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-grads")
+        self._pending: list[Future] = []
+        self.refresh()
+        model.layer_runner = self.run_layer
+
+    # --- copies ----------------------------------------------------------------------------------
+
+    def _side(self, stream):
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def _record(self, stream):
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def _wait(self, event) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def _to_device(self, sources: list[torch.Tensor], targets: list[torch.Tensor]):
+        """Copy host tensors into device tensors on the upload stream once the compute stream has
+        reached this point (so the targets' previous readers are done); returns the event."""
+        if self.cuda:
+            self.h2d.wait_stream(torch.cuda.current_stream(self.device))
+        with self._side(self.h2d):
+            for target, source in zip(targets, sources):
+                target.copy_(source, non_blocking=True)
+        return self._record(self.h2d)
+
+    def _issue(self, schedule: _Schedule, k: int):
+        """Start copy k of the schedule: (device tensors, event), or None when its source is not there yet."""
+        kind, index, phase = schedule.items[k]
+        if kind == "x":
+            if index not in self._offloaded:
+                return None
+            host, offloaded = self._offloaded.pop(index)
+            target = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            if offloaded is not None:
+                self.h2d.wait_event(offloaded)
+            return [target], self._to_device([host], [target])
+        h = self.host[index]
+        if k in schedule.slot:
+            targets = [buf[:g.numel] for buf, g in zip(self.ring[schedule.slot[k]], h.groups)]
+        else:
+            targets = [torch.empty(g.numel, dtype=g.dtype, device=self.device) for g in h.groups]
+        return targets, self._to_device(h.staging, targets)
+
+    def _offload_input(self, index: int, x: torch.Tensor) -> None:
+        """Layer `index`'s input to host memory on the download stream; the device copy is freed
+        (for reuse only after the copy) when the forward drops it."""
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.cuda)
+        if self.cuda:
+            self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with self._side(self.d2h):
+            host.copy_(x, non_blocking=True)
+            if self.cuda:
+                x.record_stream(self.d2h)
+        self._offloaded[index] = (host, self._record(self.d2h))
+        self._schedule.pump()
+
+    # --- layers ----------------------------------------------------------------------------------
+
+    def run_layer(self, index: int, x, cos, sin, kv_store, row_mask):
+        """Student.forward's layer runner: (layer output, None)."""
+        if kv_store is not None:
+            raise DistillUserError("offloaded training runs whole sequences: drop --chunk-tokens, or --offload")
+        if index == 0:
+            self._schedule = _Schedule(self, torch.is_grad_enabled())
+            self._offloaded.clear()
+        if torch.is_grad_enabled():
+            return _LayerFunction.apply(x, cos, sin, row_mask, self, index), None
+        return self._call(index, self._weights(index, "fwd"), x, cos, sin, row_mask), None
+
+    def _weights(self, index: int, phase: str) -> list[torch.Tensor]:
+        """Layer `index`'s working weights on the device, one flat tensor per group, ready to read."""
+        if index in self.resident:
+            self._wait(self._resident_ready.pop(index, None))
+            return self.resident[index]
+        return self._schedule.take(("w", index, phase))
+
+    def _call(self, index: int, flats: list[torch.Tensor], x, cos, sin, row_mask):
+        params = {}
+        for flat, g in zip(flats, self.host[index].groups):
+            for name, shape, piece in zip(g.names, g.shapes, flat.split(g.sizes)):
+                params[name] = piece.view(shape)
+        y, terms = functional_call(self.model.layers[index], params, (x, cos, sin, None, row_mask))
+        assert terms is None, "the sparse FFN is refused with offload before training"
+        return y
+
+    # --- gradients -------------------------------------------------------------------------------
+
+    def _grads_ready(self, index: int, grads: list[torch.Tensor]) -> None:
+        """Layer `index`'s weight gradients (flat, per group) to its host accumulators."""
+        h = self.host[index]
+        first, h.has_grad = not h.has_grad, True
+        if self.cuda:
+            self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+            with self._side(self.d2h):
+                staged = []
+                for grad in grads:
+                    host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+                    host.copy_(grad, non_blocking=True)
+                    grad.record_stream(self.d2h)
+                    staged.append(host)
+            event = self._record(self.d2h)
+        else:
+            staged, event = grads, None
+        self._pending.append(self._worker.submit(_accumulate, h, staged, event, first))
+
+    def finish_grads(self) -> None:
+        """Wait until every gradient of the step is in its accumulator; make them the parameters' .grad."""
+        for future in self._pending:
+            future.result()
+        self._pending.clear()
+        for h in self.host:
+            if h.has_grad:
+                for p, view in zip(h.params, h.grad_views):
+                    p.grad = view
+
+    # --- the update ------------------------------------------------------------------------------
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's step over every parameter (where plan.optimizer says), then the working
+        copies from the updated masters. Call after `finish_grads` and clipping."""
+        if self.plan.optimizer == "cpu":
+            optimizer.step()
+            self.refresh()
+        else:
+            self._step_on_device(optimizer)
+        for h in self.host:
+            h.has_grad = False
+
+    def _step_on_device(self, optimizer) -> None:
+        held = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
+        for p in held:
+            p.grad = None
+        if self.cuda:  # the staging copies are rewritten below: no upload may still read them
+            torch.cuda.current_stream(self.device).wait_stream(self.h2d)
+        for index, h in enumerate(self.host):
+            if not any(held.get(p) is not None for p in h.params):
+                continue
+            master = h.master.to(self.device, copy=True, non_blocking=True)
+            grad = h.grad.to(self.device, copy=True, non_blocking=True)
+            kept = {}
+            for p, (span, shape) in zip(h.params, h.spans):
+                p.data, p.grad = master[span].view(shape), grad[span].view(shape)
+                kept[p] = dict(optimizer.state[p])
+                for key, value in kept[p].items():
+                    if isinstance(value, torch.Tensor):
+                        optimizer.state[p][key] = value.to(self.device, copy=True, non_blocking=True)
+            optimizer.step()
+            h.master.copy_(master, non_blocking=True)
+            for p, (span, shape) in zip(h.params, h.spans):
+                for key, value in optimizer.state[p].items():
+                    if isinstance(value, torch.Tensor):
+                        host = kept[p].get(key)
+                        if host is None:  # a state the optimizer created in this step
+                            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self.cuda)
+                        host.copy_(value, non_blocking=True)
+                        optimizer.state[p][key] = host
+                p.data, p.grad = h.master[span].view(shape), None
+            for k, (g, staging) in enumerate(zip(h.groups, h.staging)):
+                if index in self.resident:
+                    self.resident[index][k].copy_(master[g.span])
+                if g.dtype != torch.float32:
+                    staging.copy_(master[g.span].to(g.dtype), non_blocking=True)
+        rest = [p for p in held if p not in self._host_params]
+        for p in rest:
+            p.grad = held[p]
+        optimizer.step()
+        for p in held:
+            p.grad = held[p] if p not in self._host_params else None
+
+    def refresh(self) -> None:
+        """The staging copies and the resident working weights from the host masters (after a host
+        update, after loading a checkpoint into the model)."""
+        if self.cuda:
+            self.h2d.synchronize()  # no upload still reads a staging copy about to be rewritten
+        for index, h in enumerate(self.host):
+            with torch.no_grad():
+                for g, staging in h.separate_staging():
+                    staging.copy_(h.master[g.span])
+            if index in self.resident:
+                self._resident_ready[index] = self._to_device(h.staging, self.resident[index])
+
+    def synchronize(self) -> None:
+        """Every copy done: the host masters, states and gradients may be read."""
+        for future in self._pending:
+            future.result()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def host_bytes(self, optimizer=None) -> int:
+        """Bytes the offloaded layers hold in host memory: masters, gradients, separate staging copies
+        and (given the optimizer) their optimizer states."""
+        total = sum(h.master.nbytes + h.grad.nbytes + sum(s.nbytes for _, s in h.separate_staging())
+                    for h in self.host)
+        if optimizer is not None:
+            total += sum(v.nbytes for p in self._host_params for v in optimizer.state.get(p, {}).values()
+                         if isinstance(v, torch.Tensor))
+        return total
+
+    def close(self) -> None:
+        """Stop the gradient worker and leave the model's layers to run by themselves again (their
+        weights stay in host memory)."""
+        self.synchronize()
+        self._worker.shutdown()
+        self.model.layer_runner = None
+        if self._pinned:
+            for h in self.host:
+                for tensor in (h.master, h.grad, *(s for _, s in h.separate_staging())):
+                    if tensor.numel():
+                        _unpin(tensor)
+            self._pinned = False
+
+
+def _accumulate(h: _HostLayer, grads: list[torch.Tensor], event, first: bool) -> None:
+    """The worker thread: once the copy is done, add (or, first in the step, copy) into the fp32
+    accumulators (a bf16 gradient is widened exactly, as autocast's cast backward does)."""
+    if event is not None:
+        event.synchronize()
+    with torch.no_grad():
+        for g, grad in zip(h.groups, grads):
+            target = h.grad[g.span]
+            if first:
+                target.copy_(grad)
+            else:
+                target.add_(grad)

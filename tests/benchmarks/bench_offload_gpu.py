@@ -1,0 +1,284 @@
+"""Training steps of students bigger than the GPU (issue 18): no offload, a fixed everything-offloaded
+policy and the planner's plan, side by side in one run.
+
+Shapes (random init, seeded; fp32 master weights, bf16 autocast, the trainer's loss on k = 32
+random valid teacher targets, one sequence of --seq-len tokens a step):
+  llama-3.1-8b  hidden 4096, 32 layers, 32 / 8 heads, d_ff 14336, vocab 128,256, untied, llama3 RoPE
+  qwen2.5-14b   hidden 5120, 48 layers, 40 / 8 heads, d_ff 13824, vocab 152,064, untied, qkv bias
+  qwen2.5-32b   hidden 5120, 64 layers, 40 / 8 heads, d_ff 27648, vocab 152,064, untied, qkv bias
+  tiny          bench_train_step_gpu's tiny shape (CPU smoke test only)
+Variants, one after the other in this process, memory freed between (an out-of-memory error
+becomes a row with "oom": true):
+  none          the trainer without offload: the whole student, its gradients and optimizer
+                states on the device
+  zero_offload  a fixed plan (the ZeRO-Offload / MegaTrain recipe): every layer's weights streamed
+                (prefetch 1), every layer's input offloaded, the update on the CPU
+  planned       student.planner.plan_for_training's plan under --gpu-memory / --host-memory (when
+                the planner is there; it profiles and plans against a synthetic cache this script
+                writes, as `distill train-student --offload auto` would)
+  file          the plan in --plan (e.g. one `distill plan --json` saved)
+Each offloaded step is the trainer's: student.trainer._micro_batch_backward through the
+student.offload.OffloadRuntime, finish_grads, clip_grad_norm_foreach at 1.0, runtime.step, zero_grad.
+
+Rows `offload/<shape>-T<tokens>/<variant>`: median step seconds over --repeats after --warmup
+steps (CUDA events, harness.time_gpu), tokens/s, model TFLOP/s = 6 x parameters x tokens / step
+time (the issue's measure; recomputation not counted) and its share of the bf16 matmul ceiling,
+peak GPU memory (max_memory_allocated over the timed steps), peak pinned host memory (torch's host
+allocator) and the host bytes of the offloaded layers; for a planned variant the plan's predicted
+step time and peaks beside them (predicted / measured). Before a variant is timed, its plan (its
+first --check-layers layers) is checked on a student of that many layers: two steps' losses and
+gradient norms against the same student trained without offload, to bf16 tolerance.
+
+    PYTHONPATH=. python tests/benchmarks/bench_offload_gpu.py --shape llama-3.1-8b --results $OUT/results.jsonl
+    PYTHONPATH=. python tests/benchmarks/bench_offload_gpu.py --shape llama-3.1-8b --gpu-memory 40GiB --variants planned,none
+    PYTHONPATH=. python tests/benchmarks/bench_offload_gpu.py --shape qwen2.5-14b --variants zero_offload,planned --optimizer foam
+
+On a CPU, `--device cpu --shape tiny --seq-len 64` runs every variant at a toy size (a smoke test,
+not a figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from bench_long_context_gpu import random_batch
+from bench_train_step_gpu import GIB, make_tokenizer, student_config, write_cache
+from harness import Results, add_results_arg, ceilings, check_close, tflops, time_cpu, time_gpu
+
+from student.config import StudentConfig
+from student.model import Student, rope_inv_freq
+from student.offload_plan import OffloadPlan, parse_bytes
+
+BENCH = "offload"
+VARIANTS = ("none", "zero_offload", "planned", "file")
+# Two steps of a few layers, offloaded against not, both under bf16 autocast: the same roundings in
+# principle, but other kernels' orders of sums (and the update of the first step feeds the second).
+LOSS_RTOL, GRAD_NORM_RTOL = 1e-2, 5e-2
+
+
+def shape_config(shape: str) -> StudentConfig:
+    qwen = dict(model_type="qwen2", rope_theta=1_000_000.0, max_position_embeddings=32768,
+                tie_word_embeddings=False, attention_bias=True, extra={"bos_token_id": 1, "eos_token_id": 2})
+    if shape == "tiny":
+        return student_config("tiny").replace(num_layers=4)
+    if shape == "llama-3.1-8b":
+        return StudentConfig(model_type="llama", vocab_size=128_256, hidden_size=4096, intermediate_size=14336,
+                             num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500_000.0,
+                             max_position_embeddings=131072, tie_word_embeddings=False,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                             extra={"bos_token_id": 1, "eos_token_id": 2})
+    layers, d_ff = {"qwen2.5-14b": (48, 13824), "qwen2.5-32b": (64, 27648)}[shape]
+    return StudentConfig(vocab_size=152_064, hidden_size=5120, intermediate_size=d_ff, num_layers=layers,
+                         num_heads=40, num_kv_heads=8, head_dim=128, **qwen)
+
+
+def build_student(config: StudentConfig, seed: int, device: str, layers_on_host: bool) -> Student:
+    """Random init (normal 0.02, as Student.reset_parameters) module by module on `device` (fast),
+    the decoder layers moved to the host one at a time when `layers_on_host` (the offload runtime
+    takes them from there): the device never holds more than one layer of them."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = Student(config)
+    for name, module in model.named_children():
+        for part in (module if name == "layers" else [module]):
+            part.to_empty(device=device)
+            with torch.device(device):
+                for sub in part.modules():  # reset_parameters' rules, on this part only
+                    if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
+                        torch.nn.init.normal_(sub.weight, std=0.02)
+                        if getattr(sub, "bias", None) is not None:
+                            torch.nn.init.zeros_(sub.bias)
+                    elif hasattr(sub, "eps") and hasattr(sub, "weight"):
+                        torch.nn.init.ones_(sub.weight)
+            if name == "layers" and layers_on_host:
+                part.to("cpu")
+    model.inv_freq = rope_inv_freq(config).to(device)
+    return model.train()
+
+
+def train_config(args, work: Path, *, offload: str = "none", batch_size: int = 1):
+    from student.trainer import TrainConfig
+
+    return TrainConfig.from_flat(cache=str(work / "cache"), out=str(work / "run"), student=str(work / "student"),
+                                 device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
+                                 optimizer=args.optimizer, clip_grad=1.0, batch_size=batch_size,
+                                 seq_len=args.seq_len, offload=offload, gpu_memory=args.gpu_memory,
+                                 host_memory=args.host_memory, heldout=1)
+
+
+def fixed_plan(num_layers: int) -> OffloadPlan:
+    return OffloadPlan.uniform(num_layers, activation="offload", params="stream", prefetch_depth=1, optimizer="cpu")
+
+
+def planner_plan(config: StudentConfig, args, work: Path) -> OffloadPlan:
+    """What `train-student --offload auto` would train with: a config-only student folder and a
+    synthetic cache of --seq-len rows for the planner to profile."""
+    from student.planner import plan_for_training
+
+    folder = work / "student"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    tok = make_tokenizer(folder, config.vocab_size)
+    write_cache(work / "cache", tok, num_seqs=4, seq_len=args.seq_len, k=32, shard_size=4)
+    cfg = train_config(args, work, offload="auto")
+    budgets = {k: parse_bytes(v, k) if v else None for k, v in (("gpu_memory", args.gpu_memory),
+                                                                  ("host_memory", args.host_memory))}
+    return plan_for_training(cfg, **budgets)
+
+
+def step_fn(model: Student, plan: OffloadPlan | None, args, work: Path, batch):
+    """The trainer's step (module docstring); returns (step, runtime, optimizer)."""
+    from student.offload import OffloadRuntime
+    from student.optim import build_optimizer
+    from student.optim.clip import clip_grad_norm_foreach
+    from student.trainer import _micro_batch_backward
+
+    cfg = train_config(args, work)
+    amp = torch.bfloat16 if args.device == "cuda" else None
+    runtime = OffloadRuntime(model, plan, args.device, amp) if plan is not None else None
+    optimizer = build_optimizer(model, cfg.optim, args.device)
+    losses = []
+
+    def step():
+        loss, _ = _micro_batch_backward(model, batch, cfg, amp, cache_temperature=1.0)
+        if runtime is not None:
+            runtime.finish_grads()
+        norm = clip_grad_norm_foreach(model.parameters(), 1.0)
+        runtime.step(optimizer) if runtime is not None else optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append((loss.detach().float(), norm.detach().float()))
+
+    return step, runtime, optimizer, losses
+
+
+def check_plan(name: str, plan: OffloadPlan, config: StudentConfig, args, work: Path) -> dict:
+    """Two steps of the plan's first --check-layers layers against the same student without offload."""
+    layers = min(args.check_layers, config.num_layers)
+    small = config.replace(num_layers=layers)
+    plan = dataclasses.replace(plan, layers=plan.layers[:layers])
+    batch = random_batch(args.seq_len, config.vocab_size, args.device, args.seed + 1)
+    results = []
+    for use in (None, plan):
+        model = build_student(small, args.seed, args.device, layers_on_host=use is not None)
+        step, runtime, _, losses = step_fn(model, use, args, work, batch)
+        step(), step()
+        results.append(torch.stack([torch.stack(pair) for pair in losses]).cpu())
+        if runtime is not None:
+            runtime.close()
+        del model, step, runtime
+        free(args.device)
+    (want, got) = results
+    loss_err = check_close(f"{name} check: losses of 2 steps, {layers} layers", got[:, 0], want[:, 0], atol=0.0,
+                           rtol=LOSS_RTOL)
+    norm_err = check_close(f"{name} check: gradient norms", got[:, 1], want[:, 1], atol=0.0, rtol=GRAD_NORM_RTOL)
+    return {"check_layers": layers, "check_loss_error": loss_err, "check_grad_norm_error": norm_err}
+
+
+def free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+            torch.cuda.reset_peak_host_memory_stats()
+
+
+def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, work: Path) -> dict:
+    step = runtime = optimizer = None
+    try:
+        model = build_student(config, args.seed, args.device, layers_on_host=plan is not None)
+        batch = random_batch(args.seq_len, config.vocab_size, args.device, args.seed + 1)
+        step, runtime, optimizer, losses = step_fn(model, plan, args, work, batch)
+        timer = time_gpu if args.device == "cuda" else time_cpu
+        timing = timer(step, warmup=args.warmup, repeats=args.repeats)
+    except torch.OutOfMemoryError as error:
+        return {"oom": True, "peak_gib_at_oom": torch.cuda.max_memory_allocated() / GIB,
+                "error": str(error).splitlines()[0]}
+    seconds = timing.median_ms / 1e3
+    if not all(torch.isfinite(loss) for loss, _ in losses):
+        raise RuntimeError("a non-finite loss in the timed steps")
+    figures = {"oom": False, "step_s": seconds, "min_step_s": timing.min_ms / 1e3, "repeats": len(timing.times_ms),
+               "tok_s": args.seq_len / seconds, "model_tflops": tflops(6 * params * args.seq_len, timing.median_ms)}
+    if runtime is not None:
+        figures["host_bytes_of_layers"] = runtime.host_bytes(optimizer)
+        runtime.close()
+    if args.device == "cuda":
+        figures["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+        figures["of_matmul_ceiling"] = figures["model_tflops"] / ceilings()["matmul_bf16_tflops"]
+        stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+        host = stats.get("active_bytes.peak", stats.get("allocated_bytes.peak"))
+        if host is not None:
+            figures["peak_pinned_host_bytes"] = host
+    if plan is not None and plan.predicted.step_s > 0:
+        p = plan.predicted
+        figures.update(predicted_step_s=p.step_s, predicted_gpu_peak_bytes=p.gpu_peak_bytes,
+                       predicted_host_peak_bytes=p.host_peak_bytes, step_s_predicted_over_measured=p.step_s / seconds)
+        if "peak_gpu_bytes" in figures:
+            figures["gpu_peak_predicted_over_measured"] = p.gpu_peak_bytes / figures["peak_gpu_bytes"]
+    del model, step, runtime, optimizer
+    free(args.device)
+    return figures
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=("llama-3.1-8b", "qwen2.5-14b", "qwen2.5-32b", "tiny"))
+    parser.add_argument("--seq-len", type=int, default=8192, help="tokens a step (one sequence)")
+    parser.add_argument("--variants", default="none,zero_offload,planned", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--plan", type=Path, default=None, help="a saved plan, for the variant `file`")
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "foam", "adamw8bit"))
+    parser.add_argument("--gpu-memory", default=None, help="the planner's GPU budget, e.g. 40GiB (default: the device's)")
+    parser.add_argument("--host-memory", default=None, help="the planner's host budget (default: the host's available)")
+    parser.add_argument("--check-layers", type=int, default=2, help="layers of the student each plan is checked on")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--work", type=Path, default=None, help="folder for the planner's student and cache (default: a temp dir)")
+    add_results_arg(parser)
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    if "file" in variants and args.plan is None:
+        raise SystemExit("--variants file needs --plan PLAN.json")
+    if "planned" in variants:
+        try:
+            import student.planner  # noqa: F401
+        except ImportError:
+            print("planned skipped: student.planner does not import here", flush=True)
+            variants.remove("planned")
+    config = shape_config(args.shape)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Student(config).parameters())
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench_offload_"))
+    results = Results(bench=BENCH, path=args.results)
+    base = {"shape": {**config.to_hf_dict(), "parameters": params}, "seq_len": args.seq_len,
+            "optimizer": args.optimizer, "gpu_memory": args.gpu_memory, "host_memory": args.host_memory,
+            "torch": torch.__version__, "ceilings": ceilings() if args.device == "cuda" else None}
+    for variant in variants:
+        plan = {"none": None, "zero_offload": lambda: fixed_plan(config.num_layers),
+                "planned": lambda: planner_plan(config, args, work / "planner"),
+                "file": lambda: OffloadPlan.load(args.plan)}[variant]
+        plan = plan() if plan is not None else None
+        checks = check_plan(variant, plan, config, args, work) if plan is not None else {}
+        figures = {**measure(plan, config, params, args, work), **checks}
+        free(args.device)  # also after an out-of-memory error
+        results.add(f"{args.shape}-T{args.seq_len}/{variant}", figures,
+                    {**base, "variant": variant, "plan": plan.to_dict() if plan is not None else None})
+    if args.work is None:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
