@@ -63,7 +63,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     train_idx, _ = split_indices(reader.num_sequences, config.heldout)
     data = CacheBatches(reader, train_idx, config.batch_size, seq_len=config.seq_len, seed=config.seed)
     batches = [batch for batch, _ in zip(data, range(micro_batches))]
-    model, _ = _initial_student(config.with_flat(device="cpu"))  # the layers come to the device one at a time
+    model, _ = _initial_student(config, "cpu")  # the layers come to the device one at a time
     device, cuda = config.device, config.device.startswith("cuda")
     amp = torch.bfloat16 if config.dtype == "bfloat16" else None
     for name in ("embed_tokens", "norm", "lm_head"):
