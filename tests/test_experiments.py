@@ -284,3 +284,17 @@ def test_a_run_on_another_host_is_not_judged_by_a_pid_it_cannot_see(tmp_path):
     assert "cannot be checked from here" in silent.reason
     (tmp_path / "silent" / "student").mkdir()  # finished there, its run.pid left behind by a late kill
     assert read_run(tmp_path / "silent").status == "finished"
+
+
+def test_the_shipped_sweep_learns_from_the_quickstart_cache():
+    """pipelines/recipes/sweep_quickstart.toml (the README's sweep) is valid and shares the
+    quickstart's teacher, corpus and cache, so it reuses the cache `distill quickstart` built."""
+    from pipelines.recipe import builtin_recipe
+
+    sweep, quickstart = load_recipe(builtin_recipe("sweep_quickstart")), load_recipe(builtin_recipe("quickstart"))
+    assert sweep.stage_one == quickstart.stage_one and sweep.student == quickstart.student
+    assert [p.name for p in sweep.points] == ["lr=0.001,optimizer=adamw", "lr=0.001,optimizer=foam",
+                                              "lr=0.003,optimizer=adamw", "lr=0.003,optimizer=foam"]
+    configs = [train_config(p, teacher_dir="unused") for p in sweep.points]
+    assert {c.cache for c in configs} == {str(quickstart.stage_one.cache.out)}
+    assert [Path(c.out).parent for c in configs] == [Path("runs/sweep_quickstart")] * 4
