@@ -420,7 +420,7 @@ def runs(
 ) -> None:
     """A table of the runs under the folders: cache, the settings that differ, steps, held-out KL/CE/top-1, tokens/s, optimizer state, status.
 
-    Status: finished (final student saved), running (its trainer's pid is alive), or stopped with the reason (a non-finite loss, or interrupted after step N: rerun to resume).
+    Status: finished (final student saved), running (its trainer's pid is alive here, or on another host it wrote recently), or stopped with the reason (a non-finite loss, or interrupted after step N: rerun to resume).
 
     Examples:
 

@@ -3,13 +3,19 @@ lists them, `distill compare` sets their held-out metrics side by side and plots
 
 A run's status, from its files (student/trainer.py documents them):
   running    run.pid names a live process on this host (the trainer writes it and removes it when
-             it returns or raises; a killed trainer leaves a dead pid behind)
+             it returns or raises; a killed trainer leaves a dead pid behind), or one on another
+             host that wrote recently (below)
   finished   its final student/ exists
   stopped    otherwise: "non-finite loss at step N" when a {"kind": "stop"} row ends metrics.jsonl,
              else "interrupted after step N" (the last logged step; a rerun resumes it)
 
-A run.pid written on another host cannot be checked from here: such a run counts as running while
-its metrics.jsonl was written within RUNNING_ON_OTHER_HOST_S seconds.
+A run.pid written on another host (a cluster node seen from a login node) names a pid that cannot
+be checked from here, so whether it is alive here says nothing. Such a run counts as running while
+its last sign of life (run.pid, written when the trainer starts or resumes, or the newest
+metrics.jsonl row) is recent: within RUNNING_ON_OTHER_HOST_S seconds, or within three of the run's
+own intervals between training rows when its steps are slower than that (estimated from the last
+row's tokens, tokens/s and log_every). Past that it reads stopped, and the reason says it is a
+guess: which host, and for how long nothing was written.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ class RunSummary:
     cache_id: str
     config: dict[str, Any]  # run.json's flat config
     status: str  # "finished" | "running" | "stopped"
-    reason: str | None  # why stopped: "non-finite loss at step N" | "interrupted after step N"
+    # Why it stopped ("non-finite loss at step N", "interrupted after step N", or for a run on another
+    # host "nothing written for M min after step N; ..."), or where a run on another host runs ("on HOST").
+    reason: str | None
     steps_done: int
     steps_total: int
     eval: dict | None  # the last held-out evaluation {"step", "kl", "ce", "ppl", "top1", "tokens"}
@@ -70,16 +78,53 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _running(run_dir: Path) -> bool:
-    pid_path = run_dir / "run.pid"
+def _owner(run_dir: Path) -> dict | None:
+    """run.pid's {"pid", "host"}, or None without a readable one."""
     try:
-        owner = json.loads(pid_path.read_text())
+        owner = json.loads((run_dir / "run.pid").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
-        return False
-    if owner.get("host") == socket.gethostname():
-        return _pid_alive(int(owner["pid"]))
-    metrics = run_dir / "metrics.jsonl"
-    return metrics.exists() and time.time() - metrics.stat().st_mtime < RUNNING_ON_OTHER_HOST_S
+        return None
+    return owner if isinstance(owner, dict) and isinstance(owner.get("pid"), int) else None
+
+
+def _seconds_since_written(run_dir: Path) -> float:
+    """Seconds since the trainer last wrote run.pid or metrics.jsonl (inf when neither is left)."""
+    times = []
+    for name in ("run.pid", "metrics.jsonl"):
+        try:
+            times.append((run_dir / name).stat().st_mtime)
+        except FileNotFoundError:  # removed by a trainer that just returned
+            continue
+    return time.time() - max(times) if times else float("inf")
+
+
+def _quiet_limit_s(config: dict, last_train: dict) -> float:
+    """How long a run on another host may write nothing and still count as running: the fixed window,
+    or three of its own intervals between training rows if those are longer."""
+    tokens, tok_per_s = last_train.get("tokens"), last_train.get("tok_per_s")
+    if not tokens or not tok_per_s:
+        return RUNNING_ON_OTHER_HOST_S
+    return max(RUNNING_ON_OTHER_HOST_S, 3 * config.get("log_every", 1) * tokens / tok_per_s)
+
+
+def _status(run_dir: Path, config: dict, rows: list[dict], steps_done: int) -> tuple[str, str | None]:
+    """(status, reason) of a run; the reason says why it stopped, or where it runs if not here."""
+    owner, last_train = _owner(run_dir), next((r for r in reversed(rows) if r.get("kind") == "train"), {})
+    elsewhere = owner is not None and owner.get("host") != socket.gethostname()
+    if owner is not None and not elsewhere and _pid_alive(owner["pid"]):
+        return "running", None
+    if elsewhere:
+        quiet = _seconds_since_written(run_dir)
+        if quiet < _quiet_limit_s(config, last_train):
+            return "running", f"on {owner.get('host')}"
+    if (run_dir / "student").is_dir():
+        return "finished", None
+    if rows and rows[-1].get("kind") == "stop":
+        return "stopped", f"non-finite loss at step {rows[-1]['step']}"
+    if elsewhere:
+        return "stopped", (f"nothing written for {quiet / 60:.0f} min after step {steps_done}; its pid "
+                           f"{owner['pid']} on {owner.get('host')} cannot be checked from here")
+    return "stopped", f"interrupted after step {steps_done}"
 
 
 def read_run(run_dir: str | Path) -> RunSummary:
@@ -94,15 +139,7 @@ def read_run(run_dir: str | Path) -> RunSummary:
     train_rows = [r for r in rows if r.get("kind") == "train"]
     eval_rows = [r for r in rows if r.get("kind") == "eval"]
     steps_done = max((r["step"] for r in train_rows + eval_rows), default=0)
-    reason = None
-    if _running(run_dir):
-        status = "running"
-    elif (run_dir / "student").is_dir():
-        status = "finished"
-    else:
-        status = "stopped"
-        stop = rows[-1] if rows and rows[-1].get("kind") == "stop" else None
-        reason = (f"non-finite loss at step {stop['step']}" if stop else f"interrupted after step {steps_done}")
+    status, reason = _status(run_dir, run["config"], rows, steps_done)
     last_eval = eval_rows[-1] if eval_rows else None
     last_train = train_rows[-1] if train_rows else {}
     return RunSummary(

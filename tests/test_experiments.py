@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,7 @@ def test_every_sweep_point_is_checked_before_any_work(tiny, tmp_path, sweep, nee
 
 _SWEEP_CHILD = """
 import sys
+import time
 from pipelines.recipe import load_recipe, run_points
 run_points(load_recipe(sys.argv[1]), teacher_dir="unused", progress=False)
 """
@@ -246,3 +248,53 @@ def test_run_dry_run_lists_the_points_and_what_each_would_do(tiny, tmp_path, cap
     assert lines[0].startswith("lr=0.01 ") and lines[0].endswith("skip (finished)")
     assert lines[1].startswith("lr=0.003 ") and lines[1].endswith("train")
     assert not (tmp_path / "sweep" / "lr=0.003").exists()
+
+
+def _run_on_another_host(path, *, log_every=10, tokens=1024, tok_per_s=1000.0, metrics_age_s, pid_age_s):
+    """A run directory as a trainer on another host leaves it: run.json, a train row, a run.pid naming
+    that host and a pid that is not alive here; the two files last written `*_age_s` seconds ago."""
+    path.mkdir()
+    (path / "run.json").write_text(json.dumps({"cache_id": "c" * 16, "config": {"steps": 100, "log_every": log_every}}))
+    (path / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 20, "loss": 3.0, "tokens": tokens,
+                                                    "tok_per_s": tok_per_s}) + "\n")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (path / "run.pid").write_text(json.dumps({"pid": dead.pid, "host": "node-7-" + socket.gethostname()}))
+    now = time.time()
+    os.utime(path / "metrics.jsonl", (now - metrics_age_s, now - metrics_age_s))
+    os.utime(path / "run.pid", (now - pid_age_s, now - pid_age_s))
+    return read_run(path)
+
+
+def test_a_run_on_another_host_is_not_judged_by_a_pid_it_cannot_see(tmp_path):
+    """Its pid is dead here but says nothing: it is running while it writes, counting run.pid (a
+    resumed run writes no row for a while) and its own pace (slow steps log rarely); long silent,
+    it reads stopped with a reason that says what is known."""
+    host = "node-7-" + socket.gethostname()
+    fresh = _run_on_another_host(tmp_path / "fresh", metrics_age_s=5, pid_age_s=3600)
+    assert (fresh.status, fresh.reason) == ("running", f"on {host}")
+    resumed = _run_on_another_host(tmp_path / "resumed", metrics_age_s=7200, pid_age_s=30)
+    assert resumed.status == "running"
+    # 10 steps of 1024 tokens at 1 token/s: a row every ~2.8 h, so 1 h of quiet is normal for it
+    slow = _run_on_another_host(tmp_path / "slow", tok_per_s=1.0, metrics_age_s=3600, pid_age_s=7200)
+    assert slow.status == "running"
+    silent = _run_on_another_host(tmp_path / "silent", metrics_age_s=7200, pid_age_s=7200)
+    assert silent.status == "stopped"
+    assert silent.reason.startswith("nothing written for 120 min after step 20") and host in silent.reason
+    assert "cannot be checked from here" in silent.reason
+    (tmp_path / "silent" / "student").mkdir()  # finished there, its run.pid left behind by a late kill
+    assert read_run(tmp_path / "silent").status == "finished"
+
+
+def test_the_shipped_sweep_learns_from_the_quickstart_cache():
+    """pipelines/recipes/sweep_quickstart.toml (the README's sweep) is valid and shares the
+    quickstart's teacher, corpus and cache, so it reuses the cache `distill quickstart` built."""
+    from pipelines.recipe import builtin_recipe
+
+    sweep, quickstart = load_recipe(builtin_recipe("sweep_quickstart")), load_recipe(builtin_recipe("quickstart"))
+    assert sweep.stage_one == quickstart.stage_one and sweep.student == quickstart.student
+    assert [p.name for p in sweep.points] == ["lr=0.001,optimizer=adamw", "lr=0.001,optimizer=foam",
+                                              "lr=0.003,optimizer=adamw", "lr=0.003,optimizer=foam"]
+    configs = [train_config(p, teacher_dir="unused") for p in sweep.points]
+    assert {c.cache for c in configs} == {str(quickstart.stage_one.cache.out)}
+    assert [Path(c.out).parent for c in configs] == [Path("runs/sweep_quickstart")] * 4
