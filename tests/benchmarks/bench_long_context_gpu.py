@@ -265,7 +265,9 @@ def plot(rows: list[dict], path: Path) -> None:
     lines: dict[str, list] = {}
     for row in rows:
         if not row["figures"].get("oom"):
-            lines.setdefault(f"{row['config']['shape']} {row['config']['variant']}", []).append(row)
+            chunk = row["config"].get("chunk_tokens")
+            label = f"{row['config']['shape']} {row['config']['variant']}" + (f" (chunks of {chunk})" if chunk else "")
+            lines.setdefault(label, []).append(row)
     fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4.2))
     for label, line in sorted(lines.items()):
         line.sort(key=lambda r: r["config"]["length"])
@@ -322,6 +324,8 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=None, nargs="?", const=OUTPUT_DIR / "long_context.png",
                         help=f"write a PNG of this run's rows (default path {OUTPUT_DIR / 'long_context.png'})")
+    parser.add_argument("--plot-commits", type=lambda text: text.split(","), default=None,
+                        help="with --plot-only: only rows of these commits (comma-separated), e.g. the current code's")
     parser.add_argument("--plot-only", action="store_true",
                         help="run nothing: plot the long_context rows already in --results (the newest per case)")
     add_results_arg(parser)
@@ -354,7 +358,8 @@ def parse_args(argv=None):
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.plot_only:
-        newest = {row["case"]: row for row in load_rows(args.results) if row["bench"] == BENCH}
+        newest = {(row["case"], row["config"].get("chunk_tokens")): row for row in load_rows(args.results)
+                  if row["bench"] == BENCH and (not args.plot_commits or row["commit"] in args.plot_commits)}
         plot(list(newest.values()), args.plot or OUTPUT_DIR / "long_context.png")
         return []
     device = args.device
