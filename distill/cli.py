@@ -256,24 +256,32 @@ def train_student(
     """
     options = {name: value for name, value in locals().items() if name in _TRAIN}  # every config option above
     from distill.configs import ConfigError
-    from pipelines.defaults import default_teacher_dir
     from student.trainer import train
 
-    if student is None and num_layers is None:
-        raise DistillUserError("say where the student starts: --student HF_FOLDER, or --num-layers N to prune the teacher")
-    if student is not None and (teacher is not None or num_layers is not None):
-        raise DistillUserError("give either --student or --teacher/--num-layers, not both")
-    if student is None:
-        options["teacher"] = teacher or default_teacher_dir()
-    options = {name: str(value) if isinstance(value, Path) else value for name, value in options.items()}
     try:
-        config = TrainConfig.from_flat(cache=str(cache), out=str(out), **options)
+        config = _train_config(cache, out, options)
         report = train(config, progress=not quiet, resume_from=resume_from)
     except ConfigError as e:
         raise e.as_option() from None
     resumed = f" (resumed from step {report.resumed_from})" if report.resumed_from else ""
     typer.echo(f"{out}: {report.steps} steps{resumed}; student saved to {report.student_dir}")
     typer.echo(_eval_table({"teacher": report.teacher_eval, "before": report.initial_eval, "after": report.final_eval}))
+
+
+def _train_config(cache, out, options: dict) -> TrainConfig:
+    """train-student's config from its flat options, after checking where the student starts (a
+    ConfigError from the config is the caller's to name as an option)."""
+    from pipelines.defaults import default_teacher_dir
+
+    options = dict(options)
+    if options["student"] is None and options["num_layers"] is None:
+        raise DistillUserError("say where the student starts: --student HF_FOLDER, or --num-layers N to prune the teacher")
+    if options["student"] is not None and (options["teacher"] is not None or options["num_layers"] is not None):
+        raise DistillUserError("give either --student or --teacher/--num-layers, not both")
+    if options["student"] is None:
+        options["teacher"] = options["teacher"] or default_teacher_dir()
+    options = {name: str(value) if isinstance(value, Path) else value for name, value in options.items()}
+    return TrainConfig.from_flat(cache=str(cache), out=str(out), **options)
 
 
 def _plan_own_options(
@@ -319,23 +327,15 @@ def plan(**values) -> None:
     Train with a saved plan: distill train-student ... --offload plan.json (or --offload auto to plan and train in one go). A budget no plan meets is refused with the smallest one that works. Long-context chunking (--chunk-tokens) is not planned yet.
     """
     from distill.configs import ConfigError
-    from pipelines.defaults import default_teacher_dir
     from student.offload_plan import parse_bytes
     from student.planner import make_plan, plan_table
 
     options = {name: value for name, value in values.items() if name in _TRAIN}
-    if options["student"] is None and options["num_layers"] is None:
-        raise DistillUserError("say where the student starts: --student HF_FOLDER, or --num-layers N to prune the teacher")
-    if options["student"] is not None and (options["teacher"] is not None or options["num_layers"] is not None):
-        raise DistillUserError("give either --student or --teacher/--num-layers, not both")
-    if options["student"] is None:
-        options["teacher"] = options["teacher"] or default_teacher_dir()
-    options = {name: str(value) if isinstance(value, Path) else value for name, value in options.items()}
     try:
         budgets = {name: parse_bytes(values[name], name) if values[name] is not None else None
                    for name in ("gpu_memory", "host_memory")}
         # `out` is the run directory of a training run; profiling writes nothing there.
-        config = TrainConfig.from_flat(cache=str(values["cache"]), out="unused-by-plan", **options)
+        config = _train_config(values["cache"], "unused-by-plan", options)
         made, costs = make_plan(config, **budgets, time_limit_s=values["time_limit"])
     except ConfigError as e:
         raise e.as_option() from None
