@@ -230,8 +230,9 @@ def measure(variant: str, config: StudentConfig, length: int, args, device: str,
                 args, device, dtype, chunk_tokens=args.chunk_tokens, kv_offload=variant in OFFLOADED,
                 sparse_pages=args.sparse_pages if variant == "ours_sparse" else None))
             del model, batch
-        if device == "cuda" and hasattr(torch.cuda, "reset_peak_host_memory_stats"):
-            torch.cuda.reset_peak_host_memory_stats()
+        if device == "cuda":
+            if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+                torch.cuda.reset_peak_host_memory_stats()
             timing = time_gpu(step, warmup=args.warmup, repeats=args.repeats)
         else:
             timing = time_cpu(step, warmup=args.warmup, repeats=args.repeats)
