@@ -7,6 +7,12 @@ and a rerun with the same identity resumes from them (and removes the temp files
 Shard bytes are a pure function of the inputs, so a resumed cache is byte-identical to an
 uninterrupted one. A complete cache whose shards were damaged later is repaired the same way:
 the damaged shards are deleted first, then the manifest goes back to "incomplete".
+
+Several processes may write the shards of one cache at once (``teacher_cache.workers``): each
+then holds CACHE/LOCK shared (a one-process writer holds it exclusively, so the two exclude each
+other), writes only the shards it owns and removes only the temp names of those; the first to
+arrive writes the "incomplete" manifest (a later one finds it and checks the identity), and one
+process writes the complete manifest at the end.
 """
 
 from __future__ import annotations
@@ -55,17 +61,18 @@ def check_cache_dir(path: str | os.PathLike) -> None:
 
 
 class CacheLock:
-    """CACHE/LOCK, held exclusively by one writer (released when closed, also if the process dies).
+    """CACHE/LOCK, held exclusively by one writer, or shared by the workers of a multi-process
+    build (released when closed, also if the process dies).
 
     ``acquire`` creates the cache folder when needed; ``release`` removes a folder it created that
     still holds nothing but the lock, so a run refused before writing anything leaves nothing.
     """
 
-    def __init__(self, path: Path, lock_file, created: bool):
-        self.path, self._file, self._created = path, lock_file, created
+    def __init__(self, path: Path, lock_file, created: bool, shared: bool = False):
+        self.path, self._file, self._created, self.shared = path, lock_file, created, shared
 
     @classmethod
-    def acquire(cls, cache_dir: str | os.PathLike) -> "CacheLock":
+    def acquire(cls, cache_dir: str | os.PathLike, shared: bool = False) -> "CacheLock":
         path = Path(cache_dir)
         check_cache_dir(path)
         created = not path.exists()
@@ -75,13 +82,17 @@ class CacheLock:
         except OSError as e:
             raise CacheError(f"cannot create the cache folder {path}: {e.strerror}; choose another --out") from None
         try:
-            fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock_file.fileno(), (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             lock_file.seek(0)
-            pid = lock_file.read().strip() or "unknown"
+            pid = lock_file.read().strip()
             lock_file.close()
-            raise CacheLockedError(f"cache {path} is being written by another process (pid {pid}); "
-                                   "wait for it or choose another --out") from None
+            who = (f"another process (pid {pid})" if pid else
+                   "the workers of a multi-process build (--num-workers or torchrun)")
+            raise CacheLockedError(f"cache {path} is being written by {who}; wait for it or choose another "
+                                   "--out") from None
+        if shared:  # several holders: no pid to record
+            return cls(path, lock_file, created, shared=True)
         lock_file.seek(0)
         lock_file.truncate()
         lock_file.write(str(os.getpid()))
@@ -95,7 +106,7 @@ class CacheLock:
     def release(self) -> None:
         if self._file is None:
             return
-        if self._created and os.listdir(self.path) == [LOCK_NAME]:
+        if self._created and not self.shared and os.listdir(self.path) == [LOCK_NAME]:
             try:  # while still holding the lock, so no other writer's lock file goes
                 (self.path / LOCK_NAME).unlink()
                 self.path.rmdir()
@@ -137,10 +148,14 @@ class CacheWriter:
     ``finalize`` writes the manifest. lock: a ``CacheLock`` already held on ``path`` (the writer
     takes it over and releases it on close); None acquires one. store: the ``ShardStore`` of the
     spec's format with other settings than the defaults (row group or chunk size), or None.
+    owned_shards: None for a writer that owns the folder (it may remove any temp file and repair);
+    else the shards this worker of a multi-process build writes (the others are written beside
+    it: only the temp names of these are removed, and a folder claimed meanwhile is accepted).
     """
 
     def __init__(self, path: str | os.PathLike, spec: CacheSpec | dict, *, shard_size: int | None = None,
-                 storage_format: str | None = None, lock: CacheLock | None = None, store: ShardStore | None = None):
+                 storage_format: str | None = None, lock: CacheLock | None = None, store: ShardStore | None = None,
+                 owned_shards: list[int] | None = None):
         spec = spec if isinstance(spec, CacheSpec) else CacheSpec.from_dict(_with_storage_defaults(spec))
         store = store or get_store(storage_format or spec.storage.format)
         storage = StorageInfo(format=store.format, shard_size=shard_size or spec.storage.shard_size,
@@ -152,7 +167,8 @@ class CacheWriter:
         self._shards_dir = self.path / SHARDS_DIR
         self._written: dict[int, ShardInfo] = {}
         self._mutex = threading.Lock()
-        self._lock = lock if lock is not None else CacheLock.acquire(self.path)
+        self._owned = None if owned_shards is None else sorted(owned_shards)
+        self._lock = lock if lock is not None else CacheLock.acquire(self.path, shared=owned_shards is not None)
         try:
             self.manifest = self._claim()
         except BaseException:
@@ -172,6 +188,15 @@ class CacheWriter:
         return self.spec.num_shards
 
     def _claim(self) -> Manifest:
+        try:
+            return self._claim_once()
+        except CacheError:
+            # A worker of the same build may have written the manifest since we looked: look again.
+            if self._owned is None or not manifest_path(self.path).exists():
+                raise
+            return self._claim_once()
+
+    def _claim_once(self) -> Manifest:
         if manifest_path(self.path).exists():
             existing = load_manifest(self.path)
             diff = identity_diff(existing.spec, self.spec)
@@ -198,10 +223,16 @@ class CacheWriter:
         return manifest
 
     def _remove_stale_temps(self) -> None:
-        """Temp files a killed writer left (we hold the lock, so none is being written)."""
-        remove_stale_temps(self.path)
-        if self._shards_dir.is_dir():
-            remove_stale_temps(self._shards_dir)
+        """Temp files a killed writer left (we hold the lock, so none is being written); a worker
+        removes only those of its own shards (the other workers' are being written)."""
+        if self._owned is None:
+            remove_stale_temps(self.path)
+            if self._shards_dir.is_dir():
+                remove_stale_temps(self._shards_dir)
+            return
+        for index in self._owned:  # the temp names of distill.files: ".<final name>.<random><TEMP_MARK>"
+            for stale in self._shards_dir.glob(f".{shard_name(index, self._store)}.*{TEMP_MARK}"):
+                shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink(missing_ok=True)
 
     def damaged_shards(self) -> list[int]:
         """Indices of the shards of this complete cache that are missing or fail their size or checksum."""
@@ -215,6 +246,7 @@ class CacheWriter:
         complete manifest with missing shards, which the next run finds and repairs)."""
         if not self.is_complete:
             raise CacheError(f"cache {self.path} is not complete; resume it instead of repairing it")
+        assert self._owned is None, "only a writer that owns the folder repairs it"
         for index in indices:
             path = self._shards_dir / shard_name(index, self._store)
             if path.is_dir() and not path.is_symlink():
@@ -261,6 +293,18 @@ class CacheWriter:
         with self._mutex:
             self._written[index] = info
         return info
+
+    @property
+    def written(self) -> dict[int, ShardInfo]:
+        """The shards this writer wrote (or found whole when repairing), by index."""
+        with self._mutex:
+            return dict(self._written)
+
+    def record_shards(self, infos: dict[int, ShardInfo]) -> None:
+        """Shards other workers of the build wrote, as their ``written``: ``finalize`` need not
+        read them back to hash them."""
+        with self._mutex:
+            self._written.update(infos)
 
     def _checked_k(self, index: int, blocks: Iterable[TeacherTargets]):
         for block in blocks:
