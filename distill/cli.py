@@ -48,7 +48,7 @@ def _stage_one_option_error(error) -> DistillUserError:
 
 @app.command("cache-teacher")
 def cache_teacher(
-    out: Path = typer.Option(_stage_one_default("stage_one", "cache").out, "--out", "-o", help="Cache directory to write (resumed if interrupted, repaired if damaged)."),
+    out: str = typer.Option(str(_stage_one_default("stage_one", "cache").out), "--out", "-o", help="Cache directory to write (resumed if interrupted, repaired if damaged), or an fsspec URL (s3://bucket/prefix, gs://..., file://...)."),
     model: Optional[Path] = typer.Option(None, help="Teacher HF folder; default: the embedded SmolLM2-135M-Instruct."),
     backend: str = typer.Option(_stage_one_default("teacher", "backend"), help="hf (transformers, CPU or GPU) or vllm."),
     dtype: str = typer.Option(_stage_one_default("teacher", "dtype"), help="Teacher dtype: auto (bfloat16 on a GPU, float32 on a CPU), bfloat16, float16, float32."),
@@ -153,7 +153,7 @@ def cache_merge(
 
 @app.command("cache-stats")
 def cache_stats(
-    cache: Path = typer.Argument(..., help="Cache directory."),
+    cache: str = typer.Argument(..., help="Cache directory or URL (s3://, gs://, file://)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     plot: Optional[Path] = typer.Option(None, help="Also write an image of the distributions (needs matplotlib; .png, .pdf, .svg, ...; no suffix: .png)."),
 ) -> None:
@@ -180,7 +180,7 @@ def cache_stats(
 
 
 @app.command("verify")
-def verify(cache: Path = typer.Argument(..., help="Cache directory.")) -> None:
+def verify(cache: str = typer.Argument(..., help="Cache directory or URL (s3://, gs://, file://).")) -> None:
     """Check every shard's size and checksum and the manifest's totals; name the first bad shard and say how to repair it.
 
     Example:

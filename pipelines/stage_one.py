@@ -26,7 +26,6 @@ from typing import Literal
 
 from distill.configs import ConfigError, check_types, require
 from distill.devices import resolve_device, resolve_dtype
-from distill.files import atomic_write_json
 from pipelines.corpus import CorpusConfig, prepare_corpus
 from teacher_cache.backends import PREFILL_TOKENS, canonical_dtype, open_teacher_folder, weights_hash
 from teacher_cache.build import (
@@ -34,6 +33,7 @@ from teacher_cache.build import (
 )
 from teacher_cache.errors import CacheMismatchError
 from teacher_cache.identity import tokenizer_info
+from teacher_cache.location import RemotePath, write_json
 from teacher_cache.workers import Collective, TorchCollective, Workers, init_torchrun, torchrun_world
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
     if workers.worker_index == 0:
         # The resolved settings beside the cache, for whoever wonders later how it was made.
         resolved = _jsonable(asdict(config)) | {"model_dir": str(model_dir), "dtype": dtype}
-        atomic_write_json(out / RESOLVED_CONFIG_NAME, resolved)
+        write_json(out / RESOLVED_CONFIG_NAME, resolved)
     return report
 
 
@@ -227,4 +227,4 @@ def _jsonable(obj):
         return {k: _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_jsonable(v) for v in obj]
-    return str(obj) if isinstance(obj, Path) else obj
+    return str(obj) if isinstance(obj, (Path, RemotePath)) else obj

@@ -29,6 +29,7 @@ from distill.configs import ConfigError, check_types, require
 from distill.errors import DistillUserError
 from teacher_cache.backends.base import TeacherBackend
 from teacher_cache.codecs import codec_names
+from teacher_cache.location import RemotePath, cache_location
 from teacher_cache.manifest import CacheSpec
 from teacher_cache.store import get_store, shard_name
 from teacher_cache.targets import TeacherTargets
@@ -49,7 +50,9 @@ _HANDOFF_BYTES = 1 << 30
 class CacheConfig:
     """How stage one writes its cache."""
 
-    out: Path  # cache directory (created; an interrupted run there is resumed, a damaged one repaired)
+    # cache directory (created; an interrupted run there is resumed, a damaged one repaired), or
+    # an fsspec URL of an object store prefix (s3://, gs://; teacher_cache/location.py)
+    out: Path | RemotePath
     k: int = 100  # top-k entries stored per position
     value_codec: str = "sqrt8"  # fp32 | bf16 | fp16 | sqrt8 (see teacher_cache/codecs.py)
     # parquet | zarr (Zarr v3); parquet is the default because it writes cheaper at the same size
@@ -66,7 +69,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        self.out = Path(self.out)
+        self.out = cache_location(self.out)
         require("k", self.k, self.k >= 1, "an integer >= 1")
         require("value_codec", self.value_codec, self.value_codec in codec_names(),
                 f"one of {', '.join(codec_names())}")

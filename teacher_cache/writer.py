@@ -13,6 +13,11 @@ then holds CACHE/LOCK shared (a one-process writer holds it exclusively, so the 
 other), writes only the shards it owns and removes only the temp names of those; the first to
 arrive writes the "incomplete" manifest (a later one finds it and checks the identity), and one
 process writes the complete manifest at the end.
+
+On an object store (an fsspec URL; teacher_cache/location.py) there is no rename and no lock:
+a shard is written to a local temp folder and uploaded with its root object last (it counts as
+written once that object exists), the manifest is one object written last, and one build at a
+time writes a prefix.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import dataclasses
 import fcntl
 import os
 import shutil
+import tempfile
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,9 +34,10 @@ from pathlib import Path
 import numpy as np
 
 from distill.configs import ConfigError
-from distill.files import TEMP_MARK, atomic_write_json, fsync_dir, remove_stale_temps
+from distill.files import TEMP_MARK, fsync_dir, remove_stale_temps
 from teacher_cache.codecs import get_codec
 from teacher_cache.errors import CacheError, CacheLockedError, CacheMismatchError
+from teacher_cache.location import RemotePath, cache_location, present, write_json
 from teacher_cache.manifest import (
     MANIFEST_NAME, CacheSpec, Manifest, ShardInfo, StorageInfo, identity_diff, load_manifest,
     manifest_path, tool_version,
@@ -45,8 +52,11 @@ LOCK_NAME = "LOCK"
 
 def check_cache_dir(path: str | os.PathLike) -> None:
     """Refuse, in words, a cache path that cannot hold a cache: an existing file, a folder without
-    write permission, or a path that cannot be created. Raises ConfigError naming `out`."""
-    path = Path(path)
+    write permission, or a path that cannot be created. Raises ConfigError naming `out`. (An
+    object store is not checked: its first write says.)"""
+    path = cache_location(path)
+    if isinstance(path, RemotePath):
+        return
     if path.exists() and not path.is_dir():
         raise ConfigError("out", f"is an existing file ({path}); give a folder for the cache (new, or holding "
                                  "this cache)")
@@ -73,7 +83,9 @@ class CacheLock:
 
     @classmethod
     def acquire(cls, cache_dir: str | os.PathLike, shared: bool = False) -> "CacheLock":
-        path = Path(cache_dir)
+        path = cache_location(cache_dir)
+        if isinstance(path, RemotePath):  # object stores have no locks (see the module doc)
+            return cls(path, _NoLockFile(), created=False, shared=True)
         check_cache_dir(path)
         created = not path.exists()
         try:
@@ -116,10 +128,17 @@ class CacheLock:
         self._file = None
 
 
+class _NoLockFile:
+    """The lock "file" of a cache on an object store: nothing to lock."""
+
+    def close(self) -> None:
+        pass
+
+
 def check_claimable(path: str | os.PathLike) -> None:
     """A folder without a manifest may become a cache only if it holds nothing of anyone else's:
     nothing but the lock, an empty shards/ and a temp file of our own first manifest write."""
-    path = Path(path)
+    path = cache_location(path)
     if not path.is_dir():
         return
     names = [p.name for p in path.iterdir() if p.name not in (LOCK_NAME, SHARDS_DIR)]
@@ -161,7 +180,8 @@ class CacheWriter:
         storage = StorageInfo(format=store.format, shard_size=shard_size or spec.storage.shard_size,
                               codecs=store.codecs())
         self.spec = dataclasses.replace(spec, storage=storage)
-        self.path = Path(path)
+        self.path = cache_location(path)
+        self._remote = isinstance(self.path, RemotePath)
         self._store = store
         self._codec = get_codec(self.spec.targets.value_codec)
         self._shards_dir = self.path / SHARDS_DIR
@@ -219,12 +239,15 @@ class CacheWriter:
         self._remove_stale_temps()  # a kill inside the first manifest write leaves its temp file
         self._shards_dir.mkdir(exist_ok=True)
         manifest = Manifest(spec=self.spec, status="incomplete")
-        atomic_write_json(manifest_path(self.path), manifest.to_dict())
+        write_json(manifest_path(self.path), manifest.to_dict())
         return manifest
 
     def _remove_stale_temps(self) -> None:
         """Temp files a killed writer left (we hold the lock, so none is being written); a worker
-        removes only those of its own shards (the other workers' are being written)."""
+        removes only those of its own shards (the other workers' are being written). An object
+        store has none (shards are staged locally); a partial upload is removed by ``write_shard``."""
+        if self._remote:
+            return
         if self._owned is None:
             remove_stale_temps(self.path)
             if self._shards_dir.is_dir():
@@ -249,21 +272,26 @@ class CacheWriter:
         assert self._owned is None, "only a writer that owns the folder repairs it"
         for index in indices:
             path = self._shards_dir / shard_name(index, self._store)
-            if path.is_dir() and not path.is_symlink():
+            if self._remote:
+                path.remove()
+            elif path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
             else:
                 path.unlink(missing_ok=True)
-        fsync_dir(self._shards_dir)
+        if not self._remote:
+            fsync_dir(self._shards_dir)
         intact = {i: info for i, info in enumerate(self.manifest.shards) if i not in set(indices)}
         manifest = Manifest(spec=self.spec, status="incomplete", created=self.manifest.created)
-        atomic_write_json(manifest_path(self.path), manifest.to_dict())
+        write_json(manifest_path(self.path), manifest.to_dict())
         self.manifest = manifest
         with self._mutex:
             self._written.update(intact)  # checked just now: finalize need not hash them again
 
     def done_shards(self) -> set[int]:
-        """Indices of shards whose final name exists (complete by construction)."""
-        return {i for i in range(self.num_shards) if (self._shards_dir / shard_name(i, self._store)).exists()}
+        """Indices of shards whose final name exists (complete by construction; on an object store,
+        whose root object exists)."""
+        root = self._store.root_file
+        return {i for i in range(self.num_shards) if present(self._shards_dir / shard_name(i, self._store), root)}
 
     def write_shard(self, index: int, input_ids: list[np.ndarray],
                     targets: TeacherTargets | Iterable[TeacherTargets]) -> ShardInfo:
@@ -282,17 +310,30 @@ class CacheWriter:
             raise CacheError(f"shard {index} must hold {expected} sequences, got {len(input_ids)}")
         name = shard_name(index, self._store)
         final = self._shards_dir / name
-        if final.exists():
+        if present(final, self._store.root_file):
             raise CacheError(f"shard {name} is already written in {self.path}; skip the indices in done_shards()")
         seq_offsets, all_ids = shard_offsets(input_ids)
         blocks = [targets] if isinstance(targets, TeacherTargets) else targets
-        self._store.write_stream(final, seq_offsets, encode_blocks(all_ids, self._checked_k(index, blocks),
-                                                                   self._codec))  # a temp name, fsync, rename
-        checksum, nbytes = shard_checksum(final)
+        rows = encode_blocks(all_ids, self._checked_k(index, blocks), self._codec)
+        if self._remote:
+            checksum, nbytes = self._upload_shard(final, seq_offsets, rows)
+        else:
+            self._store.write_stream(final, seq_offsets, rows)  # a temp name, fsync, rename
+            checksum, nbytes = shard_checksum(final)
         info = ShardInfo(name=name, sequences=len(input_ids), tokens=len(all_ids), checksum=checksum, bytes=nbytes)
         with self._mutex:
             self._written[index] = info
         return info
+
+    def _upload_shard(self, final: RemotePath, seq_offsets, rows) -> tuple[str, int]:
+        """Write the shard in a local temp folder, hash it there, upload it with its root object last."""
+        final.remove()  # what a killed upload left (no root object, so not counted as written)
+        with tempfile.TemporaryDirectory(prefix="distill-shard-") as staging:
+            local = Path(staging) / final.name
+            self._store.write_stream(local, seq_offsets, rows)
+            checksum = shard_checksum(local)
+            final.upload(local, root_last=self._store.root_file)
+        return checksum
 
     @property
     def written(self) -> dict[int, ShardInfo]:
@@ -340,7 +381,7 @@ class CacheWriter:
                              f"the data section says {self.spec.data.sequences} / {self.spec.data.tokens}")
         manifest = dataclasses.replace(self.manifest, spec=self.spec, status="complete", shards=tuple(shards),
                                        tool_version=tool_version())
-        atomic_write_json(manifest_path(self.path), manifest.to_dict())
+        write_json(manifest_path(self.path), manifest.to_dict())
         self.manifest = manifest
         self.close()
         return manifest
