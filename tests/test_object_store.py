@@ -55,6 +55,7 @@ def _manifest(fs_or_path, where) -> dict:
     return json.loads(text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("storage", ["zarr", "parquet"])
 def test_cache_on_s3_equals_local_and_every_reader_opens_it(s3, tiny_teacher, tmp_path, capsys, storage):
     from teacher_cache.reader import CacheReader
@@ -85,6 +86,7 @@ def test_cache_on_s3_equals_local_and_every_reader_opens_it(s3, tiny_teacher, tm
     assert _manifest(s3, f"{BUCKET}/{storage}/cache/manifest.json")["shards"] == remote["shards"]
 
 
+@pytest.mark.slow
 def test_job_array_on_s3_ignores_a_partial_upload_then_merges(s3, tiny_teacher, tmp_path, capsys):
     """Worker 0 of 2 writes shards 0 and 2; a kill mid-upload left objects of shard 1 but not its
     root zarr.json: cache-merge names shard 1 and worker 1, and worker 1 replaces the partial

@@ -101,3 +101,23 @@ def test_torchrun_two_ranks_resume_another_world_size_and_equal_one_process(one_
     assert "complete" in done.stdout and "rank 0 wrote the manifest" in done.stdout
     assert _shards(out) == _shards(one_process)
     assert (out / "shards" / "00001.parquet").stat().st_mtime_ns == kept  # not scored again
+
+
+def test_tensor_parallel_size_reaches_vllm_and_only_vllm(tiny_teacher, tmp_path, capsys, monkeypatch):
+    """--tensor-parallel-size goes to vllm.LLM through the backend's engine_kwargs; the hf backend refuses it."""
+    import teacher_cache.backends
+
+    seen = {}
+
+    def fake_backend(name, model_dir, **kwargs):
+        seen.update(kwargs, name=name)
+        raise SystemExit(0)  # the plumbing is all this test checks; no engine is started
+
+    monkeypatch.setattr(teacher_cache.backends, "make_backend", fake_backend)
+    code, _, err = run_cli(["cache-teacher", "--model", tiny_teacher, "--out", tmp_path / "c", *SMALL,
+                            "--backend", "vllm", "--tensor-parallel-size", "4"], capsys)
+    assert code == 0, err
+    assert seen["name"] == "vllm" and seen["engine_kwargs"] == {"tensor_parallel_size": 4}
+    code, _, err = run_cli(["cache-teacher", "--model", tiny_teacher, "--out", tmp_path / "d", *SMALL,
+                            "--tensor-parallel-size", "2"], capsys)
+    assert "--tensor-parallel-size" in one_error_line(code, err) and "got 2" in err
