@@ -48,13 +48,14 @@ def _stage_one_option_error(error) -> DistillUserError:
 
 @app.command("cache-teacher")
 def cache_teacher(
-    out: Path = typer.Option(_stage_one_default("stage_one", "cache").out, "--out", "-o", help="Cache directory to write (resumed if interrupted, repaired if damaged)."),
+    out: str = typer.Option(str(_stage_one_default("stage_one", "cache").out), "--out", "-o", help="Cache directory to write (resumed if interrupted, repaired if damaged), or an fsspec URL (s3://bucket/prefix, gs://..., file://...)."),
     model: Optional[Path] = typer.Option(None, help="Teacher HF folder; default: the embedded SmolLM2-135M-Instruct."),
     backend: str = typer.Option(_stage_one_default("teacher", "backend"), help="hf (transformers, CPU or GPU) or vllm."),
     dtype: str = typer.Option(_stage_one_default("teacher", "dtype"), help="Teacher dtype: auto (bfloat16 on a GPU, float32 on a CPU), bfloat16, float16, float32."),
     device: str = typer.Option(_stage_one_default("teacher", "device"), help="auto, cpu, cuda or cuda:N (hf backend)."),
     compile: bool = typer.Option(_stage_one_default("teacher", "compile"), "--compile", help="torch.compile the teacher body (hf; pays off on long GPU runs)."),
     prefill_tokens: int = typer.Option(_stage_one_default("teacher", "prefill_tokens"), help="Longest sequence run in one teacher forward; a longer one (a long --seq-len) is prefilled in chunks of this many tokens through the teacher's KV cache, so memory follows the KV, not the length."),
+    tensor_parallel_size: int = typer.Option(_stage_one_default("teacher", "tensor_parallel_size"), help="GPUs one vllm teacher is split over (vLLM's tensor_parallel_size), for a teacher larger than one GPU (--backend vllm)."),
     corpus: Optional[list[Path]] = typer.Option(None, help="Files or folders of text (repeatable); default: the Python standard library."),
     corpus_format: str = typer.Option(_stage_one_default("corpus", "format"), "--format", help="auto, text, json, jsonl, parquet, arrow or hf-dataset."),
     text_field: str = typer.Option(_stage_one_default("corpus", "text_field"), help="Column holding the text (json, parquet, arrow, hf-dataset)."),
@@ -68,6 +69,8 @@ def cache_teacher(
     shard_size: int = typer.Option(_stage_one_default("cache", "shard_size"), help="Sequences per shard."),
     batch_size: int = typer.Option(_stage_one_default("cache", "batch_size"), help="Sequences per teacher call."),
     temperature: float = typer.Option(_stage_one_default("cache", "temperature"), help="Cache temperature: stored log-probs are log_softmax(logits / T)."),
+    num_workers: int = typer.Option(_stage_one_default("cache", "num_workers"), help="A job array of this many workers (Slurm array or any scheduler): this process writes only its shards (shard i belongs to worker i mod W) and no manifest; `distill cache-merge` writes it. Under torchrun the ranks are the workers: leave it at 1."),
+    worker_index: int = typer.Option(_stage_one_default("cache", "worker_index"), help="This worker's index in [0, --num-workers) (e.g. $SLURM_ARRAY_TASK_ID)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars (also none of transformers' loading bars)."),
 ) -> None:
     """Run a teacher once over a corpus and write its top-k next-token log-probs to a cache.
@@ -80,7 +83,11 @@ def cache_teacher(
 
       distill cache-teacher --backend vllm --max-sequences 16 --out caches/vllm
 
-    Re-running the same command after an interruption resumes where it stopped; on a complete cache it checks every shard and rebuilds exactly the damaged ones.
+      torchrun --nproc-per-node 8 -m distill cache-teacher --model ./Qwen2.5-7B --out caches/qwen   # one rank per GPU
+
+      distill cache-teacher ... --num-workers 16 --worker-index $SLURM_ARRAY_TASK_ID; then distill cache-merge caches/qwen --num-workers 16
+
+    Re-running the same command after an interruption resumes where it stopped (also at another number of workers or ranks); on a complete cache it checks every shard and rebuilds exactly the damaged ones.
     """
     from distill.configs import ConfigError
     from pipelines.corpus import CorpusConfig
@@ -91,14 +98,14 @@ def cache_teacher(
     try:
         config = StageOneConfig(
             teacher=TeacherConfig(model=model, backend=backend, dtype=dtype, device=device, compile=compile,
-                                  prefill_tokens=prefill_tokens),
+                                  prefill_tokens=prefill_tokens, tensor_parallel_size=tensor_parallel_size),
             corpus=CorpusConfig(
                 **corpus_kwargs, format=corpus_format, text_field=text_field, file_glob=glob,
                 encoding_errors=encoding_errors, seq_len=seq_len, max_sequences=max_sequences,
             ),
             cache=CacheConfig(
                 out=out, k=k, value_codec=codec, storage=storage, shard_size=shard_size,
-                batch_size=batch_size, temperature=temperature,
+                batch_size=batch_size, temperature=temperature, num_workers=num_workers, worker_index=worker_index,
             ),
         )
         report = run(config, progress=not quiet)
@@ -109,6 +116,11 @@ def cache_teacher(
         return
     done = (f"repaired: rebuilt {len(report.repaired_shards)} damaged shard(s) ({', '.join(report.repaired_shards[:5])})"
             if report.repaired_shards else "complete")
+    if report.worker is not None and not report.finalized:
+        index, count = report.worker
+        merge = (f"; when every worker is done: distill cache-merge {out} --num-workers {count}"
+                 if num_workers > 1 else "; rank 0 wrote the manifest")
+        done = f"worker {index} of {count} wrote its shards{merge}"
     typer.echo(
         f"{out}: cache {report.cache_id} {done}; scored {report.tokens_scored:,} tokens in "
         f"{report.wall_seconds:.1f} s ({report.tokens_per_second:,.0f} tok/s; teacher {report.teacher_seconds:.1f} s, "
@@ -116,9 +128,32 @@ def cache_teacher(
     )
 
 
+@app.command("cache-merge")
+def cache_merge(
+    cache: str = typer.Argument(..., help="Cache directory or URL the workers of a job array wrote."),
+    num_workers: Optional[int] = typer.Option(None, help="The array's --num-workers, so a missing shard is named with the worker that owns it."),
+) -> None:
+    """Write the manifest of a cache built by a job array (cache-teacher --num-workers W --worker-index I), once every shard is there; every shard is read once to record its checksum.
+
+    A missing shard is refused in one line naming it and its worker. Running cache-teacher once more with the same arguments and no --num-workers does the same and also scores any missing shard.
+
+    Example:
+
+      distill cache-merge caches/qwen --num-workers 16
+    """
+    from distill.configs import ConfigError
+    from teacher_cache.build import merge_cache
+
+    try:
+        cache_id, already = merge_cache(cache, num_workers=num_workers)
+    except ConfigError as e:
+        raise e.as_option() from None
+    typer.echo(f"{cache}: cache {cache_id} " + ("is already complete; nothing to do" if already else "complete"))
+
+
 @app.command("cache-stats")
 def cache_stats(
-    cache: Path = typer.Argument(..., help="Cache directory."),
+    cache: str = typer.Argument(..., help="Cache directory or URL (s3://, gs://, file://)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     plot: Optional[Path] = typer.Option(None, help="Also write an image of the distributions (needs matplotlib; .png, .pdf, .svg, ...; no suffix: .png)."),
 ) -> None:
@@ -145,7 +180,7 @@ def cache_stats(
 
 
 @app.command("verify")
-def verify(cache: Path = typer.Argument(..., help="Cache directory.")) -> None:
+def verify(cache: str = typer.Argument(..., help="Cache directory or URL (s3://, gs://, file://).")) -> None:
     """Check every shard's size and checksum and the manifest's totals; name the first bad shard and say how to repair it.
 
     Example:

@@ -5,6 +5,13 @@ The cheap checks come first, so a mistake costs seconds, not a teacher load: the
 another writer, not holding another cache); then the corpus is tokenised and a complete cache of
 the same identity is reused (after every shard's size and checksum is checked; damaged shards
 are rebuilt). Only then is the teacher loaded.
+
+Scale-out (teacher_cache/workers.py): launched by `torchrun --nproc-per-node N -m distill
+cache-teacher ...`, each rank reads RANK/WORLD_SIZE, joins the process group (nccl for a CUDA
+teacher, on cuda:LOCAL_RANK; gloo on a CPU), tokenises the corpus itself (the same on every
+rank), scores only its own shards, and rank 0 writes the manifest once every rank is done. With
+`--num-workers W --worker-index I` (a Slurm array, or any scheduler) the worker writes its shards
+and no manifest; `distill cache-merge` writes it. Either way the cache equals a one-process build.
 """
 
 from __future__ import annotations
@@ -19,7 +26,6 @@ from typing import Literal
 
 from distill.configs import ConfigError, check_types, require
 from distill.devices import resolve_device, resolve_dtype
-from distill.files import atomic_write_json
 from pipelines.corpus import CorpusConfig, prepare_corpus
 from teacher_cache.backends import PREFILL_TOKENS, canonical_dtype, open_teacher_folder, weights_hash
 from teacher_cache.build import (
@@ -27,6 +33,8 @@ from teacher_cache.build import (
 )
 from teacher_cache.errors import CacheMismatchError
 from teacher_cache.identity import tokenizer_info
+from teacher_cache.location import RemotePath, write_json
+from teacher_cache.workers import Collective, TorchCollective, Workers, init_torchrun, torchrun_world
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +53,16 @@ class TeacherConfig:
     # longest sequence run in one forward; longer ones are prefilled in chunks of this many tokens
     # through the teacher's KV cache, so --seq-len may exceed what fits on the device at once
     prefill_tokens: int = PREFILL_TOKENS
+    # GPUs one vllm teacher is split over (vLLM's tensor_parallel_size), for a teacher larger
+    # than one GPU; the hf backend takes only 1
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_types(self)
         require("prefill_tokens", self.prefill_tokens, self.prefill_tokens >= 1, "an integer >= 1")
+        require("tensor_parallel_size", self.tensor_parallel_size,
+                self.tensor_parallel_size == 1 or (self.tensor_parallel_size > 1 and self.backend == "vllm"),
+                "1 with the hf backend, an integer >= 1 with --backend vllm")
         require("device", self.device, re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                 "'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.model is not None:  # checked here, before the corpus is tokenised
@@ -80,6 +94,30 @@ def cache_teacher(config: StageOneConfig, progress: bool = True) -> BuildReport:
 
 
 def _cache_teacher(config: StageOneConfig, progress: bool) -> BuildReport:
+    world = torchrun_world()
+    if world is not None and config.cache.num_workers > 1:
+        raise ConfigError("num_workers", f"is for job arrays, got {config.cache.num_workers} under torchrun "
+                                         f"(WORLD_SIZE={world[1]}): the ranks are the workers; drop --num-workers")
+    device = config.teacher.device
+    if world is None:
+        array = config.cache.num_workers > 1  # job-array workers do not talk to each other
+        workers = Workers(config.cache.num_workers, config.cache.worker_index, None if array else Collective())
+        return _cache_teacher_as(config, workers, device, progress)
+    rank, world_size, local_rank = world
+    if device in ("auto", "cuda") and resolve_device(device).startswith("cuda"):
+        device = f"cuda:{local_rank}"  # one GPU per rank
+    opened = init_torchrun(resolve_device(device))
+    try:
+        return _cache_teacher_as(config, Workers(world_size, rank, TorchCollective()), device,
+                                 progress and rank == 0)
+    finally:
+        if opened:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, progress: bool) -> BuildReport:
     from pipelines.defaults import default_teacher_dir
     from teacher_cache.backends import make_backend
     from teacher_cache.manifest import load_manifest, manifest_path
@@ -89,9 +127,10 @@ def _cache_teacher(config: StageOneConfig, progress: bool) -> BuildReport:
     model_dir = config.teacher.model or default_teacher_dir()
     teacher_folder = open_teacher_folder(model_dir)
     check_k_fits(config.cache.k, teacher_folder.vocab_size)
-    dtype = resolve_dtype(config.teacher.dtype, resolve_device(config.teacher.device))
+    dtype = resolve_dtype(config.teacher.dtype, resolve_device(device))
     out = config.cache.out
-    lock = _lock_unless_reusing(out)  # held from here, so a second writer is refused before any work
+    # held from here, so a second writer is refused before any work (workers share it)
+    lock = _lock_unless_reusing(out, shared=not workers.single)
     try:
         tok_info = tokenizer_info(teacher_folder.tokenizer)
         teacher = {"path": str(model_dir), "weights_hash": weights_hash(model_dir), "backend": config.teacher.backend,
@@ -104,7 +143,7 @@ def _cache_teacher(config: StageOneConfig, progress: bool) -> BuildReport:
                 raise CacheMismatchError(
                     f"{out} holds another cache (cache_id {existing.cache_id}); differs in {'; '.join(diff)} "
                     "(cache vs asked): choose another --out or delete that directory yourself")
-        else:
+        elif workers.single:  # workers: another may have claimed it meanwhile; the writer checks
             check_claimable(out)
         corpus = prepare_corpus(config.corpus, teacher_folder.tokenizer, progress=progress)
         log.info("corpus: %d sequences, %d tokens from %s", len(corpus.sequences), corpus.num_tokens, corpus.source)
@@ -112,7 +151,10 @@ def _cache_teacher(config: StageOneConfig, progress: bool) -> BuildReport:
         lengths = [len(s) for s in corpus.sequences]
         identity = cache_identity(teacher, config.cache, tokenizer=tok_info, data=data, lengths=lengths)
         if cache_id := complete_cache_id(out, identity):
-            damaged = damaged_shards(out)
+            # the one process or rank 0 checks every shard; a job-array worker leaves a complete cache alone
+            damaged = damaged_shards(out) if workers.leader else []
+            if workers.collective is not None:
+                damaged = workers.collective.broadcast(damaged)
             if not damaged:
                 log.info("cache %s (%s) is already complete; the teacher is not loaded", out, cache_id)
                 return BuildReport(cache_dir=out, cache_id=cache_id, already_complete=True)
@@ -121,40 +163,44 @@ def _cache_teacher(config: StageOneConfig, progress: bool) -> BuildReport:
         if lock is None:
             raise ConfigError("out", f"{out} holds a cache that is not complete and whole, and you cannot write to "
                                      "it; ask its owner to rerun the command that built it, or choose another --out")
+        backend_options = {"compile": True} if config.teacher.compile else {}
+        if config.teacher.tensor_parallel_size > 1:
+            backend_options["engine_kwargs"] = {"tensor_parallel_size": config.teacher.tensor_parallel_size}
         backend = make_backend(
             config.teacher.backend,
             model_dir,
             dtype=dtype,
-            device=config.teacher.device,
+            device=device,
             temperature=config.cache.temperature,
             k=config.cache.k,
             max_len=max(lengths),
             batch_size=config.cache.batch_size,
             prefill_tokens=config.teacher.prefill_tokens,
-            **({"compile": True} if config.teacher.compile else {}),
+            **backend_options,
         )
         try:
             report = build_cache(corpus.sequences, backend, config.cache, tokenizer=tok_info, data=data,
-                                 progress=progress, lock=lock)
+                                 progress=progress, lock=lock, workers=workers)
         finally:
             backend.close()
     finally:
         if lock is not None:
             lock.release()
-    # The resolved settings beside the cache, for whoever wonders later how it was made.
-    resolved = _jsonable(asdict(config)) | {"model_dir": str(model_dir), "dtype": dtype}
-    atomic_write_json(out / RESOLVED_CONFIG_NAME, resolved)
+    if workers.worker_index == 0:
+        # The resolved settings beside the cache, for whoever wonders later how it was made.
+        resolved = _jsonable(asdict(config)) | {"model_dir": str(model_dir), "dtype": dtype}
+        write_json(out / RESOLVED_CONFIG_NAME, resolved)
     return report
 
 
-def _lock_unless_reusing(out: Path):
+def _lock_unless_reusing(out: Path, shared: bool = False):
     """The writer's lock on `out`; None when `out` is a cache folder this user cannot write (a
     shared cache): it can still be reused if it is complete and whole, but not written."""
     from teacher_cache.manifest import manifest_path
     from teacher_cache.writer import CacheLock
 
     try:
-        return CacheLock.acquire(out)
+        return CacheLock.acquire(out, shared=shared)
     except ConfigError:
         if out.is_dir() and manifest_path(out).is_file() and not os.access(out, os.W_OK | os.X_OK):
             return None
@@ -181,4 +227,4 @@ def _jsonable(obj):
         return {k: _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_jsonable(v) for v in obj]
-    return str(obj) if isinstance(obj, Path) else obj
+    return str(obj) if isinstance(obj, (Path, RemotePath)) else obj

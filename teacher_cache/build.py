@@ -29,8 +29,11 @@ from distill.configs import ConfigError, check_types, require
 from distill.errors import DistillUserError
 from teacher_cache.backends.base import TeacherBackend
 from teacher_cache.codecs import codec_names
+from teacher_cache.location import RemotePath, cache_location
+from teacher_cache.manifest import CacheSpec
 from teacher_cache.store import get_store, shard_name
 from teacher_cache.targets import TeacherTargets
+from teacher_cache.workers import Workers
 
 if TYPE_CHECKING:
     from teacher_cache.writer import CacheLock
@@ -47,7 +50,9 @@ _HANDOFF_BYTES = 1 << 30
 class CacheConfig:
     """How stage one writes its cache."""
 
-    out: Path  # cache directory (created; an interrupted run there is resumed, a damaged one repaired)
+    # cache directory (created; an interrupted run there is resumed, a damaged one repaired), or
+    # an fsspec URL of an object store prefix (s3://, gs://; teacher_cache/location.py)
+    out: Path | RemotePath
     k: int = 100  # top-k entries stored per position
     value_codec: str = "sqrt8"  # fp32 | bf16 | fp16 | sqrt8 (see teacher_cache/codecs.py)
     # parquet | zarr (Zarr v3); parquet is the default because it writes cheaper at the same size
@@ -57,10 +62,14 @@ class CacheConfig:
     batch_size: int = 8  # sequences per teacher call
     temperature: float = 1.0  # cache temperature: stored log-probs are log_softmax(logits / T)
     writer_threads: int = 0  # shards encoded and written in parallel; 0 = min(8, CPU count)
+    # A job array: this process writes only the shards of worker `worker_index` of `num_workers`
+    # (teacher_cache/workers.py) and no complete manifest; `distill cache-merge` writes it.
+    num_workers: int = 1
+    worker_index: int = 0
 
     def __post_init__(self) -> None:
         check_types(self)
-        self.out = Path(self.out)
+        self.out = cache_location(self.out)
         require("k", self.k, self.k >= 1, "an integer >= 1")
         require("value_codec", self.value_codec, self.value_codec in codec_names(),
                 f"one of {', '.join(codec_names())}")
@@ -69,6 +78,9 @@ class CacheConfig:
         require("temperature", self.temperature, math.isfinite(self.temperature) and self.temperature > 0,
                 "a finite number > 0")
         require("writer_threads", self.writer_threads, self.writer_threads >= 0, "an integer >= 0 (0 = automatic)")
+        require("num_workers", self.num_workers, self.num_workers >= 1, "an integer >= 1")
+        require("worker_index", self.worker_index, 0 <= self.worker_index < self.num_workers,
+                f"an integer in [0, --num-workers={self.num_workers})")
 
 
 def check_k_fits(k: int, vocab_size: int | None) -> None:
@@ -92,6 +104,8 @@ class BuildReport:
     writer_seconds: float = 0.0  # summed over writer threads
     writer_wait_seconds: float = 0.0  # time the teacher thread waited for writers to catch up
     wall_seconds: float = 0.0
+    worker: tuple[int, int] | None = None  # (index, count) in a multi-process build; None: one process
+    finalized: bool = False  # this process wrote the complete manifest (a job-array worker never does)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -108,52 +122,133 @@ def build_cache(
     data: dict,
     progress: bool = True,
     lock: CacheLock | None = None,
+    workers: Workers | None = None,
 ) -> BuildReport:
     """Score ``sequences`` (int32 token ids each) and write them as a cache at ``config.out``.
 
     tokenizer: ``identity.tokenizer_info`` of the teacher's tokenizer. data: {"source",
     "fingerprint", "seq_len"} of the packed corpus. lock: a ``writer.CacheLock`` the caller already
-    holds on ``config.out`` (taken over and released), or None. Re-running with the same
-    arguments after an interruption resumes: finished shards are kept and only the missing ones
-    are scored. Re-running on a complete cache checks every shard's size and checksum and
-    rebuilds exactly the damaged ones.
+    holds on ``config.out`` (taken over and released; shared when ``workers`` has several), or
+    None. workers: this process's part of a multi-process build (``teacher_cache.workers``); None
+    is the one process. Re-running with the same arguments after an interruption resumes: finished
+    shards are kept and only the missing ones are scored. Re-running on a complete cache checks
+    every shard's size and checksum and rebuilds exactly the damaged ones (the one process or
+    torchrun's rank 0 does; a job-array worker leaves a complete cache alone).
     """
-    from teacher_cache.writer import CacheWriter
-
     if not sequences:
         raise DistillUserError("the corpus produced no sequences; give more text or a shorter --seq-len")
     check_k_fits(config.k, backend.vocab_size)
     lengths = np.array([len(s) for s in sequences], dtype=np.int64)
     if lengths.min() < 2:
         raise DistillUserError(f"every sequence needs at least 2 tokens, got one of {lengths.min()}")
-
+    workers = workers or Workers()
     identity = cache_identity(backend.describe(), config, tokenizer=tokenizer, data=data, lengths=lengths)
     start = time.perf_counter()
-    writer = CacheWriter(config.out, identity, lock=lock)
-    report = BuildReport(cache_dir=config.out, cache_id=writer.cache_id)
+    num_shards = -(-len(sequences) // config.shard_size)
+    mine = workers.shards(num_shards)
+    writer = None
     try:
-        if writer.is_complete:
-            damaged = writer.damaged_shards()
-            if not damaged:
-                report.already_complete = True
-                log.info("cache %s (%s) is already complete; nothing to do", config.out, writer.cache_id)
-                return report
-            report.repaired_shards = [shard_name(i, get_store(config.storage)) for i in damaged]
-            log.warning("cache %s (%s) has %d damaged or missing shard(s) (%s); rebuilding them", config.out,
-                        writer.cache_id, len(damaged), ", ".join(report.repaired_shards[:5]))
-            writer.repair(damaged)
-        num_shards = -(-len(sequences) // config.shard_size)
+        collective = workers.collective
+        if workers.leader:  # claims (and repairs) while the other ranks wait at the broadcast
+            writer = _open_writer(config, identity, lock, None)
+            report = _claim_report(writer, config, repair=True)
+        if collective is not None and not workers.single:
+            complete = collective.broadcast(report.already_complete if workers.leader else None)
+            if complete and not workers.leader:
+                return BuildReport(cache_dir=config.out, cache_id=CacheSpec.from_dict(
+                    {**identity, "storage": {**identity["storage"], "codecs": {}}}).cache_id, already_complete=True)
+        if writer is None:
+            writer = _open_writer(config, identity, lock, mine)
+            report = _claim_report(writer, config, repair=False)
+        report.worker = None if workers.single else (workers.worker_index, workers.num_workers)
+        if report.already_complete:
+            return report
         done = writer.done_shards()
-        todo = [i for i in range(num_shards) if i not in done]
-        report.resumed_shards = len(done)
-        if done and not report.repaired_shards:
-            log.info("resuming %s: %d of %d shards already written, %d to go", config.out, len(done), num_shards, len(todo))
+        todo = [i for i in mine if i not in done]
+        report.resumed_shards = len(mine) - len(todo)
+        if report.resumed_shards and not report.repaired_shards:
+            log.info("resuming %s: %d of this worker's %d shards already written, %d to go", config.out,
+                     report.resumed_shards, len(mine), len(todo))
         _score_and_write(sequences, lengths, todo, backend, config, writer, report, progress)
-        writer.finalize()
+        if collective is not None:
+            if workers.single:
+                writer.finalize()
+            else:
+                _finalize_together(writer, collective, workers.leader)
+            report.finalized = workers.leader
     finally:
-        writer.close()
+        if writer is not None:
+            writer.close()
+        elif lock is not None:
+            lock.release()
     report.wall_seconds = time.perf_counter() - start
     return report
+
+
+def _open_writer(config: CacheConfig, identity: dict, lock, owned: list[int] | None):
+    from teacher_cache.writer import CacheWriter
+
+    return CacheWriter(config.out, identity, lock=lock, owned_shards=owned)
+
+
+def _claim_report(writer, config: CacheConfig, repair: bool) -> BuildReport:
+    """The report of a writer just opened; a complete cache is repaired (``repair``) or left alone."""
+    report = BuildReport(cache_dir=config.out, cache_id=writer.cache_id)
+    if not writer.is_complete:
+        return report
+    damaged = writer.damaged_shards() if repair else []
+    if not damaged:
+        report.already_complete = True
+        log.info("cache %s (%s) is already complete; nothing to do", config.out, writer.cache_id)
+        return report
+    report.repaired_shards = [shard_name(i, get_store(config.storage)) for i in damaged]
+    log.warning("cache %s (%s) has %d damaged or missing shard(s) (%s); rebuilding them", config.out,
+                writer.cache_id, len(damaged), ", ".join(report.repaired_shards[:5]))
+    writer.repair(damaged)
+    return report
+
+
+def _finalize_together(writer, collective, leader: bool) -> None:
+    """Every rank's shard records to rank 0, which writes the manifest; the others wait for it."""
+    gathered = collective.gather(writer.written)
+    if leader:
+        for infos in gathered:
+            writer.record_shards(infos)
+        writer.finalize()
+    collective.barrier()
+
+
+def merge_cache(path: Path, num_workers: int | None = None) -> tuple[str, bool]:
+    """`distill cache-merge`: write the complete manifest of a cache whose shards the workers of a
+    job array wrote, once every shard is there. Every shard is read once to record its size and
+    checksum. Returns (cache_id, already_complete). num_workers: the array's --num-workers, so a
+    missing shard's message names the worker that owns it."""
+    from teacher_cache.errors import CacheError
+    from teacher_cache.manifest import load_manifest
+    from teacher_cache.writer import CacheWriter
+    from teacher_cache.workers import shard_owner
+
+    if num_workers is not None:
+        require("num_workers", num_workers, num_workers >= 1, "an integer >= 1 (the job array's --num-workers)")
+    manifest = load_manifest(path)
+    if manifest.status == "complete":
+        return manifest.cache_id, True
+    with CacheWriter(path, manifest.spec) as writer:  # the lock, exclusively: refused while workers write
+        missing = sorted(set(range(writer.num_shards)) - writer.done_shards())
+        if missing:
+            store = get_store(manifest.spec.storage.format)
+            shown = ", ".join(shard_name(i, store) for i in missing[:8]) + (" ..." if len(missing) > 8 else "")
+            if num_workers is None:
+                owners = "pass --num-workers W (the array's) to name the workers that own them"
+            else:
+                owners = "owned by --worker-index " + ", ".join(
+                    str(w) for w in sorted({shard_owner(i, num_workers) for i in missing}))
+                owners += f" of --num-workers {num_workers}: rerun those workers"
+            raise CacheError(f"cannot merge {path}: {len(missing)} of {writer.num_shards} shards not written "
+                             f"({shown}); {owners}, or run `distill cache-teacher` once without --num-workers to "
+                             "score them here")
+        writer.finalize()
+    return manifest.cache_id, False
 
 
 def cache_identity(teacher: dict, config: CacheConfig, *, tokenizer: dict, data: dict, lengths) -> dict:

@@ -278,7 +278,10 @@ class Manifest:
 
 
 def manifest_path(cache_dir: str | os.PathLike) -> Path:
-    return Path(cache_dir) / MANIFEST_NAME
+    """CACHE/manifest.json (a ``location.RemotePath`` when the cache is at a URL)."""
+    from teacher_cache.location import cache_location
+
+    return cache_location(cache_dir) / MANIFEST_NAME
 
 
 def load_manifest(cache_dir: str | os.PathLike) -> Manifest:

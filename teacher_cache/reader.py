@@ -18,6 +18,7 @@ import numpy as np
 
 from teacher_cache.codecs import get_codec
 from teacher_cache.errors import REPAIR_HINT, CacheError, CacheMismatchError, CorruptShardError
+from teacher_cache.location import cache_location
 from teacher_cache.manifest import Manifest, load_manifest
 from teacher_cache.store import SHARDS_DIR, decode_shard, get_store, read_shard, shard_checksum, shard_size_on_disk
 from teacher_cache.targets import TeacherTargets
@@ -51,12 +52,13 @@ class CacheReader:
 
     def __init__(self, path: str | os.PathLike, expect_vocab_size: int | None = None,
                  expect_tokenizer_hash: str | None = None, verify_checksums: bool = True):
-        self.path = Path(path)
+        self.path = cache_location(path)
         self.manifest: Manifest = load_manifest(self.path)
         self.verify_checksums = verify_checksums
         spec = self.manifest.spec
         if self.manifest.status != "complete":
-            written = len(list((self.path / SHARDS_DIR).glob("[0-9]*"))) if (self.path / SHARDS_DIR).exists() else 0
+            written = sum(p.name[:1].isdigit() for p in (self.path / SHARDS_DIR).iterdir()) \
+                if (self.path / SHARDS_DIR).exists() else 0
             raise CacheError(f"cache {self.path} is incomplete ({written} of {spec.num_shards} shards written); "
                              "finish it by running `distill cache-teacher` again with the same arguments")
         tok = spec.tokenizer

@@ -30,6 +30,7 @@ import numpy as np
 
 from teacher_cache.codecs import ValueCodec
 from teacher_cache.errors import REPAIR_HINT, CacheError, CorruptShardError
+from teacher_cache.location import RemotePath
 from teacher_cache.targets import TeacherTargets
 
 SHARDS_DIR = "shards"
@@ -39,6 +40,9 @@ FIXED_ARRAYS = ("input_ids", "seq_offsets", "tail_logmass", "target_logprob")
 class ShardStore(Protocol):
     format: str  # "zarr" | "parquet"
     suffix: str  # ".zarr" | ".parquet"
+    # the file of a shard folder uploaded last to an object store, whose presence says the shard
+    # is whole there (teacher_cache/location.py); None for a one-file shard
+    root_file: str | None
 
     def codecs(self) -> dict:
         """The lossless compression used, for the manifest's storage.codecs."""
@@ -190,16 +194,26 @@ def decode_shard(arrays: dict[str, np.ndarray], codec: ValueCodec,
     return input_ids, seq_offsets, targets
 
 
-def shard_files(path: Path) -> list[tuple[str, Path]]:
-    """(relative name, file) for every file of a shard, in a fixed order ("." for a one-file shard)."""
-    if path.is_file():
+def shard_files(path: Path | RemotePath) -> list[tuple[str, Path | RemotePath]]:
+    """(relative name, file) for every file of a shard, in a fixed order ("." for a one-file shard);
+    the same names locally and on an object store."""
+    if isinstance(path, RemotePath):
+        files = path.rglob("*")  # objects only
+        if [f.path for f in files] == [path.path]:
+            return [(".", path)]
+    elif path.is_file():
         return [(".", path)]
-    files = [p for p in path.rglob("*") if p.is_file()]
+    else:
+        files = [p for p in path.rglob("*") if p.is_file()]
     return sorted(((p.relative_to(path).as_posix(), p) for p in files), key=lambda item: item[0])
 
 
-def shard_size_on_disk(path: Path) -> int:
-    return sum(p.stat().st_size for _, p in shard_files(path))
+def _file_size(path: Path | RemotePath) -> int:
+    return path.size() if isinstance(path, RemotePath) else path.stat().st_size
+
+
+def shard_size_on_disk(path: Path | RemotePath) -> int:
+    return sum(_file_size(p) for _, p in shard_files(path))
 
 
 def shard_checksum(path: Path, fsync: bool = False) -> tuple[str, int]:
@@ -211,8 +225,8 @@ def shard_checksum(path: Path, fsync: bool = False) -> tuple[str, int]:
     h = hashlib.sha256()
     total = 0
     for rel, p in shard_files(path):
-        with open(p, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        with p.open("rb") as f:
+            size = _file_size(p) if isinstance(p, RemotePath) else os.fstat(f.fileno()).st_size
             h.update(f"{rel}\0{size}\0".encode())
             while chunk := f.read(1 << 22):
                 h.update(chunk)

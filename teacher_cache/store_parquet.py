@@ -41,6 +41,7 @@ class ParquetStore:
 
     format = "parquet"
     suffix = ".parquet"
+    root_file = None
 
     def __init__(self, row_group_bytes: int = ROW_GROUP_BYTES):
         self.row_group_bytes = row_group_bytes
@@ -96,7 +97,8 @@ class ParquetStore:
     def read(self, path: Path) -> dict[str, np.ndarray]:
         import pyarrow.parquet as pq
 
-        table = pq.read_table(str(path), page_checksum_verification=True)
+        source, filesystem = _source(path)
+        table = pq.read_table(source, filesystem=filesystem, page_checksum_verification=True)
         meta = self._meta(table.schema)
         out = {"seq_offsets": np.asarray(meta["seq_offsets"], dtype=np.int64)}
         for name, info in meta["arrays"].items():
@@ -112,7 +114,14 @@ class ParquetStore:
     def read_offsets(self, path: Path) -> np.ndarray:
         import pyarrow.parquet as pq
 
-        return np.asarray(self._meta(pq.read_schema(str(path)))["seq_offsets"], dtype=np.int64)
+        source, filesystem = _source(path)
+        return np.asarray(self._meta(pq.read_schema(source, filesystem=filesystem))["seq_offsets"], dtype=np.int64)
+
+
+def _source(path) -> tuple[str, object]:
+    """(path, filesystem) for pyarrow: a local file, or an object through pyarrow's fsspec support."""
+    fs = getattr(path, "fs", None)  # a teacher_cache.location.RemotePath
+    return (path.path, fs) if fs is not None else (str(path), None)
 
 
 def _column(value: np.ndarray):

@@ -33,6 +33,7 @@ class ZarrStore:
 
     format = "zarr"
     suffix = ".zarr"
+    root_file = "zarr.json"  # the group's metadata
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES):
         self.chunk_bytes = chunk_bytes

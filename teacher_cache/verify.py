@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from distill.files import TEMP_MARK
 from teacher_cache.errors import REPAIR_HINT, CacheError, CorruptShardError
+from teacher_cache.location import cache_location
 from teacher_cache.manifest import load_manifest
 from teacher_cache.store import SHARDS_DIR, decode_shard, get_store, read_shard, shard_checksum, shard_name
 
@@ -68,7 +68,7 @@ def verify_cache(path: str | os.PathLike, deep: bool = False) -> VerifyReport:
     deep=True also decodes every shard and checks its sequence and token counts (slower). A
     manifest that cannot be read raises ``CacheError``; everything else is in the report.
     """
-    path = Path(path)
+    path = cache_location(path)
     manifest = load_manifest(path)
     spec = manifest.spec
     store = get_store(spec.storage.format)

@@ -7,6 +7,17 @@ and a rerun with the same identity resumes from them (and removes the temp files
 Shard bytes are a pure function of the inputs, so a resumed cache is byte-identical to an
 uninterrupted one. A complete cache whose shards were damaged later is repaired the same way:
 the damaged shards are deleted first, then the manifest goes back to "incomplete".
+
+Several processes may write the shards of one cache at once (``teacher_cache.workers``): each
+then holds CACHE/LOCK shared (a one-process writer holds it exclusively, so the two exclude each
+other), writes only the shards it owns and removes only the temp names of those; the first to
+arrive writes the "incomplete" manifest (a later one finds it and checks the identity), and one
+process writes the complete manifest at the end.
+
+On an object store (an fsspec URL; teacher_cache/location.py) there is no rename and no lock:
+a shard is written to a local temp folder and uploaded with its root object last (it counts as
+written once that object exists), the manifest is one object written last, and one build at a
+time writes a prefix.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import dataclasses
 import fcntl
 import os
 import shutil
+import tempfile
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -22,9 +34,10 @@ from pathlib import Path
 import numpy as np
 
 from distill.configs import ConfigError
-from distill.files import TEMP_MARK, atomic_write_json, fsync_dir, remove_stale_temps
+from distill.files import TEMP_MARK, fsync_dir, remove_stale_temps
 from teacher_cache.codecs import get_codec
 from teacher_cache.errors import CacheError, CacheLockedError, CacheMismatchError
+from teacher_cache.location import RemotePath, cache_location, present, write_json
 from teacher_cache.manifest import (
     MANIFEST_NAME, CacheSpec, Manifest, ShardInfo, StorageInfo, identity_diff, load_manifest,
     manifest_path, tool_version,
@@ -39,8 +52,11 @@ LOCK_NAME = "LOCK"
 
 def check_cache_dir(path: str | os.PathLike) -> None:
     """Refuse, in words, a cache path that cannot hold a cache: an existing file, a folder without
-    write permission, or a path that cannot be created. Raises ConfigError naming `out`."""
-    path = Path(path)
+    write permission, or a path that cannot be created. Raises ConfigError naming `out`. (An
+    object store is not checked: its first write says.)"""
+    path = cache_location(path)
+    if isinstance(path, RemotePath):
+        return
     if path.exists() and not path.is_dir():
         raise ConfigError("out", f"is an existing file ({path}); give a folder for the cache (new, or holding "
                                  "this cache)")
@@ -55,18 +71,21 @@ def check_cache_dir(path: str | os.PathLike) -> None:
 
 
 class CacheLock:
-    """CACHE/LOCK, held exclusively by one writer (released when closed, also if the process dies).
+    """CACHE/LOCK, held exclusively by one writer, or shared by the workers of a multi-process
+    build (released when closed, also if the process dies).
 
     ``acquire`` creates the cache folder when needed; ``release`` removes a folder it created that
     still holds nothing but the lock, so a run refused before writing anything leaves nothing.
     """
 
-    def __init__(self, path: Path, lock_file, created: bool):
-        self.path, self._file, self._created = path, lock_file, created
+    def __init__(self, path: Path, lock_file, created: bool, shared: bool = False):
+        self.path, self._file, self._created, self.shared = path, lock_file, created, shared
 
     @classmethod
-    def acquire(cls, cache_dir: str | os.PathLike) -> "CacheLock":
-        path = Path(cache_dir)
+    def acquire(cls, cache_dir: str | os.PathLike, shared: bool = False) -> "CacheLock":
+        path = cache_location(cache_dir)
+        if isinstance(path, RemotePath):  # object stores have no locks (see the module doc)
+            return cls(path, _NoLockFile(), created=False, shared=True)
         check_cache_dir(path)
         created = not path.exists()
         try:
@@ -75,13 +94,17 @@ class CacheLock:
         except OSError as e:
             raise CacheError(f"cannot create the cache folder {path}: {e.strerror}; choose another --out") from None
         try:
-            fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock_file.fileno(), (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             lock_file.seek(0)
-            pid = lock_file.read().strip() or "unknown"
+            pid = lock_file.read().strip()
             lock_file.close()
-            raise CacheLockedError(f"cache {path} is being written by another process (pid {pid}); "
-                                   "wait for it or choose another --out") from None
+            who = (f"another process (pid {pid})" if pid else
+                   "the workers of a multi-process build (--num-workers or torchrun)")
+            raise CacheLockedError(f"cache {path} is being written by {who}; wait for it or choose another "
+                                   "--out") from None
+        if shared:  # several holders: no pid to record
+            return cls(path, lock_file, created, shared=True)
         lock_file.seek(0)
         lock_file.truncate()
         lock_file.write(str(os.getpid()))
@@ -95,7 +118,7 @@ class CacheLock:
     def release(self) -> None:
         if self._file is None:
             return
-        if self._created and os.listdir(self.path) == [LOCK_NAME]:
+        if self._created and not self.shared and os.listdir(self.path) == [LOCK_NAME]:
             try:  # while still holding the lock, so no other writer's lock file goes
                 (self.path / LOCK_NAME).unlink()
                 self.path.rmdir()
@@ -105,10 +128,17 @@ class CacheLock:
         self._file = None
 
 
+class _NoLockFile:
+    """The lock "file" of a cache on an object store: nothing to lock."""
+
+    def close(self) -> None:
+        pass
+
+
 def check_claimable(path: str | os.PathLike) -> None:
     """A folder without a manifest may become a cache only if it holds nothing of anyone else's:
     nothing but the lock, an empty shards/ and a temp file of our own first manifest write."""
-    path = Path(path)
+    path = cache_location(path)
     if not path.is_dir():
         return
     names = [p.name for p in path.iterdir() if p.name not in (LOCK_NAME, SHARDS_DIR)]
@@ -137,22 +167,28 @@ class CacheWriter:
     ``finalize`` writes the manifest. lock: a ``CacheLock`` already held on ``path`` (the writer
     takes it over and releases it on close); None acquires one. store: the ``ShardStore`` of the
     spec's format with other settings than the defaults (row group or chunk size), or None.
+    owned_shards: None for a writer that owns the folder (it may remove any temp file and repair);
+    else the shards this worker of a multi-process build writes (the others are written beside
+    it: only the temp names of these are removed, and a folder claimed meanwhile is accepted).
     """
 
     def __init__(self, path: str | os.PathLike, spec: CacheSpec | dict, *, shard_size: int | None = None,
-                 storage_format: str | None = None, lock: CacheLock | None = None, store: ShardStore | None = None):
+                 storage_format: str | None = None, lock: CacheLock | None = None, store: ShardStore | None = None,
+                 owned_shards: list[int] | None = None):
         spec = spec if isinstance(spec, CacheSpec) else CacheSpec.from_dict(_with_storage_defaults(spec))
         store = store or get_store(storage_format or spec.storage.format)
         storage = StorageInfo(format=store.format, shard_size=shard_size or spec.storage.shard_size,
                               codecs=store.codecs())
         self.spec = dataclasses.replace(spec, storage=storage)
-        self.path = Path(path)
+        self.path = cache_location(path)
+        self._remote = isinstance(self.path, RemotePath)
         self._store = store
         self._codec = get_codec(self.spec.targets.value_codec)
         self._shards_dir = self.path / SHARDS_DIR
         self._written: dict[int, ShardInfo] = {}
         self._mutex = threading.Lock()
-        self._lock = lock if lock is not None else CacheLock.acquire(self.path)
+        self._owned = None if owned_shards is None else sorted(owned_shards)
+        self._lock = lock if lock is not None else CacheLock.acquire(self.path, shared=owned_shards is not None)
         try:
             self.manifest = self._claim()
         except BaseException:
@@ -172,6 +208,15 @@ class CacheWriter:
         return self.spec.num_shards
 
     def _claim(self) -> Manifest:
+        try:
+            return self._claim_once()
+        except CacheError:
+            # A worker of the same build may have written the manifest since we looked: look again.
+            if self._owned is None or not manifest_path(self.path).exists():
+                raise
+            return self._claim_once()
+
+    def _claim_once(self) -> Manifest:
         if manifest_path(self.path).exists():
             existing = load_manifest(self.path)
             diff = identity_diff(existing.spec, self.spec)
@@ -194,14 +239,23 @@ class CacheWriter:
         self._remove_stale_temps()  # a kill inside the first manifest write leaves its temp file
         self._shards_dir.mkdir(exist_ok=True)
         manifest = Manifest(spec=self.spec, status="incomplete")
-        atomic_write_json(manifest_path(self.path), manifest.to_dict())
+        write_json(manifest_path(self.path), manifest.to_dict())
         return manifest
 
     def _remove_stale_temps(self) -> None:
-        """Temp files a killed writer left (we hold the lock, so none is being written)."""
-        remove_stale_temps(self.path)
-        if self._shards_dir.is_dir():
-            remove_stale_temps(self._shards_dir)
+        """Temp files a killed writer left (we hold the lock, so none is being written); a worker
+        removes only those of its own shards (the other workers' are being written). An object
+        store has none (shards are staged locally); a partial upload is removed by ``write_shard``."""
+        if self._remote:
+            return
+        if self._owned is None:
+            remove_stale_temps(self.path)
+            if self._shards_dir.is_dir():
+                remove_stale_temps(self._shards_dir)
+            return
+        for index in self._owned:  # the temp names of distill.files: ".<final name>.<random><TEMP_MARK>"
+            for stale in self._shards_dir.glob(f".{shard_name(index, self._store)}.*{TEMP_MARK}"):
+                shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink(missing_ok=True)
 
     def damaged_shards(self) -> list[int]:
         """Indices of the shards of this complete cache that are missing or fail their size or checksum."""
@@ -215,23 +269,29 @@ class CacheWriter:
         complete manifest with missing shards, which the next run finds and repairs)."""
         if not self.is_complete:
             raise CacheError(f"cache {self.path} is not complete; resume it instead of repairing it")
+        assert self._owned is None, "only a writer that owns the folder repairs it"
         for index in indices:
             path = self._shards_dir / shard_name(index, self._store)
-            if path.is_dir() and not path.is_symlink():
+            if self._remote:
+                path.remove()
+            elif path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
             else:
                 path.unlink(missing_ok=True)
-        fsync_dir(self._shards_dir)
+        if not self._remote:
+            fsync_dir(self._shards_dir)
         intact = {i: info for i, info in enumerate(self.manifest.shards) if i not in set(indices)}
         manifest = Manifest(spec=self.spec, status="incomplete", created=self.manifest.created)
-        atomic_write_json(manifest_path(self.path), manifest.to_dict())
+        write_json(manifest_path(self.path), manifest.to_dict())
         self.manifest = manifest
         with self._mutex:
             self._written.update(intact)  # checked just now: finalize need not hash them again
 
     def done_shards(self) -> set[int]:
-        """Indices of shards whose final name exists (complete by construction)."""
-        return {i for i in range(self.num_shards) if (self._shards_dir / shard_name(i, self._store)).exists()}
+        """Indices of shards whose final name exists (complete by construction; on an object store,
+        whose root object exists)."""
+        root = self._store.root_file
+        return {i for i in range(self.num_shards) if present(self._shards_dir / shard_name(i, self._store), root)}
 
     def write_shard(self, index: int, input_ids: list[np.ndarray],
                     targets: TeacherTargets | Iterable[TeacherTargets]) -> ShardInfo:
@@ -250,17 +310,42 @@ class CacheWriter:
             raise CacheError(f"shard {index} must hold {expected} sequences, got {len(input_ids)}")
         name = shard_name(index, self._store)
         final = self._shards_dir / name
-        if final.exists():
+        if present(final, self._store.root_file):
             raise CacheError(f"shard {name} is already written in {self.path}; skip the indices in done_shards()")
         seq_offsets, all_ids = shard_offsets(input_ids)
         blocks = [targets] if isinstance(targets, TeacherTargets) else targets
-        self._store.write_stream(final, seq_offsets, encode_blocks(all_ids, self._checked_k(index, blocks),
-                                                                   self._codec))  # a temp name, fsync, rename
-        checksum, nbytes = shard_checksum(final)
+        rows = encode_blocks(all_ids, self._checked_k(index, blocks), self._codec)
+        if self._remote:
+            checksum, nbytes = self._upload_shard(final, seq_offsets, rows)
+        else:
+            self._store.write_stream(final, seq_offsets, rows)  # a temp name, fsync, rename
+            checksum, nbytes = shard_checksum(final)
         info = ShardInfo(name=name, sequences=len(input_ids), tokens=len(all_ids), checksum=checksum, bytes=nbytes)
         with self._mutex:
             self._written[index] = info
         return info
+
+    def _upload_shard(self, final: RemotePath, seq_offsets, rows) -> tuple[str, int]:
+        """Write the shard in a local temp folder, hash it there, upload it with its root object last."""
+        final.remove()  # what a killed upload left (no root object, so not counted as written)
+        with tempfile.TemporaryDirectory(prefix="distill-shard-") as staging:
+            local = Path(staging) / final.name
+            self._store.write_stream(local, seq_offsets, rows)
+            checksum = shard_checksum(local)
+            final.upload(local, root_last=self._store.root_file)
+        return checksum
+
+    @property
+    def written(self) -> dict[int, ShardInfo]:
+        """The shards this writer wrote (or found whole when repairing), by index."""
+        with self._mutex:
+            return dict(self._written)
+
+    def record_shards(self, infos: dict[int, ShardInfo]) -> None:
+        """Shards other workers of the build wrote, as their ``written``: ``finalize`` need not
+        read them back to hash them."""
+        with self._mutex:
+            self._written.update(infos)
 
     def _checked_k(self, index: int, blocks: Iterable[TeacherTargets]):
         for block in blocks:
@@ -296,7 +381,7 @@ class CacheWriter:
                              f"the data section says {self.spec.data.sequences} / {self.spec.data.tokens}")
         manifest = dataclasses.replace(self.manifest, spec=self.spec, status="complete", shards=tuple(shards),
                                        tool_version=tool_version())
-        atomic_write_json(manifest_path(self.path), manifest.to_dict())
+        write_json(manifest_path(self.path), manifest.to_dict())
         self.manifest = manifest
         self.close()
         return manifest

@@ -24,3 +24,19 @@ def teacher_tokenizer(teacher_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(teacher_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(tmp_path_factory, teacher_tokenizer):
+    """A random 1-layer Llama over the real teacher's vocabulary, saved as an HF folder (fast
+    stage-one builds; a module's own fixture of this name takes precedence)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tmp_path_factory.mktemp("tiny") / "teacher"
+    config = LlamaConfig(vocab_size=len(teacher_tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    teacher_tokenizer.save_pretrained(folder)
+    return folder
