@@ -219,7 +219,7 @@ _TRAIN = TrainConfig.flat_defaults()
 
 @app.command("train-student")
 def train_student(
-    cache: Path = typer.Option(..., "--cache", "-c", help="Teacher cache directory (from cache-teacher)."),
+    cache: str = typer.Option(..., "--cache", "-c", help="Teacher cache directory (from cache-teacher), or its fsspec URL (s3://bucket/cache, gs://...)."),
     out: Path = typer.Option(..., "--out", "-o", help="Run directory (metrics, checkpoints, final student); rerun to resume."),
     student: Optional[Path] = typer.Option(_TRAIN["student"], help="Initial student HF folder."),
     teacher: Optional[Path] = typer.Option(_TRAIN["teacher"], help="Prune the initial student from this HF folder (with --num-layers); default: the embedded teacher."),

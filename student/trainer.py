@@ -208,12 +208,14 @@ class TrainReport:
 
 def _resolve(config: TrainConfig) -> TrainConfig:
     """Absolute paths, the device and dtype "auto" resolved, and the warmup as a number of steps."""
+    from teacher_cache.location import absolute_cache  # a URL as given (s3://...), a path made absolute
+
     absolute = lambda p: None if p is None else str(Path(p).expanduser().resolve())
     device = resolve_device(config.device)
     offload = config.offload.offload
     return config.with_flat(
         offload=offload if offload in ("none", "auto") else absolute(offload),
-        cache=absolute(config.cache), out=absolute(config.out), student=absolute(config.student),
+        cache=absolute_cache(config.cache), out=absolute(config.out), student=absolute(config.student),
         teacher=absolute(config.teacher), tokenizer=absolute(config.tokenizer or config.student or config.teacher),
         device=device, dtype=resolve_dtype(config.dtype, device), warmup_steps=config.schedule.warmup)
 

@@ -107,3 +107,12 @@ def test_job_array_on_s3_ignores_a_partial_upload_then_merges(s3, tiny_teacher, 
     remote, here = _manifest(s3, f"{prefix}/manifest.json"), _manifest(None, local / "manifest.json")
     assert remote["cache_id"] == here["cache_id"]
     assert [s["checksum"] for s in remote["shards"]] == [s["checksum"] for s in here["shards"]]
+
+
+def test_a_training_run_keeps_a_cache_url_as_given():
+    """train-student --cache s3://...: the run's config keeps the URL (a local path is made
+    absolute; Path.resolve would turn the URL into a local path)."""
+    from student.trainer import TrainConfig, _resolve
+
+    config = TrainConfig(cache="s3://bucket/caches/a", out="run", teacher="teacher", num_layers=2, device="cpu")
+    assert _resolve(config).cache == "s3://bucket/caches/a"
