@@ -12,6 +12,7 @@ from typing import NamedTuple
 import pytest
 
 from cli_helpers import one_error_line, run_cli
+from distill.configs import ConfigError
 from student.offload_plan import LayerPlan, OffloadPlan, parse_bytes
 from student.planner import (CHOICES, PHASES, BudgetError, CostTable, LayerCosts, SolverSettings, predict, program_step_s,
                              smallest_budget, solve, solve_fixed)
@@ -142,7 +143,7 @@ def test_states_on_the_gpu_take_the_room_recomputing_frees():
     costs = random_table(5, seed=7)
     costs = table([dataclasses.replace(x, update_cpu_s=1.0) for x in costs.layers])
     kept = predict(costs, OffloadPlan.uniform(5, "keep", "resident", prefetch_depth=0, optimizer="gpu"))
-    plan = solve(costs, kept.gpu_peak_bytes, 1000 * GiB)
+    plan = solve(costs, kept.gpu_peak_bytes, 1000 * GiB, settings=SolverSettings(depths=(0,)))
     assert any(lp.states == "gpu" for lp in plan.layers) and any(lp.activation == "recompute" for lp in plan.layers)
     assert plan.predicted.step_s < kept.step_s and plan.predicted.gpu_peak_bytes <= kept.gpu_peak_bytes
 
@@ -332,3 +333,18 @@ def test_plan_for_training_takes_the_budgets_as_bytes(tiny, tmp_path):  # noqa: 
     plan = plan_for_training(config, gpu_memory=GiB, host_memory=2 * GiB)
     assert len(plan.layers) == 2 and (plan.gpu_memory, plan.host_memory) == (GiB, 2 * GiB)
     assert plan.predicted.gpu_peak_bytes <= GiB and not (tmp_path / "run").exists()
+
+
+def test_a_version_1_plan_reads_as_every_layers_states_on_the_host(tmp_path):
+    """Plans saved before `states` existed still train: their layers keep their states on the host."""
+    v1 = {"layers": [{"activation": "keep", "params": "stream"}, {"activation": "offload", "params": "resident"}],
+          "prefetch_depth": 1, "optimizer": "gpu", "version": 1,
+          "predicted": {"step_s": 1.0, "gpu_peak_bytes": 2, "host_peak_bytes": 3, "layer_s": [0.5, 0.5]}}
+    (tmp_path / "v1.json").write_text(json.dumps(v1))
+    plan = OffloadPlan.load(tmp_path / "v1.json")
+    assert [lp.states for lp in plan.layers] == ["host", "host"] and plan.version == 2
+    assert plan.layers[0] == LayerPlan("keep", "stream") and plan.predicted.phase_s == {}
+    with pytest.raises(ConfigError, match="version"):
+        OffloadPlan.from_dict({**v1, "version": 3})
+    with pytest.raises(ConfigError, match="resident there"):
+        LayerPlan("keep", "stream", "gpu")
