@@ -90,10 +90,12 @@ def save_checkpoint(out, step: int, model, trainer_state: dict, data_state: dict
 
 def load_checkpoint(ckpt: Path, model) -> tuple[dict, dict]:
     """Load checkpoint `ckpt`'s weights into `model` and restore the RNG states; returns
-    (trainer_state, data_state). Refuses a checkpoint of another model shape."""
-    import torch
+    (trainer_state, data_state). Refuses a checkpoint of another model shape.
 
-    from student.model import Student
+    The weights are copied into the model's own parameters wherever they live, one tensor at a
+    time from the memory-mapped file: no second model is built, so an offloaded run's decoder
+    layers (in host memory, student/offload.py) never pass through the device."""
+    import torch
 
     saved = json.loads((ckpt / "model" / "config.json").read_text())
     ours = model.config.to_hf_dict(saved.get("dtype", "float32"))
@@ -101,11 +103,32 @@ def load_checkpoint(ckpt: Path, model) -> tuple[dict, dict]:
     if diffs:
         raise RunDirError(f"checkpoint {ckpt} is of another model ({'; '.join(diffs[:4])}); use a new `out` "
                           "or remove that checkpoint")
-    weights = Student.from_pretrained(ckpt / "model", device=model.embed_tokens.weight.device)
-    model.load_state_dict(weights.state_dict())
+    _copy_weights_into(model, ckpt / "model" / "model.safetensors")
     state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
     _set_rng_state(state["rng"])
     return state, json.loads((ckpt / "data.json").read_text())
+
+
+def _copy_weights_into(model, file: Path) -> None:
+    """Each tensor of `file` (written by Student.save_pretrained) into the parameter of that name."""
+    import torch
+    from safetensors import safe_open
+
+    own = model.state_dict()  # the parameters' own storage
+    seen = set()
+    with safe_open(str(file), framework="pt", device="cpu") as f, torch.no_grad():
+        for key in f.keys():
+            if key == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue  # ours is the embedding
+            name = key.removeprefix("model.")
+            if name not in own:
+                raise RunDirError(f"checkpoint {file.parent.parent} holds {key!r}, which this student has not; use a "
+                                  "new `out` or remove that checkpoint")
+            own[name].copy_(f.get_tensor(key))
+            seen.add(name)
+    if missing := sorted(set(own) - seen):
+        raise RunDirError(f"checkpoint {file.parent.parent} lacks {missing[:3]}; use a new `out` or remove that "
+                          "checkpoint")
 
 
 def rewind(out, step: int) -> None:

@@ -4,16 +4,20 @@ makes plans). LazyTrain's executor (arXiv 2608.11919, after MegaTrain): layers s
 GPU, the host keeps the fp32 state.
 
 Where things live:
-  host (pinned when the device is CUDA), per decoder layer: its fp32 master weights (the model's own
-      parameters, made views of one flat buffer, so the optimizer, clipping and checkpoints see them
-      as without offload), its fp32 gradient accumulators (the parameters' .grad after
-      `finish_grads`, views of a second flat buffer), its optimizer states (the optimizer creates
-      them on the parameters' device) and, when the compute dtype is not fp32, a staging copy of its
-      matrices in that dtype (what the device reads: half the bytes of the masters).
+  host (pinned when the device is CUDA), per decoder layer whose plan says states "host": its fp32
+      master weights (the model's own parameters, made views of one flat buffer, so the optimizer,
+      clipping and checkpoints see them as without offload), its fp32 gradient accumulators (the
+      parameters' .grad after `finish_grads`, views of a second flat buffer), its optimizer states
+      (the optimizer creates them on the parameters' device) and, when the compute dtype is not
+      fp32, a staging copy of its matrices in that dtype (what the device reads: half the bytes of
+      the masters).
   device: the embeddings, the final norm and the lm-head with their gradients and optimizer states,
-      exactly as without offload (they are not offloaded); the working weights of "resident" layers
-      (kept across steps, refreshed after each update); a ring of prefetch_depth + 1 buffers the
-      "stream" layers' working weights pass through; activations as the plan says.
+      exactly as without offload (they are not offloaded); the same flat master, gradient and
+      staging buffers of the layers whose plan says states "gpu" (their staging copies are their
+      working weights; the optimizer keeps their states beside them); the working weights of the
+      other "resident" layers (kept across steps, refreshed after each update); a ring of
+      prefetch_depth + 1 buffers the "stream" layers' working weights pass through; activations
+      as the plan says.
 Working weights: matrices in the compute dtype (bf16 under autocast on a GPU: the same rounding
 autocast applies to an fp32 weight; fp32 on a CPU), vectors (norms, biases) fp32, as the masters.
 
@@ -26,18 +30,24 @@ A step:
             recomputes. Weight copies of "stream" layers and returning activations are issued
             `prefetch_depth` items ahead, in the order of use (forward in order, backward in reverse),
             on a side stream, with events the compute stream waits on; nothing waits on the host.
-  backward  as soon as a layer's backward has its weight gradients (one flat tensor per dtype), they
-            go device -> host on a second side stream, and a worker thread adds them into the fp32
-            accumulators once their copy is done (the first micro-batch of a step copies).
-  finish_grads()  waits for that worker (the CPU update needs the gradients: the step's host wait).
+  backward  as soon as a layer's backward has its weight gradients (one flat tensor per dtype):
+            states "gpu": they are added into its device accumulators; states "host": they are
+            widened to fp32 on the device and go device -> host on a second side stream, on the
+            first micro-batch of a step straight into the fp32 accumulators (the host does
+            nothing), later into pinned staging that a worker thread adds in once the copy is done.
+  finish_grads()  waits for those copies and that worker (the update needs the gradients: the
+            step's host wait).
   clipping  the trainer's clip_grad_norm_foreach over every gradient, on the host and on the device.
-  step()    plan.optimizer "cpu": the configured optimizer steps the host parameters on the host and
-            the device ones on the device, in one call; then the staging copies and resident working
-            weights are refreshed from the masters. "gpu": layer by layer, master, gradient and
-            states go to the device, the same optimizer steps that slice there (a step over only the
-            parameters that have gradients), the results go back, the working copies are written from
-            the updated device master; then the device parameters step. Both give what the optimizer
-            gives without offload (per-parameter updates do not depend on which others step with them).
+  step()    plan.optimizer "cpu": the device parameters step (queued on the device), then the host
+            layers one after another on the CPU, each one's staging copy cast and, when resident,
+            its working weights sent to the device right after its update. "gpu": layer by layer,
+            master, gradient and states of a host layer go to the device, the same optimizer steps
+            that slice there, the results go back, the working copies are written from the updated
+            device master; then the device parameters step. Every optimizer step is over only the
+            parameters that have gradients at that moment: what the optimizer gives without
+            offload (per-parameter updates do not depend on which others step with them).
+  phase_s() the last step's phases (forward, head, backward, grads, clip, optimizer, refresh), as the
+            planner predicts them (student/planner.py's PHASES).
 
 On a CPU device there are no streams: every copy is a plain copy, the same code path otherwise, so
 the CPU tests hold offloaded training to the losses of training without it, bit for bit.
@@ -48,6 +58,7 @@ the sparse FFN (its L1 terms and dead-neuron reinitialisation would have to cros
 from __future__ import annotations
 
 import contextlib
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -96,10 +107,15 @@ def _unpin(tensor: torch.Tensor) -> None:
 
 
 class _HostLayer:
-    """One decoder layer's host state: flat fp32 master and gradient buffers whose views are the
-    layer's parameters and their gradients, and per group the staging copy the device reads."""
+    """One decoder layer's fp32 state: flat master and gradient buffers whose views are the layer's
+    parameters and their gradients, and per group the staging copy the device reads. In host
+    memory (pinned when `pin`), or on `device` for a layer whose plan puts its states on the GPU
+    (its staging copies are then its resident working weights)."""
 
-    def __init__(self, layer: torch.nn.Module, compute_dtype: torch.dtype, pin: bool):
+    def __init__(self, layer: torch.nn.Module, compute_dtype: torch.dtype, pin: bool, device=None):
+        self.on_device = device is not None
+        empty = (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=device)) if self.on_device else \
+            (lambda numel, dtype: _host_empty(numel, dtype, pin))
         named = list(layer.named_parameters())
         members = [[(n, p) for n, p in named if p.ndim >= 2], [(n, p) for n, p in named if p.ndim < 2]]
         self.groups, start = [], 0
@@ -110,8 +126,8 @@ class _HostLayer:
                                           sizes, start, sum(sizes)))
                 start += sum(sizes)
         self.numel = start
-        self.master = _host_empty(start, torch.float32, pin)
-        self.grad = _host_empty(start, torch.float32, pin)
+        self.master = empty(start, torch.float32)
+        self.grad = empty(start, torch.float32)
         self.params, self.grad_views, self.spans = [], [], []
         offset = 0
         with torch.no_grad():
@@ -124,7 +140,7 @@ class _HostLayer:
                 self.grad_views.append(self.grad[span].view(p.shape))
                 self.spans.append((span, p.shape))
                 offset += p.numel()
-        self.staging = [self.master[g.span] if g.dtype == torch.float32 else _host_empty(g.numel, g.dtype, pin)
+        self.staging = [self.master[g.span] if g.dtype == torch.float32 else empty(g.numel, g.dtype)
                         for g in self.groups]
         self.has_grad = False  # gradients of this step arrived (else the next ones are copied, not added)
 
@@ -202,6 +218,8 @@ class _LayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         runtime, index = ctx.runtime, ctx.index
+        if index == len(runtime.host) - 1:
+            runtime._clock.mark("bwd0")
         if ctx.graph is not None:
             x_, flats, y = ctx.graph
             ctx.graph = None
@@ -217,7 +235,49 @@ class _LayerFunction(torch.autograd.Function):
                 y = runtime._call(index, flats, x_, cos, sin, row_mask)
         dx, *dflats = torch.autograd.grad(y, [x_, *flats], dy)
         runtime._grads_ready(index, dflats)
+        if index == 0:
+            runtime._clock.mark("bwd1")
         return dx, None, None, None, None, None
+
+
+class _PhaseClock:
+    """The step's phases as the runtime goes through them (the names of student/planner.py's
+    PHASES, which the planner predicts): points on the device are CUDA events on the compute
+    stream, read once the host waits for them anyway; points on the host are perf_counter
+    readings; on a CPU device every point is a perf_counter reading."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.micro: list[dict] = []  # per micro-batch: fwd0 (first layer's forward), fwd1 (last's end), bwd0, bwd1
+        self.step: dict[str, float] = {}  # the step's phases so far, seconds
+        self.marks: dict[str, float] = {}  # host readings of the step
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            value = torch.cuda.Event(enable_timing=True)
+            value.record(torch.cuda.current_stream(self.device))
+        else:
+            value = time.perf_counter()
+        if name == "fwd0":
+            self.micro.append({})
+        if self.micro:
+            self.micro[-1][name] = value
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+    def backward_done(self) -> None:
+        """The host waits for the last backward (finish_grads): the device phases of the step's micro-batches."""
+        done = [m for m in self.micro if {"fwd0", "fwd1", "bwd0", "bwd1"} <= m.keys()]
+        if done and self.cuda:
+            done[-1]["bwd1"].synchronize()
+        self.step = {"forward": sum(self.seconds(m["fwd0"], m["fwd1"]) for m in done),
+                     "head": sum(self.seconds(m["fwd1"], m["bwd0"]) for m in done),
+                     "backward": sum(self.seconds(m["bwd0"], m["bwd1"]) for m in done)}
+        self.micro, self.marks = [], {"grads0": time.perf_counter()}
+
+    def host_mark(self, name: str) -> None:
+        self.marks[name] = time.perf_counter()
 
 
 class OffloadRuntime:
@@ -244,10 +304,14 @@ class OffloadRuntime:
             if module is not None:
                 module.to(self.device)
         model.inv_freq = model.inv_freq.to(self.device)
-        self.host = [_HostLayer(layer, compute_dtype, pin=self.cuda) for layer in model.layers]
+        self.host = [_HostLayer(layer, compute_dtype, pin=self.cuda,
+                                device=self.device if lp.states == "gpu" else None)
+                     for layer, lp in zip(model.layers, plan.layers)]
         self._pinned = self.cuda  # the host buffers are page-locked until `close`
-        self._host_params = {p for h in self.host for p in h.params}
-        self.resident = {i: [torch.empty(g.numel, dtype=g.dtype, device=self.device) for g in h.groups]
+        self._host_params = {p for h in self.host if not h.on_device for p in h.params}
+        # The working weights of resident layers; a layer with its states on the device reads its staging copies.
+        self.resident = {i: h.staging if h.on_device else
+                         [torch.empty(g.numel, dtype=g.dtype, device=self.device) for g in h.groups]
                          for i, h in enumerate(self.host) if plan.layers[i].params == "resident"}
         streamed = [h for h, lp in zip(self.host, plan.layers) if lp.params == "stream"]
         widths = [max(h.groups[k].numel for h in streamed) for k in range(len(streamed[0].groups))] if streamed else []
@@ -261,6 +325,7 @@ class OffloadRuntime:
         self._offloaded: dict[int, tuple[torch.Tensor, object]] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-grads")
         self._pending: list[Future] = []
+        self._clock = _PhaseClock(self.device)
         self.refresh()
         model.layer_runner = self.run_layer
 
@@ -331,7 +396,12 @@ class OffloadRuntime:
             self._schedule = _Schedule(self, torch.is_grad_enabled())
             self._offloaded.clear()
         if torch.is_grad_enabled():
-            return _LayerFunction.apply(x, cos, sin, row_mask, self, index), None
+            if index == 0:
+                self._clock.mark("fwd0")
+            y = _LayerFunction.apply(x, cos, sin, row_mask, self, index)
+            if index == len(self.host) - 1:
+                self._clock.mark("fwd1")
+            return y, None
         return self._call(index, self._weights(index, "fwd"), x, cos, sin, row_mask), None
 
     def _weights(self, index: int, phase: str) -> list[torch.Tensor]:
@@ -353,28 +423,40 @@ class OffloadRuntime:
     # --- gradients -------------------------------------------------------------------------------
 
     def _grads_ready(self, index: int, grads: list[torch.Tensor]) -> None:
-        """Layer `index`'s weight gradients (flat, per group) to its host accumulators."""
+        """Layer `index`'s weight gradients (flat, per group) to its fp32 accumulators: on the device
+        for a layer whose states are there; else widened to fp32 on the device and copied out, on
+        the first micro-batch of a step straight into the host accumulators (nothing for the host
+        to do), later into pinned staging that the worker thread adds in."""
         h = self.host[index]
         first, h.has_grad = not h.has_grad, True
+        if h.on_device:
+            with torch.no_grad():
+                for g, grad in zip(h.groups, grads):
+                    h.grad[g.span].copy_(grad) if first else h.grad[g.span].add_(grad)
+            return
         if self.cuda:
+            widened = [grad.float() for grad in grads]  # exact; the same as the host's widening
             self.d2h.wait_stream(torch.cuda.current_stream(self.device))
             with self._side(self.d2h):
-                staged = []
-                for grad in grads:
-                    host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+                staged = [h.grad[g.span] if first else torch.empty(g.numel, dtype=torch.float32, pin_memory=True)
+                          for g in h.groups]
+                for host, grad in zip(staged, widened):
                     host.copy_(grad, non_blocking=True)
                     grad.record_stream(self.d2h)
-                    staged.append(host)
             event = self._record(self.d2h)
+            if first:
+                staged = None  # landed in the accumulators: only the copy to wait for
         else:
             staged, event = grads, None
         self._pending.append(self._worker.submit(_accumulate, h, staged, event, first))
 
     def finish_grads(self) -> None:
         """Wait until every gradient of the step is in its accumulator; make them the parameters' .grad."""
+        self._clock.backward_done()
         for future in self._pending:
             future.result()
         self._pending.clear()
+        self._clock.host_mark("grads1")
         for h in self.host:
             if h.has_grad:
                 for p, view in zip(h.params, h.grad_views):
@@ -385,13 +467,36 @@ class OffloadRuntime:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer's step over every parameter (where plan.optimizer says), then the working
         copies from the updated masters. Call after `finish_grads` and clipping."""
+        self._clock.host_mark("step0")
         if self.plan.optimizer == "cpu":
-            optimizer.step()
-            self.refresh()
+            self._step_on_host(optimizer)
         else:
             self._step_on_device(optimizer)
+        self._clock.host_mark("updated")
         for h in self.host:
             h.has_grad = False
+
+    def _step_on_host(self, optimizer) -> None:
+        """The device parameters (embeddings, head, layers whose states are on the device) step first,
+        queued on the device; then the host layers one after another on the CPU, each one's staging
+        copy cast and (resident) its working weights sent to the device as soon as it is updated."""
+        held = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
+        if self.cuda:
+            self.h2d.synchronize()  # no upload still reads a staging copy about to be rewritten
+        for p in held:
+            p.grad = held[p] if p not in self._host_params else None
+        optimizer.step()
+        self._refresh_device_layers()
+        for index, h in enumerate(self.host):
+            if h.on_device or not any(held.get(p) is not None for p in h.params):
+                continue
+            members = set(h.params)
+            for p in held:
+                p.grad = held[p] if p in members else None
+            optimizer.step()
+            self._refresh_layer(index)
+        for p in held:
+            p.grad = held[p]
 
     def _step_on_device(self, optimizer) -> None:
         held = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
@@ -400,7 +505,7 @@ class OffloadRuntime:
         if self.cuda:  # the staging copies are rewritten below: no upload may still read them
             torch.cuda.current_stream(self.device).wait_stream(self.h2d)
         for index, h in enumerate(self.host):
-            if not any(held.get(p) is not None for p in h.params):
+            if h.on_device or not any(held.get(p) is not None for p in h.params):
                 continue
             master = h.master.to(self.device, copy=True, non_blocking=True)
             grad = h.grad.to(self.device, copy=True, non_blocking=True)
@@ -431,20 +536,54 @@ class OffloadRuntime:
         for p in rest:
             p.grad = held[p]
         optimizer.step()
+        self._refresh_device_layers()
         for p in held:
             p.grad = held[p] if p not in self._host_params else None
 
     def refresh(self) -> None:
-        """The staging copies and the resident working weights from the host masters (after a host
-        update, after loading a checkpoint into the model)."""
+        """The staging copies and the resident working weights from the masters (after loading a
+        checkpoint into the model)."""
         if self.cuda:
             self.h2d.synchronize()  # no upload still reads a staging copy about to be rewritten
+        self._refresh_device_layers()
         for index, h in enumerate(self.host):
-            with torch.no_grad():
-                for g, staging in h.separate_staging():
-                    staging.copy_(h.master[g.span])
-            if index in self.resident:
-                self._resident_ready[index] = self._to_device(h.staging, self.resident[index])
+            if not h.on_device:
+                self._refresh_layer(index)
+
+    def _refresh_layer(self, index: int) -> None:
+        """A host layer's staging copies from its master; its resident working weights from them."""
+        h = self.host[index]
+        with torch.no_grad():
+            for g, staging in h.separate_staging():
+                staging.copy_(h.master[g.span])
+        if index in self.resident:
+            self._resident_ready[index] = self._to_device(h.staging, self.resident[index])
+
+    def _refresh_device_layers(self) -> None:
+        """The working weights of the layers whose states are on the device: a cast there."""
+        with torch.no_grad():
+            for h in self.host:
+                if h.on_device:
+                    for g, staging in h.separate_staging():
+                        staging.copy_(h.master[g.span])
+
+    def phase_s(self) -> dict[str, float]:
+        """The last step's phases, seconds (student/planner.py's PHASES; the plan's predicted.phase_s
+        has the same names): call right after `step`, on the steps whose figures are logged: it
+        waits for the step's work on the device (a host sync). {} before a step."""
+        marks = self._clock.marks
+        if "updated" not in marks:
+            return {}
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        end = time.perf_counter()
+        phases = dict(self._clock.step, grads=marks["grads1"] - marks["grads0"], clip=marks["step0"] - marks["grads1"])
+        if self.plan.optimizer == "cpu":  # the host updates, then what the device still does: the refresh
+            phases.update(optimizer=marks["updated"] - marks["step0"], refresh=end - marks["updated"])
+        else:  # queued on the device: done when it is
+            phases.update(optimizer=end - marks["step0"], refresh=0.0)
+        self._clock.marks = {}
+        return phases
 
     def synchronize(self) -> None:
         """Every copy done: the host masters, states and gradients may be read."""
@@ -457,7 +596,7 @@ class OffloadRuntime:
         """Bytes the offloaded layers hold in host memory: masters, gradients, separate staging copies
         and (given the optimizer) their optimizer states."""
         total = sum(h.master.nbytes + h.grad.nbytes + sum(s.nbytes for _, s in h.separate_staging())
-                    for h in self.host)
+                    for h in self.host if not h.on_device)
         if optimizer is not None:
             total += sum(v.nbytes for p in self._host_params for v in optimizer.state.get(p, {}).values()
                          if isinstance(v, torch.Tensor))
@@ -471,6 +610,8 @@ class OffloadRuntime:
         self.model.layer_runner = None
         if self._pinned:
             for h in self.host:
+                if h.on_device:
+                    continue
                 for tensor in (h.master, h.grad, *(s for _, s in h.separate_staging())):
                     if tensor.numel():
                         _unpin(tensor)
@@ -482,6 +623,8 @@ def _accumulate(h: _HostLayer, grads: list[torch.Tensor], event, first: bool) ->
     accumulators (a bf16 gradient is widened exactly, as autocast's cast backward does)."""
     if event is not None:
         event.synchronize()
+    if grads is None:
+        return
     with torch.no_grad():
         for g, grad in zip(h.groups, grads):
             target = h.grad[g.span]

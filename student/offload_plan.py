@@ -16,9 +16,14 @@ resident):
   params      "resident":  the layer's bf16 working weights stay on the GPU for the whole step;
               "stream":    they come to the GPU before the layer's forward and again before its
                            backward, `prefetch_depth` layers ahead, and are freed after use.
+  states      "host":      the layer's fp32 master weights, gradient accumulator and optimizer states
+                           live in pinned host memory; `optimizer` says whether their update runs on
+                           the GPU (streamed through in slices) or on the CPU;
+              "gpu":       they live on the GPU and the layer updates there (with the embeddings and
+                           the head); its working weights are then resident (params "resident").
 A "keep" layer's weights stay on the GPU from its forward to its backward, whatever `params` says.
-The fp32 master weights, gradients and optimizer states live in pinned host memory; `optimizer`
-says whether the update runs on the GPU (states streamed through in slices) or on the CPU.
+
+Version 2 added `states` and the predicted phases; a version-1 plan reads as every layer "host".
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from typing import Literal
 from distill.configs import ConfigError, check_types
 from distill.files import atomic_write_json
 
-__all__ = ["PLAN_VERSION", "LayerPlan", "OffloadConfig", "OffloadPlan", "Predicted", "parse_bytes"]
+__all__ = ["PLAN_VERSION", "READABLE_VERSIONS", "LayerPlan", "OffloadConfig", "OffloadPlan", "Predicted", "parse_bytes"]
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # a version-1 plan has no `states`: every layer's are on the host
 
 
 @dataclass
@@ -74,9 +80,13 @@ def parse_bytes(text: str, field_name: str = "memory") -> int:
 class LayerPlan:
     activation: Literal["keep", "recompute", "offload"] = "recompute"
     params: Literal["resident", "stream"] = "resident"
+    states: Literal["host", "gpu"] = "host"
 
     def __post_init__(self):
         check_types(self)
+        if self.states == "gpu" and self.params != "resident":
+            raise ConfigError("params", f"is {self.params!r} for a layer whose states are on the GPU: its working "
+                                        "weights are resident there; make the plan again with `distill plan`")
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,9 @@ class Predicted:
     gpu_peak_bytes: int = 0
     host_peak_bytes: int = 0
     layer_s: tuple[float, ...] = ()  # per layer: forward + backward + recompute + exposed transfers
+    # The step in phases, seconds, summing to step_s; the runtime measures the same names
+    # (OffloadRuntime.phase_s): student/planner.py's PHASES says what each holds.
+    phase_s: dict[str, float] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -107,14 +120,16 @@ class OffloadPlan:
         check_types(self)
         if self.prefetch_depth < 0:
             raise ConfigError("prefetch_depth", f"is {self.prefetch_depth}; use an integer >= 0")
-        if self.version != PLAN_VERSION:
-            raise ConfigError("version", f"is {self.version}; this distill reads offload plans of version "
-                                         f"{PLAN_VERSION}: make the plan again with `distill plan`")
+        if self.version not in READABLE_VERSIONS:
+            raise ConfigError("version", f"is {self.version}; this distill reads offload plans of versions "
+                                         f"{', '.join(map(str, READABLE_VERSIONS))}: make the plan again with "
+                                         "`distill plan`")
 
     @classmethod
-    def uniform(cls, num_layers: int, activation: str = "recompute", params: str = "resident", **rest) -> OffloadPlan:
+    def uniform(cls, num_layers: int, activation: str = "recompute", params: str = "resident", states: str = "host",
+                **rest) -> OffloadPlan:
         """The same decisions for every layer (a fixed policy, e.g. everything offloaded)."""
-        return cls(layers=tuple(LayerPlan(activation, params) for _ in range(num_layers)), **rest)
+        return cls(layers=tuple(LayerPlan(activation, params, states) for _ in range(num_layers)), **rest)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,6 +146,8 @@ class OffloadPlan:
             p = dict(d["predicted"])
             p["layer_s"] = tuple(p.get("layer_s", ()))
             d["predicted"] = Predicted(**p)
+        if d.get("version", PLAN_VERSION) in READABLE_VERSIONS:  # read as this version (its defaults)
+            d["version"] = PLAN_VERSION
         return cls(**d)
 
     def save(self, path: str | Path) -> None:

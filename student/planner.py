@@ -26,15 +26,26 @@ from distill.configs import ConfigError
 from student.offload_plan import LayerPlan, OffloadPlan, Predicted
 from student.step_profile import ProfileSettings, profile
 
-__all__ = ["LayerCosts", "CostTable", "SolverSettings", "BudgetError", "ProfileSettings", "predict", "solve",
+__all__ = ["PHASES", "LayerCosts", "CostTable", "SolverSettings", "BudgetError", "ProfileSettings", "predict", "solve",
            "smallest_budget", "program_step_s", "profile", "make_plan", "plan_for_training", "plan_table"]
 
 logger = logging.getLogger(__name__)
 
 ACTIVATIONS = ("keep", "recompute", "offload")
-PARAMS = ("resident", "stream")
-CHOICES = tuple((a, p) for a in ACTIVATIONS for p in PARAMS)  # one binary per layer and choice in the program
+HOMES = (("resident", "host"), ("stream", "host"), ("resident", "gpu"))  # (params, states) a layer may take
+CHOICES = tuple((a, p, st) for a in ACTIVATIONS for p, st in HOMES)  # one binary per layer and choice in the program
 OPTIMIZER_SIDES = ("cpu", "gpu")
+# The phases of a step, in order, as `predict` returns them and OffloadRuntime.phase_s measures them:
+#   forward   the decoder layers' forwards (every micro-batch), with their waits for copies in
+#   head      the embeddings, final norm, head and loss, forward and backward
+#   backward  the decoder layers' backwards, recomputation and waits for copies in
+#   grads     after the backward until every gradient is in its accumulator (copies out and the
+#             host's accumulation that the backward did not hide)
+#   clip      the trainer's clipping by the global norm (a pass over the host gradients)
+#   optimizer the update (on the CPU: the host layers one after another; on the GPU: their slices
+#             in and out; the device parameters meanwhile)
+#   refresh   after the update until the resident working weights are on the GPU again
+PHASES = ("forward", "head", "backward", "grads", "clip", "optimizer", "refresh")
 GiB = 2**30
 
 
@@ -66,7 +77,8 @@ class LayerCosts:
 
     @property
     def update_in_bytes(self) -> int:
-        """What a GPU update brings to the device: master, gradient accumulator, states."""
+        """What a GPU update brings to the device: master, gradient accumulator, states; also what a
+        layer whose states live on the GPU holds there beside its working weights."""
         return 2 * self.master_bytes + self.state_bytes
 
 
@@ -84,9 +96,16 @@ class CostTable:
     head_s: float = 0.0  # embeddings, final norm, head and loss, forward and backward, one micro-batch
     static_update_s: float = 0.0  # the optimizer update of the static parameters (on the GPU)
     micro_batches: int = 1  # micro-batches per optimizer step (grad_accum)
+    # Host memory streaming rate (bytes read plus written a second) of the host's passes over fp32
+    # gradients: the accumulation into the fp32 accumulators and the clipping (norm, then scale).
+    host_bytes_per_s: float = math.inf
+    # True on a CPU device: the host copies the first micro-batch's gradients into the accumulators
+    # (on a GPU the device->host copy lands in them and the host does nothing).
+    host_copies_first_grads: bool = False
 
     def __post_init__(self):
         assert self.layers and self.micro_batches >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
+        assert self.host_bytes_per_s > 0
 
 
 @dataclass(frozen=True)
@@ -98,6 +117,9 @@ class SolverSettings:
     # Tie-break among plans of equal step time, in seconds per unit: prefer keep over recompute over
     # offload, resident over stream (LazyTrain's lambda_z: no needless checkpoints or traffic).
     tie_break_s: float = 1e-9
+    # Where a layer's fp32 master, gradient and optimizer states may live: ("host",) plans as plan
+    # version 1 did (every layer's on the host), e.g. to compare against it.
+    states: tuple[str, ...] = ("host", "gpu")
 
 
 class BudgetError(ConfigError):
@@ -122,12 +144,13 @@ def format_bytes(n: int) -> str:
 
 
 def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
-    """Step time and peak memory of `plan`, by running the runtime's three queues in order.
+    """Step time, its phases (PHASES) and peak memory of `plan`, by running the runtime's queues in order.
 
     Assumptions (student/offload.py carries the plan out; this is what it is modelled as):
-    - Three queues, each in order: compute, host->device copies (H2D), device->host copies (D2H).
-      A copy takes bytes / measured bandwidth; the two directions run at once; compute does not
-      slow copies down nor copies compute (no contention is modelled).
+    - Three device queues, each in order: compute, host->device copies (H2D), device->host copies
+      (D2H); and the host. A copy takes bytes / measured bandwidth; the two directions run at once;
+      compute does not slow copies down nor copies compute (no contention is modelled). A host
+      pass over gradients takes the bytes it reads and writes / host_bytes_per_s.
     - Forward, layer i: its weights (params "stream") are copied when layer i-d-1's forward ends
       (d = prefetch_depth; at the start for the first d+1 layers), and its forward waits for them.
       An "offload" layer's input is copied out after its forward; the forward of layer i+d+1 waits
@@ -135,39 +158,46 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
     - Then the head (embeddings, norm, head, loss; `head_s`), then the backward, layers in reverse:
       layer i's weights (stream, unless kept since the forward: "keep") and its input (offload) are
       copied in when the backward of layer i+d+1 ends (at the end of the forward for the top d+1
-      layers); its backward waits for them and runs the forward again first unless "keep". Its
-      weight gradient goes out to the host accumulator after its backward; the backward of layer
-      i-d-1 waits until that copy is done.
+      layers); its backward waits for them and runs the forward again first unless "keep". A
+      layer whose states are on the host sends its weight gradient out in fp32 after its backward
+      (the backward of layer i-d-1 waits until that copy is done) and the host accumulates it
+      once it is there, layer after layer (the first micro-batch's copy lands in the accumulator:
+      no host pass but on a CPU device); a "gpu" layer accumulates on the device (not timed).
     - Micro-batches run one after another, each starting on empty queues; the step is
-      (micro_batches - 1) x one micro-batch + the last one, which also runs the optimizer once
-      every gradient is on the host (clipping needs the global norm):
-      "cpu": the layers update on the CPU one after another (with the cast of their staging
-      copies); each resident layer's working weights go to the GPU after its update; the static
-      parameters update on the GPU meanwhile. "gpu": layer after layer on the compute stream,
+      (micro_batches - 1) x one micro-batch + the last one, whose host accumulation must end
+      before the clipping: one pass reading the host gradients for the norm, one scaling them
+      (3 x their fp32 bytes). Then the optimizer:
+      "cpu": the host layers update on the CPU one after another (with the cast of their staging
+      copies), each resident one's working weights going to the GPU after its update; the static
+      parameters and the "gpu" layers update on the GPU meanwhile. "gpu": the static parameters
+      and "gpu" layers update, then the host layers, one after another on the compute stream,
       nothing overlapped: master, gradient and states come in (H2D), update, master, states and
-      the staging copy go back (D2H); then the static parameters update.
-      Nothing of the optimizer overlaps the next step.
+      the staging copy go back (D2H). Nothing of the optimizer overlaps the next step.
     - GPU peak: the larger of the turnaround (end of the forward) and the optimizer phase.
-      Turnaround: static + weights of resident and kept layers + (d+1) buffers of the largest
-      streamed layer + kept activations (keep: everything saved; recompute: the input) +
-      2 (d+1) of the largest offloaded input (copies out and back in flight) + (d+1) gradient
-      buffers of the largest layer + the largest layer's workspace and recomputed activations.
-      Optimizer phase: static + resident weights (+ two slices of the largest layer's master,
-      gradient and states on "gpu": one is there at a time; the second is the allocator's slack).
-    - Host peak: static + every layer's master, gradient accumulator, states and staging copy +
+      Turnaround: static + weights of resident and kept layers + master, gradient and states of
+      "gpu" layers + (d+1) buffers of the largest streamed layer + kept activations (keep:
+      everything saved; recompute: the input) + 2 (d+1) of the largest offloaded input (copies
+      out and back in flight) + (d+1) fp32 gradients and one compute-dtype gradient of the
+      largest layer + the largest layer's workspace and recomputed activations. Optimizer phase:
+      static + resident weights + "gpu" layers' state (+ two slices of the largest layer's
+      master, gradient and states on "gpu": one is there at a time; the second is the allocator's
+      slack).
+    - Host peak: static + the host layers' master, gradient accumulator, states and staging copy +
       the offloaded inputs of one micro-batch.
     - Not modelled: the copy back of an offloaded input waiting for its copy out (the forward and
-      backward between them hide it); the CPU adding gradients into the accumulators (a worker
-      thread, beside the GPU's work); the clipping norm's host sync.
+      backward between them hide it); the host accumulating the gradients of micro-batches but
+      the last (beside the next micro-batch's work); pinned staging of those gradients on the host.
     """
     L, d, m = len(costs.layers), plan.prefetch_depth, costs.micro_batches
     assert len(plan.layers) == L, f"the plan has {len(plan.layers)} layers, the cost table {L}"
     h2d = lambda n: n / costs.h2d_bytes_per_s
     d2h = lambda n: n / costs.d2h_bytes_per_s
+    host_pass = lambda n: n / costs.host_bytes_per_s
     c, p = costs.layers, plan.layers
     keep = [lp.activation == "keep" for lp in p]
     offload = [lp.activation == "offload" for lp in p]
     stream = [lp.params == "stream" for lp in p]
+    on_host = [lp.states == "host" for lp in p]
     backward = [c[i].backward_s + (0.0 if keep[i] else c[i].forward_s) for i in range(L)]
 
     # Forward: copy_in / copy_out are the ends of the H2D and D2H queues, so far.
@@ -183,9 +213,9 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
         copy_out = max(copy_out, fwd_end[i]) + offload[i] * d2h(c[i].boundary_bytes)
         out_end[i] = copy_out
 
-    # Backward, top layer first.
+    # Backward, top layer first; `host` is the end of the host's accumulation (the last micro-batch's).
     compute = fwd_end[-1] + costs.head_s
-    bwd_end, grad_end = [0.0] * L, [0.0] * L
+    bwd_end, grad_end, host = [0.0] * L, [0.0] * L, 0.0
     for i in reversed(range(L)):
         issue = bwd_end[i + d + 1] if i + d + 1 < L else fwd_end[-1]
         copy_in = max(copy_in, issue) + h2d(stream[i] * (not keep[i]) * c[i].weight_bytes
@@ -193,27 +223,43 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
         start = max(compute, copy_in, grad_end[i + d + 1] if i + d + 1 < L else 0.0)
         stall[i] += start - compute
         bwd_end[i] = compute = start + backward[i]
-        copy_out = max(copy_out, compute) + d2h(c[i].weight_bytes)
+        copy_out = max(copy_out, compute) + on_host[i] * d2h(c[i].master_bytes)
         grad_end[i] = copy_out
+        host = max(host, copy_out) + on_host[i] * host_pass(_accumulated_bytes(costs, c[i]))
     micro_batch = max(compute, copy_in, copy_out)
+    grads_done = max(compute, copy_out, host)
 
-    # The optimizer, once every gradient of the last micro-batch is on the host (clipping needs them all).
-    start = max(compute, copy_out)
+    # Clipping and the optimizer, once every gradient of the last micro-batch is in (the norm needs them all).
+    clip = sum(host_pass(3 * x.master_bytes) for x, h in zip(c, on_host) if h)
+    start = grads_done + clip
+    device_update = costs.static_update_s + sum(x.update_gpu_s for x, h in zip(c, on_host) if not h)
     if plan.optimizer == "cpu":
         cpu = start
         for i in range(L):
-            cpu += c[i].update_cpu_s
-            copy_in = max(copy_in, cpu) + (not stream[i]) * h2d(c[i].weight_bytes)
-        last = max(micro_batch, start + costs.static_update_s, cpu, copy_in)
+            cpu += on_host[i] * c[i].update_cpu_s
+            copy_in = max(copy_in, cpu) + (on_host[i] and not stream[i]) * h2d(c[i].weight_bytes)
+        updated = max(cpu, start + device_update)
+        last = max(micro_batch, updated, copy_in)
     else:
-        last = start + costs.static_update_s + sum(
+        updated = last = start + device_update + sum(
             h2d(x.update_in_bytes) + x.update_gpu_s + d2h(x.master_bytes + x.state_bytes + x.staging_bytes)
-            for x in c)
+            for x, h in zip(c, on_host) if h)
     step_s = (m - 1) * micro_batch + last
+    phase_s = dict(forward=m * fwd_end[-1], head=m * costs.head_s, backward=m * (compute - fwd_end[-1] - costs.head_s),
+                   grads=(m - 1) * (micro_batch - compute) + grads_done - compute, clip=clip, optimizer=updated - start,
+                   refresh=last - updated)
 
     gpu_peak, host_peak = _peaks(costs, plan)
     layer_s = tuple(m * (c[i].forward_s + backward[i] + stall[i]) for i in range(L))
-    return Predicted(step_s=step_s, gpu_peak_bytes=gpu_peak, host_peak_bytes=host_peak, layer_s=layer_s)
+    return Predicted(step_s=step_s, gpu_peak_bytes=gpu_peak, host_peak_bytes=host_peak, layer_s=layer_s,
+                     phase_s=phase_s)
+
+
+def _accumulated_bytes(costs: CostTable, x: LayerCosts) -> int:
+    """Bytes the host reads and writes accumulating one host layer's gradient of the last micro-batch."""
+    if costs.micro_batches > 1:
+        return 3 * x.master_bytes  # the gradient arrived, the accumulator, the sum
+    return 2 * x.master_bytes if costs.host_copies_first_grads else 0
 
 
 def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
@@ -225,18 +271,20 @@ def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
     acts = sum(x.keep_bytes if lp.activation == "keep" else x.boundary_bytes
                for x, lp in zip(c, p) if lp.activation != "offload")
     in_flight = 2 * (d + 1) * most(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload")
-    turnaround = (costs.static_gpu_bytes + held + ring + acts + in_flight + _fixed_gpu_bytes(costs, d))
+    states = sum(x.update_in_bytes for x, lp in zip(c, p) if lp.states == "gpu")
+    turnaround = (costs.static_gpu_bytes + held + ring + acts + in_flight + states + _fixed_gpu_bytes(costs, d))
     resident = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident")
-    optimizer_phase = costs.static_gpu_bytes + resident + _optimizer_slices(costs, plan.optimizer)
-    host = (costs.static_host_bytes + sum(x.host_bytes for x in c)
+    optimizer_phase = costs.static_gpu_bytes + resident + states + _optimizer_slices(costs, plan.optimizer)
+    host = (costs.static_host_bytes + sum(x.host_bytes for x, lp in zip(c, p) if lp.states == "host")
             + sum(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload"))
     return max(turnaround, optimizer_phase), host
 
 
 def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
-    """What every plan of this depth holds at the turnaround: gradient buffers and one layer's
-    backward (its workspace and recomputed activations)."""
-    return ((depth + 1) * max(x.weight_bytes for x in costs.layers)
+    """What every plan of this depth holds at the turnaround: gradients (d+1 in fp32 on their way
+    out, the one being widened in the compute dtype) and one layer's backward (its workspace and
+    recomputed activations)."""
+    return ((depth + 1) * max(x.master_bytes for x in costs.layers) + max(x.weight_bytes for x in costs.layers)
             + max(x.workspace_bytes + x.keep_bytes for x in costs.layers))
 
 
@@ -321,13 +369,17 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
     prog, L, d, c = _Program(), len(costs.layers), depth, costs.layers
     h2d = lambda n: n / costs.h2d_bytes_per_s * ms
     d2h = lambda n: n / costs.d2h_bytes_per_s * ms
-    tie = {("keep", "resident"): 0, ("keep", "stream"): 1, ("recompute", "resident"): 2,
-           ("recompute", "stream"): 3, ("offload", "resident"): 4, ("offload", "stream"): 5}
-    y = [[prog.var(binary=True, cost=tie[k] * settings.tie_break_s * ms) for k in CHOICES] for _ in range(L)]
+    host_pass = lambda n: n / costs.host_bytes_per_s * ms
+    # Less traffic and less GPU memory first: keep < recompute < offload, resident < stream < states on the GPU.
+    tie = lambda a, p, st: 2 * ACTIVATIONS.index(a) + (p == "stream") + 6 * (st == "gpu")
+    y = [[prog.var(binary=True, cost=tie(*k) * settings.tie_break_s * ms) for k in CHOICES] for _ in range(L)]
     for i in range(L):
         prog.rows.append(({col: 1.0 for col in y[i]}, 1.0, 1.0))
-    pick = lambda i, scale, act=None, par=None: {y[i][j]: scale for j, (a, p) in enumerate(CHOICES)
-                                                 if act in (None, a) and par in (None, p)}
+        for col, (_, _, st) in zip(y[i], CHOICES):
+            if st not in settings.states:
+                prog.rows.append(({col: 1.0}, 0.0, 0.0))
+    pick = lambda i, scale, act=None, par=None, st=None: {
+        y[i][j]: scale for j, (a, p, s) in enumerate(CHOICES) if act in (None, a) and par in (None, p) and st in (None, s)}
     const = lambda v: {None: v}
     prev = lambda seq, j: seq[j] if 0 <= j < L else None
 
@@ -343,7 +395,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         prog.at_least(OF[i], prev(OF, i - 1), out)
         prog.at_least(OF[i], FE[i], out)
 
-    BE, XB, GB = [prog.var() for _ in range(L)], [prog.var() for _ in range(L)], [prog.var() for _ in range(L)]
+    BE, XB, GB, A = ([prog.var() for _ in range(L)] for _ in range(4))
     for i in reversed(range(L)):
         copy = _add(pick(i, h2d(c[i].weight_bytes), act="recompute", par="stream"),
                     pick(i, h2d(c[i].weight_bytes), act="offload", par="stream"),
@@ -358,30 +410,36 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         prog.at_least(BE[i], XB[i], bwd)
         if i + d + 1 < L:
             prog.at_least(BE[i], GB[i + d + 1], bwd)
-        grad = const(d2h(c[i].weight_bytes))
+        grad = pick(i, d2h(c[i].master_bytes), st="host")
         prog.at_least(GB[i], GB[i + 1] if i + 1 < L else OF[-1], grad)
         prog.at_least(GB[i], BE[i], grad)
+        accumulate = pick(i, host_pass(_accumulated_bytes(costs, c[i])), st="host")
+        prog.at_least(A[i], A[i + 1] if i + 1 < L else None, accumulate)
+        prog.at_least(A[i], GB[i], accumulate)
     T, T2 = prog.var(cost=(costs.micro_batches - 1)), prog.var(cost=1.0)
     for end in (BE[0], XB[0], GB[0]):
         prog.at_least(T, end, {})
     prog.at_least(T2, T, {})
-    start = prog.var()  # every gradient on the host
-    prog.at_least(start, BE[0], {})
-    prog.at_least(start, GB[0], {})
-    prog.at_least(T2, start, const(costs.static_update_s * ms))
+    done, start = prog.var(), prog.var()  # every gradient in its accumulator; clipped
+    for end in (BE[0], GB[0], A[0]):
+        prog.at_least(done, end, {})
+    prog.at_least(start, done, _add(*[pick(i, host_pass(3 * c[i].master_bytes), st="host") for i in range(L)]))
+    device_update = _add(const(costs.static_update_s * ms), *[pick(i, c[i].update_gpu_s * ms, st="gpu")
+                                                               for i in range(L)])
     if optimizer == "cpu":
         U, R = [prog.var() for _ in range(L)], [prog.var() for _ in range(L)]
         for i in range(L):
-            prog.at_least(U[i], U[i - 1] if i else start, const(c[i].update_cpu_s * ms))
-            refresh = pick(i, h2d(c[i].weight_bytes), par="resident")
+            prog.at_least(U[i], U[i - 1] if i else start, pick(i, c[i].update_cpu_s * ms, st="host"))
+            refresh = pick(i, h2d(c[i].weight_bytes), par="resident", st="host")
             prog.at_least(R[i], R[i - 1] if i else XB[0], refresh)
             prog.at_least(R[i], U[i], refresh)
         prog.at_least(T2, U[-1], {})
         prog.at_least(T2, R[-1], {})
+        prog.at_least(T2, start, device_update)
     else:
-        prog.at_least(T2, start, const(costs.static_update_s * ms + sum(
-            h2d(x.update_in_bytes) + x.update_gpu_s * ms + d2h(x.master_bytes + x.state_bytes + x.staging_bytes)
-            for x in c)))
+        prog.at_least(T2, start, _add(device_update, *[
+            pick(i, h2d(x.update_in_bytes) + x.update_gpu_s * ms + d2h(x.master_bytes + x.state_bytes + x.staging_bytes),
+                 st="host") for i, x in enumerate(c)]))
     step = {T: (costs.micro_batches - 1) / ms, T2: 1.0 / ms}  # seconds
 
     # Memory (in units): the two GPU peaks of `_peaks` and the host's.
@@ -390,15 +448,17 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         prog.at_least(MW, None, _add(pick(i, c[i].weight_bytes * per_byte, "recompute", "stream"),
                                      pick(i, c[i].weight_bytes * per_byte, "offload", "stream")))
         prog.at_least(MA, None, pick(i, c[i].boundary_bytes * per_byte, act="offload"))
+    resident = [pick(i, c[i].weight_bytes * per_byte, par="resident") for i in range(L)]
+    states = [pick(i, c[i].update_in_bytes * per_byte, st="gpu") for i in range(L)]
     turnaround = _add(const((costs.static_gpu_bytes + _fixed_gpu_bytes(costs, d)) * per_byte),
-                      {MW: d + 1.0, MA: 2.0 * (d + 1)},
-                      *[pick(i, c[i].weight_bytes * per_byte, par="resident") for i in range(L)],
+                      {MW: d + 1.0, MA: 2.0 * (d + 1)}, *resident, *states,
                       *[pick(i, c[i].weight_bytes * per_byte, "keep", "stream") for i in range(L)],
                       *[pick(i, c[i].keep_bytes * per_byte, act="keep") for i in range(L)],
                       *[pick(i, c[i].boundary_bytes * per_byte, act="recompute") for i in range(L)])
     optimizer_phase = _add(const((costs.static_gpu_bytes + _optimizer_slices(costs, optimizer)) * per_byte),
-                           *[pick(i, c[i].weight_bytes * per_byte, par="resident") for i in range(L)])
-    host = _add(const((costs.static_host_bytes + sum(x.host_bytes for x in c)) * per_byte),
+                           *resident, *states)
+    host = _add(const(costs.static_host_bytes * per_byte),
+                *[pick(i, c[i].host_bytes * per_byte, st="host") for i in range(L)],
                 *[pick(i, c[i].boundary_bytes * per_byte, act="offload") for i in range(L)])
     return prog, y, step, (turnaround, optimizer_phase), host
 
@@ -441,7 +501,7 @@ def program_step_s(costs: CostTable, plan: OffloadPlan) -> float:
     prog, y, step, _, _ = _build(costs, plan.prefetch_depth, plan.optimizer, SolverSettings(tie_break_s=0.0))
     for cols, lp in zip(y, plan.layers):
         for col, choice in zip(cols, CHOICES):
-            value = float(choice == (lp.activation, lp.params))
+            value = float(choice == (lp.activation, lp.params, lp.states))
             prog.rows.append(({col: 1.0}, value, value))
     result = prog.solve(60.0, 0.0)
     assert result.status == 0, result.message
@@ -451,8 +511,8 @@ def program_step_s(costs: CostTable, plan: OffloadPlan) -> float:
 def _plan_of(x, y, depth: int, optimizer: str) -> OffloadPlan:
     layers = []
     for cols in y:
-        a, p = CHOICES[max(range(len(CHOICES)), key=lambda j: x[cols[j]])]
-        layers.append(LayerPlan(activation=a, params=p))
+        a, p, st = CHOICES[max(range(len(CHOICES)), key=lambda j: x[cols[j]])]
+        layers.append(LayerPlan(activation=a, params=p, states=st))
     return OffloadPlan(layers=tuple(layers), prefetch_depth=depth, optimizer=optimizer)
 
 
@@ -508,10 +568,13 @@ def solve(costs: CostTable, gpu_memory: int, host_memory: int, *, time_limit_s: 
 
 def _raise_budget_error(costs, gpu_memory, host_memory, time_limit_s, settings):
     slack = math.ceil(2 * _BUDGET_SLACK * _memory_unit(costs))
-    least_host = costs.static_host_bytes + sum(x.host_bytes for x in costs.layers)  # nothing offloaded
-    if least_host > host_memory - slack:
+    least = lambda which, other: smallest_budget(costs, which, other, time_limit_s=time_limit_s, settings=settings)[1]
+    least_host = least("host", gpu_memory)  # states on the GPU where its budget allows take the least host memory
+    if least_host is not None and least_host + slack > host_memory:
         raise BudgetError("host_memory", host_memory, _rounded_up(least_host + slack))
-    _, least_gpu = smallest_budget(costs, "gpu", host_memory, time_limit_s=time_limit_s, settings=settings)
+    least_gpu = least("gpu", host_memory if least_host is not None else None)
+    if least_gpu is None:
+        least_gpu = least("gpu", None)
     if least_gpu is None or least_gpu + slack <= gpu_memory:
         raise ConfigError("gpu_memory", f"is {format_bytes(gpu_memory)}: the planner found no plan within its time "
                                         "limit; give more memory or plan again")
@@ -562,21 +625,23 @@ def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
     size = lambda n: format_bytes(n) if n else "-"
     table = Table(title=f"offload plan: prefetch depth {plan.prefetch_depth}, optimizer update on the "
                         f"{plan.optimizer.upper()}, {costs.micro_batches} micro-batch(es) a step")
-    for column in ("layer", "activation", "params", "weights", "input", "kept for backward", "predicted"):
-        table.add_column(column, justify="left" if column in ("activation", "params") else "right")
+    for column in ("layer", "activation", "params", "states", "weights", "input", "kept for backward", "predicted"):
+        table.add_column(column, justify="left" if column in ("activation", "params", "states") else "right")
     predicted = plan.predicted
     for i, (lp, c) in enumerate(zip(plan.layers, costs.layers)):
         kept = {"keep": c.keep_bytes, "recompute": c.boundary_bytes, "offload": 0}[lp.activation]
         seconds = f"{predicted.layer_s[i] * 1e3:.2f} ms" if predicted.layer_s else "-"
-        table.add_row(str(i), lp.activation, lp.params, size(c.weight_bytes), size(c.boundary_bytes), size(kept),
-                      seconds)
+        table.add_row(str(i), lp.activation, lp.params, lp.states, size(c.weight_bytes), size(c.boundary_bytes),
+                      size(kept), seconds)
     console = Console(file=io.StringIO(), width=110, color_system=None, force_terminal=False)
     console.print(table)
     budget = lambda n: f" of {format_bytes(n)}" if n is not None else ""
     lines = [f"predicted step time {predicted.step_s * 1e3:.2f} ms (compute, recompute and the transfers it "
              "cannot hide; per layer: all micro-batches)",
+             "phases: " + ", ".join(f"{name} {predicted.phase_s.get(name, 0.0) * 1e3:.2f} ms" for name in PHASES),
              f"peak GPU memory {format_bytes(predicted.gpu_peak_bytes)}{budget(plan.gpu_memory)}; "
              f"peak host memory {format_bytes(predicted.host_peak_bytes)}{budget(plan.host_memory)}",
              f"measured: host->device {costs.h2d_bytes_per_s / 1e9:.1f} GB/s, device->host "
-             f"{costs.d2h_bytes_per_s / 1e9:.1f} GB/s; static GPU bytes {format_bytes(costs.static_gpu_bytes)}"]
+             f"{costs.d2h_bytes_per_s / 1e9:.1f} GB/s, host passes over gradients "
+             f"{costs.host_bytes_per_s / 1e9:.1f} GB/s; static GPU bytes {format_bytes(costs.static_gpu_bytes)}"]
     return console.file.getvalue() + "\n".join(lines)

@@ -24,6 +24,9 @@ class ProfileSettings:
 
     repeats: int = 3  # timed runs of each measurement after one warm-up run; the median is kept
     copy_bytes: int = 64 * 2**20  # bytes of each bandwidth measurement (one copy each way)
+    # fp32 bytes of each operand of the host pass measured (an add, as the gradient accumulation
+    # runs): larger than a host's last-level cache, so that it measures memory, as on a layer.
+    host_pass_bytes: int = 256 * 2**20
     reserve_bytes: int = 512 * 2**20  # GPU allocator slack added to the static bytes (none on the CPU)
     gpu_headroom: float = 0.05  # share of the device's memory the default budget leaves to the CUDA context and others
     host_headroom: float = 0.10  # share of the host's available memory the default budget leaves to the process
@@ -99,7 +102,8 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     return CostTable(layers=tuple(layers), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
                      static_gpu_bytes=2 * static_params + static_states + loss_workspace
                      + (settings.reserve_bytes if cuda else 0),
-                     head_s=head_s, static_update_s=static_update_s, micro_batches=config.grad_accum)
+                     head_s=head_s, static_update_s=static_update_s, micro_batches=config.grad_accum,
+                     host_bytes_per_s=_host_pass_rate(settings), host_copies_first_grads=not cuda)
 
 
 def _timed(device: str, fn):
@@ -274,6 +278,24 @@ def _bandwidths(device: str, settings: ProfileSettings) -> tuple[float, float]:
         seconds = [_timed(device, lambda: dst.copy_(src, non_blocking=cuda))[0] for _ in range(settings.repeats + 1)]
         rate.append(n / max(sorted(seconds[1:])[len(seconds[1:]) // 2], 1e-9))
     return rate[0], rate[1]
+
+
+def _host_pass_rate(settings: ProfileSettings) -> float:
+    """Bytes a second the host reads and writes in a pass over fp32 gradients: `a += b` (read a,
+    read b, write a) on buffers of settings.host_pass_bytes, on the threads torch uses here (the
+    runtime's accumulation and the trainer's clipping run on them too)."""
+    import time
+
+    import torch
+
+    n = settings.host_pass_bytes // 4
+    a, b = torch.zeros(n), torch.ones(n)
+    seconds = []
+    for _ in range(settings.repeats + 1):
+        start = time.perf_counter()
+        a.add_(b)
+        seconds.append(time.perf_counter() - start)
+    return 3 * 4 * n / max(sorted(seconds[1:])[len(seconds[1:]) // 2], 1e-9)
 
 
 def available_host_bytes() -> int:

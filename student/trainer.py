@@ -8,7 +8,9 @@ Run directory (`out`):
                       optimizer_state_bytes, epoch, and on a GPU peak_gpu_bytes: the most
                       allocated since the previous row}; with offload also offload_step_s (mean
                       seconds of the window's steps, evaluation and checkpoints left out),
-                      offload_predicted_step_s / _gpu_peak_bytes / _host_peak_bytes (the plan's)
+                      offload_predicted_step_s / _gpu_peak_bytes / _host_peak_bytes (the plan's),
+                      offload_phase_s and offload_predicted_phase_s (the last step's phases, measured and
+                      predicted: student/planner.py's PHASES)
                       and offload_host_bytes (what the offloaded layers hold on the host); with a ReLU-gated (sparse FFN) student also
                       l1 (mean over layers of sum over d_ff of |h|, mean over tokens) and, per layer
                       over the steps since the previous row, ffn_nnz (mean non-zeros of h per token),
@@ -537,8 +539,10 @@ def _offload_runtime(config: TrainConfig, model, amp_dtype):
 
 
 def _offload_figures(runtime, optimizer, step_s: float) -> dict:
+    """The row's offload figures; the phases are the last step's, measured beside the plan's predicted ones."""
     predicted = runtime.plan.predicted
-    return {"offload_step_s": step_s, "offload_predicted_step_s": predicted.step_s,
+    return {"offload_step_s": step_s, "offload_phase_s": runtime.phase_s(),
+            "offload_predicted_step_s": predicted.step_s, "offload_predicted_phase_s": predicted.phase_s,
             "offload_predicted_gpu_peak_bytes": predicted.gpu_peak_bytes,
             "offload_predicted_host_peak_bytes": predicted.host_peak_bytes,
             "offload_host_bytes": runtime.host_bytes(optimizer)}

@@ -16,6 +16,7 @@ import torch
 from distill.configs import ConfigError
 from student.model import Student
 from student.offload_plan import LayerPlan, OffloadPlan
+from student.planner import PHASES
 from student.trainer import TrainConfig, train
 from test_cache_synth import make_corpus, write_cache
 from test_trainer import VOCAB, _train_in_subprocess, make_student, rows, tokenizer_hash
@@ -45,10 +46,11 @@ def config(small, out, **overrides) -> TrainConfig:
 
 
 def plan_file(path: Path, layers: str, prefetch_depth: int, optimizer: str) -> str:
-    """layers: per layer "activation/params" initials, e.g. "ks rs or os" (k keep, r recompute,
-    o offload; s stream, r resident)."""
-    names = {"k": "keep", "r": "recompute", "o": "offload", "s": "stream"}
-    plan = OffloadPlan(layers=tuple(LayerPlan(names[a], "resident" if p == "r" else "stream") for a, p in layers.split()),
+    """layers: per layer "activation/params" initials, e.g. "ks rs or og" (k keep, r recompute,
+    o offload; s stream, r resident, g resident with the layer's states on the device)."""
+    names = {"k": "keep", "r": "recompute", "o": "offload"}
+    homes = {"r": ("resident", "host"), "s": ("stream", "host"), "g": ("resident", "gpu")}
+    plan = OffloadPlan(layers=tuple(LayerPlan(names[a], *homes[p]) for a, p in layers.split()),
                        prefetch_depth=prefetch_depth, optimizer=optimizer)
     plan.save(path)
     return str(path)
@@ -82,12 +84,15 @@ PLANS = {  # every activation x params pair, prefetch 0 / 1 / 2, the update on e
     "mixed-gpu": ("os kr rr ks", 2, "gpu"),
     "streamed-gpu": ("rs os ks rs", 0, "gpu"),
     "resident-cpu": ("kr or rr kr", 2, "cpu"),
+    "states-cpu": ("kg os rr og", 1, "cpu"),  # layers 0 and 3: states on the device
+    "states-gpu": ("rg ks kg or", 0, "gpu"),
 }
 
 
 @pytest.mark.parametrize("optimizer, plan", [("adamw", "mixed-cpu"), ("adamw", "streamed-gpu"),
                                              ("foam", "mixed-gpu"), ("foam", "resident-cpu"),
-                                             ("adamw8bit", "mixed-cpu"), ("adamw8bit", "mixed-gpu")])
+                                             ("adamw8bit", "mixed-cpu"), ("adamw8bit", "mixed-gpu"),
+                                             ("adamw", "states-cpu"), ("foam", "states-gpu")])
 def test_offloaded_training_equals_training_without_offload(small, tmp_path, tmp_path_factory, optimizer, plan):
     """Six steps of two micro-batches, evaluations at 0, 3 and 6 (the no-grad forward through the
     streamed layers): every loss, KL, gradient norm, evaluation and final weight is the run's
@@ -103,8 +108,12 @@ def test_offloaded_training_equals_training_without_offload(small, tmp_path, tmp
     assert OffloadPlan.from_dict(run["offload_plan"]) == OffloadPlan.load(tmp_path / "plan.json")
     row = rows(out)[-1]
     assert row["offload_step_s"] > 0 and row["offload_predicted_step_s"] == 0.0
-    master_and_grads = 2 * 4 * sum(p.numel() for p in Student.from_pretrained(want / "student").layers.parameters())
-    assert row["offload_host_bytes"] > master_and_grads  # plus the optimizer's states of the layers
+    on_host = [i for i, lp in enumerate(OffloadPlan.load(tmp_path / "plan.json").layers) if lp.states == "host"]
+    layers = Student.from_pretrained(want / "student").layers
+    master_and_grads = 2 * 4 * sum(p.numel() for i in on_host for p in layers[i].parameters())
+    # Plus the host layers' optimizer states, at most two fp32 moments (AdamW) and step counters.
+    assert master_and_grads < row["offload_host_bytes"] <= 2 * master_and_grads + 8 * 64 * len(on_host)
+    assert set(row["offload_phase_s"]) == set(PHASES) and all(t >= 0 for t in row["offload_phase_s"].values())
 
 
 @pytest.mark.parametrize("killed, resumed", [("mixed-gpu", "none"), ("none", "mixed-cpu")])
@@ -191,3 +200,34 @@ def test_gpu_offloaded_training_matches_within_bf16_and_its_peak_is_predicted(sm
     train(config(small, out, offload="auto", **gpu), progress=False)
     for r in rows(out):
         assert r["offload_predicted_gpu_peak_bytes"] >= r["peak_gpu_bytes"], r
+
+
+def test_resuming_an_offloaded_run_loads_the_layers_in_place_on_the_host(small, tmp_path):
+    """load_checkpoint copies the weights into the parameters where the runtime keeps them (the
+    views of its host buffers stay), never through the device the embeddings live on: here a
+    device that holds no data (meta), so a detour there would lose the layers' weights."""
+    from student.checkpoint import load_checkpoint, save_checkpoint
+    from student.offload import OffloadRuntime
+
+    student, _ = small
+    saved = Student.from_pretrained(student)
+    with torch.no_grad():
+        for i, p in enumerate(saved.parameters()):
+            p.add_(0.01 * (i + 1))
+    ckpt = save_checkpoint(tmp_path / "run", 1, saved, {}, {"position": 0})
+
+    model = Student.from_pretrained(student)
+    plan = OffloadPlan(layers=(LayerPlan("keep"), LayerPlan("offload", "stream"), LayerPlan("recompute", "resident", "gpu"),
+                               LayerPlan("keep")), optimizer="cpu")
+    runtime = OffloadRuntime(model, plan, "cpu")
+    homes = [p.data_ptr() for p in model.layers.parameters()]
+    for name in ("embed_tokens", "norm", "lm_head"):
+        if getattr(model, name) is not None:
+            getattr(model, name).to("meta")
+    _, data_state = load_checkpoint(ckpt, model)
+    assert data_state == {"position": 0}
+    assert [p.data_ptr() for p in model.layers.parameters()] == homes
+    assert all(torch.equal(a, b) for a, b in zip(model.layers.parameters(), saved.layers.parameters()))
+    assert all(torch.equal(p, runtime.host[0].master[span].view(shape))
+               for p, (span, shape) in zip(runtime.host[0].params, runtime.host[0].spans))
+    runtime.close()

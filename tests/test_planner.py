@@ -7,12 +7,14 @@ import dataclasses
 import itertools
 import json
 import random
+from typing import NamedTuple
 
 import pytest
 
 from cli_helpers import one_error_line, run_cli
+from distill.configs import ConfigError
 from student.offload_plan import LayerPlan, OffloadPlan, parse_bytes
-from student.planner import (CHOICES, BudgetError, CostTable, LayerCosts, SolverSettings, predict, program_step_s,
+from student.planner import (CHOICES, PHASES, BudgetError, CostTable, LayerCosts, SolverSettings, predict, program_step_s,
                              smallest_budget, solve, solve_fixed)
 from test_trainer import tiny  # noqa: F401  (the module-scoped fixture: a tiny student and cache)
 
@@ -40,13 +42,22 @@ def random_table(num_layers: int, seed: int, **changes) -> CostTable:
                         boundary_bytes=int(u(0.05, 0.2) * GiB), keep_bytes=int(u(0.5, 2) * GiB),
                         master_bytes=int(u(0.6, 2) * GiB), state_bytes=int(u(1, 4) * GiB),
                         update_gpu_s=u(1, 5) * MS, update_cpu_s=u(5, 80) * MS) for _ in range(num_layers)],
-                 **changes)
+                 **{"host_bytes_per_s": 30e9, **changes})
+
+
+class _Plan(NamedTuple):
+    """What `predict` reads of an OffloadPlan, without its checks (the brute force makes 10**4-10**5)."""
+
+    layers: tuple
+    prefetch_depth: int
+    optimizer: str
 
 
 def every_plan(num_layers: int, depths):
+    layer_plans = [LayerPlan(*choice) for choice in CHOICES]
     for d, side in itertools.product(depths, ("cpu", "gpu")):
-        for combo in itertools.product(CHOICES, repeat=num_layers):
-            yield OffloadPlan(layers=tuple(LayerPlan(a, p) for a, p in combo), prefetch_depth=d, optimizer=side)
+        for combo in itertools.product(layer_plans, repeat=num_layers):
+            yield _Plan(layers=combo, prefetch_depth=d, optimizer=side)
 
 
 def brute_force(costs: CostTable, gpu: int, host: int, depths) -> float | None:
@@ -95,12 +106,55 @@ def test_predict_peaks_count_what_each_decision_holds():
     assert kept.host_peak_bytes == GiB + 4 * (2 * 2 + 4 + 1) * GiB  # master, grads, states, weight copy
 
 
+def test_predict_phases_add_up_and_charge_the_hosts_passes_over_gradients():
+    """The phases sum to the step; a host pass over fp32 gradients (accumulation, clipping) takes
+    its bytes at the host's rate; a layer whose states are on the GPU sends no gradient out,
+    holds its master, gradient and states on the GPU and nothing on the host."""
+    fast = dict(h2d_bytes_per_s=1e30, d2h_bytes_per_s=1e30, micro_batches=1, static_update_s=0.0)
+    kept = OffloadPlan.uniform(2, "keep", "resident", optimizer="cpu")
+    base = predict(table([layer(), layer()], **fast), kept)
+    slow_host = predict(table([layer(), layer()], host_bytes_per_s=GiB, **fast), kept)
+    # Clipping reads each layer's 2 GiB of fp32 gradients, then scales them (reads and writes): 3 passes.
+    assert slow_host.step_s == pytest.approx(base.step_s + 2 * 3 * 2.0)
+    assert slow_host.phase_s["clip"] == pytest.approx(12.0) and base.phase_s["clip"] == 0.0
+    copied = predict(table([layer(), layer()], host_bytes_per_s=GiB, host_copies_first_grads=True, **fast), kept)
+    # Read and write 2 GiB, each layer, as its gradient arrives: the top layer's overlaps the last backward.
+    assert copied.phase_s["grads"] == pytest.approx(2 * 2 * 2.0 - 20 * MS)
+    for costs in (table([layer(), layer()]), table([layer(), layer()], host_bytes_per_s=5e9, micro_batches=3)):
+        for plan in every_plan(2, (0, 1)):
+            p = predict(costs, plan)
+            assert set(p.phase_s) == set(PHASES) and sum(p.phase_s.values()) == pytest.approx(p.step_s), plan
+            assert min(p.phase_s.values()) >= -1e-12
+
+    costs = table([layer(), layer()], d2h_bytes_per_s=GiB, **{k: v for k, v in fast.items() if k != "d2h_bytes_per_s"})
+    host = OffloadPlan.uniform(2, "keep", "resident", optimizer="gpu")
+    gpu = OffloadPlan(layers=(LayerPlan("keep", "resident", "gpu"), LayerPlan("keep", "resident")), optimizer="gpu")
+    h, g = predict(costs, host), predict(costs, gpu)
+    assert h.host_peak_bytes - g.host_peak_bytes == (2 * 2 + 4 + 1) * GiB  # master, gradient, states, staging
+    assert g.gpu_peak_bytes - h.gpu_peak_bytes <= (2 * 2 + 4) * GiB  # (the optimizer's slices were already there)
+    # No fp32 gradient of 2 GiB out at 1 GiB/s, no update slice out (master, states, staging; the
+    # copies in are free here): the layer updates where it is.
+    assert h.step_s - g.step_s == pytest.approx(2.0 + (2 + 4 + 1) * 1.0, rel=1e-6)
+
+
+def test_states_on_the_gpu_take_the_room_recomputing_frees():
+    """Under a budget that holds every layer kept with its states on the host, a slow CPU and
+    costly slices: recomputing some layers makes room for a layer's states on the GPU, faster."""
+    costs = random_table(5, seed=7)
+    costs = table([dataclasses.replace(x, update_cpu_s=1.0) for x in costs.layers])
+    kept = predict(costs, OffloadPlan.uniform(5, "keep", "resident", prefetch_depth=0, optimizer="gpu"))
+    plan = solve(costs, kept.gpu_peak_bytes, 1000 * GiB, settings=SolverSettings(depths=(0,)))
+    assert any(lp.states == "gpu" for lp in plan.layers) and any(lp.activation == "recompute" for lp in plan.layers)
+    assert plan.predicted.step_s < kept.step_s and plan.predicted.gpu_peak_bytes <= kept.gpu_peak_bytes
+
+
 # --- the program --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("num_layers, seed, gpu_gib, depths", [
-    (3, 0, 6.5, (0, 1, 2, 3)), (3, 1, 9, (0, 1, 2, 3)), (3, 2, 40, (0, 1, 2, 3)),
-    (4, 3, 8, (0, 1, 2)), (4, 4, 11, (0, 1, 2)), (5, 5, 10, (1,)),
+    (3, 0, 8.5, (0, 1, 2, 3)), (3, 1, 11, (0, 1, 2, 3)), (3, 2, 40, (0, 1, 2, 3)),
+    (4, 3, 10, (0, 2)), (4, 4, 13, (1,)),
+    pytest.param(5, 5, 12, (1,), marks=pytest.mark.slow),  # 9**5 plans on each side
 ])
 def test_the_program_finds_the_brute_force_optimum(num_layers, seed, gpu_gib, depths):
     costs = random_table(num_layers, seed)
@@ -130,24 +184,30 @@ def test_the_program_encodes_predict_for_any_plan():
     r = random.Random(5)
     for trial in range(24):
         costs = random_table(4, seed=trial, h2d_bytes_per_s=r.choice([5e9, 50e9]), d2h_bytes_per_s=r.choice([3e9, 40e9]),
-                             micro_batches=r.choice([1, 3]))
+                             micro_batches=r.choice([1, 3]), host_bytes_per_s=r.choice([2e9, 30e9]),
+                             host_copies_first_grads=r.choice([False, True]))
         plan = OffloadPlan(layers=tuple(LayerPlan(*r.choice(CHOICES)) for _ in range(4)),
                            prefetch_depth=r.choice([0, 1, 2, 3]), optimizer=r.choice(["cpu", "gpu"]))
         assert program_step_s(costs, plan) == pytest.approx(predict(costs, plan).step_s, rel=1e-7), plan
 
 
-def test_plenty_of_memory_keeps_everything_resident():
-    # A slow CPU: the update runs on the GPU, where resident weights are updated in place. (With the
-    # update on the CPU, streaming the last layers saves refreshing them after it: see the next test.)
+def test_plenty_of_memory_keeps_everything_on_the_gpu():
+    """With room for every layer's states, nothing goes to the host; with room for the working
+    weights and kept activations (every layer's states on the host) and a slow CPU, the update runs
+    on the GPU, where resident weights are updated in place. (With the update on the CPU,
+    streaming the last layers saves refreshing them after it: see the next test.)"""
     costs = random_table(5, seed=7)
     costs = table([dataclasses.replace(x, update_cpu_s=1.0) for x in costs.layers])
     plan = solve(costs, 1000 * GiB, 1000 * GiB)
+    assert all(lp == LayerPlan("keep", "resident", "gpu") for lp in plan.layers)
+    assert plan.predicted.host_peak_bytes == costs.static_host_bytes
+    plan = solve(costs, 1000 * GiB, 1000 * GiB, settings=SolverSettings(states=("host",)))
     assert plan.optimizer == "gpu" and all(lp == LayerPlan("keep", "resident") for lp in plan.layers)
 
 
 def test_with_the_update_on_the_cpu_the_last_layers_stream_instead_of_a_refresh():
     costs = table([layer(update_cpu_s=10 * MS, forward_s=20 * MS) for _ in range(4)], h2d_bytes_per_s=100e9)
-    plan = solve(costs, 1000 * GiB, 1000 * GiB, settings=SolverSettings(depths=(1,)))
+    plan = solve(costs, 1000 * GiB, 1000 * GiB, settings=SolverSettings(depths=(1,), states=("host",)))
     assert plan.optimizer == "cpu" and all(lp.activation == "keep" for lp in plan.layers)
     assert plan.layers[-1].params == "stream" and plan.layers[0].params == "resident"
 
@@ -155,12 +215,14 @@ def test_with_the_update_on_the_cpu_the_last_layers_stream_instead_of_a_refresh(
 def test_a_tight_budget_recomputes_the_cheap_layer_then_offloads_then_streams():
     # Layer 2 saves much for its backward and recomputes cheaply: the first to give up "keep".
     # The update on the GPU (a slow CPU; small slices), where resident weights cost no refresh; fast
-    # gradient copies.
+    # gradient copies. Every layer's states on the host (on the GPU they would take the room that
+    # recomputing frees: the test after the next one).
+    host = SolverSettings(states=("host",))
     slow_cpu = dict(update_cpu_s=1.0, master_bytes=GiB // 2, state_bytes=GiB)
     costs = table([layer(**slow_cpu), layer(**slow_cpu), layer(keep_bytes=6 * GiB, forward_s=1 * MS, **slow_cpu),
                    layer(**slow_cpu)], d2h_bytes_per_s=1e12)
     everything = predict(costs, OffloadPlan.uniform(4, "keep", "resident", prefetch_depth=0)).gpu_peak_bytes
-    plan = solve(costs, everything - GiB, 100 * GiB)
+    plan = solve(costs, everything - GiB, 100 * GiB, settings=host)
     assert [lp.activation for lp in plan.layers] == ["keep", "keep", "recompute", "keep"]
     assert all(lp.params == "resident" for lp in plan.layers)
 
@@ -169,14 +231,14 @@ def test_a_tight_budget_recomputes_the_cheap_layer_then_offloads_then_streams():
     light = table([layer(weight_bytes=GiB // 16, boundary_bytes=GiB // 4) for _ in range(4)])
     recomputed = predict(light, OffloadPlan.uniform(4, "recompute", "resident", prefetch_depth=0)).gpu_peak_bytes
     budget = recomputed - 3 * GiB // 16 - 1
-    plan = solve(light, budget, 100 * GiB)
+    plan = solve(light, budget, 100 * GiB, settings=host)
     assert any(lp.activation == "offload" for lp in plan.layers)
     assert plan.predicted.gpu_peak_bytes <= budget
 
     # Below every layer's weights resident, some must stream.
     many = table([layer(boundary_bytes=GiB // 64) for _ in range(6)])
     resident = predict(many, OffloadPlan.uniform(6, "offload", "resident", prefetch_depth=0)).gpu_peak_bytes
-    plan = solve(many, resident - 1, 100 * GiB)
+    plan = solve(many, resident - 1, 100 * GiB, settings=host)
     assert any(lp.params == "stream" for lp in plan.layers)
     assert plan.predicted.gpu_peak_bytes <= resident - 1
 
@@ -271,3 +333,18 @@ def test_plan_for_training_takes_the_budgets_as_bytes(tiny, tmp_path):  # noqa: 
     plan = plan_for_training(config, gpu_memory=GiB, host_memory=2 * GiB)
     assert len(plan.layers) == 2 and (plan.gpu_memory, plan.host_memory) == (GiB, 2 * GiB)
     assert plan.predicted.gpu_peak_bytes <= GiB and not (tmp_path / "run").exists()
+
+
+def test_a_version_1_plan_reads_as_every_layers_states_on_the_host(tmp_path):
+    """Plans saved before `states` existed still train: their layers keep their states on the host."""
+    v1 = {"layers": [{"activation": "keep", "params": "stream"}, {"activation": "offload", "params": "resident"}],
+          "prefetch_depth": 1, "optimizer": "gpu", "version": 1,
+          "predicted": {"step_s": 1.0, "gpu_peak_bytes": 2, "host_peak_bytes": 3, "layer_s": [0.5, 0.5]}}
+    (tmp_path / "v1.json").write_text(json.dumps(v1))
+    plan = OffloadPlan.load(tmp_path / "v1.json")
+    assert [lp.states for lp in plan.layers] == ["host", "host"] and plan.version == 2
+    assert plan.layers[0] == LayerPlan("keep", "stream") and plan.predicted.phase_s == {}
+    with pytest.raises(ConfigError, match="version"):
+        OffloadPlan.from_dict({**v1, "version": 3})
+    with pytest.raises(ConfigError, match="resident there"):
+        LayerPlan("keep", "stream", "gpu")

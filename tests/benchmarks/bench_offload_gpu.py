@@ -24,8 +24,10 @@ Rows `offload/<shape>-T<tokens>/<variant>`: median step seconds over --repeats a
 steps (CUDA events, harness.time_gpu), tokens/s, model TFLOP/s = 6 x parameters x tokens / step
 time (the issue's measure; recomputation not counted) and its share of the bf16 matmul ceiling,
 peak GPU memory (max_memory_allocated over the timed steps), peak pinned host memory (torch's host
-allocator) and the host bytes of the offloaded layers; for a planned variant the plan's predicted
-step time and peaks beside them (predicted / measured). Before a variant is timed, its plan (its
+allocator) and the host bytes of the offloaded layers; for an offloaded variant the phases of one
+more step (phase_s: forward, head, backward, grads, clip, optimizer, refresh, as the runtime
+measures them); for a planned variant the plan's predicted step time, phases and peaks beside
+them (predicted / measured), so a row says which term of the cost model is off. Before a variant is timed, its plan (its
 first --check-layers layers) is checked on a student of that many layers: two steps' losses and
 gradient norms against the same student trained without offload, to bf16 tolerance.
 
@@ -205,10 +207,15 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
     seconds = timing.median_ms / 1e3
     if not all(torch.isfinite(loss) for loss, _ in losses):
         raise RuntimeError("a non-finite loss in the timed steps")
+    phases = {}
+    if runtime is not None:  # one more step, its phases read after it (a host sync the timed steps do not have)
+        step()
+        phases = runtime.phase_s()
     figures = {"oom": False, "step_s": seconds, "min_step_s": timing.min_ms / 1e3, "repeats": len(timing.times_ms),
                "tok_s": args.seq_len / seconds, "model_tflops": tflops(6 * params * args.seq_len, timing.median_ms)}
     if runtime is not None:
         figures["host_bytes_of_layers"] = runtime.host_bytes(optimizer)
+        figures["phase_s"] = phases
         runtime.close()
     if args.device == "cuda":
         figures["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
@@ -220,7 +227,8 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
     if plan is not None and plan.predicted.step_s > 0:
         p = plan.predicted
         figures.update(predicted_step_s=p.step_s, predicted_gpu_peak_bytes=p.gpu_peak_bytes,
-                       predicted_host_peak_bytes=p.host_peak_bytes, step_s_predicted_over_measured=p.step_s / seconds)
+                       predicted_host_peak_bytes=p.host_peak_bytes, step_s_predicted_over_measured=p.step_s / seconds,
+                       predicted_phase_s=p.phase_s)
         if "peak_gpu_bytes" in figures:
             figures["gpu_peak_predicted_over_measured"] = p.gpu_peak_bytes / figures["peak_gpu_bytes"]
     del model, step, runtime, optimizer
