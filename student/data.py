@@ -112,14 +112,23 @@ class CacheBatches:
     window: at a seeded random start when `shuffle`, else the first `seq_len` positions. The
     position (epoch, offset) is `state_dict()`; `load_state_dict` resumes exactly there.
     With shuffle=False the order is `indices` as given and `epoch_batches()` yields one pass.
+    part=(rank, world_size): the stream visits the same sequences in the same order for every rank
+    (its position is the same), but each batch holds only the rank's contiguous share of the
+    `batch_size` picked, which must divide by world_size (student/distributed.py).
     """
 
     def __init__(self, reader: CacheReader, indices, batch_size: int, *, seq_len: int | None = None,
-                 seed: int = 0, shuffle: bool = True, pin_memory: bool = False, lru_shards: int = 4):
+                 seed: int = 0, shuffle: bool = True, pin_memory: bool = False, lru_shards: int = 4,
+                 part: tuple[int, int] = (0, 1)):
         if batch_size < 1:
             raise DistillUserError(f"`batch_size` must be >= 1, got {batch_size}")
         if seq_len is not None and seq_len < 2:
             raise DistillUserError(f"`seq_len` must be >= 2 or None, got {seq_len}")
+        rank, world_size = part
+        if not 0 <= rank < world_size or batch_size % world_size:
+            raise DistillUserError(f"`part` must be (rank, world_size) with 0 <= rank < world_size dividing "
+                                   f"batch_size {batch_size}, got {part}")
+        self.part = part
         self.indices = [int(i) for i in indices]
         if not self.indices:
             raise DistillUserError("no sequences to read: the index list is empty (is `heldout` the whole cache?)")
@@ -165,7 +174,8 @@ class CacheBatches:
                 self.offset += len(take)
                 if self.offset == len(order):
                     self.epoch, self.offset = self.epoch + 1, 0
-            yield self.make_batch(picked)
+            rank, share = self.part[0], self.batch_size // self.part[1]
+            yield self.make_batch(picked[rank * share:(rank + 1) * share])
 
     def epoch_batches(self):
         """One pass over `indices` in their order (the last batch may be smaller): for evaluation."""
