@@ -68,3 +68,63 @@ def _run(values: dict, nproc: int, exit_after: int | None = None) -> subprocess.
         else [sys.executable]
     return subprocess.run([*launch, "-m", "distill", "train-student", *_options(values), "--quiet"], env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+def _close(got: list[dict], want: list[dict]) -> None:
+    """Metric rows of the same steps: the data (step, tokens, epoch) and the schedule equal, the
+    figures within RTOL."""
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        assert (g["tokens"], g["epoch"], g["lr"]) == (w["tokens"], w["epoch"], w["lr"]), g["step"]
+        for key in ("loss", "kl", "grad_norm"):
+            assert g[key] == pytest.approx(w[key], rel=RTOL), (g["step"], key)
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_and_resume_at_another_world_size(tiny, tmp_path):
+    """One run of 8 steps (2 micro-batches of 4 sequences, 2 epochs of the 20 training sequences)
+    passed between world sizes through its checkpoints: 2 processes to step 2 (killed after the
+    checkpoint), 1 process to step 4 (reads the sharded checkpoint), 2 processes to step 6 (read the
+    one-process checkpoint), 2 processes to the end (read their own). Every step's loss, KL and
+    gradient norm match the uninterrupted one-process run, and its data and learning rate exactly;
+    rank 0 alone wrote the run directory (one row a step)."""
+    values = settings(tiny, tmp_path / "passed", steps=8, save_every=2, eval_every=4)
+    reference = train(TrainConfig.from_flat(**settings(tiny, tmp_path / "one", steps=8, save_every=2, eval_every=4)),
+                      progress=False)
+    for nproc, exit_after, sharded in ((2, 2, True), (1, 4, False), (2, 6, True), (2, None, True)):
+        done = _run(values, nproc, exit_after)
+        assert done.returncode == (0 if exit_after is None else (1 if nproc > 1 else 17)), done.stderr[-3000:]
+        if exit_after is not None:
+            ckpt = tmp_path / "passed" / "checkpoints" / f"step-{exit_after:06d}"
+            assert (ckpt / "dcp").is_dir() == sharded and (ckpt / "model").is_dir() != sharded
+    _close(rows(tmp_path / "passed"), rows(tmp_path / "one"))
+    assert [r["step"] for r in rows(tmp_path / "passed", "eval")] == [0, 4, 8]
+    for got, want in zip(rows(tmp_path / "passed", "eval"), rows(tmp_path / "one", "eval")):
+        assert got["kl"] == pytest.approx(want["kl"], rel=RTOL) and got["tokens"] == want["tokens"]
+    a = Student.from_pretrained(Path(reference.student_dir)).state_dict()
+    b = Student.from_pretrained(tmp_path / "passed" / "student").state_dict()
+    assert all(torch.allclose(a[k], b[k], rtol=RTOL, atol=RTOL * 1e-2) for k in a)
+    assert json.loads((tmp_path / "passed" / "run.json").read_text())["config"]["batch_size"] == 4
+
+
+@pytest.mark.parametrize("change, option", [(dict(batch_size=3), "--batch-size"), (dict(optimizer="foam"), "--optimizer"),
+                                            (dict(sparse_ffn=True), "--sparse-ffn"), (dict(device="cuda:1"), "--device")])
+def test_settings_a_sharded_run_cannot_take_are_refused_in_one_line(tiny, tmp_path, monkeypatch, change, option):
+    """As torchrun would start rank 0 of 2, but no process group is ever joined: the check comes first."""
+    monkeypatch.setenv("WORLD_SIZE", "2"), monkeypatch.setenv("RANK", "0"), monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr("student.distributed.setup", lambda *a: pytest.fail("joined a process group"))
+    if change.get("device", "").startswith("cuda"):
+        monkeypatch.setattr("student.trainer.resolve_device", lambda device: device)
+    with pytest.raises(ConfigError) as error:
+        train(TrainConfig.from_flat(**settings(tiny, tmp_path / "run", **change)), progress=False)
+    message = error.value.as_option().args[0]
+    assert message.startswith(option) and "\n" not in message, message
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_batch_size_error_reaches_the_command_line_under_torchrun(tiny, tmp_path):
+    """The real launch: both ranks stop with the one line, nothing is written."""
+    done = _run(settings(tiny, tmp_path / "run", batch_size=3), nproc=2)
+    assert done.returncode != 0
+    assert "--batch-size is 3, which does not divide among the 2 processes" in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
