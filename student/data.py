@@ -73,6 +73,20 @@ class Batch:
         rows = lambda t: t.view(B, L, *t.shape[1:])[:, start:end].reshape(B * (end - start), *t.shape[1:])
         return Batch(self.input_ids[:, start:end], *(rows(getattr(self, f.name)) for f in dataclasses.fields(self)[1:]))
 
+    def padded_to(self, length: int) -> "Batch":
+        """Every sequence padded to `length` positions, the padding as CacheBatches makes it."""
+        B, L = self.input_ids.shape
+        if length == L:
+            return self
+        k, extra = self.topk_ids.shape[1], length - L
+        pad = lambda t_BL, fill: torch.cat([t_BL, fill.expand(B, extra, *t_BL.shape[2:]).to(t_BL.dtype)], 1)
+        rows = lambda t, fill: pad(t.view(B, L, *t.shape[1:]), fill).reshape(B * length, *t.shape[1:])
+        scalar = lambda value: torch.tensor([[value]])
+        return Batch(pad(self.input_ids, scalar(0)), rows(self.topk_ids, torch.arange(k).view(1, 1, k)),
+                     rows(self.topk_logprobs, scalar(0.0)), rows(self.tail_logmass, scalar(0.0)),
+                     rows(self.target_ids, scalar(-1)), rows(self.target_logprob, scalar(float("nan"))),
+                     rows(self.mask, scalar(False)))
+
     def pin_memory(self) -> "Batch":
         return Batch(**{k: v.pin_memory() for k, v in vars(self).items()})
 

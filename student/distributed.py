@@ -34,7 +34,7 @@ from distill.configs import ConfigError
 from distill.errors import DistillUserError
 
 __all__ = ["Dist", "world_from_env", "setup", "teardown", "check_config", "shard_model", "global_rows",
-           "all_sum", "rank0_first", "unsharded_root", "full_model_state", "save_sharded", "load_sharded",
+           "padded_to_longest_part", "all_sum", "rank0_first", "unsharded_root", "full_model_state", "save_sharded", "load_sharded",
            "load_full_into_sharded"]
 
 # Optimizers whose states FSDP2 shards with their parameters. FOAM and the 8-bit AdamW keep states
@@ -125,6 +125,16 @@ def global_rows(batch, device: str) -> tuple[int, int]:
                           dtype=torch.int64, device=device)
     torch.distributed.all_reduce(counts)
     return int(counts[0]), int(counts[1])
+
+
+def padded_to_longest_part(batch, device: str):
+    """`batch` padded to the longest rank's part of its micro-batch (one all-reduce): chunk-recurrent
+    training then cuts every rank's part into the same chunks, so their collectives pair up."""
+    import torch
+
+    longest = torch.tensor([batch.input_ids.shape[1]], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+    return batch.padded_to(int(longest))
 
 
 def all_sum(values: list[float], device: str) -> list[float]:

@@ -371,7 +371,8 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
     from student.checkpoint import (checkpoint_step, checkpoints, is_sharded_checkpoint, latest_checkpoint,
                                     load_checkpoint, load_sharded_checkpoint, remove_stale, rewind, rewind_metrics,
                                     save_checkpoint, save_sharded_checkpoint, save_student)
-    from student.distributed import all_sum, global_rows, rank0_first, shard_model, unsharded_root
+    from student.distributed import (all_sum, global_rows, padded_to_longest_part, rank0_first, shard_model,
+                                     unsharded_root)
     from student.data import CacheBatches, Prefetcher, split_indices, tokenizer_info_of
     from student.evaluate import KL_NOTE, EvalResult, evaluate_student, teacher_reference
     from student.optim import build_optimizer, load_state_keeping_settings, state_bytes
@@ -490,7 +491,11 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
             loss_sum, kl_sum, tokens = 0.0, 0.0, 0
             for _ in range(config.grad_accum):
                 batch = next(batches)
-                whole = global_rows(batch, device) if dist is not None else None
+                whole = None
+                if dist is not None:
+                    whole = global_rows(batch, device)
+                    if config.long.chunk_tokens is not None:
+                        batch = padded_to_longest_part(batch, device)
                 loss, kl = _micro_batch_backward(model, batch, config, amp_dtype, cache_temperature=cache_temperature,
                                                  policy=policy, whole=whole)
                 loss_sum, kl_sum, tokens = loss_sum + loss.item(), kl_sum + kl.item(), tokens + batch.num_tokens

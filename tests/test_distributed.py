@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -66,8 +67,16 @@ def _run(values: dict, nproc: int, exit_after: int | None = None) -> subprocess.
         env["DISTILL_TEST_EXIT_AFTER_STEP"] = str(exit_after)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 \
         else [sys.executable]
-    return subprocess.run([*launch, "-m", "distill", "train-student", *_options(values), "--quiet"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    # Its own session, so that a hang (collectives that do not pair up) ends every process it started.
+    proc = subprocess.Popen([*launch, "-m", "distill", "train-student", *_options(values), "--quiet"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the run did not end in 300 s: {err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _close(got: list[dict], want: list[dict]) -> None:
@@ -128,3 +137,17 @@ def test_the_batch_size_error_reaches_the_command_line_under_torchrun(tiny, tmp_
     assert done.returncode != 0
     assert "--batch-size is 3, which does not divide among the 2 processes" in done.stderr, done.stderr[-3000:]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_chunk_recurrent_training_under_two_processes_matches_one(tiny, tmp_path):
+    """--chunk-tokens under FSDP2: the ranks' parts of a micro-batch of ragged sequences are padded
+    to the longest part, so every rank runs the same chunks (else their collectives do not pair up
+    and the run hangs); the losses match one process's, chunked and whole."""
+    kw = dict(steps=3, chunk_tokens=8, page_tokens=16, eval_every=0)
+    done = _run(settings(tiny, tmp_path / "two", **kw), nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    train(TrainConfig.from_flat(**settings(tiny, tmp_path / "one", **kw)), progress=False)
+    train(TrainConfig.from_flat(**settings(tiny, tmp_path / "whole", **{**kw, "chunk_tokens": None})), progress=False)
+    _close(rows(tmp_path / "two"), rows(tmp_path / "one"))
+    _close(rows(tmp_path / "two"), rows(tmp_path / "whole"))
