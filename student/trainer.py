@@ -103,7 +103,7 @@ class TrainConfig:
     teacher: str | Path | None = None  # HF folder of the teacher, pruned to `num_layers` layers as the initial student
     num_layers: int | None = None  # layers kept from the teacher (evenly spaced, first and last included)
     tokenizer: str | Path | None = None  # folder with the tokenizer files (default: the student/teacher folder)
-    batch_size: int = 8  # sequences per micro-batch
+    batch_size: int = 8  # sequences per micro-batch (over all processes under torchrun: student/distributed.py)
     grad_accum: int = 1  # micro-batches per optimizer step
     seq_len: int | None = None  # crop sequences to this many positions (None: as cached)
     heldout: int = 16  # evenly spaced sequences kept out of training for evaluation
