@@ -226,7 +226,7 @@ def train_student(
     num_layers: Optional[int] = typer.Option(_TRAIN["num_layers"], help="Layers kept when pruning from the teacher (evenly spaced)."),
     tokenizer: Optional[Path] = typer.Option(_TRAIN["tokenizer"], help="Folder with the tokenizer files (default: the student's or teacher's folder)."),
     steps: int = typer.Option(_TRAIN["steps"], help="Optimizer steps; rerun a finished run with more to extend it."),
-    batch_size: int = typer.Option(_TRAIN["batch_size"], help="Sequences per micro-batch."),
+    batch_size: int = typer.Option(_TRAIN["batch_size"], help="Sequences per micro-batch (under torchrun: over all processes, each takes an equal share)."),
     grad_accum: int = typer.Option(_TRAIN["grad_accum"], help="Micro-batches per optimizer step."),
     seq_len: Optional[int] = typer.Option(_TRAIN["seq_len"], help="Crop cached sequences to this many tokens (default: as cached)."),
     lr: float = typer.Option(_TRAIN["lr"], help="Peak learning rate (linear warmup, then cosine)."),
@@ -285,7 +285,9 @@ def train_student(
 
       distill train-student --cache caches/qwen --student ./qwen-14b --offload auto --gpu-memory 40GiB --out runs/big
 
-    Rerunning the same command after an interruption continues from the last checkpoint.
+      torchrun --nproc-per-node 8 -m distill train-student --cache caches/qwen --student ./qwen-3b --batch-size 8 --out runs/fsdp
+
+    Rerunning the same command after an interruption continues from the last checkpoint (under torchrun at any number of processes).
 
     A rerun may change the schedule and optimizer settings (--lr, --warmup-steps, --clip-grad, more --steps, ...): the run continues under them and metrics.jsonl records each change.
     """

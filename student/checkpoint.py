@@ -5,6 +5,11 @@ and the final student folder. Imported by the trainer and by evaluation (never t
                                 of that step, sparse FFN state), data.json (the data position)
   RUN/student/                  the final student: HF folder with the tokenizer's files
 
+A run sharded over processes (student/distributed.py) writes instead, per checkpoint, dcp/ (the
+model and optimizer shards through torch.distributed.checkpoint), config.json (the model's HF
+config, for the shape check), trainer_state.pt without the optimizer, and data.json; either kind
+resumes at any world size (`load_sharded_checkpoint`).
+
 Every folder is written under a temp name and renamed into place (distill.files.atomic_dir), so a
 kill leaves whole checkpoints and temp folders that `remove_stale_temps` clears on the next run.
 torch and numpy are imported inside the functions: the CLI imports the trainer (and so this
@@ -97,14 +102,76 @@ def load_checkpoint(ckpt: Path, model) -> tuple[dict, dict]:
     layers (in host memory, student/offload.py) never pass through the device."""
     import torch
 
-    saved = json.loads((ckpt / "model" / "config.json").read_text())
+    _check_same_model(ckpt, ckpt / "model" / "config.json", model)
+    _copy_weights_into(model, ckpt / "model" / "model.safetensors")
+    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    _set_rng_state(state["rng"])
+    return state, json.loads((ckpt / "data.json").read_text())
+
+
+def _check_same_model(ckpt: Path, config_path: Path, model) -> None:
+    """Refuse a checkpoint (its HF config.json at `config_path`) of another model shape than `model`'s."""
+    saved = json.loads(config_path.read_text())
     ours = model.config.to_hf_dict(saved.get("dtype", "float32"))
     diffs = [f"{k}: {saved.get(k)!r} (checkpoint) vs {v!r}" for k, v in ours.items() if saved.get(k) != v]
     if diffs:
         raise RunDirError(f"checkpoint {ckpt} is of another model ({'; '.join(diffs[:4])}); use a new `out` "
                           "or remove that checkpoint")
-    _copy_weights_into(model, ckpt / "model" / "model.safetensors")
-    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+
+
+def is_sharded_checkpoint(ckpt: Path) -> bool:
+    return (ckpt / "dcp").is_dir()
+
+
+def save_sharded_checkpoint(out, step: int, model, optimizer, trainer_state: dict, data_state: dict, dist) -> Path:
+    """A sharded run's checkpoint `step` (module docstring): every rank writes its shards into rank
+    0's temp folder, then rank 0 the rest, renames it into place and deletes all but the newest
+    KEEP_CHECKPOINTS; every rank returns once it exists. `trainer_state` holds no optimizer."""
+    import contextlib
+
+    import torch
+    import torch.distributed as tdist
+
+    from student.distributed import save_sharded
+
+    final = Path(out) / "checkpoints" / f"step-{step:06d}"
+    with (atomic_dir(final) if dist.main else contextlib.nullcontext()) as tmp:
+        shared = [str(tmp) if dist.main else None]
+        tdist.broadcast_object_list(shared, src=0)
+        tmp = Path(shared[0])
+        save_sharded(tmp / "dcp", model, optimizer)
+        tdist.barrier()  # every rank's shards are written
+        if dist.main:
+            dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(model.config.to_hf_dict(dtype), indent=2) + "\n")
+            torch.save({"step": step, **trainer_state, "rng": _rng_state()}, tmp / "trainer_state.pt")
+            (tmp / "data.json").write_text(json.dumps(data_state, indent=2) + "\n")
+    if dist.main:
+        for old in checkpoints(out)[:-KEEP_CHECKPOINTS]:
+            shutil.rmtree(old)
+    tdist.barrier()  # renamed into place before any rank goes on
+    return final
+
+
+def load_sharded_checkpoint(ckpt: Path, model, optimizer) -> tuple[dict, dict]:
+    """Load checkpoint `ckpt`, of either kind, into `model` and `optimizer` where one of them is
+    sharded (a DCP checkpoint into any model, or a one-process checkpoint into a sharded model),
+    keeping the optimizer's hyperparameters; restore the RNG states; returns (trainer_state
+    without the optimizer, data_state)."""
+    import torch
+
+    from student.distributed import load_full_into_sharded, load_sharded
+    from student.model import Student
+
+    if is_sharded_checkpoint(ckpt):
+        _check_same_model(ckpt, ckpt / "config.json", model)
+        load_sharded(ckpt / "dcp", model, optimizer)
+        state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    else:
+        _check_same_model(ckpt, ckpt / "model" / "config.json", model)
+        weights = Student.from_pretrained(ckpt / "model").state_dict()
+        state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+        load_full_into_sharded(model, optimizer, weights, state.pop("optimizer"))
     _set_rng_state(state["rng"])
     return state, json.loads((ckpt / "data.json").read_text())
 

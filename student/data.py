@@ -73,6 +73,20 @@ class Batch:
         rows = lambda t: t.view(B, L, *t.shape[1:])[:, start:end].reshape(B * (end - start), *t.shape[1:])
         return Batch(self.input_ids[:, start:end], *(rows(getattr(self, f.name)) for f in dataclasses.fields(self)[1:]))
 
+    def padded_to(self, length: int) -> "Batch":
+        """Every sequence padded to `length` positions, the padding as CacheBatches makes it."""
+        B, L = self.input_ids.shape
+        if length == L:
+            return self
+        k, extra = self.topk_ids.shape[1], length - L
+        pad = lambda t_BL, fill: torch.cat([t_BL, fill.expand(B, extra, *t_BL.shape[2:]).to(t_BL.dtype)], 1)
+        rows = lambda t, fill: pad(t.view(B, L, *t.shape[1:]), fill).reshape(B * length, *t.shape[1:])
+        scalar = lambda value: torch.tensor([[value]])
+        return Batch(pad(self.input_ids, scalar(0)), rows(self.topk_ids, torch.arange(k).view(1, 1, k)),
+                     rows(self.topk_logprobs, scalar(0.0)), rows(self.tail_logmass, scalar(0.0)),
+                     rows(self.target_ids, scalar(-1)), rows(self.target_logprob, scalar(float("nan"))),
+                     rows(self.mask, scalar(False)))
+
     def pin_memory(self) -> "Batch":
         return Batch(**{k: v.pin_memory() for k, v in vars(self).items()})
 
@@ -112,14 +126,23 @@ class CacheBatches:
     window: at a seeded random start when `shuffle`, else the first `seq_len` positions. The
     position (epoch, offset) is `state_dict()`; `load_state_dict` resumes exactly there.
     With shuffle=False the order is `indices` as given and `epoch_batches()` yields one pass.
+    part=(rank, world_size): the stream visits the same sequences in the same order for every rank
+    (its position is the same), but each batch holds only the rank's contiguous share of the
+    `batch_size` picked, which must divide by world_size (student/distributed.py).
     """
 
     def __init__(self, reader: CacheReader, indices, batch_size: int, *, seq_len: int | None = None,
-                 seed: int = 0, shuffle: bool = True, pin_memory: bool = False, lru_shards: int = 4):
+                 seed: int = 0, shuffle: bool = True, pin_memory: bool = False, lru_shards: int = 4,
+                 part: tuple[int, int] = (0, 1)):
         if batch_size < 1:
             raise DistillUserError(f"`batch_size` must be >= 1, got {batch_size}")
         if seq_len is not None and seq_len < 2:
             raise DistillUserError(f"`seq_len` must be >= 2 or None, got {seq_len}")
+        rank, world_size = part
+        if not 0 <= rank < world_size or batch_size % world_size:
+            raise DistillUserError(f"`part` must be (rank, world_size) with 0 <= rank < world_size dividing "
+                                   f"batch_size {batch_size}, got {part}")
+        self.part = part
         self.indices = [int(i) for i in indices]
         if not self.indices:
             raise DistillUserError("no sequences to read: the index list is empty (is `heldout` the whole cache?)")
@@ -165,7 +188,8 @@ class CacheBatches:
                 self.offset += len(take)
                 if self.offset == len(order):
                     self.epoch, self.offset = self.epoch + 1, 0
-            yield self.make_batch(picked)
+            rank, share = self.part[0], self.batch_size // self.part[1]
+            yield self.make_batch(picked[rank * share:(rank + 1) * share])
 
     def epoch_batches(self):
         """One pass over `indices` in their order (the last batch may be smaller): for evaluation."""

@@ -479,7 +479,8 @@ def chunked_forward(model, input_ids, token_mask, config: LongContextConfig, *, 
 
 
 def chunk_recurrent_backward(model, batch: Batch, chunk_loss: Callable, config: LongContextConfig, *,
-                             device, autocast_dtype=None, grad_scale: float = 1.0):
+                             device, autocast_dtype=None, grad_scale: float = 1.0,
+                             whole: tuple[int, int] | None = None):
     """Backpropagate the loss of micro-batch `batch` chunk by chunk (module docstring); returns the
     sum over chunks of what `chunk_loss` returned, detached.
 
@@ -488,7 +489,8 @@ def chunk_recurrent_backward(model, batch: Batch, chunk_loss: Callable, config: 
     -> (loss, *logged): the chunk's part of the micro-batch's loss, such that the chunks' losses
     sum to it (student.loss.distill_loss's `whole` argument does this for the fused loss);
     `loss * grad_scale` is backpropagated and the rest summed. Parameter .grad accumulate as for
-    a plain backward.
+    a plain backward. whole: the (real rows, rows with a next token) of the micro-batch of which
+    `batch` is one process's part (student/distributed.py; default: `batch` is the whole).
     """
     import torch
 
@@ -496,7 +498,8 @@ def chunk_recurrent_backward(model, batch: Batch, chunk_loss: Callable, config: 
     B, L = input_ids.shape
     mask_BL = batch.mask.view(B, L)
     real_L = mask_BL.sum(0).tolist()  # one host sync (none when the batch is on the host)
-    whole = (sum(real_L), int((mask_BL & (batch.target_ids.view(B, L) >= 0)).sum()))
+    if whole is None:
+        whole = (sum(real_L), int((mask_BL & (batch.target_ids.view(B, L) >= 0)).sum()))
     bounds = chunk_bounds(L, config.chunk_tokens)
     store = _store_for(model, B, L, config, _attention_dtype(model, autocast_dtype), device)
     store.keep_attention = True

@@ -105,7 +105,7 @@ class TrainConfig:
     teacher: str | Path | None = None  # HF folder of the teacher, pruned to `num_layers` layers as the initial student
     num_layers: int | None = None  # layers kept from the teacher (evenly spaced, first and last included)
     tokenizer: str | Path | None = None  # folder with the tokenizer files (default: the student/teacher folder)
-    batch_size: int = 8  # sequences per micro-batch
+    batch_size: int = 8  # sequences per micro-batch (over all processes under torchrun: student/distributed.py)
     grad_accum: int = 1  # micro-batches per optimizer step
     seq_len: int | None = None  # crop sequences to this many positions (None: as cached)
     heldout: int = 16  # evenly spaced sequences kept out of training for evaluation
@@ -304,12 +304,15 @@ def _loss(hidden, terms, rows, model, config: TrainConfig, *, cache_temperature:
     return loss, kl
 
 
-def _micro_batch_backward(model, batch, config: TrainConfig, amp_dtype, *, cache_temperature: float, policy=None):
+def _micro_batch_backward(model, batch, config: TrainConfig, amp_dtype, *, cache_temperature: float, policy=None,
+                          whole: tuple[int, int] | None = None):
     """Forward and backward of one micro-batch (host memory) scaled by 1 / grad_accum, whole or
-    chunk by chunk (student/long_context.py); returns its (loss, KL), detached."""
+    chunk by chunk (student/long_context.py); returns its (loss, KL), detached. whole: the (real
+    rows, rows with a next token) of the micro-batch over all ranks when `batch` is this rank's
+    part of it (student/distributed.py): the loss is then the part's share of the micro-batch's."""
     import torch
 
-    from student.long_context import chunk_recurrent_backward
+    from student.long_context import Part, chunk_recurrent_backward
 
     grad_scale = 1.0 / config.grad_accum
     loss_of = lambda hidden, terms, rows, part=None: _loss(hidden, terms, rows, model, config, policy=policy,
@@ -317,11 +320,12 @@ def _micro_batch_backward(model, batch, config: TrainConfig, amp_dtype, *, cache
     if config.long.chunk_tokens is not None:
         chunk_loss = lambda hidden, rows, terms, part: loss_of(hidden, terms, rows, part)
         return chunk_recurrent_backward(model, batch, chunk_loss, config.long, device=config.device,
-                                        autocast_dtype=amp_dtype, grad_scale=grad_scale)
+                                        autocast_dtype=amp_dtype, grad_scale=grad_scale, whole=whole)
+    part = None if whole is None else Part(*whole, share=batch.num_tokens / max(whole[0], 1))
     batch = batch.to(config.device, non_blocking=True)
     with torch.autocast(torch.device(config.device).type, dtype=amp_dtype, enabled=amp_dtype is not None):
         hidden, terms = model(batch.input_ids, token_mask=batch.mask, return_ffn_terms=True)
-    loss, kl = loss_of(hidden, terms, batch)
+    loss, kl = loss_of(hidden, terms, batch, part)
     (loss * grad_scale).backward()
     return loss.detach(), kl.detach()
 
@@ -337,6 +341,8 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
         logger.warning("warmup_steps %d >= steps %d: the whole run is warmup and the learning rate never decays",
                        schedule.warmup_steps, schedule.steps)
     config = _resolve(config)
+    dist = _join_processes(config)
+    progress = progress and (dist is None or dist.main)
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     if config.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -347,23 +353,30 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
             from tqdm.contrib.logging import logging_redirect_tqdm
 
             with logging_redirect_tqdm():  # log lines (the evaluations) above the progress bar
-                return _train(config, progress, resume_from)
-        return _train(config, progress, resume_from)
+                return _train(config, progress, resume_from, dist)
+        return _train(config, progress, resume_from, dist)
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
+        if dist is not None:
+            from student.distributed import teardown
+
+            teardown()
         if pid_path.exists() and json.loads(pid_path.read_text()).get("pid") == os.getpid():
             pid_path.unlink()
 
 
-def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> TrainReport:
+def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -> TrainReport:
     import random
 
     import numpy as np
     import torch
     from tqdm.auto import tqdm
 
-    from student.checkpoint import (checkpoint_step, checkpoints, latest_checkpoint, load_checkpoint, remove_stale,
-                                    rewind, rewind_metrics, save_checkpoint, save_student)
+    from student.checkpoint import (checkpoint_step, checkpoints, is_sharded_checkpoint, latest_checkpoint,
+                                    load_checkpoint, load_sharded_checkpoint, remove_stale, rewind, rewind_metrics,
+                                    save_checkpoint, save_sharded_checkpoint, save_student)
+    from student.distributed import (all_sum, global_rows, padded_to_longest_part, rank0_first, shard_model,
+                                     unsharded_root)
     from student.data import CacheBatches, Prefetcher, split_indices, tokenizer_info_of
     from student.evaluate import KL_NOTE, EvalResult, evaluate_student, teacher_reference
     from student.optim import build_optimizer, load_state_keeping_settings, state_bytes
@@ -373,6 +386,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
     from teacher_cache.verify import check_shards
 
     out, device = Path(config.out), config.device
+    main = dist is None or dist.main  # the process that writes the run directory
     if resume_from is not None and not (out / "run.json").exists():
         raise RunDirError(f"--resume-from {resume_from}: {out} holds no run to resume")
     random.seed(config.seed), np.random.seed(config.seed), torch.manual_seed(config.seed)
@@ -393,11 +407,18 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
     steps = config.schedule.steps
     run = {"config": config.to_flat(), "cache_id": reader.manifest.cache_id, "cache_temperature": cache_temperature,
            "student": identity, "tokenizer_hash": tok["hash"]}
-    changes = _check_run_dir(out, run)
-    atomic_write_json(out / PID_FILE, {"pid": os.getpid(), "host": socket.gethostname()})
-    if resume_from is not None:
-        rewind(out, resume_from)
-    remove_stale(out)
+
+    def prepare_run_dir() -> dict:
+        changes = _check_run_dir(out, run)
+        atomic_write_json(out / PID_FILE, {"pid": os.getpid(), "host": socket.gethostname()})
+        if resume_from is not None:
+            rewind(out, resume_from)
+        remove_stale(out)
+        return changes
+
+    changes = rank0_first(dist, prepare_run_dir)
+    if dist is not None:
+        shard_model(model)
 
     eval_idx = held_idx[:config.eval_sequences] if config.eval_sequences else held_idx
     amp_dtype = torch.bfloat16 if config.dtype == "bfloat16" else None
@@ -405,46 +426,56 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
     if runtime is not None:
         run["offload_plan"] = runtime.plan.to_dict()
 
-    def evaluate(step: int) -> EvalResult:
-        result = evaluate_student(model, reader, eval_idx, batch_size=config.batch_size, device=device,
-                                  seq_len=config.seq_len, autocast_dtype=amp_dtype, long=config.long)
-        logger.info("eval at step %d: %s", step, result.summary())
+    def evaluate(step: int) -> EvalResult:  # every rank evaluates every sequence (the forward is collective)
+        with unsharded_root(model, dist is not None):
+            result = evaluate_student(model, reader, eval_idx, batch_size=config.batch_size, device=device,
+                                      seq_len=config.seq_len, autocast_dtype=amp_dtype, long=config.long)
+        if main:
+            logger.info("eval at step %d: %s", step, result.summary())
         return result
 
     optimizer = build_optimizer(model, config.optim, device)
     # Its own reader: batches are built on a background thread while evaluation reads through `reader`.
     data = CacheBatches(CacheReader(config.cache), train_idx, config.batch_size, seq_len=config.seq_len,
-                        seed=config.seed, pin_memory=device.startswith("cuda"))
+                        seed=config.seed, pin_memory=device.startswith("cuda"),
+                        part=(0, 1) if dist is None else (dist.rank, dist.world_size))
     policy = SparseFFNPolicy(config.sparse, model, device, config.seed) if model.config.sparse_ffn else None
     step, last_saved = 0, None  # last_saved: (checkpoint, the loss of its step)
     if (ckpt := latest_checkpoint(out)) is not None:
-        state, data_state = load_checkpoint(ckpt, model)
+        if dist is not None or is_sharded_checkpoint(ckpt):
+            state, data_state = load_sharded_checkpoint(ckpt, model, optimizer)
+        else:
+            state, data_state = load_checkpoint(ckpt, model)
         if runtime is not None:
             runtime.refresh()
         step = int(state["step"])
         if steps < step:
             raise ConfigError("steps", f"is {steps}, below the run's last checkpoint at step {step}; give at least "
                                        "that many (more steps extend a finished run)")
-        load_state_keeping_settings(optimizer, state["optimizer"])
+        if "optimizer" in state:  # a sharded checkpoint's was loaded with the model
+            load_state_keeping_settings(optimizer, state["optimizer"])
         data.load_state_dict(data_state)
         if policy is not None:
             policy.load_state_dict(state, model)
         last_saved = (ckpt, state.get("loss"))
     resumed_from = step
     metrics_path = out / "metrics.jsonl"
-    rewind_metrics(metrics_path, step)
-    metrics = metrics_path.open("a")
+    if main:
+        rewind_metrics(metrics_path, step)
+    metrics = metrics_path.open("a") if main else open(os.devnull, "w")
     log = lambda row: (metrics.write(json.dumps(row) + "\n"), metrics.flush())
     if changes:
         logger.info("continuing from step %d with %s", step,
                     "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items()))
         log({"kind": "change", "step": step, "changes": changes})
-    atomic_write_json(out / "run.json", run)
+    if main:
+        atomic_write_json(out / "run.json", run)
 
     initial = None
     if step == 0:
         initial = evaluate(0)
-        atomic_write_json(out / "initial_eval.json", initial.to_dict())
+        if main:
+            atomic_write_json(out / "initial_eval.json", initial.to_dict())
         log({"kind": "eval", "step": 0, **initial.to_dict()})
     elif (out / "initial_eval.json").exists():
         initial = EvalResult.from_dict(json.loads((out / "initial_eval.json").read_text()))
@@ -464,13 +495,22 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
             loss_sum, kl_sum, tokens = 0.0, 0.0, 0
             for _ in range(config.grad_accum):
                 batch = next(batches)
+                whole = None
+                if dist is not None:
+                    whole = global_rows(batch, device)
+                    if config.long.chunk_tokens is not None:
+                        batch = padded_to_longest_part(batch, device)
                 loss, kl = _micro_batch_backward(model, batch, config, amp_dtype, cache_temperature=cache_temperature,
-                                                 policy=policy)
+                                                 policy=policy, whole=whole)
                 loss_sum, kl_sum, tokens = loss_sum + loss.item(), kl_sum + kl.item(), tokens + batch.num_tokens
+            if dist is not None:  # each rank holds its rows' share of the means: their sum is the step's
+                loss_sum, kl_sum, tokens = all_sum([loss_sum, kl_sum, tokens], device)
+                tokens = int(tokens)
             if runtime is not None:
                 runtime.finish_grads()
             max_norm = config.optim.clip_grad if config.optim.clip_grad > 0 else float("inf")
-            grad_norm = clip_grad_norm_foreach(model.parameters(), max_norm).item()
+            grad_norm = clip_grad_norm_foreach(model.parameters(), max_norm)
+            grad_norm = (grad_norm.full_tensor() if dist is not None else grad_norm).item()
             loss_value = loss_sum / config.grad_accum
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                 kept = [checkpoint_step(c) for c in checkpoints(out)]
@@ -503,22 +543,62 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None) -> Trai
             if (config.save_every and step % config.save_every == 0) or step == steps:
                 if runtime is not None:
                     runtime.synchronize()  # the host weights and states are written by copies in flight
-                trainer_state = {"optimizer": optimizer.state_dict(), "loss": loss_value,
-                                 **(policy.state_dict(model) if policy is not None else {})}
-                last_saved = (save_checkpoint(out, step, model, trainer_state, batches.state_dict()), loss_value)
+                trainer_state = {"loss": loss_value, **(policy.state_dict(model) if policy is not None else {})}
+                if dist is not None:
+                    saved = save_sharded_checkpoint(out, step, model, optimizer, trainer_state, batches.state_dict(),
+                                                    dist)
+                else:
+                    trainer_state["optimizer"] = optimizer.state_dict()
+                    saved = save_checkpoint(out, step, model, trainer_state, batches.state_dict())
+                last_saved = (saved, loss_value)
             if step == exit_after:
                 os._exit(17)
 
     # The loop's last step always evaluates; a rerun of a finished run evaluates again.
     final = evaluate(step) if resumed_from == step else _last_eval_row(metrics_path, step)
     teacher = teacher_reference(reader, eval_idx, seq_len=config.seq_len)
-    atomic_write_json(out / "eval.json", {"step": step, "initial": initial.to_dict() if initial else None,
-                                          "final": final.to_dict(), "teacher": teacher.to_dict(),
-                                          "kl_note": KL_NOTE})
+    if main:
+        atomic_write_json(out / "eval.json", {"step": step, "initial": initial.to_dict() if initial else None,
+                                              "final": final.to_dict(), "teacher": teacher.to_dict(),
+                                              "kl_note": KL_NOTE})
     if runtime is not None:
         runtime.close()  # every copy done: the host weights are final
-    save_student(model, out / "student", config.tokenizer)
+    if dist is not None:
+        _save_gathered_student(model, out / "student", config.tokenizer, dist)
+    else:
+        save_student(model, out / "student", config.tokenizer)
     return TrainReport(str(out), str(out / "student"), step, resumed_from, loss_value, initial, final, teacher)
+
+
+def _join_processes(config: TrainConfig):
+    """Under torchrun with more than one process: check the config, join the process group and
+    return this process's student.distributed.Dist; None for one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from student.distributed import check_config, setup, world_from_env
+
+    dist = world_from_env()
+    check_config(config, dist)
+    setup(dist, config.device)
+    return dist
+
+
+def _save_gathered_student(model, folder: Path, tokenizer_dir: str, dist) -> None:
+    """The final student of a sharded run: its full weights gathered to rank 0, which writes them."""
+    import torch
+    import torch.distributed as tdist
+
+    from student.checkpoint import save_student
+    from student.distributed import full_model_state
+    from student.model import Student
+
+    state = full_model_state(model)  # collective: every rank takes part
+    if dist.main:
+        with torch.device("meta"):  # no initialisation: the gathered weights are assigned
+            plain = Student(model.config)
+        plain.load_state_dict(state, assign=True)
+        save_student(plain, folder, tokenizer_dir)
+    tdist.barrier()
 
 
 def _offload_runtime(config: TrainConfig, model, amp_dtype):

@@ -1,0 +1,153 @@
+"""Stage two under torchrun (student/distributed.py): two CPU processes on gloo train as one
+process does at the same global batch, checkpoints resume at another world size (2 -> 1 -> 2 -> 2),
+and the settings a sharded run cannot take are refused in one line before any process group.
+
+The runs are spawned as a user runs them: `python -m torch.distributed.run --standalone
+--nproc-per-node 2 -m distill train-student ...` (a free port each time)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distill.configs import ConfigError
+from student.model import Student
+from student.trainer import TrainConfig, train
+from test_cache_synth import make_corpus, write_cache
+from test_trainer import VOCAB, make_student, rows, tokenizer_hash
+
+REPO = Path(__file__).resolve().parents[1]
+# Two processes sum their rows' shares of the loss and of every gradient where one process sums all
+# rows at once: the same in exact arithmetic, another order of fp32 sums (student/distributed.py).
+# Adam's first steps divide a gradient by its own magnitude, so element errors of that order reach
+# the weights; this bound held the losses over 12 steps.
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(student folder, cache dir): 24 ragged sequences of <= 24 tokens in 6 shards of 4."""
+    root = tmp_path_factory.mktemp("tiny_dist")
+    student = make_student(root / "student")
+    corpus = make_corpus(num_seqs=24, seq_len=24, k=8, vocab=VOCAB, seed=1)
+    write_cache(root / "cache", corpus, tokenizer__hash=tokenizer_hash(student), shard_size=4, fmt="parquet")
+    return student, root / "cache"
+
+
+def settings(tiny, out, **overrides) -> dict:
+    student, cache = tiny
+    return {**dict(cache=str(cache), out=str(out), student=str(student), steps=12, batch_size=4, grad_accum=2,
+                   lr=1e-2, warmup_steps=2, heldout=4, eval_every=3, save_every=3, log_every=1, seed=0,
+                   deterministic=True, device="cpu"), **overrides}
+
+
+def _options(values: dict) -> list[str]:
+    """`distill train-student` options for the TrainConfig flat `values`."""
+    args = []
+    for name, value in values.items():
+        option = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(option if value else f"--no-{name.replace('_', '-')}")
+        elif value is not None:
+            args += [option, str(value)]
+    return args
+
+
+def _run(values: dict, nproc: int, exit_after: int | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("DISTILL_TEST_EXIT_AFTER_STEP", None)
+    if exit_after is not None:
+        env["DISTILL_TEST_EXIT_AFTER_STEP"] = str(exit_after)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 \
+        else [sys.executable]
+    # Its own session, so that a hang (collectives that do not pair up) ends every process it started.
+    proc = subprocess.Popen([*launch, "-m", "distill", "train-student", *_options(values), "--quiet"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the run did not end in 300 s: {err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _close(got: list[dict], want: list[dict]) -> None:
+    """Metric rows of the same steps: the data (step, tokens, epoch) and the schedule equal, the
+    figures within RTOL."""
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        assert (g["tokens"], g["epoch"], g["lr"]) == (w["tokens"], w["epoch"], w["lr"]), g["step"]
+        for key in ("loss", "kl", "grad_norm"):
+            assert g[key] == pytest.approx(w[key], rel=RTOL), (g["step"], key)
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_and_resume_at_another_world_size(tiny, tmp_path):
+    """One run of 8 steps (2 micro-batches of 4 sequences, 2 epochs of the 20 training sequences)
+    passed between world sizes through its checkpoints: 2 processes to step 2 (killed after the
+    checkpoint), 1 process to step 4 (reads the sharded checkpoint), 2 processes to step 6 (read the
+    one-process checkpoint), 2 processes to the end (read their own). Every step's loss, KL and
+    gradient norm match the uninterrupted one-process run, and its data and learning rate exactly;
+    rank 0 alone wrote the run directory (one row a step)."""
+    values = settings(tiny, tmp_path / "passed", steps=8, save_every=2, eval_every=4)
+    reference = train(TrainConfig.from_flat(**settings(tiny, tmp_path / "one", steps=8, save_every=2, eval_every=4)),
+                      progress=False)
+    for nproc, exit_after, sharded in ((2, 2, True), (1, 4, False), (2, 6, True), (2, None, True)):
+        done = _run(values, nproc, exit_after)
+        assert done.returncode == (0 if exit_after is None else (1 if nproc > 1 else 17)), done.stderr[-3000:]
+        if exit_after is not None:
+            ckpt = tmp_path / "passed" / "checkpoints" / f"step-{exit_after:06d}"
+            assert (ckpt / "dcp").is_dir() == sharded and (ckpt / "model").is_dir() != sharded
+    _close(rows(tmp_path / "passed"), rows(tmp_path / "one"))
+    assert [r["step"] for r in rows(tmp_path / "passed", "eval")] == [0, 4, 8]
+    for got, want in zip(rows(tmp_path / "passed", "eval"), rows(tmp_path / "one", "eval")):
+        assert got["kl"] == pytest.approx(want["kl"], rel=RTOL) and got["tokens"] == want["tokens"]
+    a = Student.from_pretrained(Path(reference.student_dir)).state_dict()
+    b = Student.from_pretrained(tmp_path / "passed" / "student").state_dict()
+    assert all(torch.allclose(a[k], b[k], rtol=RTOL, atol=RTOL * 1e-2) for k in a)
+    assert json.loads((tmp_path / "passed" / "run.json").read_text())["config"]["batch_size"] == 4
+
+
+@pytest.mark.parametrize("change, option", [(dict(batch_size=3), "--batch-size"), (dict(optimizer="foam"), "--optimizer"),
+                                            (dict(sparse_ffn=True), "--sparse-ffn"), (dict(device="cuda:1"), "--device")])
+def test_settings_a_sharded_run_cannot_take_are_refused_in_one_line(tiny, tmp_path, monkeypatch, change, option):
+    """As torchrun would start rank 0 of 2, but no process group is ever joined: the check comes first."""
+    monkeypatch.setenv("WORLD_SIZE", "2"), monkeypatch.setenv("RANK", "0"), monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr("student.distributed.setup", lambda *a: pytest.fail("joined a process group"))
+    if change.get("device", "").startswith("cuda"):
+        monkeypatch.setattr("student.trainer.resolve_device", lambda device: device)
+    with pytest.raises(ConfigError) as error:
+        train(TrainConfig.from_flat(**settings(tiny, tmp_path / "run", **change)), progress=False)
+    message = error.value.as_option().args[0]
+    assert message.startswith(option) and "\n" not in message, message
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_batch_size_error_reaches_the_command_line_under_torchrun(tiny, tmp_path):
+    """The real launch: both ranks stop with the one line, nothing is written."""
+    done = _run(settings(tiny, tmp_path / "run", batch_size=3), nproc=2)
+    assert done.returncode != 0
+    assert "--batch-size is 3, which does not divide among the 2 processes" in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_chunk_recurrent_training_under_two_processes_matches_one(tiny, tmp_path):
+    """--chunk-tokens under FSDP2: the ranks' parts of a micro-batch of ragged sequences are padded
+    to the longest part, so every rank runs the same chunks (else their collectives do not pair up
+    and the run hangs); the losses match one process's, chunked and whole."""
+    kw = dict(steps=3, chunk_tokens=8, page_tokens=16, eval_every=0)
+    done = _run(settings(tiny, tmp_path / "two", **kw), nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    train(TrainConfig.from_flat(**settings(tiny, tmp_path / "one", **kw)), progress=False)
+    train(TrainConfig.from_flat(**settings(tiny, tmp_path / "whole", **{**kw, "chunk_tokens": None})), progress=False)
+    _close(rows(tmp_path / "two"), rows(tmp_path / "one"))
+    _close(rows(tmp_path / "two"), rows(tmp_path / "whole"))
