@@ -29,7 +29,7 @@ def teacher_tokenizer(teacher_dir):
 @pytest.fixture(scope="session")
 def tiny_teacher(tmp_path_factory, teacher_tokenizer):
     """A random 1-layer Llama over the real teacher's vocabulary, saved as an HF folder (fast
-    stage-one builds; a module's own fixture of this name takes precedence)."""
+    stage-one builds)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 

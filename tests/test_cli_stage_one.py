@@ -19,21 +19,6 @@ SMALL = ["--max-sequences", "4", "--seq-len", "32", "-k", "8", "--shard-size", "
 
 
 @pytest.fixture(scope="module")
-def tiny_teacher(tmp_path_factory, teacher_tokenizer) -> Path:
-    """A random 1-layer Llama over the real teacher's vocabulary, saved as an HF folder."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    folder = tmp_path_factory.mktemp("tiny") / "teacher"
-    config = LlamaConfig(vocab_size=len(teacher_tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    teacher_tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
 def tiny_cache(tmp_path_factory, tiny_teacher) -> Path:
     out = tmp_path_factory.mktemp("cli1") / "cache"
     old_argv, old_mask = sys.argv, os.umask(0o027)
