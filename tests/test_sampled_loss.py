@@ -174,17 +174,18 @@ def test_padding_slots_do_not_count(impl):
     _assert_close(moved, base, torch.float32)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "triton", "dense"])
 def test_masked_rows_ignore_their_targets(impl):
     """Masked rows may hold any weights, log-probs and tail (NaN, inf): the loss and gradients are
     those of the unmasked rows alone, and masked rows get no gradient."""
     hidden, weight, ids, lp, tl, target, mask, w = _inputs(device=TRITON_DEVICE if impl == "triton" else "cpu")
     bad_w, bad_lp, bad_tl = w.clone(), lp.clone(), tl.clone()
     bad_w[~mask], bad_lp[~mask], bad_tl[~mask] = float("nan"), float("-inf"), float("inf")
-    kw = dict(tail="unnormalized", ce_weight=0.3, impl=impl, chunk_size=8)
-    masked = _loss_and_grads(fused_topk_kl, hidden, weight, ids, bad_lp, bad_tl, target_ids=target, mask=mask,
+    fn, kw = (topk_kl_dense, {}) if impl == "dense" else (fused_topk_kl, dict(impl=impl, chunk_size=8))
+    kw.update(tail="unnormalized", ce_weight=0.3)
+    masked = _loss_and_grads(fn, hidden, weight, ids, bad_lp, bad_tl, target_ids=target, mask=mask,
                              target_weights=bad_w, **kw)
-    kept = _loss_and_grads(fused_topk_kl, hidden[mask], weight, ids[mask], lp[mask], tl[mask],
+    kept = _loss_and_grads(fn, hidden[mask], weight, ids[mask], lp[mask], tl[mask],
                            target_ids=target[mask], target_weights=w[mask], **kw)
     torch.testing.assert_close(masked[0], kept[0])
     torch.testing.assert_close(masked[2], kept[2])
