@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_fused_topk_kl import POISON, SMALL_BLOCKS, TOL, TRITON_DEVICE, _assert_close, _loss_and_grads
+from test_fused_topk_kl import POISON, SMALL_BLOCKS, TOL, TRITON_DEVICE, _assert_close, _loss_and_grads, needs_gpu
 
 import kernels.fused_topk_kl_triton as fkt
 from distill.configs import ConfigError
-from kernels.fused_topk_kl import fused_topk_kl, topk_kl_dense
+from kernels.fused_topk_kl import FusedKLSettings, fused_topk_kl, topk_kl_dense
 from kernels.fused_topk_kl_torch import LossSpec
 from student.loss import LossConfig, distill_loss
 
@@ -99,6 +99,19 @@ def test_triton_routes_match_dense(case, kernel):
     inputs = _inputs(dtype, n=11, v=2 * SMALL_BLOCKS.scaled_block + 81, d=16, device=TRITON_DEVICE)
     got, want = _pair(dict(impl="triton"), dtype, settings=SMALL_BLOCKS, chunk_size=4, inputs=inputs,
                       temperature=temperature, cache_temperature=temperature, ce_weight=ce_weight)
+    _assert_close(got, want, dtype)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("ce_weight", [0.0, 0.3])
+def test_triton_on_gpu_matches_dense(dtype, ce_weight):
+    """A real GPU, auto dispatch, default settings, several chunks and Triton blocks (fp16: the
+    direct row kernel; the others the scaled one)."""
+    settings = FusedKLSettings()
+    inputs = _inputs(dtype, n=1031, v=2 * settings.direct_block + 77, d=64, device="cuda")
+    got, want = _pair({}, dtype, settings=settings, chunk_size=256, inputs=inputs, ce_weight=ce_weight)
     _assert_close(got, want, dtype)
 
 
