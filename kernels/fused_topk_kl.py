@@ -5,9 +5,10 @@ and dispatches on ``impl``: the Triton path (kernels/fused_topk_kl_triton.py: gr
 during the forward, three matmuls, the GPU default) or the chunked torch path
 (kernels/fused_topk_kl_torch.py: backward recomputes the logits, four matmuls, the CPU path).
 ``topk_kl_dense`` computes the same loss from full logits with autograd: the reference both are
-tested against. Both take a sampled cache's targets (``target_weights``: the RS-KD estimator of
-the full-vocabulary KL) as well as top-k ones. The loss's formulas, its tail modes and its temperatures are in
-kernels/fused_topk_kl_torch.py's docstring; how each path runs is set by ``FusedKLSettings``.
+tested against. All three take a sampled cache's targets (``target_weights``: the RS-KD estimate
+of the full-vocabulary KL) as well as top-k ones. The loss's formulas, its tail modes and its
+temperatures are in kernels/fused_topk_kl_torch.py's docstring; how each path runs is set by
+``FusedKLSettings``.
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ def fused_topk_kl(
     TRITON_INTERPRET=1, for tests). grad_weight_fp32: Triton path only, accumulate grad_weight
     across chunks in fp32 (4 V d extra bytes) instead of the weight's dtype (the torch path always
     accumulates in fp32). check_ids: check id ranges and uniqueness (a device sync on a GPU;
-    out-of-range ids read outside the logits; also that target_weights are finite and >= 0 on
-    unmasked rows). return_kl: also return the KL term alone, detached,
-    for logging and evaluation: KL(teacher || student) at T over the unmasked rows (before the T^2
+    out-of-range ids read outside the logits), and that target_weights are finite and >= 0 on
+    unmasked rows. return_kl: also return the KL term alone, detached, for logging and
+    evaluation: KL(teacher || student) at T over the unmasked rows (before the T^2
     factor and the (1 - ce_weight) weight), reduced as the loss is; with 0 <= ce_weight < 1 it comes
     out of the same pass (with ce_weight = 1 from a forward-only second pass, as its weight in the
     loss is 0). settings: how the kernels run (``FusedKLSettings``; None: the defaults).

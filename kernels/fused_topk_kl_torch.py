@@ -23,8 +23,8 @@ Tail modes (KL is forward KL, teacher || student):
       + P_tail (log P_tail - log Q_tail), Q_tail = 1 - sum_S q = sum of q outside S (taken as a
       logsumexp over the non-top-k logits, never as 1 - sum, which cancels).
       d KL / d(z / T) = (1 - P_tail / Q_tail) q + [v in S] (q_v P_tail / Q_tail - P_v).
-Sampled targets (``target_weights``; RS-KD, Anshumann et al. 2025): S holds a row's unique ids
-  drawn S_n times with replacement from a proposal r, u with counts c_u, and the weight
+Sampled targets (``target_weights``; RS-KD, Anshumann et al. 2025): S holds the unique ids u of
+  a row's S_n draws with replacement from a proposal r, c_u the draws of u; the weight
   w_u = (c_u / S_n) p_u / r_u (c_u / S_n when r = p) has E[w at v] = p_v at every v. The
   "unnormalized" formulas with P replaced by w (log P stays the cached l, not renormalised):
   KL_est = sum_S w_u (l_u - log q_u), an unbiased estimate of the full KL(p || q), and

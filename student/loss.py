@@ -77,10 +77,10 @@ def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_tempe
     hidden_ND: [N, d] final hidden states; weight_VD: [V, d] lm-head, same dtype and device.
     batch: a student.data.Batch of N rows; with `target_weights` (a sampled cache) the KL is the
     unbiased estimate of the full-vocabulary KL and the tail "unnormalized" whatever config.tail
-    says. loss = (1 - ce_weight) T^2 KL + ce_weight CE, with
-    gradients to hidden and weight; kl: the KL(teacher || student) term alone at temperature T,
-    detached, reduced as the loss ("mean" over the unmasked rows, CE over the rows with a next
-    token, or "sum"). One fused pass: the [N, V] logits never exist in full.
+    says. loss = (1 - ce_weight) T^2 KL + ce_weight CE, with gradients to hidden and weight; kl:
+    the KL(teacher || student) term alone at temperature T, detached, reduced as the loss ("mean"
+    over the unmasked rows, CE over the rows with a next token, or "sum"). One fused pass: the
+    [N, V] logits never exist in full.
 
     whole: (real rows, rows with a next token) of the micro-batch that `batch` is a part of (a
     chunk of chunk-recurrent training): loss and kl are then this part's share of the micro-
