@@ -136,6 +136,35 @@ def test_uniforms_of_a_block_of_rows_equal_those_of_the_whole_sequence():
     assert not np.array_equal(sampling.uniforms(6, 0, 40), whole)
 
 
+@pytest.mark.parametrize("codec", ["sqrt8", "bf16"])
+def test_any_codec_keeps_counts_with_their_ids(codec):
+    """sqrt8 stores ids ascending and decodes them by probability: the counts must follow their ids."""
+    from teacher_cache.codecs import get_codec
+    from teacher_cache.store import decode_shard, encode_shard
+
+    hidden, weight = _rows(seed=2, n=40, v=61)
+    out = sample_targets(hidden, weight, torch.from_numpy(np.random.default_rng(2).random((40, 9))),
+                         temperature=1.0, proposal_temperature=1.7)
+    targets = TeacherTargets(*(None if t is None else t.numpy() for t in out))
+    arrays = encode_shard([np.zeros(25, np.int32), np.zeros(15, np.int32)], targets, get_codec(codec))
+    _, _, back = decode_shard(arrays, get_codec(codec), "x")
+    for name in ("topk_ids", "sample_counts", "proposal_logprobs", "tail_logmass"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(targets, name), err_msg=name)
+    np.testing.assert_allclose(np.exp(back.topk_logprobs), np.exp(targets.topk_logprobs), atol=4e-3)
+
+
+def test_a_long_sequence_prefilled_in_chunks_draws_as_one_forward(tiny_teacher):
+    from teacher_cache.backends.hf import HFBackend
+
+    seq = np.random.default_rng(0).integers(0, 49152, 40)
+    sampling = Sampling(samples=6, proposal_temperature=0.02, seed=5)
+    whole, chunked = (HFBackend(tiny_teacher, dtype="float32", device="cpu", temperature=0.02, prefill_tokens=p)
+                      .score([seq], 6, sampling=sampling, indices=[3])[0] for p in (64, 16))
+    np.testing.assert_array_equal(chunked.topk_ids, whole.topk_ids)
+    np.testing.assert_array_equal(chunked.sample_counts, whole.sample_counts)
+    np.testing.assert_allclose(chunked.topk_logprobs, whole.topk_logprobs, atol=1e-4)
+
+
 # --- statistics against the tiny teacher's own distribution ---
 
 
