@@ -164,7 +164,7 @@ def cache_stats(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     plot: Optional[Path] = typer.Option(None, help="Also write an image of the distributions (needs matplotlib; .png, .pdf, .svg, ...; no suffix: .png)."),
 ) -> None:
-    """Inspect a cache: size, compression, teacher perplexity, top-k mass, entropy, rank histogram.
+    """Inspect a cache: size, compression, teacher perplexity, top-k mass, entropy, rank histogram (sampled caches: unique ids per position).
 
     Examples:
 
