@@ -72,10 +72,10 @@ def sample_targets_torch(hidden, weight, uniforms, next_ids, temperature, propos
     for start in range(0, N, chunk_size):
         stop = min(start + chunk_size, N)
         logits_CV = (hidden[start:stop] @ weight.T).float()  # matmul in the input dtype
-        scaled_CV = logits_CV / temperature
+        proposal_CV = logits_CV / proposal_temperature if differs else None
+        scaled_CV = logits_CV.div_(temperature)  # in place: one [C, V] fp32 buffer fewer
         lse_C = torch.logsumexp(scaled_CV, dim=-1)
         if differs:
-            proposal_CV = logits_CV / proposal_temperature
             proposal_lse_C = torch.logsumexp(proposal_CV, dim=-1)
         else:
             proposal_CV, proposal_lse_C = scaled_CV, lse_C
