@@ -16,6 +16,13 @@ chunk-recurrent training does); FSDP then SUMS the ranks' gradients (its divide 
 The sum over ranks equals the one-process loss and gradient in exact arithmetic; in floating point
 they differ by the order of the sums over rows (tests/test_distributed.py holds the bound).
 
+Optimizers: every rank steps its own rows. torch's AdamW keeps DTensor states itself; FOAM and
+the 8-bit AdamW step on the local shards with states shaped for them, kept as DTensors sharded as
+their parameters (student/optim/shards.py). FOAM folds within rows, so its steps and states are the
+one-process ones; the 8-bit AdamW blocks each shard from its first element, the one-process blocks
+only where shards start on block edges, so its checkpoints resume only at the world size that
+wrote them (student/optim/adam8bit.py).
+
 Checkpoints written by a sharded run hold `dcp/` (the model and optimizer through DCP's
 get_state_dict, so they reshard to any world size) beside trainer_state.pt and data.json
 (student/checkpoint.py); a one-process run reads them with the same calls, and a sharded run
@@ -36,12 +43,6 @@ from distill.errors import DistillUserError
 __all__ = ["Dist", "world_from_env", "setup", "teardown", "check_config", "shard_model", "global_rows",
            "padded_to_longest_part", "all_sum", "rank0_first", "unsharded_root", "full_model_state", "save_sharded", "load_sharded",
            "load_full_into_sharded"]
-
-# Optimizers whose states FSDP2 shards with their parameters. FOAM and the 8-bit AdamW keep states
-# of other shapes (folded blocks, per-block codes and scales) and run fused kernels on plain
-# tensors: not yet on DTensor shards.
-SHARDABLE_OPTIMIZERS = ("adamw",)
-
 
 @dataclass(frozen=True)
 class Dist:
@@ -70,9 +71,6 @@ def check_config(config, dist: Dist) -> None:
         raise ConfigError("batch_size", f"is {config.batch_size}, which does not divide among the {dist.world_size} "
                                         "processes (it is the micro-batch over all of them, each takes an equal "
                                         f"share); give a multiple of {dist.world_size}")
-    if config.optim.optimizer not in SHARDABLE_OPTIMIZERS:
-        raise ConfigError("optimizer", f"is {config.optim.optimizer!r}: its states are not yet sharded by FSDP2 "
-                                       "under torchrun; use --optimizer adamw, or train in one process")
     if config.offload.offload != "none":
         raise ConfigError("offload", f"is {config.offload.offload!r}: offloaded training runs in one process; "
                                      "drop --offload or run without torchrun")
