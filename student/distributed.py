@@ -23,6 +23,10 @@ one-process ones; the 8-bit AdamW blocks each shard from its first element, the 
 only where shards start on block edges, so its checkpoints resume only at the world size that
 wrote them (student/optim/adam8bit.py).
 
+The sparse FFN: each rank measures its part of the micro-batches; its window sums the ranks'
+measurements every step (`sum_over_ranks_`), so every rank decides the same routing and dead
+neurons and moves the gate rows of its own shard (student/sparse_ffn.py).
+
 Checkpoints written by a sharded run hold `dcp/` (the model and optimizer through DCP's
 get_state_dict, so they reshard to any world size) beside trainer_state.pt and data.json
 (student/checkpoint.py); a one-process run reads them with the same calls, and a sharded run
@@ -41,8 +45,8 @@ from distill.configs import ConfigError
 from distill.errors import DistillUserError
 
 __all__ = ["Dist", "world_from_env", "setup", "teardown", "check_config", "shard_model", "global_rows",
-           "padded_to_longest_part", "all_sum", "rank0_first", "unsharded_root", "full_model_state", "save_sharded", "load_sharded",
-           "load_full_into_sharded"]
+           "padded_to_longest_part", "all_sum", "sum_over_ranks_", "rank0_first", "unsharded_root",
+           "full_model_state", "save_sharded", "load_sharded", "load_full_into_sharded"]
 
 @dataclass(frozen=True)
 class Dist:
@@ -74,9 +78,6 @@ def check_config(config, dist: Dist) -> None:
     if config.offload.offload != "none":
         raise ConfigError("offload", f"is {config.offload.offload!r}: offloaded training runs in one process; "
                                      "drop --offload or run without torchrun")
-    if config.sparse.sparse_ffn:
-        raise ConfigError("sparse_ffn", "is on: the sparse FFN's statistics and dead-neuron reinit are not yet "
-                                        "gathered over processes; drop --sparse-ffn or train in one process")
     if config.device.startswith("cuda:"):
         raise ConfigError("device", f"is {config.device!r}: under torchrun each process takes the GPU of its "
                                     "LOCAL_RANK; give --device cuda or auto")
@@ -142,6 +143,14 @@ def all_sum(values: list[float], device: str) -> list[float]:
     summed = torch.tensor(values, dtype=torch.float64, device=device)
     torch.distributed.all_reduce(summed)
     return summed.tolist()
+
+
+def sum_over_ranks_(tensor):
+    """`tensor` summed over the ranks, in place (one all-reduce); returns it."""
+    import torch.distributed as tdist
+
+    tdist.all_reduce(tensor)
+    return tensor
 
 
 def rank0_first(dist: Dist | None, work):

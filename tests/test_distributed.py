@@ -24,7 +24,7 @@ from student.model import Student
 from student.optim.adam8bit import AdamW8bit
 from student.trainer import TrainConfig, train
 from test_cache_synth import make_corpus, write_cache
-from test_trainer import VOCAB, make_student, rows, tokenizer_hash
+from test_trainer import VOCAB, make_student, make_tokenizer, rows, tokenizer_hash
 
 REPO = Path(__file__).resolve().parents[1]
 # Two processes sum their rows' shares of the loss and of every gradient where one process sums all
@@ -198,8 +198,33 @@ def test_adamw8bit_on_shards_off_block_edges_matches_whole_within_a_bound():
         assert d.abs().max() <= OFFSET_BLOCK_DRIFT_LR * lr * t, (t, d.abs().max())
 
 
-@pytest.mark.parametrize("change, option", [(dict(batch_size=3), "--batch-size"),
-                                            (dict(sparse_ffn=True), "--sparse-ffn"), (dict(device="cuda:1"), "--device")])
+@pytest.mark.slow
+def test_sparse_ffn_under_two_processes_matches_one(tiny, tmp_path):
+    """--sparse-ffn with dead-neuron reinit judged every step: each rank measures its part of the
+    micro-batches and the window sums the ranks' (student/sparse_ffn.py), so both write the one
+    process's statistics and move the same gate rows, of both ranks' shards (rows 0-3 of 24 on
+    rank 0, 30-33 on rank 1, zeroed so that they start dead); losses match one process's."""
+    student = tmp_path / "student"
+    model = Student.from_pretrained(make_student(student))
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.mlp.gate_proj.weight[[0, 1, 2, 3, 30, 31, 32, 33]] = 0.0
+    model.save_pretrained(student)  # the folder anew: its tokenizer again
+    make_tokenizer(student)
+    kw = dict(student=str(student), sparse_ffn=True, l1=1e-2, dead_reinit=0.5, dead_window=1, steps=3, eval_every=0)
+    done = _run(settings(tiny, tmp_path / "two", **kw), nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    train(TrainConfig.from_flat(**settings(tiny, tmp_path / "one", **kw)), progress=False)
+    got, want = rows(tmp_path / "two"), rows(tmp_path / "one")
+    _close(got, want)
+    assert got[0]["ffn_reinit"][0] >= 8  # the zeroed rows of both shards moved after the first step
+    for g, w in zip(got, want):
+        assert (g["ffn_reinit"], g["ffn_dead"]) == (w["ffn_reinit"], w["ffn_dead"]), g["step"]
+        assert g["l1"] == pytest.approx(w["l1"], rel=RTOL) and g["ffn_nnz"] == pytest.approx(w["ffn_nnz"], rel=RTOL)
+
+
+@pytest.mark.parametrize("change, option", [(dict(batch_size=3), "--batch-size"), (dict(offload="auto"), "--offload"),
+                                            (dict(device="cuda:1"), "--device")])
 def test_settings_a_sharded_run_cannot_take_are_refused_in_one_line(tiny, tmp_path, monkeypatch, change, option):
     """As torchrun would start rank 0 of 2, but no process group is ever joined: the check comes first."""
     monkeypatch.setenv("WORLD_SIZE", "2"), monkeypatch.setenv("RANK", "0"), monkeypatch.setenv("LOCAL_RANK", "0")

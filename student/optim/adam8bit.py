@@ -35,11 +35,11 @@ element. Whether a parameter keeps 8-bit or fp32 moments is decided by its whole
 process. The blocks are the one-process blocks exactly when every shard starts at a multiple of
 `block_size` elements (rows per rank x row length a multiple of it); otherwise a later shard's
 blocks are offset from the one-process blocks (the same code and rounding rule over other groups
-of elements; tests/test_distributed.py bounds the drift this brings). The states are DTensors sharded as the parameter: codes of the
-parameter's shape, absmax [ranks x the largest shard's blocks] (a smaller shard leaves its tail
-unused). That layout depends on the world size, so a sharded run's 8-bit states resume only at the
-world size that wrote them (student/checkpoint.py refuses another in one line); the fp32 moments of
-small parameters have the parameter's layout.
+of elements; tests/test_distributed.py bounds the drift this brings). The states are DTensors
+sharded as the parameter: codes of the parameter's shape, absmax [ranks x the largest shard's
+blocks] (a smaller shard leaves its tail unused). That layout depends on the world size, so a
+sharded run's 8-bit states resume only at the world size that wrote them (student/checkpoint.py
+refuses another in one line); the fp32 moments of small parameters have the parameter's layout.
 """
 
 from __future__ import annotations

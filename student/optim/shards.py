@@ -15,12 +15,23 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["local", "like", "is_sharded", "largest_shard_numel"]
+__all__ = ["local", "local_rows", "like", "is_sharded", "largest_shard_numel"]
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
     """The tensor a step reads and writes: a DTensor's local shard (this rank's rows), else `t`."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_rows(t: torch.Tensor) -> slice:
+    """The rows of the whole `t` that its local shard holds (FSDP2 cuts rows as torch.chunk does);
+    every row of a plain tensor."""
+    if not is_sharded(t):
+        return slice(None)
+    _check_rows(t)
+    per_rank = -(-t.shape[0] // t.device_mesh.size())
+    start = min(t.device_mesh.get_local_rank() * per_rank, t.shape[0])
+    return slice(start, start + t.to_local().shape[0])
 
 
 def is_sharded(p: torch.Tensor) -> bool:
