@@ -145,7 +145,8 @@ def test_foam_under_two_processes_matches_one_and_resumes_at_another_world_size(
 @pytest.mark.slow
 def test_adamw8bit_under_two_processes_matches_one_and_resumes_only_at_its_world_size(tiny, tmp_path):
     """The 8-bit AdamW blocks each rank's shard from the shard's first element. With a vocabulary of
-    320 the embedding's shards (160 rows of 32) start on block edges (256 elements), so the blocks
+    320 the shards of the embedding and lm-head (160 rows of 32; the only matrices with 8-bit states)
+    start on block edges (256 elements), so the blocks
     are the one-process blocks and the run matches one process's (RTOL); its 8-bit states resume at
     the world size that wrote them, and another is refused in one line."""
     student = make_student(tmp_path / "student", vocab_size=320)
@@ -278,3 +279,18 @@ def test_kv_offload_under_two_gpus_matches_one_gpu(tiny, tmp_path):
     train(TrainConfig.from_flat(**settings(tiny, tmp_path / "resident", **kw)), progress=False)
     _close(rows(tmp_path / "two"), rows(tmp_path / "one"))
     _close(rows(tmp_path / "two"), rows(tmp_path / "resident"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("optimizer", ["foam", "adamw8bit"])
+def test_fused_optimizer_steps_under_two_gpus_match_one_gpu(tiny, tmp_path, optimizer):
+    """On GPUs FOAM and the 8-bit AdamW run their Triton steps on each rank's local shard (nccl), the
+    grads' addresses taken anew as FSDP2 hands over new ones; the losses match one GPU's (fp32,
+    deterministic). The vocabulary of 320 puts the 8-bit shards on block edges."""
+    student = make_student(tmp_path / "student", vocab_size=320)
+    kw = dict(student=str(student), optimizer=optimizer, steps=3, eval_every=0, device="cuda", dtype="float32")
+    done = _run(settings(tiny, tmp_path / "two", **kw), nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    train(TrainConfig.from_flat(**settings(tiny, tmp_path / "one", **kw)), progress=False)
+    _close(rows(tmp_path / "two"), rows(tmp_path / "one"))
