@@ -144,7 +144,8 @@ def save_sharded_checkpoint(out, step: int, model, optimizer, trainer_state: dic
         if dist.main:
             dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
             (tmp / "config.json").write_text(json.dumps(model.config.to_hf_dict(dtype), indent=2) + "\n")
-            torch.save({"step": step, **trainer_state, "rng": _rng_state()}, tmp / "trainer_state.pt")
+            torch.save({"step": step, **trainer_state, "rng": _rng_state(), "world_size": dist.world_size},
+                       tmp / "trainer_state.pt")
             (tmp / "data.json").write_text(json.dumps(data_state, indent=2) + "\n")
     if dist.main:
         for old in checkpoints(out)[:-KEEP_CHECKPOINTS]:
@@ -157,20 +158,28 @@ def load_sharded_checkpoint(ckpt: Path, model, optimizer) -> tuple[dict, dict]:
     """Load checkpoint `ckpt`, of either kind, into `model` and `optimizer` where one of them is
     sharded (a DCP checkpoint into any model, or a one-process checkpoint into a sharded model),
     keeping the optimizer's hyperparameters; restore the RNG states; returns (trainer_state
-    without the optimizer, data_state)."""
+    without the optimizer, data_state). Refuses an optimizer whose states' layout follows the world
+    size (`world_size_bound`: the 8-bit AdamW's blocks) at another world size than the one that
+    wrote them."""
     import torch
+    import torch.distributed as tdist
 
     from student.distributed import load_full_into_sharded, load_sharded
     from student.model import Student
 
-    if is_sharded_checkpoint(ckpt):
-        _check_same_model(ckpt, ckpt / "config.json", model)
+    sharded = is_sharded_checkpoint(ckpt)
+    _check_same_model(ckpt, ckpt / ("config.json" if sharded else "model/config.json"), model)
+    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    written_by, world_size = state.get("world_size", 1), tdist.get_world_size() if tdist.is_initialized() else 1
+    if getattr(optimizer, "world_size_bound", False) and written_by != world_size:
+        raise RunDirError(f"checkpoint {ckpt} was written by {written_by} process(es), this run has {world_size}: "
+                          f"the --optimizer {optimizer.name} states are blocked per process's shard; resume with "
+                          f"{written_by} process(es) (torchrun --nproc-per-node; 1: without torchrun) or use a new "
+                          "`out`")
+    if sharded:
         load_sharded(ckpt / "dcp", model, optimizer)
-        state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
     else:
-        _check_same_model(ckpt, ckpt / "model" / "config.json", model)
         weights = Student.from_pretrained(ckpt / "model").state_dict()
-        state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
         load_full_into_sharded(model, optimizer, weights, state.pop("optimizer"))
     _set_rng_state(state["rng"])
     return state, json.loads((ckpt / "data.json").read_text())

@@ -16,6 +16,17 @@ chunk-recurrent training does); FSDP then SUMS the ranks' gradients (its divide 
 The sum over ranks equals the one-process loss and gradient in exact arithmetic; in floating point
 they differ by the order of the sums over rows (tests/test_distributed.py holds the bound).
 
+Optimizers: every rank steps its own rows. torch's AdamW keeps DTensor states itself; FOAM and
+the 8-bit AdamW step on the local shards with states shaped for them, kept as DTensors sharded as
+their parameters (student/optim/shards.py). FOAM folds within rows, so its steps and states are the
+one-process ones; the 8-bit AdamW blocks each shard from its first element, the one-process blocks
+only where shards start on block edges, so its checkpoints resume only at the world size that
+wrote them (student/optim/adam8bit.py).
+
+The sparse FFN: each rank measures its part of the micro-batches; its window sums the ranks'
+measurements every step (`sum_over_ranks_`), so every rank decides the same routing and dead
+neurons and moves the gate rows of its own shard (student/sparse_ffn.py).
+
 Checkpoints written by a sharded run hold `dcp/` (the model and optimizer through DCP's
 get_state_dict, so they reshard to any world size) beside trainer_state.pt and data.json
 (student/checkpoint.py); a one-process run reads them with the same calls, and a sharded run
@@ -34,14 +45,8 @@ from distill.configs import ConfigError
 from distill.errors import DistillUserError
 
 __all__ = ["Dist", "world_from_env", "setup", "teardown", "check_config", "shard_model", "global_rows",
-           "padded_to_longest_part", "all_sum", "rank0_first", "unsharded_root", "full_model_state", "save_sharded", "load_sharded",
-           "load_full_into_sharded"]
-
-# Optimizers whose states FSDP2 shards with their parameters. FOAM and the 8-bit AdamW keep states
-# of other shapes (folded blocks, per-block codes and scales) and run fused kernels on plain
-# tensors: not yet on DTensor shards.
-SHARDABLE_OPTIMIZERS = ("adamw",)
-
+           "padded_to_longest_part", "all_sum", "sum_over_ranks_", "rank0_first", "unsharded_root",
+           "full_model_state", "save_sharded", "load_sharded", "load_full_into_sharded"]
 
 @dataclass(frozen=True)
 class Dist:
@@ -70,15 +75,9 @@ def check_config(config, dist: Dist) -> None:
         raise ConfigError("batch_size", f"is {config.batch_size}, which does not divide among the {dist.world_size} "
                                         "processes (it is the micro-batch over all of them, each takes an equal "
                                         f"share); give a multiple of {dist.world_size}")
-    if config.optim.optimizer not in SHARDABLE_OPTIMIZERS:
-        raise ConfigError("optimizer", f"is {config.optim.optimizer!r}: its states are not yet sharded by FSDP2 "
-                                       "under torchrun; use --optimizer adamw, or train in one process")
     if config.offload.offload != "none":
         raise ConfigError("offload", f"is {config.offload.offload!r}: offloaded training runs in one process; "
                                      "drop --offload or run without torchrun")
-    if config.sparse.sparse_ffn:
-        raise ConfigError("sparse_ffn", "is on: the sparse FFN's statistics and dead-neuron reinit are not yet "
-                                        "gathered over processes; drop --sparse-ffn or train in one process")
     if config.device.startswith("cuda:"):
         raise ConfigError("device", f"is {config.device!r}: under torchrun each process takes the GPU of its "
                                     "LOCAL_RANK; give --device cuda or auto")
@@ -144,6 +143,14 @@ def all_sum(values: list[float], device: str) -> list[float]:
     summed = torch.tensor(values, dtype=torch.float64, device=device)
     torch.distributed.all_reduce(summed)
     return summed.tolist()
+
+
+def sum_over_ranks_(tensor):
+    """`tensor` summed over the ranks, in place (one all-reduce); returns it."""
+    import torch.distributed as tdist
+
+    tdist.all_reduce(tensor)
+    return tensor
 
 
 def rank0_first(dist: Dist | None, work):

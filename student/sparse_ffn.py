@@ -6,6 +6,11 @@ keeps nothing of it. Everything decided from those measurements lives here: the 
 statistics window behind the metrics rows, routing each layer to the sparse kernels by its
 measured non-zeros, and the dead-neuron re-initialisation of the paper's App. C.3.
 
+Under FSDP2 (student/distributed.py) each rank measures its part of every micro-batch: the window
+sums the ranks' measurements at the end of each step (`reduce`), so every rank holds the whole
+step's statistics, writes the same metrics, routes the layers alike and moves the same dead
+neurons; each rank moves the gate rows of its own shard, with the noise one process would draw.
+
 torch is imported inside the functions: the CLI imports `SparseFFNConfig` for its option
 defaults without loading torch.
 """
@@ -70,11 +75,16 @@ def l1_penalty(terms: list):
 
 class FFNWindow:
     """Per-layer statistics of a ReLU-gated student summed on its device over the micro-batches
-    since the last metrics row; only `row` copies them to the host (at logging steps)."""
+    since the last metrics row; only `row` copies them to the host (at logging steps).
+    reduce: sums a float64 tensor over the ranks in place (student.distributed.sum_over_ranks_)
+    when each rank sees its part of the micro-batches; the window then keeps this rank's
+    measurements of the step apart until `end_step` adds the ranks' sum. None: one process."""
 
-    def __init__(self, num_layers: int, d_ff: int, device):
+    def __init__(self, num_layers: int, d_ff: int, device, reduce=None):
         import torch
 
+        self.reduce = reduce
+        self._pending = FFNWindow(num_layers, d_ff, device) if reduce is not None else None  # this rank's step
         self.d_ff = d_ff
         self.l1_step = torch.zeros((), device=device)  # sum over this step's micro-batches of the mean-layer l1
         self.nnz_L = torch.zeros(num_layers, device=device)  # sum over calls of mean non-zeros per token
@@ -93,6 +103,9 @@ class FFNWindow:
         `share` of its real tokens (the means then add up over the chunks)."""
         import torch
 
+        if self._pending is not None:
+            self._pending.add(terms, share)
+            return
         self.l1_step += torch.stack([l1.detach() for l1, _ in terms]).mean() * share
         self.nnz_L += torch.stack([s.nnz for _, s in terms]).to(self.nnz_L) * share
         active_LF = torch.stack([s.active for _, s in terms])
@@ -108,6 +121,8 @@ class FFNWindow:
         [L, d_ff]) and starts the next; else None."""
         import torch
 
+        if self._pending is not None:
+            self._add_pending_over_ranks()
         self.l1_last = self.l1_step / grad_accum
         self.l1_step = torch.zeros_like(self.l1_step)
         self.dead_tokens += tokens
@@ -116,6 +131,27 @@ class FFNWindow:
         active, self.dead_active_LF = self.dead_active_LF, torch.zeros_like(self.dead_active_LF)
         self.dead_tokens = 0
         return active
+
+    def _add_pending_over_ranks(self) -> None:
+        """Add the step's measurements summed over the ranks (one all-reduce) and clear this rank's."""
+        import torch
+
+        mine, (num_layers, d_ff) = self._pending, self.active_LF.shape
+        calls = torch.tensor([float(mine.calls)], device=mine.nnz_L.device)
+        parts = (mine.l1_step.view(1), mine.nnz_L, mine.overflow_L, mine.fallback_L, mine.active_LF.flatten(), calls)
+        packed = torch.cat([t.to(torch.float64) for t in parts])  # active: how many ranks saw the neuron fire
+        self.reduce(packed)
+        l1, nnz, overflow, fallback, active, calls = packed.split([1, num_layers, num_layers, num_layers,
+                                                                  num_layers * d_ff, 1])
+        self.l1_step += l1[0].to(self.l1_step.dtype)
+        self.nnz_L += nnz.to(self.nnz_L.dtype)
+        self.overflow_L += overflow.round().to(torch.int64)
+        self.fallback_L += fallback.round().to(torch.int64)
+        active_LF = active.view(num_layers, d_ff) > 0
+        self.active_LF |= active_LF
+        self.dead_active_LF |= active_LF
+        self.calls += float(calls.item())
+        self._pending = FFNWindow(num_layers, d_ff, self.nnz_L.device)
 
     def row(self) -> dict:
         """The metrics of the window (one host sync), then start a new one."""
@@ -153,16 +189,21 @@ def route_layers(model, nnz: list[float]) -> list[str]:
 def reinit_dead_gates(model, active_LF, rate: float, seed: int, step: int):
     """Gate rows of the neurons inactive over the dead window (~active_LF) <- (1 - rate) w + rate N(0, 0.02^2),
     the noise from a generator seeded by (seed, step), so a resumed run draws the same. Returns the
-    number moved per layer (int64 [L], on the device; no host sync)."""
+    number moved per layer (int64 [L], on the device; no host sync). A gate sharded by FSDP2 moves
+    this rank's rows, with their rows of the whole gate's noise (active_LF is then every rank's)."""
     import torch
+
+    from student.optim.shards import local, local_rows
 
     gen = torch.Generator(device=active_LF.device).manual_seed(seed * 1_000_003 + step)
     with torch.no_grad():
         for layer, active_F in zip(model.layers, active_LF):
             w = layer.mlp.gate_proj.weight
-            noise = torch.randn(w.shape, generator=gen, device=w.device, dtype=torch.float32) * DEAD_REINIT_STD
+            rows, w = local_rows(w), local(w)
+            noise = torch.randn(layer.mlp.gate_proj.weight.shape, generator=gen, device=w.device,
+                                dtype=torch.float32)[rows] * DEAD_REINIT_STD
             moved = (1 - rate) * w.float() + rate * noise
-            w.copy_(torch.where(active_F[:, None], w.float(), moved).to(w.dtype))
+            w.copy_(torch.where(active_F[rows, None], w.float(), moved).to(w.dtype))
     return (~active_LF).sum(dim=1)
 
 
@@ -172,9 +213,10 @@ class SparseFFNPolicy:
     dead-neuron re-init after the steps that close a window. Its state travels in checkpoints.
     Every layer starts dense, until the first logging step has measured it."""
 
-    def __init__(self, config: SparseFFNConfig, model, device, seed: int):
+    def __init__(self, config: SparseFFNConfig, model, device, seed: int, reduce=None):
+        """reduce: as FFNWindow's (None: one process)."""
         self.config, self.seed = config, seed
-        self.window = FFNWindow(model.config.num_layers, model.config.intermediate_size, device)
+        self.window = FFNWindow(model.config.num_layers, model.config.intermediate_size, device, reduce)
         for layer in model.layers:
             layer.mlp.impl = "torch"
 

@@ -376,7 +376,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
                                     load_checkpoint, load_sharded_checkpoint, remove_stale, rewind, rewind_metrics,
                                     save_checkpoint, save_sharded_checkpoint, save_student)
     from student.distributed import (all_sum, global_rows, padded_to_longest_part, rank0_first, shard_model,
-                                     unsharded_root)
+                                     sum_over_ranks_, unsharded_root)
     from student.data import CacheBatches, Prefetcher, split_indices, tokenizer_info_of
     from student.evaluate import KL_NOTE, EvalResult, evaluate_student, teacher_reference
     from student.optim import build_optimizer, load_state_keeping_settings, state_bytes
@@ -439,7 +439,8 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
     data = CacheBatches(CacheReader(config.cache), train_idx, config.batch_size, seq_len=config.seq_len,
                         seed=config.seed, pin_memory=device.startswith("cuda"),
                         part=(0, 1) if dist is None else (dist.rank, dist.world_size))
-    policy = SparseFFNPolicy(config.sparse, model, device, config.seed) if model.config.sparse_ffn else None
+    policy = None if not model.config.sparse_ffn else \
+        SparseFFNPolicy(config.sparse, model, device, config.seed, reduce=None if dist is None else sum_over_ranks_)
     step, last_saved = 0, None  # last_saved: (checkpoint, the loss of its step)
     if (ckpt := latest_checkpoint(out)) is not None:
         if dist is not None or is_sharded_checkpoint(ckpt):

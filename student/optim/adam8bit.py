@@ -28,6 +28,18 @@ dtypes and step count through address tables built once while the parameter set 
 State per 8-bit parameter of n elements: codes_m, codes_r (uint8 [n]) and absmax_m, absmax_r
 (fp32 [ceil(n / block_size)]), i.e. `adam8bit_state_bytes_formula`; the step count is a Python int
 (no tensor, no host sync to read it).
+
+Under FSDP2 (student/distributed.py) each rank steps its local shard of a parameter (its rows) as
+if the shard were the parameter: the shard's elements are cut into blocks from the shard's first
+element. Whether a parameter keeps 8-bit or fp32 moments is decided by its whole size, as in one
+process. The blocks are the one-process blocks exactly when every shard starts at a multiple of
+`block_size` elements (rows per rank x row length a multiple of it); otherwise a later shard's
+blocks are offset from the one-process blocks (the same code and rounding rule over other groups
+of elements; tests/test_distributed.py bounds the drift this brings). The states are DTensors
+sharded as the parameter: codes of the parameter's shape, absmax [ranks x the largest shard's
+blocks] (a smaller shard leaves its tail unused). That layout depends on the world size, so a
+sharded run's 8-bit states resume only at the world size that wrote them (student/checkpoint.py
+refuses another in one line); the fp32 moments of small parameters have the parameter's layout.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ from kernels.adamw8bit_step import (AdamW8bitLaunch, AdamW8bitStepSettings, adam
                                     adamw_step_scalars)
 from kernels.multi_tensor import TRITON_DTYPE_NAMES, GradTable, triton_can_run
 from student.optim.plans import current_plan
+from student.optim.shards import is_sharded, largest_shard_numel, like, local
 
 try:
     import triton
@@ -79,12 +92,12 @@ class _Plan:
     """What one ``AdamW8bit.step`` does for a fixed set of params with grads; reused while ``key``
     (the state dict, which params have grads, the params' addresses) holds."""
 
-    def __init__(self, key, launches, small, loose, settings: AdamW8bitStepSettings):
+    def __init__(self, key, launches, fused_params, small, loose, settings: AdamW8bitStepSettings):
         self.key = key
         self.launches = launches  # [(group index, AdamW8bitLaunch, the params' states)]
+        self.fused_params = fused_params  # the params of the launches, in order (DTensors where sharded)
         self.small = small  # [(group index, params, states)]: fp32 moments, one step count each
         self.loose = loose  # [(param, state, group, use_triton)]: 8-bit params stepped one at a time
-        self.fused_params = [p for _, launch, _ in launches for p in launch.params]
         self.fused_states = [s for _, _, states in launches for s in states]
         self.grads = GradTable([launch for _, launch, _ in launches], settings.align_bytes)
 
@@ -100,6 +113,11 @@ class AdamW8bit(torch.optim.Optimizer):
     Triton step (on a CPU only under TRITON_INTERPRET=1, for tests); False never. settings: the Triton
     step's tiling (kernels.adamw8bit_step.AdamW8bitStepSettings; the default is the production path).
     """
+
+    name = "adamw8bit"  # its --optimizer name
+    # Sharded by FSDP2, the 8-bit states are blocked per rank's shard (module docstring): a checkpoint
+    # resumes only at the world size that wrote it (student/checkpoint.py).
+    world_size_bound = True
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, block_size: int = 256,
@@ -164,12 +182,22 @@ class AdamW8bit(torch.optim.Optimizer):
         if p.numel() < group["min_8bit_size"]:
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        else:
-            num_blocks = math.ceil(p.numel() / group["block_size"])
-            for name in ("m", "r"):
-                state[f"codes_{name}"] = torch.zeros(p.numel(), dtype=torch.uint8, device=p.device)
-                state[f"absmax_{name}"] = torch.zeros(num_blocks, dtype=torch.float32, device=p.device)
+            return state
+        shard = local(p)
+        num_blocks = math.ceil(largest_shard_numel(p) / group["block_size"])
+        ranks = p.device_mesh.size() if is_sharded(p) else 1
+        for name in ("m", "r"):  # sharded: codes shaped as the param, so that they split over the ranks as its rows
+            codes = torch.zeros(shard.shape if is_sharded(p) else shard.numel(), dtype=torch.uint8, device=p.device)
+            state[f"codes_{name}"] = like(p, codes, p.shape)
+            absmax = torch.zeros(num_blocks, dtype=torch.float32, device=p.device)
+            state[f"absmax_{name}"] = like(p, absmax, (ranks * num_blocks,))
         return state
+
+    def _kernel_state(self, p: torch.Tensor, state: dict, group: dict) -> tuple:
+        """(codes_m, absmax_m, codes_r, absmax_r) of this rank's shard of `p` as the step takes them."""
+        num_blocks = math.ceil(local(p).numel() / group["block_size"])
+        codes_m, absmax_m, codes_r, absmax_r = (local(state[k]) for k in _STATE_KEYS)
+        return codes_m.view(-1), absmax_m[:num_blocks], codes_r.view(-1), absmax_r[:num_blocks]
 
     def _build_plan(self, key: tuple) -> _Plan:
         """Initialise missing states and sort the params with grads into kernel launches (one per
@@ -185,20 +213,25 @@ class AdamW8bit(torch.optim.Optimizer):
                 state = self.state[p] if self.state[p] else self._init_state(p, group)
                 if "exp_avg" in state:
                     small.setdefault((group_index, p.device, state["step"]), []).append((p, state))
-                elif (use_triton := self._use_triton(p, group)) and p.is_contiguous() and grad.is_contiguous():
-                    launch_key = adamw8bit_launch_key(p, grad, *(state[k] for k in _STATE_KEYS), self.settings)
+                elif ((use_triton := self._use_triton(p, group)) and local(p).is_contiguous()
+                      and local(grad).is_contiguous()):
+                    launch_key = adamw8bit_launch_key(local(p), local(grad), *self._kernel_state(p, state, group),
+                                                      self.settings)
                     by_key.setdefault((group_index, state["step"], launch_key), []).append((p, state))
                 else:
                     loose.append((p, state, group, use_triton))
-        launches = []
+        launches, fused_params = [], []
         for (group_index, _, (_, grad_dtype, aligned, _)), members in by_key.items():
+            group = self.param_groups[group_index]
             states = [state for _, state in members]
-            launch = AdamW8bitLaunch([p for p, _ in members], [tuple(s[k] for k in _STATE_KEYS) for s in states],
-                                     block_size=self.param_groups[group_index]["block_size"], grad_dtype=grad_dtype,
-                                     aligned=aligned, settings=self.settings)
+            launch = AdamW8bitLaunch([local(p) for p, _ in members],
+                                     [self._kernel_state(p, s, group) for p, s in members],
+                                     block_size=group["block_size"], grad_dtype=grad_dtype, aligned=aligned,
+                                     settings=self.settings)
             launches.append((group_index, launch, states))
+            fused_params += [p for p, _ in members]
         small = [(gi, [m[0] for m in members], [m[1] for m in members]) for (gi, _, _), members in small.items()]
-        return _Plan(key, launches, small, loose, self.settings)
+        return _Plan(key, launches, fused_params, small, loose, self.settings)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -207,7 +240,7 @@ class AdamW8bit(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = [p for group in self.param_groups for p in group["params"]]
-        key = (id(self.state), tuple(p.grad is not None for p in params), tuple(p.data_ptr() for p in params))
+        key = (id(self.state), tuple(p.grad is not None for p in params), tuple(local(p).data_ptr() for p in params))
         plan = current_plan(self, key)
         for state in plan.fused_states:
             state["step"] += 1
@@ -220,8 +253,9 @@ class AdamW8bit(torch.optim.Optimizer):
             self._step_fp32(small_params, states, self.param_groups[group_index])
         for p, state, group, use_triton in plan.loose:
             state["step"] += 1
-            adamw8bit_step([p], [p.grad], [tuple(state[k] for k in _STATE_KEYS)], block_size=group["block_size"],
-                           impl="triton" if use_triton else "torch", settings=self.settings,
+            adamw8bit_step([local(p)], [local(p.grad)], [self._kernel_state(p, state, group)],
+                           block_size=group["block_size"], impl="triton" if use_triton else "torch",
+                           settings=self.settings,
                            **_hyperparameters(group, state["step"]))
         return loss
 
@@ -229,11 +263,12 @@ class AdamW8bit(torch.optim.Optimizer):
         """torch.optim.AdamW's single-tensor arithmetic, op for op, batched over params that share a
         group, a device and a step count (foreach kernels on a GPU, the same ops per tensor on a CPU)."""
         beta1, beta2 = group["betas"]
+        grads = [local(p.grad).float() for p in params]
+        params = [local(p) for p in params]  # a sharded param's rows on this rank
         lowp = [i for i, p in enumerate(params) if p.dtype != torch.float32]
         param32 = [p.float() if p.dtype != torch.float32 else p for p in params]
-        grads = [p.grad.float() for p in params]
-        exp_avgs = [state["exp_avg"] for state in states]
-        exp_avg_sqs = [state["exp_avg_sq"] for state in states]
+        exp_avgs = [local(state["exp_avg"]) for state in states]
+        exp_avg_sqs = [local(state["exp_avg_sq"]) for state in states]
         torch._foreach_mul_(param32, 1 - group["lr"] * group["weight_decay"])
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)

@@ -37,6 +37,7 @@ from distill.errors import DistillUserError
 from kernels.foam_step import FoamLaunch, FoamStepSettings, foam_launch_key, foam_moment_shape, foam_step
 from kernels.multi_tensor import TRITON_DTYPE_NAMES, GradTable, triton_can_run
 from student.optim.plans import current_plan
+from student.optim.shards import like, local
 
 try:
     import triton
@@ -101,11 +102,11 @@ class _Plan:
     ``key`` (the state dict, the groups' levels, which params have grads, the params' addresses)
     holds."""
 
-    def __init__(self, key, launches, loose, settings: FoamStepSettings):
+    def __init__(self, key, launches, fused_params, loose, settings: FoamStepSettings):
         self.key = key
         self.launches = launches  # [(group index, FoamLaunch, the params' states)]
         self.loose = loose  # [(param, group, use_triton)]
-        self.fused_params = [p for _, launch, _ in launches for p in launch.params]
+        self.fused_params = fused_params  # the params of the launches, in order (DTensors where sharded)
         self.fused_states = [s for _, _, states in launches for s in states]
         self.grads = GradTable([launch for _, launch, _ in launches], settings.align_bytes)
 
@@ -128,6 +129,11 @@ class FOAM(torch.optim.Optimizer):
     (kernels.foam_step.FoamStepSettings; the default is the production path).
     State per param: ``step`` (int), ``exp_avg`` and ``exp_avg_sq`` (fp32, [..., ceil(n / 2**level)]
     for folded params, the param's shape otherwise).
+
+    Params FSDP2 shards by rows (student/distributed.py) step on their local shard: folding runs
+    along the last dimension, within rows, so a shard's moments are the rows of the whole param's and
+    the step is the one-process step, element for element. The moments are DTensors sharded as their
+    param (student/optim/shards.py): a checkpoint resumes at any world size.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, level=2,
@@ -179,9 +185,10 @@ class FOAM(torch.optim.Optimizer):
         state = self.state[p]
         shape = foam_moment_shape(p.shape, block)
         if not state:
+            local_shape = foam_moment_shape(local(p).shape, block)
             state["step"] = 0
-            state["exp_avg"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = like(p, torch.zeros(local_shape, dtype=torch.float32, device=p.device), shape)
         elif tuple(state["exp_avg"].shape) != shape:
             raise DistillUserError(
                 f"FOAM state of a param of shape {tuple(p.shape)} has moments of shape "
@@ -192,7 +199,7 @@ class FOAM(torch.optim.Optimizer):
 
     def _plan_key(self, params: list[torch.Tensor]) -> tuple:
         return (id(self.state), tuple(group["level"] for group in self.param_groups),
-                tuple(p.grad is not None for p in params), tuple(p.data_ptr() for p in params))
+                tuple(p.grad is not None for p in params), tuple(local(p).data_ptr() for p in params))
 
     def _build_plan(self, key: tuple) -> _Plan:
         """Initialise missing states, check the levels, sort the params with grads into launches
@@ -208,19 +215,22 @@ class FOAM(torch.optim.Optimizer):
                 block = _block_size(group["level"], p)
                 state = self._init_state(p, block, group["level"])
                 use_triton = self._use_triton(p)
-                if use_triton and p.numel() > 0 and p.is_contiguous() and grad.is_contiguous():
-                    launch_key = foam_launch_key(p, grad, state["exp_avg"], state["exp_avg_sq"], block, self.settings)
+                p_local, grad = local(p), local(grad)
+                if use_triton and p_local.numel() > 0 and p_local.is_contiguous() and grad.is_contiguous():
+                    launch_key = foam_launch_key(p_local, grad, local(state["exp_avg"]), local(state["exp_avg_sq"]),
+                                                 block, self.settings)
                     by_key.setdefault((group_index, state["step"], launch_key), []).append((p, state))
                 else:
                     loose.append((p, group, use_triton))
-        launches = []
+        launches, fused_params = [], []
         for (group_index, _, (_, grad_dtype, block, _, aligned, _)), members in by_key.items():
             states = [state for _, state in members]
-            launch = FoamLaunch([p for p, _ in members], [s["exp_avg"] for s in states],
-                                [s["exp_avg_sq"] for s in states], block=block, grad_dtype=grad_dtype,
+            launch = FoamLaunch([local(p) for p, _ in members], [local(s["exp_avg"]) for s in states],
+                                [local(s["exp_avg_sq"]) for s in states], block=block, grad_dtype=grad_dtype,
                                 aligned=aligned, settings=self.settings)
             launches.append((group_index, launch, states))
-        return _Plan(key, launches, loose, self.settings)
+            fused_params += [p for p, _ in members]
+        return _Plan(key, launches, fused_params, loose, self.settings)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -240,8 +250,8 @@ class FOAM(torch.optim.Optimizer):
             block = _block_size(group["level"], p)
             state = self.state[p]
             state["step"] += 1
-            foam_step([p], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], block=block,
-                      impl="triton" if use_triton else "torch", settings=self.settings,
+            foam_step([local(p)], [local(p.grad)], [local(state["exp_avg"])], [local(state["exp_avg_sq"])],
+                      block=block, impl="triton" if use_triton else "torch", settings=self.settings,
                       **_hyperparameters(group, block, state["step"]))
         return loss
 
