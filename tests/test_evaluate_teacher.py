@@ -47,13 +47,15 @@ def sharp_teacher(tiny_teacher, teacher_tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_cache(sharp_teacher, teacher_tokenizer, tmp_path_factory):
-    """The sharp teacher's top-8 cache of 6 stdlib sequences of 24 tokens, fp32 values, temperature 2."""
+    """The sharp teacher's top-8 cache of 6 stdlib sequences of 24 tokens, the last cut to 13 (so
+    batches hold padding rows), fp32 values, temperature 2."""
     from pipelines.corpus import CorpusConfig, prepare_corpus
     from teacher_cache.backends import make_backend
     from teacher_cache.build import CacheConfig, build_cache
     from teacher_cache.identity import tokenizer_info
 
     corpus = prepare_corpus(CorpusConfig(seq_len=24, max_sequences=6), teacher_tokenizer, progress=False)
+    corpus.sequences[-1] = corpus.sequences[-1][:13]
     backend = make_backend("hf", sharp_teacher, dtype="float32", device="cpu", batch_size=6,
                            temperature=CACHE_TEMPERATURE)
     out = tmp_path_factory.mktemp("teacher_eval") / "cache"
@@ -61,7 +63,7 @@ def tiny_cache(sharp_teacher, teacher_tokenizer, tmp_path_factory):
         build_cache(corpus.sequences, backend,
                     CacheConfig(out=out, k=8, value_codec="fp32", shard_size=3, temperature=CACHE_TEMPERATURE),
                     tokenizer=tokenizer_info(teacher_tokenizer), progress=False,
-                    data={"source": corpus.source, "fingerprint": corpus.fingerprint, "seq_len": corpus.seq_len})
+                    data={"source": corpus.source, "fingerprint": "stdlib, last sequence cut", "seq_len": 24})
     finally:
         backend.close()
     return out
@@ -137,10 +139,13 @@ def test_the_teacher_against_itself_is_zero_and_the_cache_kl_is_a_lower_bound(ti
 def test_ece_of_a_hand_made_case_with_empty_bins():
     calibration = Calibration()
     # bin 0 = (0, 1/15]: 0.05 wrong, 0.06 right; bin 7 = (7/15, 8/15]: 0.5 right, 0.52 wrong;
-    # bin 13 = (13/15, 14/15]: 0.9 right; bin 14: 1.0 right; the other 11 bins are empty.
+    # bin 13 = (13/15, 14/15]: 0.9 right; bin 14: 1.0 right; bins 8 and 9 below; the other 9 are empty.
     calibration.add(torch.tensor([0.05, 0.06, 0.5], dtype=torch.float64), torch.tensor([False, True, True]))
     calibration.add(torch.tensor([0.52, 0.9, 1.0], dtype=torch.float64), torch.tensor([False, True, True]))
-    by_hand = 2 / 6 * abs(1 / 2 - 0.055) + 2 / 6 * abs(1 / 2 - 0.51) + 1 / 6 * abs(1 - 0.9) + 1 / 6 * abs(1 - 1.0)
+    # on an edge: 0.6 = 9/15 closes bin 8 = (8/15, 9/15] (wrong); 0.62 is in bin 9 (right)
+    calibration.add(torch.tensor([0.6, 0.62], dtype=torch.float64), torch.tensor([False, True]))
+    by_hand = (2 * abs(1 / 2 - 0.055) + 2 * abs(1 / 2 - 0.51) + abs(1 - 0.9) + abs(1 - 1.0)
+               + abs(0 - 0.6) + abs(1 - 0.62)) / 8
     assert calibration.error() == pytest.approx(by_hand, abs=1e-12)
     assert Calibration().error() == 0.0  # no rows
 
