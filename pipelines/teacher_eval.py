@@ -45,7 +45,10 @@ class EvalTeacher:
         from teacher_cache.identity import tokenizer_info
 
         spec = reader.manifest.spec
-        opened = open_teacher_folder(self.folder())
+        try:
+            opened = open_teacher_folder(self.folder())
+        except DistillUserError as e:
+            raise DistillUserError(f"--teacher: {e}") from None
         tokenizer_hash = tokenizer_info(opened.tokenizer)["hash"]
         if tokenizer_hash != spec.tokenizer.hash:
             raise DistillUserError(

@@ -204,4 +204,22 @@ def test_cli_eval_teacher_adds_both_figures_to_table_and_json(tiny_student, shar
     bad.mkdir()
     code, _, err = run_cli(["eval", tiny_student, "--cache", tiny_cache, "--teacher", bad, "--device", "cpu", "-q"],
                            capsys)
-    assert "no_teacher has no config.json" in one_error_line(code, err)
+    assert one_error_line(code, err).startswith("error: --teacher: teacher folder") and "no_teacher has no config.json" in err
+
+
+def test_the_kl_note_follows_the_cache_kind():
+    """A sampled cache's cache-based kl is the RS-KD estimate, and the note and the table say so; a
+    manifest without a kind (every cache before sampled ones) is top-k."""
+    from types import SimpleNamespace
+
+    from distill.cli import _eval_table
+    from student.evaluate import KL_NOTE, SAMPLED_KL_NOTE, EvalResult, kl_note
+
+    reader = lambda **targets: SimpleNamespace(manifest=SimpleNamespace(spec=SimpleNamespace(
+        targets=SimpleNamespace(k=12, temperature=1.0, **targets))))
+    assert kl_note(reader()) == kl_note(reader(kind="topk")) == KL_NOTE
+    assert kl_note(reader(kind="sampled")) == SAMPLED_KL_NOTE and "estimate" in SAMPLED_KL_NOTE
+    row = EvalResult(kl=0.5, ce=2.0, ppl=7.39, top1=0.4, tokens=10)
+    table = _eval_table({"teacher": row, "student": row, "kl_note": SAMPLED_KL_NOTE})
+    assert "KL (estimate)" in table and SAMPLED_KL_NOTE in table and "full-vocab KL" not in table
+    assert "KL (top-k bound)" in _eval_table({"teacher": row, "student": row})

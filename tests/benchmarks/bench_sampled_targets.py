@@ -88,10 +88,12 @@ def stage_one_config(recipe, args, name: str, kind: str, count: int):
     s1 = recipe.stage_one
     corpus = dataclasses.replace(s1.corpus, seq_len=args.seq_len, max_sequences=args.tokens // args.seq_len)
     teacher = dataclasses.replace(s1.teacher, device=args.device)
-    cache = dataclasses.replace(s1.cache, out=args.out / "caches" / name, k=count, batch_size=args.cache_batch_size)
-    if kind == "sampled":
+    cache = dataclasses.replace(s1.cache, out=args.out / "caches" / name, batch_size=args.cache_batch_size)
+    if kind == "topk":
+        cache = dataclasses.replace(cache, k=count)
+    else:
         # LEAD, after merging sample20: its CacheConfig fields `targets` and `samples` (CONTRACT20.md,
-        # "Cache"); check that k = S is what it expects of a sampled cache's config.
+        # "Cache"; the draws' proposal and seed at their defaults). Until then this refuses.
         from teacher_cache.build import CacheConfig
 
         if "targets" not in CacheConfig.__dataclass_fields__:
@@ -126,9 +128,12 @@ def evaluate_run(run_dir: Path, cache: dict, teacher_dir, device: str) -> tuple[
     start = time.perf_counter()
     evaluation = evaluate_run_or_folder(run_dir, device=device, teacher=EvalTeacher(teacher_dir))
     after, teacher = evaluation["after"], evaluation["teacher"]
-    bytes_per_token = cache_stats(cache["dir"], max_shards=1)["bytes_per_token"]  # sizes cover every shard
+    stats = cache_stats(cache["dir"], max_shards=4)  # its sizes cover every shard
+    unique = stats.get("unique_ids_per_position")  # sampled caches: distinct ids the S draws gave
     label = f"top-{cache['count']}" if cache["kind"] == "topk" else f"sampled, S = {cache['count']}"
+    bytes_per_token = stats["bytes_per_token"]
     fields = {"label": label, "targets": cache["kind"], "count": cache["count"], "bytes_per_token": bytes_per_token,
+              "unique_ids_per_position": unique["mean"] if unique else None,
               "full_vocab_kl": after.full_vocab_kl, "ce": after.ce, "calibration_error": after.calibration_error,
               "cache_kl": after.kl, "top1": after.top1, "heldout_tokens": after.tokens,
               "teacher_ce": teacher.ce, "teacher_calibration_error": teacher.calibration_error,
