@@ -400,11 +400,16 @@ def evaluate(
     heldout: Optional[int] = typer.Option(None, help="Held-out sequences (default: the run's split)."),
     tokenizer: Optional[Path] = typer.Option(None, help="The student's tokenizer folder (default: the student folder, or the run's)."),
     chunk_tokens: Optional[int] = typer.Option(None, "--chunk-tokens", help="Run long sequences in chunks of N tokens against a paged key/value store (default: as the run trained; whole sequences for a folder)."),
+    teacher: Optional[str] = typer.Option(None, "--teacher", help="Teacher HF folder (or 'default': the embedded SmolLM2-135M-Instruct) to run on the held-out sequences: adds the exact full-vocabulary KL and the calibration error. Its tokenizer must be the cache's."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N: where the student (and --teacher) run."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Held-out KL to the teacher, cross-entropy, perplexity and top-1 agreement, beside the teacher's own.
 
-    The KL is over the teacher's top-k plus one tail category: a lower bound of the full-vocabulary KL.
+    The KL is over the teacher's top-k plus one tail category: a lower bound of the full-vocabulary KL (on a sampled cache: the cache's unbiased estimate of it).
+
+    With --teacher the teacher runs on the same held-out sequences: the exact full-vocabulary KL (teacher and student at the cache's temperature) and the expected calibration error of the top-1 (15 equal-width bins, against the actual next token), in the table and in --json as full_vocab_kl and calibration_error; caches of any kind are then compared on one ground truth.
 
     The cache must be of the student's tokenizer. For a sparse FFN (ReLU-gated) student also the per-layer sparsity and dead neurons on the held-out sequences, and for a run directory the kernel's overflow / fallback rows in training.
 
@@ -412,14 +417,18 @@ def evaluate(
 
       distill eval runs/quickstart
 
+      distill eval runs/quickstart --teacher default --json
+
       distill eval runs/quickstart/student --cache caches/quickstart --heldout 16 --json
     """
     from distill.configs import ConfigError
+    from pipelines.teacher_eval import EvalTeacher
     from student.evaluate import evaluate_run_or_folder
 
     try:
         results = evaluate_run_or_folder(path, cache=cache, heldout=heldout, tokenizer=tokenizer,
-                                         chunk_tokens=chunk_tokens)
+                                         chunk_tokens=chunk_tokens, device=device, progress=not quiet,
+                                         teacher=EvalTeacher(teacher) if teacher is not None else None)
     except ConfigError as e:
         raise e.as_option() from None
     typer.echo(json.dumps(_jsonable_eval(results), indent=2) if as_json else _eval_table(results))
@@ -543,10 +552,20 @@ def _eval_rows(results: dict) -> list[tuple[str, object]]:
 
 
 def _eval_table(results: dict) -> str:
-    lines = [f"{'held-out':<16} {'KL (top-k bound)':>16} {'CE':>7} {'PPL':>9} {'top-1 agree':>11} {'tokens':>8}"]
-    for label, r in _eval_rows(results):
-        lines.append(f"{label:<16} {r.kl:>16.4f} {r.ce:>7.3f} {r.ppl:>9.2f} {r.top1:>11.3f} {r.tokens:>8,}")
-    lines.append("KL: over the teacher's top-k plus one tail category, a lower bound of the full-vocabulary KL")
+    from student.evaluate import KL_NOTE
+
+    rows = _eval_rows(results)
+    full = any(getattr(r, "full_vocab_kl", None) is not None for _, r in rows)
+    kl_head = "KL (top-k bound)" if results.get("kl_note", KL_NOTE) == KL_NOTE else "KL (estimate)"
+    lines = [f"{'held-out':<16} {kl_head:>16} {'CE':>7} {'PPL':>9} {'top-1 agree':>11} {'tokens':>8}"
+             + (f" {'full-vocab KL':>13} {'ECE':>7}" if full else "")]
+    fmt = lambda value, width, spec: f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
+    for label, r in rows:
+        lines.append(f"{label:<16} {r.kl:>16.4f} {r.ce:>7.3f} {r.ppl:>9.2f} {r.top1:>11.3f} {r.tokens:>8,}"
+                     + (f" {fmt(r.full_vocab_kl, 13, '.4f')} {fmt(r.calibration_error, 7, '.4f')}" if full else ""))
+    lines.append(results.get("kl_note", KL_NOTE))
+    if full:
+        lines.append(results["full_vocab_note"] + "; the teacher row's ECE is the --teacher's own")
     for label, r in _eval_rows(results):
         if getattr(r, "ffn_sparsity", None) is not None:
             percent = lambda values: " ".join(f"{100 * v:.1f}" for v in values)
@@ -569,7 +588,7 @@ def _jsonable_eval(results: dict) -> dict:
     from student.evaluate import KL_NOTE
 
     jsonable = {key: dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for key, r in results.items()}
-    return {**jsonable, "kl_note": KL_NOTE}
+    return {"kl_note": KL_NOTE, **jsonable}
 
 
 _USER_ERRORS = (DistillUserError, FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)

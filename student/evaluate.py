@@ -1,16 +1,23 @@
 """Held-out evaluation of a student against the cached teacher, and of the teacher itself.
 
 Everything is measured on cache rows: KL to the teacher over the k + 1 categories "top-k + tail"
-(the training loss's own KL, student/loss.py, in its "bucket" form at the cache's temperature),
-cross-entropy / perplexity on the actual next tokens, and top-1 agreement with the teacher; for a
-ReLU-gated (sparse FFN) student also the per-layer sparsity and dead neurons on the same sequences.
+(the training loss's own KL, student/loss.py, in its "bucket" form at the cache's temperature; on
+a sampled cache the loss's unbiased estimate of the full KL instead), cross-entropy / perplexity on
+the actual next tokens, and top-1 agreement with the teacher; for a ReLU-gated (sparse FFN)
+student also the per-layer sparsity and dead neurons on the same sequences.
+
+With a teacher model (`distill eval --teacher`, opened by pipelines/teacher_eval.py) the teacher
+runs on the same rows, so every kind of cache is measured on one ground truth: the exact
+full-vocabulary KL(teacher || student) and the expected calibration error of the student's top-1.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -23,10 +30,21 @@ from student.long_context import LongContextConfig, chunked_forward
 from student.loss import LossConfig, distill_loss
 from teacher_cache.reader import CacheReader
 
-ROW_CHUNK = 1024  # rows of [rows, V] fp32 logits at a time for CE and top-1 (V = 49152: 200 MiB)
+# Bytes of one [rows, V] fp32 logits block: the row chunk of the vocabulary-wide metrics (CE, top-1,
+# and with a teacher the full-vocabulary KL and calibration) is sized so one block fits; a handful
+# of such blocks live at once (student and teacher logits and their log-softmaxes).
+LOGITS_BLOCK_BYTES = 200 << 20
+CALIBRATION_BINS = 15  # equal-width confidence bins of the expected calibration error, as the contract fixes
 # Merging the vocabulary outside the teacher's top-k into one category can only lose information.
 KL_NOTE = ("kl is a lower bound of the full-vocabulary KL(teacher || student): it is measured over the teacher's "
            "top-k ids plus one tail category, at the cache's temperature")
+SAMPLED_KL_NOTE = ("kl is the cache's estimate of the full-vocabulary KL(teacher || student) from its sampled ids "
+                   "(RS-KD's importance weights, at the cache's temperature): unbiased but noisy, neither a lower nor "
+                   "an upper bound; top1 compares with the most-sampled id, not always the teacher's top-1")
+FULL_VOCAB_NOTE = ("full_vocab_kl is the exact KL(teacher || student) over the whole vocabulary at the cache's "
+                   "temperature, the teacher run on the held-out rows; calibration_error is the expected calibration "
+                   f"error of the top-1 at temperature 1 against the actual next token ({CALIBRATION_BINS} "
+                   "equal-width confidence bins)")
 # The evaluation's KL: the training loss with the tail as one category, at the cache's temperature.
 _EVAL_LOSS = LossConfig(tail="bucket", temperature=None, ce_weight=0.0)
 
@@ -42,9 +60,14 @@ class EvalResult:
     ffn_nnz: list[float] | None = None  # mean non-zeros of h = relu(x Wg) * (x Wu) per token
     ffn_sparsity: list[float] | None = None  # 1 - ffn_nnz / d_ff
     ffn_dead: list[float] | None = None  # share of the d_ff neurons that are zero on every evaluated token
+    # With a teacher model only (None otherwise; FULL_VOCAB_NOTE):
+    full_vocab_kl: float | None = None  # mean over rows of the exact KL(teacher || student) over the vocabulary, nats
+    calibration_error: float | None = None  # ECE of the top-1 at temperature 1 (rows that have a next token)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None or not k.startswith("ffn_")}
+        """The fields, less the optional ones that are None (so metrics rows stay as they were)."""
+        optional = lambda k: k.startswith("ffn_") or k in ("full_vocab_kl", "calibration_error")
+        return {k: v for k, v in asdict(self).items() if v is not None or not optional(k)}
 
     @classmethod
     def from_dict(cls, d: dict) -> EvalResult:
@@ -53,15 +76,77 @@ class EvalResult:
 
     def summary(self) -> str:
         """One console line of the numbers."""
+        full = "" if self.full_vocab_kl is None else (f", full-vocabulary KL {self.full_vocab_kl:.4f}, "
+                                                      f"ECE {self.calibration_error:.4f}")
         return (f"KL to teacher (top-k bound) {self.kl:.4f}, CE {self.ce:.3f}, PPL {self.ppl:.2f}, "
-                f"top-1 {self.top1:.3f} ({self.tokens:,} tokens)")
+                f"top-1 {self.top1:.3f}{full} ({self.tokens:,} tokens)")
+
+
+def target_kind(reader: CacheReader) -> str:
+    """"topk" or "sampled": the kind of the cache's targets (a manifest without one is top-k)."""
+    return getattr(reader.manifest.spec.targets, "kind", "topk")  # the field comes with sampled caches
+
+
+def kl_note(reader: CacheReader) -> str:
+    """What the cache-based `kl` of an evaluation on `reader` measures."""
+    return SAMPLED_KL_NOTE if target_kind(reader) == "sampled" else KL_NOTE
+
+
+def rows_per_block(vocab_size: int, block_bytes: int = LOGITS_BLOCK_BYTES) -> int:
+    """Rows of [rows, vocab_size] fp32 logits in `block_bytes` (at least one)."""
+    return max(1, block_bytes // (4 * vocab_size))
+
+
+class Calibration:
+    """Sums of the expected calibration error (ECE) of a top-1 prediction, bin by bin.
+
+    A row of confidence c (the top-1 probability) falls in bin ceil(c * num_bins) - 1 of
+    `num_bins` equal-width bins, so bin b holds (b / num_bins, (b + 1) / num_bins] (c = 0 in bin 0).
+    ECE = sum over bins of (rows in the bin / all rows) * |accuracy in the bin - mean confidence in
+    the bin| = sum over bins |hits - sum of confidences| / all rows; an empty bin adds nothing.
+    Sums are float64 on the host, so chunks and batches add up exactly as one pass would.
+    """
+
+    def __init__(self, num_bins: int = CALIBRATION_BINS):
+        self.num_bins = num_bins
+        self.rows = torch.zeros(num_bins, dtype=torch.float64)
+        self.confidence = torch.zeros(num_bins, dtype=torch.float64)
+        self.hits = torch.zeros(num_bins, dtype=torch.float64)
+
+    def add(self, confidence_R: torch.Tensor, correct_R: torch.Tensor) -> None:
+        """confidence_R: float [R] in [0, 1]; correct_R: bool [R], whether the top-1 was right."""
+        conf = confidence_R.detach().double().cpu()
+        bins = (conf * self.num_bins).ceil().long().sub(1).clamp(0, self.num_bins - 1)
+        self.rows += torch.bincount(bins, minlength=self.num_bins).double()
+        self.confidence += torch.bincount(bins, weights=conf, minlength=self.num_bins)
+        self.hits += torch.bincount(bins, weights=correct_R.detach().double().cpu(), minlength=self.num_bins)
+
+    def add_logits(self, logits_CV: torch.Tensor, target_C: torch.Tensor, has_C: torch.Tensor) -> None:
+        """The top-1 of fp32 logits [C, V] at temperature 1 against target ids [C], on rows has_C (bool [C])."""
+        top_C, pred_C = logits_CV.max(-1)
+        confidence_C = torch.exp(top_C - torch.logsumexp(logits_CV, -1))
+        self.add(confidence_C[has_C], (pred_C == target_C)[has_C])
+
+    def error(self) -> float:
+        return float((self.hits - self.confidence).abs().sum() / self.rows.sum().clamp_min(1))
+
+
+def full_vocab_kl_sum(student_CV: torch.Tensor, teacher_CV: torch.Tensor, mask_C: torch.Tensor,
+                      temperature: float) -> float:
+    """Sum over rows mask_C (bool [C]) of KL(softmax(teacher / T) || softmax(student / T)) over the
+    whole vocabulary; logits fp32 [C, V] each (one vocabulary: the caller cuts both to the same V)."""
+    logp_CV = torch.log_softmax(teacher_CV / temperature, -1)
+    logq_CV = torch.log_softmax(student_CV / temperature, -1)
+    kl_C = torch.nn.functional.kl_div(logq_CV, logp_CV, reduction="none", log_target=True).sum(-1)
+    return kl_C[mask_C].double().sum().item()
 
 
 class _Sums:
-    def __init__(self):
-        self.kl = self.ce = self.top1 = 0.0
+    def __init__(self, with_teacher: bool = False):
+        self.kl = self.ce = self.top1 = self.full_kl = 0.0
         self.rows = self.ce_rows = 0
         self.ffn = None  # sparse students: [nnz x rows summed [L], active [L, d_ff], rows]
+        self.calibration = Calibration() if with_teacher else None
 
     def add_ffn(self, terms: list, num_rows: int) -> None:
         """terms: per layer FFNTerms (l1, FFNStats) of one forward over num_rows real tokens."""
@@ -74,13 +159,15 @@ class _Sums:
 
     def result(self, d_ff: int | None = None) -> EvalResult:
         ce = self.ce / max(self.ce_rows, 1)
-        ffn = {}
+        extra = {}
         if self.ffn is not None:
             nnz = (self.ffn[0] / self.ffn[2]).tolist()
-            ffn = {"ffn_nnz": nnz, "ffn_sparsity": [1 - n / d_ff for n in nnz],
-                   "ffn_dead": (1 - self.ffn[1].float().mean(1)).tolist()}
+            extra = {"ffn_nnz": nnz, "ffn_sparsity": [1 - n / d_ff for n in nnz],
+                     "ffn_dead": (1 - self.ffn[1].float().mean(1)).tolist()}
+        if self.calibration is not None:
+            extra.update(full_vocab_kl=self.full_kl / max(self.rows, 1), calibration_error=self.calibration.error())
         return EvalResult(kl=self.kl / max(self.rows, 1), ce=ce, ppl=math.exp(min(ce, 700.0)),
-                          top1=self.top1 / max(self.rows, 1), tokens=self.rows, **ffn)
+                          top1=self.top1 / max(self.rows, 1), tokens=self.rows, **extra)
 
 
 def _ce_and_top1(logits_CV, batch: Batch, rows: slice):
@@ -96,32 +183,76 @@ def _ce_and_top1(logits_CV, batch: Batch, rows: slice):
 
 @torch.no_grad()
 def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, device, seq_len: int | None = None,
-                     autocast_dtype: torch.dtype | None = None, row_chunk: int = ROW_CHUNK,
-                     long: LongContextConfig | None = None) -> EvalResult:
+                     autocast_dtype: torch.dtype | None = None, row_chunk: int | None = None,
+                     long: LongContextConfig | None = None, progress: bool = False) -> EvalResult:
     """Evaluate `model` (a ``Student``) on sequences `indices` of `reader`, without gradients.
 
     kl: the training loss's KL (student/loss.py, the fused kernel, summed over rows): forward
     KL(teacher || student) at the cache's temperature over the k + 1 categories "the teacher's
     top-k ids plus one tail bucket" (the student's tail is its mass outside the top-k), a lower
-    bound of the full-vocabulary KL (KL_NOTE). ce / ppl: cross-entropy of the actual next token
-    (rows that have one). top1: agreement of the student's argmax with the teacher's top-1 id.
-    For ce and top1 the logits are formed `row_chunk` rows at a time; the [tokens, V] logits never
-    exist at once. seq_len crops each sequence to its first seq_len rows. With `long.chunk_tokens`
-    the sequences run chunk by chunk against a paged key/value store, as in training (same
-    results, the memory of one chunk). A ReLU-gated student also
-    gets ffn_nnz / ffn_sparsity / ffn_dead per layer, counted over the real tokens of the batches
-    (padding of ragged sequences left out).
+    bound of the full-vocabulary KL (KL_NOTE); on a sampled cache the loss's estimate of the full
+    KL (SAMPLED_KL_NOTE). ce / ppl: cross-entropy of the actual next token (rows that have one).
+    top1: agreement of the student's argmax with the cache's first id (the teacher's top-1 on a
+    top-k cache). For ce and top1 the logits are formed `row_chunk` rows at a time (default: one
+    LOGITS_BLOCK_BYTES block); the [tokens, V] logits never exist at once. seq_len crops each
+    sequence to its first seq_len rows. With `long.chunk_tokens` the sequences run chunk by chunk
+    against a paged key/value store, as in training (same results, the memory of one chunk). A
+    ReLU-gated student also gets ffn_nnz / ffn_sparsity / ffn_dead per layer, counted over the real
+    tokens of the batches (padding of ragged sequences left out).
     """
-    was_training = model.training
-    model.eval()
-    sums = _Sums()
+    sums, _ = _evaluate(model, None, reader, indices, batch_size=batch_size, device=device, seq_len=seq_len,
+                        autocast_dtype=autocast_dtype, row_chunk=row_chunk, long=long, progress=progress)
+    return sums.result(model.config.intermediate_size)
+
+
+@torch.no_grad()
+def evaluate_against_teacher(model, teacher, reader: CacheReader, indices, *, batch_size: int, device,
+                             seq_len: int | None = None, autocast_dtype: torch.dtype | None = None,
+                             row_chunk: int | None = None, long: LongContextConfig | None = None,
+                             progress: bool = False) -> tuple[EvalResult, float]:
+    """`evaluate_student` with the teacher `teacher` (a ``Student``-like model: the same decoder,
+    loaded from the teacher's folder) run on the same rows, through the same chunks.
+
+    Returns (the student's EvalResult with full_vocab_kl and calibration_error set, the teacher's
+    own calibration_error on the same rows). full_vocab_kl: mean over the evaluated rows of the
+    exact KL(p || q) over the vocabulary, p and q the teacher's and the student's softmax at the
+    cache's temperature (over the first min(V_teacher, V_student) ids, renormalised, when their
+    lm-heads differ in size). calibration_error: Calibration over the rows that have a next token,
+    top-1 at temperature 1. Row chunks bound the [rows, V] fp32 blocks as in evaluate_student.
+    """
+    sums, teacher_calibration = _evaluate(model, teacher, reader, indices, batch_size=batch_size, device=device,
+                                          seq_len=seq_len, autocast_dtype=autocast_dtype, row_chunk=row_chunk,
+                                          long=long, progress=progress)
+    return sums.result(model.config.intermediate_size), teacher_calibration.error()
+
+
+def _evaluate(model, teacher, reader: CacheReader, indices, *, batch_size: int, device, seq_len: int | None,
+              autocast_dtype: torch.dtype | None, row_chunk: int | None, long: LongContextConfig | None,
+              progress: bool) -> tuple[_Sums, Calibration | None]:
+    """The loop of evaluate_student / evaluate_against_teacher: (the student's sums, the teacher's
+    Calibration, None without a teacher)."""
+    from tqdm.auto import tqdm
+
+    models = [m for m in (model, teacher) if m is not None]
+    was_training = [m.training for m in models]
+    for m in models:
+        m.eval()
+    sums = _Sums(with_teacher=teacher is not None)
+    teacher_calibration = Calibration() if teacher is not None else None
     data = CacheBatches(reader, indices, batch_size, seq_len=seq_len, shuffle=False)
     weight = model.lm_head_weight.float()
+    teacher_weight = teacher.lm_head_weight.float() if teacher is not None else None
+    vocab = weight.shape[0] if teacher is None else min(weight.shape[0], teacher_weight.shape[0])
+    row_chunk = row_chunk or rows_per_block(max(weight.shape[0], vocab))
     cache_temperature = reader.manifest.spec.targets.temperature
+    long = long or LongContextConfig()
+    bar = tqdm(total=len(data.indices), disable=not progress, desc="eval", unit="seq")
     for whole in data.epoch_batches():
         input_ids, mask = whole.input_ids.to(device), whole.mask.to(device)
-        for start, end, hidden, terms in chunked_forward(model, input_ids, mask, long or LongContextConfig(),
-                                                         autocast_dtype=autocast_dtype):
+        chunks = chunked_forward(model, input_ids, mask, long, autocast_dtype=autocast_dtype)
+        teacher_chunks = (itertools.repeat(None) if teacher is None else
+                          chunked_forward(teacher, input_ids, mask, long, autocast_dtype=autocast_dtype))
+        for (start, end, hidden, terms), teacher_chunk in zip(chunks, teacher_chunks):
             batch = whole.positions(start, end).to(device)
             hidden_ND = hidden.reshape(-1, hidden.shape[-1]).float()
             if terms:  # a ReLU-gated student: statistics over the real tokens (the padding rows left out)
@@ -129,13 +260,26 @@ def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, de
             _, kl = distill_loss(hidden_ND, weight, batch, _EVAL_LOSS, cache_temperature=cache_temperature,
                                  reduction="sum", check_ids=not str(device).startswith("cuda"))
             sums.kl += kl.item()
+            teacher_ND = None if teacher_chunk is None else teacher_chunk[2].reshape(hidden_ND.shape[0], -1).float()
             for lo in range(0, hidden_ND.shape[0], row_chunk):
                 rows = slice(lo, lo + row_chunk)
-                ce, ce_rows, hits = _ce_and_top1(hidden_ND[rows] @ weight.T, batch, rows)
+                logits_CV = hidden_ND[rows] @ weight.T
+                ce, ce_rows, hits = _ce_and_top1(logits_CV, batch, rows)
                 sums.ce, sums.ce_rows, sums.top1 = sums.ce + ce, sums.ce_rows + ce_rows, sums.top1 + hits
+                if teacher_ND is not None:
+                    teacher_CV = teacher_ND[rows] @ teacher_weight.T
+                    sums.full_kl += full_vocab_kl_sum(logits_CV[:, :vocab], teacher_CV[:, :vocab], batch.mask[rows],
+                                                      cache_temperature)
+                    target_C = batch.target_ids[rows]
+                    has_C = batch.mask[rows] & (target_C >= 0)
+                    sums.calibration.add_logits(logits_CV, target_C, has_C)
+                    teacher_calibration.add_logits(teacher_CV, target_C, has_C)
             sums.rows += batch.num_tokens
-    model.train(was_training)
-    return sums.result(model.config.intermediate_size)
+        bar.update(whole.input_ids.shape[0])
+    bar.close()
+    for m, training in zip(models, was_training):
+        m.train(training)
+    return sums, teacher_calibration
 
 
 def teacher_reference(reader: CacheReader, indices, *, seq_len: int | None = None) -> EvalResult:
@@ -150,9 +294,15 @@ def teacher_reference(reader: CacheReader, indices, *, seq_len: int | None = Non
     return sums.result()
 
 
+# Opens the teacher model for `distill eval --teacher` once the cache is known: (the cache's reader,
+# the device) -> a Student-like model there (pipelines.teacher_eval.EvalTeacher checks and loads one).
+TeacherOpener = Callable[[CacheReader, str], object]
+
+
 def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batch_size: int | None = None,
                            device: str = "auto", seq_len: int | None = None, tokenizer=None,
-                           chunk_tokens: int | None = None) -> dict:
+                           chunk_tokens: int | None = None, teacher: TeacherOpener | None = None,
+                           progress: bool = False) -> dict:
     """`distill eval`: evaluate a run directory (its run.json gives the cache, held-out split,
     evaluation sequences, seq_len and batch size; its final student, else its latest checkpoint) or
     a student HF folder with `cache` (held-out: the `heldout` evenly spaced sequences, default all of
@@ -164,8 +314,13 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
     Returns {"teacher": EvalResult, "before": EvalResult | None, "after": EvalResult} for a run
     directory ("before": its step-0 student, recorded by the trainer, on the same sequences; None
     when `heldout` asks for other ones) and {"teacher", "student"} for a folder, plus "cache" (str)
-    and "num_sequences" (int). chunk_tokens: run long sequences chunk by chunk (default: as the
-    run trained, whole sequences for a folder).
+    and "num_sequences" (int), and "kl_note" (kl_note: what the cache-based kl measures). chunk_tokens:
+    run long sequences chunk by chunk (default: as the run trained, whole sequences for a folder).
+
+    teacher: with it, the teacher model it opens runs on the held-out sequences beside the student
+    (evaluate_against_teacher): the student's result gains full_vocab_kl and calibration_error, the
+    teacher's row (its cache numbers) gains its own calibration_error and full_vocab_kl 0, and
+    "full_vocab_note" (FULL_VOCAB_NOTE) is added. progress: a progress bar over the sequences.
     """
     from student.model import Student
 
@@ -215,14 +370,22 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
         raise DistillUserError(f"student {folder} has vocab {model.config.vocab_size}, smaller than the cache's "
                                f"{reader.manifest.spec.tokenizer.vocab_size}; evaluate it against a cache of its tokenizer")
     amp = torch.bfloat16 if resolve_dtype("auto", device) == "bfloat16" else None
-    student = evaluate_student(model, reader, held, batch_size=batch_size or 8, device=device, seq_len=seq_len,
-                               autocast_dtype=amp, long=LongContextConfig(chunk_tokens=chunk_tokens))
-    result = {"teacher": teacher_reference(reader, held, seq_len=seq_len)}
+    options = dict(batch_size=batch_size or 8, device=device, seq_len=seq_len, autocast_dtype=amp,
+                   long=LongContextConfig(chunk_tokens=chunk_tokens), progress=progress)
+    reference = teacher_reference(reader, held, seq_len=seq_len)
+    notes = {"kl_note": kl_note(reader)}
+    if teacher is None:
+        student = evaluate_student(model, reader, held, **options)
+    else:
+        student, teacher_ece = evaluate_against_teacher(model, teacher(reader, device), reader, held, **options)
+        reference = replace(reference, full_vocab_kl=0.0, calibration_error=teacher_ece)
+        notes["full_vocab_note"] = FULL_VOCAB_NOTE
+    result = {"teacher": reference}
     if is_run:
         result.update(before=initial, after=student, run=_run_summary(path, cfg))
     else:
         result["student"] = student
-    return {**result, "cache": str(cache), "num_sequences": len(held)}
+    return {**result, "cache": str(cache), "num_sequences": len(held), **notes}
 
 
 def _run_summary(path: Path, cfg: dict) -> dict:

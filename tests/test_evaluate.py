@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from student.data import CacheBatches
-from student.evaluate import evaluate_run_or_folder, evaluate_student, teacher_reference
+from student.evaluate import KL_NOTE, evaluate_run_or_folder, evaluate_student, teacher_reference
 from student.model import Student
 from student.trainer import TrainConfig, train
 from distill.errors import DistillUserError
@@ -85,7 +85,8 @@ def test_eval_of_a_run_dir_and_of_a_folder(tiny, tmp_path):  # noqa: F811
     assert result["after"] == report.final_eval and result["before"] == report.initial_eval
     assert result["teacher"] == report.teacher_eval and result["num_sequences"] == 3
     folder = evaluate_run_or_folder(out / "student", cache=cache, heldout=4, device="cpu")
-    assert set(folder) == {"teacher", "student", "cache", "num_sequences"} and folder["num_sequences"] == 4
+    assert set(folder) == {"teacher", "student", "cache", "num_sequences", "kl_note"} and folder["num_sequences"] == 4
+    assert folder["kl_note"] == KL_NOTE  # a top-k cache
     assert folder["student"].tokens > result["after"].tokens
     # other sequences: no comparable "before"; a folder batches by 8 unless told, a run by its own size
     other = evaluate_run_or_folder(out, heldout=4, device="cpu", batch_size=8)

@@ -1,0 +1,94 @@
+"""The sampled-vs-top-k benchmark (tests/benchmarks/bench_sampled_targets.py) tiny on the CPU, on a
+recipe of the tests' tiny teacher: one row a cache with its figures, the plot, a rerun that reuses
+the caches, and the options it refuses. No figures are claimed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_evaluate_teacher import derived
+
+sys.path.insert(0, str(Path(__file__).parent / "benchmarks"))
+import bench_sampled_targets as bench  # noqa: E402
+
+
+@pytest.fixture()
+def tiny_recipe(tiny_teacher, teacher_tokenizer, tmp_path):
+    """The quickstart's shape on a tiny teacher (the tests' one with peaked logits) and a student
+    folder that is a noisy copy of it, fp32 cache values (so the cache's top-k kl is exactly a
+    bound of the full-vocabulary KL)."""
+    teacher = derived(tiny_teacher, teacher_tokenizer, tmp_path / "teacher", 0.0, 40.0)
+    student = derived(teacher, teacher_tokenizer, tmp_path / "student", 0.1)
+    path = tmp_path / "tiny.toml"
+    path.write_text(f"""
+[teacher]
+model = "{teacher}"
+dtype = "float32"
+[corpus]
+seq_len = 32
+[cache]
+out = "{tmp_path / 'unused-cache'}"
+value_codec = "fp32"
+shard_size = 4
+[student]
+from = "{student}"
+[train]
+out = "{tmp_path / 'unused-run'}"
+lr = 1e-2
+""")
+    return path
+
+
+@pytest.mark.slow  # about 30 s of CPU: two caches, two trainings, three evaluations with the teacher
+def test_tiny_cpu_run_appends_a_row_per_cache_and_plots(tiny_recipe, tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
+    results, png = tmp_path / "results.jsonl", tmp_path / "st.png"
+    argv = ["--recipe", str(tiny_recipe), "--device", "cpu", "--tokens", "256", "--seq-len", "32", "--steps", "2",
+            "--batch-size", "2", "--heldout", "2", "--eval-every", "0", "--targets", "topk:4,topk:16",
+            "--out", str(tmp_path / "out"), "--results", str(results), "--plot", str(png)]
+    rows = bench.main(argv)
+    assert [json.loads(line) for line in results.read_text().splitlines()] == rows
+    assert [row["id"] for row in rows] == ["sampled_targets/topk4@abc1234", "sampled_targets/topk16@abc1234"]
+    small, large = (row["figures"] for row in rows)
+    for f, k in ((small, 4), (large, 16)):
+        assert f["targets"] == "topk" and f["count"] == k and f["step"] == 2 and f["heldout_tokens"] == 2 * 32
+        # the top-k + tail kl is a lower bound of the exact KL (the same fp32 teacher underneath)
+        assert 0 < f["cache_kl"] <= f["full_vocab_kl"] and 0 <= f["calibration_error"] <= 1
+        assert f["ce"] > 0 and f["teacher_ce"] > 0 and 0 <= f["teacher_calibration_error"] <= 1
+        assert "lower bound" in f["kl_note"] and f["cache_reused"] is False
+    assert large["bytes_per_token"] > small["bytes_per_token"] > 0
+    assert rows[0]["config"]["train_config"]["cache"].endswith("caches/topk4")
+    # equal training: the same steps, seed, batch and held-out split, only the cache differs
+    same = lambda row: {k: v for k, v in row["config"]["train_config"].items() if k not in ("cache", "out")}
+    assert same(rows[0]) == same(rows[1])
+    assert png.stat().st_size > 0
+
+    # A rerun reuses the cache (the teacher does not score again) and re-evaluates the finished run.
+    again = bench.main([*argv, "--targets", "topk:4"])
+    assert [row["id"] for row in again] == ["sampled_targets/topk4@abc1234#2"]
+    assert again[0]["figures"]["cache_reused"] is True
+    assert again[0]["figures"]["full_vocab_kl"] == pytest.approx(small["full_vocab_kl"], rel=1e-6)
+    assert bench.main(["--plot-only", "--results", str(results), "--plot", str(tmp_path / "again.png")]) == []
+    assert (tmp_path / "again.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--targets", "topk:8,beam:4"], "--targets"),
+    (["--targets", "topk:0"], "--targets"),
+    (["--targets", "topk:8,topk:8"], "--targets"),
+    (["--tokens", "1024", "--seq-len", "512", "--heldout", "2"], "--heldout"),
+    (["--steps", "0"], "--steps"),
+])
+def test_bad_options_are_refused_naming_the_option(argv, needle, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert needle in capsys.readouterr().err
+
+
+def test_specs_name_their_runs():
+    assert bench.parse_target("topk:100") == ("topk100", "topk", 100)
+    assert bench.parse_target("sampled:12") == ("sampled12", "sampled", 12)
