@@ -378,7 +378,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
     from student.distributed import (all_sum, global_rows, padded_to_longest_part, rank0_first, shard_model,
                                      sum_over_ranks_, unsharded_root)
     from student.data import CacheBatches, Prefetcher, split_indices, tokenizer_info_of
-    from student.evaluate import KL_NOTE, EvalResult, evaluate_student, teacher_reference
+    from student.evaluate import EvalResult, evaluate_student, kl_note, teacher_reference
     from student.optim import build_optimizer, load_state_keeping_settings, state_bytes
     from student.optim.clip import clip_grad_norm_foreach
     from student.sparse_ffn import SparseFFNPolicy
@@ -561,7 +561,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
     if main:
         atomic_write_json(out / "eval.json", {"step": step, "initial": initial.to_dict() if initial else None,
                                               "final": final.to_dict(), "teacher": teacher.to_dict(),
-                                              "kl_note": KL_NOTE})
+                                              "kl_note": kl_note(reader)})
     if runtime is not None:
         runtime.close()  # every copy done: the host weights are final
     if dist is not None:

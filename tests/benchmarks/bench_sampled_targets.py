@@ -92,13 +92,6 @@ def stage_one_config(recipe, args, name: str, kind: str, count: int):
     if kind == "topk":
         cache = dataclasses.replace(cache, k=count)
     else:
-        # LEAD, after merging sample20: its CacheConfig fields `targets` and `samples` (CONTRACT20.md,
-        # "Cache"; the draws' proposal and seed at their defaults). Until then this refuses.
-        from teacher_cache.build import CacheConfig
-
-        if "targets" not in CacheConfig.__dataclass_fields__:
-            raise SystemExit(f"--targets {kind}:{count} needs sampled caches (CacheConfig.targets, issue 20's stage "
-                             "one), which this checkout does not have yet; run the topk targets")
         cache = dataclasses.replace(cache, targets="sampled", samples=count)
     return dataclasses.replace(s1, teacher=teacher, corpus=corpus, cache=cache)
 
