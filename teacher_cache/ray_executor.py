@@ -267,7 +267,7 @@ def _task_failure(error, max_retries: int) -> str:
         text = str(cause).strip().splitlines()
         return f"{type(cause).__name__}: {text[0] if text else ''}"
     if isinstance(error, (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError)):
-        return f"its worker process died {max_retries + 1} times ({type(error).__name__})"
+        return f"its worker process died at each of its {max_retries + 1} attempts ({type(error).__name__})"
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
 

@@ -75,6 +75,7 @@ def test_unreachable_cluster_is_one_line(tiny_teacher, tmp_path, capsys):
     assert f"127.0.0.1:{port}" in line and "--ray-address" in line
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_shard_is_retried_and_cache_equals_one_process(local_ray, one_process, tiny_teacher,
                                                                         tmp_path, capsys, monkeypatch):
     from pipelines.stage_one import StageOneConfig, TeacherConfig, cache_teacher
@@ -105,6 +106,7 @@ def test_worker_killed_mid_shard_is_retried_and_cache_equals_one_process(local_r
             assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True), name
 
 
+@pytest.mark.slow
 def test_failed_ray_run_resumes_and_equals_one_process(local_ray, one_process, tiny_teacher, tmp_path, capsys,
                                                       monkeypatch):
     """A task that raises is not retried: the run fails in one line naming the shard, keeps the
@@ -143,3 +145,22 @@ def test_missing_ray_names_the_extra(tiny_teacher, tmp_path, capsys, monkeypatch
     line = one_error_line(code, err)
     assert "distill[ray]" in line and "--executor ray" in line
     assert not (tmp_path / "c").exists()
+
+
+def test_task_device_and_resources_follow_the_cluster():
+    """GPU tasks reserve the teacher's GPUs (tensor parallel: several), CPU tasks CPUs; auto picks
+    a GPU only where the cluster has one; a device Ray cannot honour is refused in one line."""
+    from distill.errors import DistillUserError
+    from teacher_cache.ray_executor import RayCluster, RayConfig
+
+    gpu, cpu = RayCluster(RayConfig(), gpus=8, cpus=64), RayCluster(RayConfig(), gpus=0, cpus=2)
+    assert gpu.task_device("auto") == gpu.task_device("cuda") == "cuda" and gpu.task_device("cpu") == "cpu"
+    assert cpu.task_device("auto") == "cpu"
+    with pytest.raises(DistillUserError, match="--device is 'cuda' but the Ray cluster has no GPU"):
+        cpu.task_device("cuda")
+    with pytest.raises(DistillUserError, match="--device must be auto, cuda or cpu with --executor ray .*got 'cuda:1'"):
+        gpu.task_device("cuda:1")
+    options = gpu.teacher(print, {}, 10, "cuda", gpus_per_task=2)._task_options()
+    assert options["num_gpus"] == 2 and "num_cpus" not in options and options["max_retries"] == 3
+    options = cpu.teacher(print, {}, 10, "cpu")._task_options()
+    assert options["num_cpus"] == 1 and "num_gpus" not in options and not options["retry_exceptions"]
