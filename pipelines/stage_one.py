@@ -11,7 +11,9 @@ cache-teacher ...`, each rank reads RANK/WORLD_SIZE, joins the process group (nc
 teacher, on cuda:LOCAL_RANK; gloo on a CPU), tokenises the corpus itself (the same on every
 rank), scores only its own shards, and rank 0 writes the manifest once every rank is done. With
 `--num-workers W --worker-index I` (a Slurm array, or any scheduler) the worker writes its shards
-and no manifest; `distill cache-merge` writes it. Either way the cache equals a one-process build.
+and no manifest; `distill cache-merge` writes it. With `--executor ray` this process claims the
+cache and writes the manifest, and Ray tasks load the teacher and write the shards
+(teacher_cache/ray_executor.py). Every way, the cache equals a one-process build.
 """
 
 from __future__ import annotations

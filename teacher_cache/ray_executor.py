@@ -22,6 +22,7 @@ import os
 import socket
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,18 +216,15 @@ class RayTeacher:
         # a task that reserves a GPU is a new process per task, which would reload the teacher.
         task = ray.remote(max_calls=0)(_write_shard_task).options(**self._task_options())
         out = writer.path if "://" in str(writer.path) else Path(writer.path).resolve()
-        fault = _Fault.from_env()
-        shard_size = config.shard_size
-        queue = list(todo)
-        pending: dict = {}
-        failed: list[tuple[int, str]] = []
-        loads: dict[int, int] = {}  # worker pid -> teachers loaded there
+        fault, shard_size = _Fault.from_env(), config.shard_size
+        queue, pending, failed = deque(todo), {}, []
+        loads: dict[str, int] = {}  # worker process ("host:pid") -> teachers loaded there
         bar = tqdm(total=int(sum(lengths[i * shard_size:(i + 1) * shard_size].sum() for i in todo)), unit="tok",
                    unit_scale=True, desc=f"scoring ({len(todo)} shards on Ray)", disable=not progress)
         try:
             while queue or pending:
                 while queue and not failed and len(pending) < max(_MIN_IN_FLIGHT, 4 * self._slots()):
-                    index = queue.pop(0)
+                    index = queue.popleft()
                     job = _ShardJob(out=str(out), spec=writer.spec, config=config, index=index,
                                     sequences=sequences[index * shard_size:(index + 1) * shard_size],
                                     num_sequences=len(sequences), make=self.make, build_id=self.build_id,
@@ -241,22 +239,28 @@ class RayTeacher:
                 except ray.exceptions.RayError as e:
                     failed.append((index, _task_failure(e, self.cluster.config.max_retries)))
                     continue
-                if done["info"] is not None:
-                    writer.record_shards({index: done["info"]})
-                report.written_shards += 1
-                report.tokens_scored += done["tokens"]
-                report.teacher_seconds += done["teacher_seconds"]
-                report.writer_seconds += done["writer_seconds"]
-                loads[done["pid"]] = loads.get(done["pid"], 0) + done["loaded"]
+                _record(index, done, writer, report, loads)
                 bar.update(done["tokens"])
         finally:
             bar.close()
-        report.extra["ray"] = {"worker_pids": sorted(loads), "teacher_loads": sum(loads.values())}
+        report.extra["ray"] = {"workers": sorted(loads), "teacher_loads": sum(loads.values())}
         if failed:
             index, why = failed[0]
             others = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
             raise CacheError(f"shard {index}{others} of {writer.path} failed on the Ray cluster: {why}; the shards "
                              "written are kept: rerun the same command to resume")
+
+
+def _record(index: int, done: dict, writer, report, loads: dict[str, int]) -> None:
+    """A task's result into the driver's writer (its ShardInfo, so finalize need not reread the
+    shard) and report."""
+    if done["info"] is not None:
+        writer.record_shards({index: done["info"]})
+    report.written_shards += 1
+    report.tokens_scored += done["tokens"]
+    report.teacher_seconds += done["teacher_seconds"]
+    report.writer_seconds += done["writer_seconds"]
+    loads[done["worker"]] = loads.get(done["worker"], 0) + done["loaded"]
 
 
 def _task_failure(error, max_retries: int) -> str:
@@ -304,7 +308,7 @@ def _write_shard_task(job: _ShardJob) -> dict:
     writer = CacheWriter(out, job.spec, lock=lock, owned_shards=[job.index])
     try:
         if job.index in writer.done_shards():  # an attempt placed it, then died before returning
-            return {"info": None, "tokens": 0, "teacher_seconds": 0.0, "writer_seconds": 0.0, "pid": os.getpid(),
+            return {"info": None, "tokens": 0, "teacher_seconds": 0.0, "writer_seconds": 0.0, "worker": _worker_name(),
                     "loaded": 0}
         backend, loaded = _worker_teacher(job)
         if job.fault is not None and job.fault.shard == job.index and not os.path.exists(job.fault.marker):
@@ -316,14 +320,16 @@ def _write_shard_task(job: _ShardJob) -> dict:
         lengths = np.zeros(job.num_sequences, dtype=np.int64)
         lengths[start:start + len(job.sequences)] = [len(s) for s in job.sequences]
         report = BuildReport(cache_dir=out, cache_id=writer.cache_id)
-        t0 = time.perf_counter()
         _score_and_write(sequences, lengths, [job.index], backend, job.config, writer, report, False)
-        log.debug("shard %d written in %.1f s", job.index, time.perf_counter() - t0)
         return {"info": writer.written[job.index], "tokens": report.tokens_scored,
                 "teacher_seconds": report.teacher_seconds, "writer_seconds": report.writer_seconds,
-                "pid": os.getpid(), "loaded": int(loaded)}
+                "worker": _worker_name(), "loaded": int(loaded)}
     finally:
         writer.close()
+
+
+def _worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 class _HeldByDriver:

@@ -96,7 +96,7 @@ def test_worker_killed_mid_shard_is_retried_and_cache_equals_one_process(local_r
         os.kill(killed, 0)  # which exited in the middle of the shard
     assert report.finalized and report.written_shards == 4
     # One teacher load per worker process that returned shards, whatever number it wrote.
-    assert report.extra["ray"]["teacher_loads"] == len(report.extra["ray"]["worker_pids"])
+    assert report.extra["ray"]["teacher_loads"] == len(report.extra["ray"]["workers"])
     assert _shards(out) == _shards(one_process)
     assert not [p.name for p in (out / "shards").iterdir() if p.name.startswith(".")]  # no temp file left
     ours, theirs = CacheReader(out), CacheReader(one_process)
