@@ -63,7 +63,11 @@ def cache_teacher(
     encoding_errors: str = typer.Option(_stage_one_default("corpus", "encoding_errors"), help="Text files that are not UTF-8 text (binary files, other encodings): skip (and count them), strict (refuse), replace or ignore (decode the bad bytes lossily; binary files are still skipped)."),
     seq_len: int = typer.Option(_stage_one_default("corpus", "seq_len"), help="Tokens per packed sequence (>= 2)."),
     max_sequences: Optional[int] = typer.Option(None, help="Stop after this many sequences (default: the whole corpus)."),
-    k: int = typer.Option(_stage_one_default("cache", "k"), "-k", "--k", help="Top-k entries cached per position."),
+    targets: str = typer.Option(_stage_one_default("cache", "targets"), help="topk: the teacher's k likeliest ids per position; sampled: RS-KD, --samples ids drawn per position from the teacher (unique ids with counts: an unbiased estimate of the full-vocabulary KL; hf backend only)."),
+    k: int = typer.Option(_stage_one_default("cache", "k"), "-k", "--k", help="Top-k entries cached per position (--targets topk)."),
+    samples: int = typer.Option(_stage_one_default("cache", "samples"), help="Ids drawn per position, with replacement (--targets sampled; at most 255)."),
+    proposal_temperature: Optional[float] = typer.Option(_stage_one_default("cache", "proposal_temperature"), help="Draw from softmax(logits / this) instead of the cached teacher (--targets sampled); the cache then also stores the proposal's log-probs, for importance weights. Default: the cache --temperature."),
+    seed: int = typer.Option(_stage_one_default("cache", "seed"), help="Seed of the draws (--targets sampled); a sequence's draws depend only on it and the sequence's index, not on batching, shards or workers."),
     codec: str = typer.Option(_stage_one_default("cache", "value_codec"), help="Value codec: fp32, bf16, fp16 or sqrt8 (compressed)."),
     storage: str = typer.Option(_stage_one_default("cache", "storage"), help="parquet or zarr (Zarr v3)."),
     shard_size: int = typer.Option(_stage_one_default("cache", "shard_size"), help="Sequences per shard."),
@@ -75,7 +79,7 @@ def cache_teacher(
     ray_address: Optional[str] = typer.Option(_stage_one_default("cache", "ray_address"), help="The Ray cluster (--executor ray), e.g. 10.0.0.1:6379; default: RAY_ADDRESS, else a cluster started on this machine by `ray start`, else a new local one."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars (also none of transformers' loading bars)."),
 ) -> None:
-    """Run a teacher once over a corpus and write its top-k next-token log-probs to a cache.
+    """Run a teacher once over a corpus and write its top-k (or sampled) next-token log-probs to a cache.
 
     Examples:
 
@@ -84,6 +88,8 @@ def cache_teacher(
       distill cache-teacher --model ./Qwen2.5-0.5B --corpus data/ --glob '*.jsonl' --format jsonl -k 64 --out caches/qwen
 
       distill cache-teacher --backend vllm --max-sequences 16 --out caches/vllm
+
+      distill cache-teacher --targets sampled --samples 12 --max-sequences 64 --out caches/sampled
 
       torchrun --nproc-per-node 8 -m distill cache-teacher --model ./Qwen2.5-7B --out caches/qwen   # one rank per GPU
 
@@ -108,7 +114,8 @@ def cache_teacher(
                 encoding_errors=encoding_errors, seq_len=seq_len, max_sequences=max_sequences,
             ),
             cache=CacheConfig(
-                out=out, k=k, value_codec=codec, storage=storage, shard_size=shard_size,
+                out=out, targets=targets, k=k, samples=samples, proposal_temperature=proposal_temperature, seed=seed,
+                value_codec=codec, storage=storage, shard_size=shard_size,
                 batch_size=batch_size, temperature=temperature, num_workers=num_workers, worker_index=worker_index,
                 executor=executor, ray_address=ray_address,
             ),
@@ -162,7 +169,7 @@ def cache_stats(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     plot: Optional[Path] = typer.Option(None, help="Also write an image of the distributions (needs matplotlib; .png, .pdf, .svg, ...; no suffix: .png)."),
 ) -> None:
-    """Inspect a cache: size, compression, teacher perplexity, top-k mass, entropy, rank histogram.
+    """Inspect a cache: size, compression, teacher perplexity, top-k mass, entropy, rank histogram (sampled caches: unique ids per position).
 
     Examples:
 

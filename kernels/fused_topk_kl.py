@@ -5,8 +5,10 @@ and dispatches on ``impl``: the Triton path (kernels/fused_topk_kl_triton.py: gr
 during the forward, three matmuls, the GPU default) or the chunked torch path
 (kernels/fused_topk_kl_torch.py: backward recomputes the logits, four matmuls, the CPU path).
 ``topk_kl_dense`` computes the same loss from full logits with autograd: the reference both are
-tested against. The loss's formulas, its tail modes and its temperatures are in
-kernels/fused_topk_kl_torch.py's docstring; how each path runs is set by ``FusedKLSettings``.
+tested against. All three take a sampled cache's targets (``target_weights``: the RS-KD estimate
+of the full-vocabulary KL) as well as top-k ones. The loss's formulas, its tail modes and its
+temperatures are in kernels/fused_topk_kl_torch.py's docstring; how each path runs is set by
+``FusedKLSettings``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def fused_topk_kl(
     check_ids: bool = True,
     return_kl: bool = False,
     settings: FusedKLSettings | None = None,
+    target_weights: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Distillation loss of the student ``hidden @ weight.T`` against cached top-k teacher targets.
 
@@ -77,11 +80,18 @@ def fused_topk_kl(
     TRITON_INTERPRET=1, for tests). grad_weight_fp32: Triton path only, accumulate grad_weight
     across chunks in fp32 (4 V d extra bytes) instead of the weight's dtype (the torch path always
     accumulates in fp32). check_ids: check id ranges and uniqueness (a device sync on a GPU;
-    out-of-range ids read outside the logits). return_kl: also return the KL term alone, detached,
-    for logging and evaluation: KL(teacher || student) at T over the unmasked rows (before the T^2
+    out-of-range ids read outside the logits), and that target_weights are finite and >= 0 on
+    unmasked rows. return_kl: also return the KL term alone, detached, for logging and
+    evaluation: KL(teacher || student) at T over the unmasked rows (before the T^2
     factor and the (1 - ce_weight) weight), reduced as the loss is; with 0 <= ce_weight < 1 it comes
     out of the same pass (with ce_weight = 1 from a forward-only second pass, as its weight in the
     loss is 0). settings: how the kernels run (``FusedKLSettings``; None: the defaults).
+    target_weights: float [N, k] >= 0 or None. A sampled cache's targets: topk_ids then hold a row's
+    unique sampled ids (padding slots: weight 0), topk_logprobs the teacher's log p of each, and
+    the weights w = (count / samples) p / proposal; the KL term is then the unbiased estimate
+    sum w (log p - log q) of the full-vocabulary KL (formulas in kernels/fused_topk_kl_torch.py),
+    which needs tail="unnormalized" and temperature == cache_temperature (ValueError otherwise);
+    tail_logmass is not read. Masked rows may hold any weights. return_kl returns that estimate.
 
     Returns the loss (fp32; fp64 for fp64 inputs), or (loss, kl) with return_kl. Gradients flow to
     hidden and weight only; the teacher tensors are constants. The Triton path computes both
@@ -89,10 +99,10 @@ def fused_topk_kl(
     and holds them until backward, which can run once.
     """
     spec = _validated(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, tail, temperature,
-                      cache_temperature, ce_weight, reduction, check_ids)
+                      cache_temperature, ce_weight, reduction, check_ids, target_weights)
     _check_run_options(hidden, chunk_size, impl, settings)
     settings = settings if settings is not None else FusedKLSettings()
-    topk_logprobs, tail_logmass = _finite_teacher(topk_logprobs, tail_logmass, mask)
+    topk_logprobs, tail_logmass, target_weights = _finite_teacher(topk_logprobs, tail_logmass, target_weights, mask)
     need_h, need_w = (torch.is_grad_enabled() and t.requires_grad for t in (hidden, weight))
     use_triton = impl == "triton" or (impl == "auto" and _triton_path is not None and hidden.is_cuda
                                       and hidden.dtype in _TRITON_DTYPES)
@@ -104,9 +114,9 @@ def fused_topk_kl(
         if use_triton:
             return _triton_path.fused_topk_kl_triton(hidden, weight, topk_ids, topk_logprobs, tail_logmass,
                                                      target_ids, mask, spec, chunk_size, settings, grad_weight_fp32,
-                                                     need_h, need_w)
+                                                     need_h, need_w, target_weights)
         return fused_topk_kl_torch(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec,
-                                   chunk_size, settings)
+                                   chunk_size, settings, target_weights)
 
     loss, kl_N = run(spec, need_h, need_w)
     if not return_kl:
@@ -133,28 +143,32 @@ def topk_kl_dense(
     reduction: str = "mean",
     check_ids: bool = True,
     return_kl: bool = False,
+    target_weights: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The loss of ``fused_topk_kl`` from the full [N, V] logits and autograd: the reference (tests
     and benchmarks). Same loss arguments, same validation, same returns."""
     spec = _validated(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, tail, temperature,
-                      cache_temperature, ce_weight, reduction, check_ids)
-    topk_logprobs, tail_logmass = _finite_teacher(topk_logprobs, tail_logmass, mask)
-    loss, kl_N = dense_loss(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec)
+                      cache_temperature, ce_weight, reduction, check_ids, target_weights)
+    topk_logprobs, tail_logmass, target_weights = _finite_teacher(topk_logprobs, tail_logmass, target_weights, mask)
+    loss, kl_N = dense_loss(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec,
+                            target_weights)
     return (loss, reduce_kl(kl_N, mask, reduction, loss.dtype)) if return_kl else loss
 
 
-def _finite_teacher(topk_logprobs, tail_logmass, mask):
-    """Masked rows get finite teacher values (they may hold padding garbage)."""
+def _finite_teacher(topk_logprobs, tail_logmass, target_weights, mask):
+    """Masked rows get finite teacher values and zero weights (they may hold padding garbage)."""
     if mask is None:
-        return topk_logprobs, tail_logmass
-    return torch.where(mask[:, None], topk_logprobs, 0.0), torch.where(mask, tail_logmass, 0.0)
+        return topk_logprobs, tail_logmass, target_weights
+    if target_weights is not None:
+        target_weights = torch.where(mask[:, None], target_weights, 0.0)
+    return torch.where(mask[:, None], topk_logprobs, 0.0), torch.where(mask, tail_logmass, 0.0), target_weights
 
 
 # --- validation ----------------------------------------------------------------------------------
 
 
 def _validated(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, tail, temperature,
-               cache_temperature, ce_weight, reduction, check_ids) -> LossSpec:
+               cache_temperature, ce_weight, reduction, check_ids, target_weights=None) -> LossSpec:
     """Check the inputs and the loss's options; returns the options as a LossSpec."""
     if hidden.dim() != 2 or weight.dim() != 2:
         raise ValueError(
@@ -187,6 +201,8 @@ def _validated(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids
     for name, value in (("temperature", temperature), ("cache_temperature", cache_temperature)):
         if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 < value < float("inf")):
             raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    if target_weights is not None:
+        _check_sampled(target_weights, (num_rows, k), dev, tail, temperature, cache_temperature)
     if tail != "renorm" and not math.isclose(temperature, cache_temperature, rel_tol=1e-6):
         raise ValueError(
             f"tail={tail!r} uses the cached tail mass, which is at cache_temperature={cache_temperature} and cannot "
@@ -200,7 +216,22 @@ def _validated(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if check_ids:
         _check_id_values(topk_ids, target_ids, vocab_size)
+        if target_weights is not None:
+            _check_weight_values(target_weights, mask)
     return LossSpec(tail, float(temperature), float(cache_temperature), float(ce_weight), reduction)
+
+
+def _check_sampled(target_weights, shape, device, tail, temperature, cache_temperature) -> None:
+    """Sampled targets: their shape, and the only loss they estimate (unnormalized, at T = T_c)."""
+    _check_float("target_weights", target_weights, shape, device)
+    if tail != "unnormalized":
+        raise ValueError(f"target_weights (sampled targets) need tail='unnormalized', the form whose estimate is "
+                         f"unbiased, got tail={tail!r}; pass tail='unnormalized'")
+    if not math.isclose(temperature, cache_temperature, rel_tol=1e-6):
+        raise ValueError(
+            f"target_weights (sampled targets) estimate the teacher at cache_temperature={cache_temperature}, the "
+            f"temperature its ids were drawn at, and cannot be tempered to temperature={temperature}; distill at "
+            f"temperature {cache_temperature}, or from a cache sampled at temperature {temperature}")
 
 
 def _check_run_options(hidden, chunk_size, impl, settings) -> None:
@@ -246,7 +277,7 @@ def _check_id_values(topk_ids, target_ids, vocab_size) -> None:
             f"topk_ids: k ids must be in [0, V={vocab_size}), got values in "
             f"[{int(topk_ids.min())}, {int(topk_ids.max())}]"
         )
-    sorted_NK = topk_ids.sort(dim=1).values
+    sorted_NK = topk_ids.sort(dim=1).values  # padding slots of sampled targets hold distinct ids too
     if (sorted_NK[:, 1:] == sorted_NK[:, :-1]).any():
         raise ValueError("topk_ids must hold k distinct ids per row; some row repeats an id")
     if target_ids is not None and target_ids.numel() and (target_ids.min() < -1 or target_ids.max() >= vocab_size):
@@ -254,3 +285,12 @@ def _check_id_values(topk_ids, target_ids, vocab_size) -> None:
             f"target_ids must be in [0, V={vocab_size}) or -1 for none, got values in "
             f"[{int(target_ids.min())}, {int(target_ids.max())}]"
         )
+
+
+def _check_weight_values(target_weights, mask) -> None:
+    """Sampled targets' weights are finite and >= 0 on the rows that count (a device sync on a GPU)."""
+    kept_NK = target_weights if mask is None else target_weights[mask]
+    if kept_NK.numel() and not (torch.isfinite(kept_NK) & (kept_NK >= 0)).all():
+        bad = kept_NK[~(torch.isfinite(kept_NK) & (kept_NK >= 0))]
+        raise ValueError(f"target_weights must be finite and >= 0 on unmasked rows, got {float(bad[0])!r}; "
+                         "they are (count / samples) * exp(teacher log-prob - proposal log-prob) per slot")

@@ -23,6 +23,13 @@ Tail modes (KL is forward KL, teacher || student):
       + P_tail (log P_tail - log Q_tail), Q_tail = 1 - sum_S q = sum of q outside S (taken as a
       logsumexp over the non-top-k logits, never as 1 - sum, which cancels).
       d KL / d(z / T) = (1 - P_tail / Q_tail) q + [v in S] (q_v P_tail / Q_tail - P_v).
+Sampled targets (``target_weights``; RS-KD, Anshumann et al. 2025): S holds the unique ids u of
+  a row's S_n draws with replacement from a proposal r, c_u the draws of u; the weight
+  w_u = (c_u / S_n) p_u / r_u (c_u / S_n when r = p) has E[w at v] = p_v at every v. The
+  "unnormalized" formulas with P replaced by w (log P stays the cached l, not renormalised):
+  KL_est = sum_S w_u (l_u - log q_u), an unbiased estimate of the full KL(p || q), and
+  d KL_est / d(z / T) = (sum_S w) q - w, unbiased for q - p. Only at T = T_c, the temperature the
+  ids were drawn at (``fused_topk_kl`` refuses the rest); padding slots carry w = 0.
 Temperature: the KL term is multiplied by T^2 (Hinton et al.), so its gradient keeps the same
 scale as T changes; at T = 1 nothing changes. d/dz = (1 / T) d/d(z / T).
 Cross-entropy: CE = logsumexp(z) - z[target], at T = 1 over the full vocabulary.
@@ -122,9 +129,26 @@ def teacher_logprobs(topk_logprobs, tail_logmass, tail: str, temperature: float,
     return lp_NK - log_z_N[:, None], lt_N - log_z_N
 
 
+def teacher_values(topk_logprobs, tail_logmass, target_weights, spec: LossSpec, dtype: torch.dtype):
+    """(log P over S [N, k], log P_tail [N] or None, w [N, k] or None), in dtype: the teacher at the
+    distillation temperature (``teacher_logprobs``), or for sampled targets the cached l as they are
+    (T = T_c; the normaliser of the unnormalized tail would count the padding slots' mass) and the
+    weights."""
+    if target_weights is not None:
+        return topk_logprobs.to(dtype), None, target_weights.to(dtype)
+    logp_NK, logp_tail_N = teacher_logprobs(topk_logprobs.to(dtype), tail_logmass.to(dtype), spec.tail,
+                                            spec.temperature, spec.cache_temperature)
+    return logp_NK, logp_tail_N, None
+
+
 def plogp_diff(logp, logq):
     """P (log P - log Q), elementwise, with 0 where P = 0 (log P = -inf)."""
     return torch.where(logp > float("-inf"), logp.exp() * (logp - logq), torch.zeros_like(logp))
+
+
+def weighted_diff(w, logp, logq):
+    """w (log P - log Q), elementwise, with 0 where w = 0 (padding slots of sampled targets)."""
+    return torch.where(w != 0, w * (logp - logq), torch.zeros_like(w))
 
 
 def row_weights(mask, target_ids, num_rows, ce_weight, temperature, reduction, device):
@@ -159,7 +183,8 @@ def _poisoned(t: torch.Tensor, settings: FusedKLSettings) -> torch.Tensor:
 # --- dense reference ---------------------------------------------------------------------------
 
 
-def dense_loss(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec: LossSpec):
+def dense_loss(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec: LossSpec,
+               target_weights=None):
     """Full [N, V] logits, every term written as in the module docstring; autograd differentiates.
     Returns (loss, reduced; KL per row [N], detached, 0 on masked rows)."""
     acc = compute_dtype(hidden.dtype)
@@ -167,10 +192,11 @@ def dense_loss(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids
     ids_NK = topk_ids.long()
     logq_NV = torch.log_softmax(z_NV / spec.temperature, dim=-1)
     logq_NK = logq_NV.gather(1, ids_NK)
-    logp_NK, logp_tail_N = teacher_logprobs(topk_logprobs.to(acc), tail_logmass.to(acc), spec.tail,
-                                            spec.temperature, spec.cache_temperature)
+    logp_NK, logp_tail_N, w_NK = teacher_values(topk_logprobs, tail_logmass, target_weights, spec, acc)
     if spec.tail == "renorm":
         kl_N = plogp_diff(logp_NK, torch.log_softmax(logq_NK, dim=-1)).sum(-1)
+    elif w_NK is not None:
+        kl_N = weighted_diff(w_NK, logp_NK, logq_NK).sum(-1)
     else:
         kl_N = plogp_diff(logp_NK, logq_NK).sum(-1)
     if spec.tail == "bucket":
@@ -189,19 +215,21 @@ def dense_loss(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids
 # --- chunked torch path --------------------------------------------------------------------------
 
 
-def _kl_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, kl_w_C, tail, temperature):
+def _kl_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, w_CK, kl_w_C, tail, temperature):
     """Weighted KL loss per row of a chunk, its coefficients on d loss / d z and the unweighted
     per-row KL (0 on rows of weight 0): (loss [C], cq [C], cs [C, k], kl [C]).
 
-    logq_CK: log q over S; log_qtail_C: log Q_tail (bucket only, else None).
+    logq_CK: log q over S; log_qtail_C: log Q_tail (bucket only, else None); w_CK: sampled
+    targets' weights, which take P's place (unnormalized only), or None.
     """
-    p_CK = logp_CK.exp()
+    p_CK = logp_CK.exp() if w_CK is None else w_CK
     if tail == "renorm":
         logqhat_CK = torch.log_softmax(logq_CK, dim=-1)
         kl_C = plogp_diff(logp_CK, logqhat_CK).sum(-1)
         cq_C, cs_CK = torch.zeros_like(kl_C), logqhat_CK.exp() - p_CK
     else:
-        kl_C = plogp_diff(logp_CK, logq_CK).sum(-1)
+        diff_CK = plogp_diff(logp_CK, logq_CK) if w_CK is None else weighted_diff(w_CK, logp_CK, logq_CK)
+        kl_C = diff_CK.sum(-1)
         cq_C, cs_CK = p_CK.sum(-1), -p_CK
     if tail == "bucket":
         kl_C = kl_C + plogp_diff(logp_tail_C, log_qtail_C)
@@ -214,7 +242,7 @@ def _kl_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, kl_w_C, tail, temperat
     return loss_C, cq_C, cs_CK, torch.where(kl_w_C != 0, kl_C, 0)
 
 
-def _chunk_forward(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, tail, temperature):
+def _chunk_forward(z_CV, ids_CK, logp_CK, logp_tail_C, w_CK, target_C, kl_w_C, ce_w_C, tail, temperature):
     """Loss per row of one chunk and its gradient coefficients; z_CV (fp32/fp64) is overwritten.
 
     Returns (loss [C], lse of z / T [C], lse of z [C], coef of q [C], coef of softmax(z) [C],
@@ -233,7 +261,8 @@ def _chunk_forward(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C,
     log_qtail_C = None
     if tail == "bucket":
         log_qtail_C = torch.logsumexp(s_CV.scatter_(1, ids_CK, float("-inf")), dim=-1) - lse_C
-    kl_loss_C, cq_C, cs_CK, kl_C = _kl_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, kl_w_C, tail, temperature)
+    kl_loss_C, cq_C, cs_CK, kl_C = _kl_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, w_CK, kl_w_C, tail,
+                                             temperature)
     return loss_C + kl_loss_C, lse_C, lse1_C, cq_C, ce_w_C, cs_CK, ct_C, kl_C
 
 
@@ -255,7 +284,7 @@ class _FusedTopkKLFunction(torch.autograd.Function):
     """(loss per row [N], KL per row [N]); backward takes d loss per row, so any reduction works."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, topk_ids, logp_NK, logp_tail_N, target_ids, kl_w_N, ce_w_N,
+    def forward(ctx, hidden, weight, topk_ids, logp_NK, logp_tail_N, w_NK, target_ids, kl_w_N, ce_w_N,
                 tail, temperature, chunk_size, settings):
         acc = compute_dtype(hidden.dtype)
         num_rows, k = topk_ids.shape
@@ -271,7 +300,7 @@ class _FusedTopkKLFunction(torch.autograd.Function):
             z_CV = (hidden[rows] @ weight.T).to(acc)  # matmul in the input dtype
             out = _chunk_forward(
                 z_CV, ids_NK[rows], logp_NK[rows], None if logp_tail_N is None else logp_tail_N[rows],
-                None if tgt_N is None else tgt_N[rows], kl_w_N[rows], ce_w_N[rows], tail, temperature,
+                None if w_NK is None else w_NK[rows], None if tgt_N is None else tgt_N[rows], kl_w_N[rows], ce_w_N[rows], tail, temperature,
             )
             loss_N[rows], saved["lse"][rows], saved["lse1"][rows], saved["cq"][rows] = out[:4]
             cs_NK[rows], saved["ct"][rows], kl_N[rows] = out[5], out[6], out[7]
@@ -301,22 +330,21 @@ class _FusedTopkKLFunction(torch.autograd.Function):
             if grad_w_acc is not None:
                 grad_w_acc += g_CV.T @ h_C  # accumulated across chunks in fp32
         grad_w = grad_w_acc.to(weight.dtype) if grad_w_acc is not None else None
-        return grad_h, grad_w, *([None] * 10)
+        return grad_h, grad_w, *([None] * 11)
 
 
 def fused_topk_kl_torch(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec: LossSpec,
-                        chunk_size: int | None, settings: FusedKLSettings):
+                        chunk_size: int | None, settings: FusedKLSettings, target_weights=None):
     """Chunked plain-torch path: (loss, reduced; KL per row [N]); inputs are assumed valid (see
     ``fused_topk_kl``). chunk_size None: rows whose fp32 logits fill settings.torch_chunk_bytes."""
     acc = compute_dtype(hidden.dtype)
     if chunk_size is None:
         chunk_size = max(1, settings.torch_chunk_bytes // (4 * weight.shape[0]))
-    logp_NK, logp_tail_N = teacher_logprobs(topk_logprobs.to(acc), tail_logmass.to(acc), spec.tail,
-                                            spec.temperature, spec.cache_temperature)
+    logp_NK, logp_tail_N, w_NK = teacher_values(topk_logprobs, tail_logmass, target_weights, spec, acc)
     kl_w_N, ce_w_N = row_weights(mask, target_ids, hidden.shape[0], spec.ce_weight, spec.temperature,
                                  spec.reduction, hidden.device)
     if spec.ce_weight == 0.0:
         target_ids = None
-    loss_N, kl_N = _FusedTopkKLFunction.apply(hidden, weight, topk_ids, logp_NK, logp_tail_N, target_ids, kl_w_N,
-                                              ce_w_N, spec.tail, spec.temperature, chunk_size, settings)
+    loss_N, kl_N = _FusedTopkKLFunction.apply(hidden, weight, topk_ids, logp_NK, logp_tail_N, w_NK, target_ids,
+                                              kl_w_N, ce_w_N, spec.tail, spec.temperature, chunk_size, settings)
     return reduced(loss_N, spec.reduction), kl_N

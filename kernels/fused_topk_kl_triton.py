@@ -6,6 +6,8 @@ The loss, its tail modes and its notation are in kernels/fused_topk_kl_torch.py,
 reference and the chunked torch path that the tests hold this path to. Entry points:
 ``fused_topk_kl_triton`` (inputs validated by ``fused_topk_kl``), ``triton_forward`` (the same
 without autograd), ``row_kernel_for`` (which row kernel a call runs) and ``triton_chunk_size``.
+Sampled targets (``target_weights``) take the same routes: each row kernel reads the row's [k]
+weights where the other targets take exp(log P) (the WEIGHTED constexpr), nothing more.
 
 Row kernels. Between the matmuls one Triton program per row turns the chunk's input-dtype logits
 into its gradient, in place. Two kernels, routed by ``row_kernel_for``:
@@ -47,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_topk_kl_torch import FusedKLSettings, LossSpec, reduced, row_weights, teacher_logprobs
+from kernels.fused_topk_kl_torch import FusedKLSettings, LossSpec, reduced, row_weights, teacher_values
 
 _TAIL_CODE = {"renorm": 0, "bucket": 1, "unnormalized": 2}
 
@@ -61,12 +63,30 @@ def _plogp_diff_tl(logp, logq):
 
 
 @triton.jit
-def _kl_and_coefs(logq, q, logp, logp_tail_ptr, tail_ref, tail_sum, lse, TAIL: tl.constexpr):
+def _weighted_diff_tl(w, logp, logq):
+    """w (log P - log Q), 0 where w = 0 (sampled padding slots and BLOCK_K padding: no inf - inf)."""
+    some = w != 0
+    return tl.where(some, w * (tl.where(some, logp, 0.0) - tl.where(some, logq, 0.0)), 0.0)
+
+
+@triton.jit
+def _teacher_mass(w_ptr, logp, offs, kmask, WEIGHTED: tl.constexpr):
+    """P over S [BLOCK_K]: exp(log P), or a sampled target's weights, which take its place."""
+    if WEIGHTED:
+        p = tl.load(w_ptr + offs, mask=kmask, other=0.0)
+    else:
+        p = tl.exp(logp)
+    return p
+
+
+@triton.jit
+def _kl_and_coefs(logq, q, logp, p, logp_tail_ptr, tail_ref, tail_sum, lse, TAIL: tl.constexpr,
+                  WEIGHTED: tl.constexpr):
     """A row's KL over S (plus the tail bucket) and its gradient coefficients before weighting:
     (kl, cq on q, cs [BLOCK_K] on S), the formulas of kernels/fused_topk_kl_torch.py as _kl_terms
-    takes them in torch. logq, q, logp over S (padding: logp = -inf); bucket only: log Q_tail =
-    tail_ref + log(tail_sum) - lse, tail_sum the sum of exp(z / T - tail_ref) outside S."""
-    p = tl.exp(logp)
+    takes them in torch. logq, q, logp over S (padding: logp = -inf); p: _teacher_mass (WEIGHTED:
+    sampled targets' weights, unnormalized only); bucket only: log Q_tail = tail_ref +
+    log(tail_sum) - lse, tail_sum the sum of exp(z / T - tail_ref) outside S."""
     if TAIL == 0:  # renorm
         mq = tl.max(logq, axis=0)
         logqhat = logq - (mq + tl.log(tl.sum(tl.exp(logq - mq), axis=0)))
@@ -81,16 +101,19 @@ def _kl_and_coefs(logq, q, logp, logp_tail_ptr, tail_ref, tail_sum, lse, TAIL: t
         cq = 1.0 - ratio
         cs = q * ratio - p
     else:  # unnormalized
-        kl = tl.sum(_plogp_diff_tl(logp, logq), axis=0)
+        if WEIGHTED:
+            kl = tl.sum(_weighted_diff_tl(p, logp, logq), axis=0)
+        else:
+            kl = tl.sum(_plogp_diff_tl(logp, logq), axis=0)
         cq = tl.sum(p, axis=0)
         cs = -p
     return kl, cq, cs
 
 
 @triton.jit
-def _row_kernel(z_ptr, stride_row, ids_ptr, logp_ptr, logp_tail_ptr, tgt_ptr, kl_w_ptr, ce_w_ptr, loss_ptr, kl_ptr,
-                K, V, inv_temp, TAIL: tl.constexpr, HAS_TARGET: tl.constexpr, BOTH: tl.constexpr,
-                WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+def _row_kernel(z_ptr, stride_row, ids_ptr, logp_ptr, logp_tail_ptr, w_ptr, tgt_ptr, kl_w_ptr, ce_w_ptr, loss_ptr,
+                kl_ptr, K, V, inv_temp, TAIL: tl.constexpr, WEIGHTED: tl.constexpr, HAS_TARGET: tl.constexpr,
+                BOTH: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = z_ptr + row * stride_row
     # The row's top-k: logits zs, ids, teacher log P (all [BLOCK_K], padded with -inf / -1).
@@ -129,7 +152,8 @@ def _row_kernel(z_ptr, stride_row, ids_ptr, logp_ptr, logp_tail_ptr, tgt_ptr, kl
     logq = zs * inv_temp - lse
     q = tl.exp(logq)
     kl_w = tl.load(kl_w_ptr + row)
-    kl, cq, cs = _kl_and_coefs(logq, q, logp, logp_tail_ptr + row, m, s, lse, TAIL)
+    p = _teacher_mass(w_ptr, logp, row * K + ks, kmask, WEIGHTED)
+    kl, cq, cs = _kl_and_coefs(logq, q, logp, p, logp_tail_ptr + row, m, s, lse, TAIL, WEIGHTED)
     loss = tl.where(kl_w != 0, kl_w * kl, 0.0)
     scale = tl.where(kl_w != 0, kl_w * inv_temp, 0.0)  # masked rows: 0, even if NaN
     cq = tl.where(scale != 0, scale * cq, 0.0)
@@ -164,10 +188,10 @@ def _row_kernel(z_ptr, stride_row, ids_ptr, logp_ptr, logp_tail_ptr, tgt_ptr, kl
 
 
 @triton.jit
-def _row_kernel_scaled(z_ptr, stride_row, ref_ptr, num_blocks, ids_ptr, logp_ptr, logp_tail_ptr, tgt_ptr,
+def _row_kernel_scaled(z_ptr, stride_row, ref_ptr, num_blocks, ids_ptr, logp_ptr, logp_tail_ptr, w_ptr, tgt_ptr,
                        kl_w_ptr, ce_w_ptr, loss_ptr, kl_ptr, sigma_ptr, h_ptr, hs_ptr, stride_h, D, K, V,
                        inv_temp,
-                       TAIL: tl.constexpr, HAS_TARGET: tl.constexpr, BLOCK: tl.constexpr,
+                       TAIL: tl.constexpr, WEIGHTED: tl.constexpr, HAS_TARGET: tl.constexpr, BLOCK: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     """One read and one write per logit: the row becomes E' with d loss / d z = sigma * E'.
 
@@ -233,7 +257,8 @@ def _row_kernel_scaled(z_ptr, stride_row, ref_ptr, num_blocks, ids_ptr, logp_ptr
         logp = tl.load(logp_ptr + row * K + ks, mask=kmask, other=float("-inf"))
         logq = xs - lse
         q = tl.exp(logq)
-        kl, cq, cs = _kl_and_coefs(logq, q, logp, logp_tail_ptr + row, c, s, lse, TAIL)
+        p = _teacher_mass(w_ptr, logp, row * K + ks, kmask, WEIGHTED)
+        kl, cq, cs = _kl_and_coefs(logq, q, logp, p, logp_tail_ptr + row, c, s, lse, TAIL, WEIGHTED)
         loss = tl.where(kl_w != 0, kl_w * kl, 0.0)
         scale = tl.where(kl_w != 0, kl_w * inv_temp, 0.0)
         cq = tl.where(scale != 0, scale * cq, 0.0)
@@ -296,14 +321,17 @@ def row_kernel_for(write_grad: bool, tail: str, has_target: bool, temperature: f
 
 
 def _row_pass(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss_C, kl_C, h_C, sigma_C, hs_C,
-              tail, inv_temp, kernel, settings: FusedKLSettings) -> None:
-    """Per-row loss into loss_C and unweighted KL into kl_C (fp32; 0 on rows of KL weight 0).
+              tail, inv_temp, kernel, settings: FusedKLSettings, w_CK=None) -> None:
+    """Per-row loss into loss_C and unweighted KL into kl_C (fp32; 0 on rows of KL weight 0);
+    w_CK: sampled targets' weights (fp32 [C, k], contiguous) or None.
     kernel "direct": z_CV (the chunk's input-dtype logits) is overwritten with the gradient
     G = d loss / d z itself; "scaled": with E' such that G = sigma[:, None] * E', sigma into
     sigma_C [C] (fp32) and sigma[:, None] * h_C into hs_C; "forward": z_CV is left with -inf at S."""
     rows, vocab = z_CV.shape
     k = ids_CK.shape[1]
     has_target = target_C is not None
+    weighted = w_CK is not None
+    w_arg = w_CK if weighted else logp_CK  # not read without weights
     if kernel == "scaled":
         block = min(settings.scaled_block, triton.next_power_of_2(vocab))
         num_blocks = triton.cdiv(vocab, block)
@@ -311,16 +339,16 @@ def _row_pass(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss
         dim = h_C.shape[1]
         _row_kernel_scaled[(rows,)](
             z_CV, z_CV.stride(0), refs, num_blocks, ids_CK, logp_CK,
-            logp_tail_C if logp_tail_C is not None else kl_w_C, target_C if has_target else kl_w_C,
+            logp_tail_C if logp_tail_C is not None else kl_w_C, w_arg, target_C if has_target else kl_w_C,
             kl_w_C, ce_w_C, loss_C, kl_C, sigma_C, h_C, hs_C, h_C.stride(0), dim, k, vocab, inv_temp,
-            TAIL=_TAIL_CODE[tail], HAS_TARGET=has_target, BLOCK=block, BLOCK_K=triton.next_power_of_2(k),
+            TAIL=_TAIL_CODE[tail], WEIGHTED=weighted, HAS_TARGET=has_target, BLOCK=block, BLOCK_K=triton.next_power_of_2(k),
             BLOCK_D=min(4096, triton.next_power_of_2(dim)), num_warps=settings.scaled_warps,
         )
         return
     _row_kernel[(rows,)](
-        z_CV, z_CV.stride(0), ids_CK, logp_CK, logp_tail_C if logp_tail_C is not None else kl_w_C,
+        z_CV, z_CV.stride(0), ids_CK, logp_CK, logp_tail_C if logp_tail_C is not None else kl_w_C, w_arg,
         target_C if has_target else kl_w_C, kl_w_C, ce_w_C, loss_C, kl_C, k, vocab, inv_temp,
-        TAIL=_TAIL_CODE[tail], HAS_TARGET=has_target, BOTH=has_target and inv_temp != 1.0,
+        TAIL=_TAIL_CODE[tail], WEIGHTED=weighted, HAS_TARGET=has_target, BOTH=has_target and inv_temp != 1.0,
         WRITE_GRAD=kernel == "direct", BLOCK=min(settings.direct_block, triton.next_power_of_2(vocab)),
         BLOCK_K=triton.next_power_of_2(k), num_warps=settings.direct_warps,
     )
@@ -354,9 +382,10 @@ class TritonForward(NamedTuple):
 
 def triton_forward(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec: LossSpec,
                    chunk_size: int | None, settings: FusedKLSettings, grad_weight_fp32: bool, need_h: bool,
-                   need_w: bool) -> TritonForward:
+                   need_w: bool, target_weights=None) -> TritonForward:
     """The loss and, for the inputs in need_h / need_w, its gradients, chunk after chunk; inputs
-    are assumed valid (see ``fused_topk_kl``). chunk_size None: ``triton_chunk_size``."""
+    are assumed valid (see ``fused_topk_kl``). chunk_size None: ``triton_chunk_size``.
+    target_weights: sampled targets' weights [N, k] or None."""
     # The first chunk's logits matmul is queued before the small [N]- and [N, k]-sized work
     # (teacher log-probs at T, row weights), so the GPU starts on the big work at once.
     hidden = hidden.contiguous()
@@ -368,8 +397,7 @@ def triton_forward(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target
     # still referenced, raising the peak.
     buf = hidden.new_empty(chunk_rows, vocab)
     first = torch.mm(hidden[:chunk_rows], weight.T, out=buf)
-    logp_NK, logp_tail_N = teacher_logprobs(topk_logprobs.float(), tail_logmass.float(), spec.tail,
-                                            spec.temperature, spec.cache_temperature)
+    logp_NK, logp_tail_N, w_NK = teacher_values(topk_logprobs, tail_logmass, target_weights, spec, torch.float32)
     kl_w_N, ce_w_N = row_weights(mask, target_ids, num_rows, spec.ce_weight, spec.temperature, spec.reduction,
                                  hidden.device)
     kl_w_N, ce_w_N = kl_w_N.float(), ce_w_N.float()
@@ -391,6 +419,7 @@ def triton_forward(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target
         for t in (loss_N, kl_N, sigma_N, hs_buf):
             t.fill_(float("nan"))
     logp_NK = logp_NK.contiguous()
+    w_NK = w_NK.contiguous() if w_NK is not None else None
     topk_ids = topk_ids.contiguous()
     for start in range(0, num_rows, chunk_size):
         rows = slice(start, min(start + chunk_size, num_rows))
@@ -399,7 +428,7 @@ def triton_forward(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target
         _row_pass(z_CV, topk_ids[rows], logp_NK[rows], None if logp_tail_N is None else logp_tail_N[rows],
                   None if target_ids is None else target_ids[rows], kl_w_N[rows], ce_w_N[rows], loss_N[rows],
                   kl_N[rows], h_C, sigma_N[rows], hs_buf[: h_C.shape[0]], spec.tail, 1.0 / spec.temperature,
-                  kernel, settings)
+                  kernel, settings, None if w_NK is None else w_NK[rows])
         # z_CV holds G, or E' with G = sigma[:, None] * E'. Then grad_h = sigma * (E' W), its rows
         # scaled in backward together with d loss, and G^T h = E'^T (sigma * h).
         if need_h:
@@ -420,9 +449,9 @@ def triton_forward(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target
 class _FusedTopkKLTritonFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec, chunk_size,
-                settings, grad_weight_fp32, need_h, need_w):
+                settings, grad_weight_fp32, need_h, need_w, target_weights):
         out = triton_forward(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec,
-                             chunk_size, settings, grad_weight_fp32, need_h, need_w)
+                             chunk_size, settings, grad_weight_fp32, need_h, need_w, target_weights)
         ctx.save_for_backward(out.grad_h, out.grad_w, out.sigma_N)
         ctx.weight_dtype, ctx.spent = weight.dtype, False
         ctx.mark_non_differentiable(out.kl_N)
@@ -442,7 +471,7 @@ class _FusedTopkKLTritonFunction(torch.autograd.Function):
         if grad_w is not None and grad_w.numel():
             _scale_(grad_w, None, grad_loss)
             grad_w = grad_w.to(ctx.weight_dtype)
-        return grad_h, grad_w, *([None] * 11)
+        return grad_h, grad_w, *([None] * 12)
 
 
 def triton_chunk_size(num_rows: int, vocab_size: int, element_size: int, chunk_bytes: int) -> int:
@@ -465,8 +494,9 @@ def triton_chunk_size(num_rows: int, vocab_size: int, element_size: int, chunk_b
 
 def fused_topk_kl_triton(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec: LossSpec,
                          chunk_size: int | None, settings: FusedKLSettings, grad_weight_fp32: bool, need_h: bool,
-                         need_w: bool):
+                         need_w: bool, target_weights=None):
     """Triton path: (loss, reduced; KL per row [N]), gradients for need_h / need_w taken during the
     forward and held until backward; inputs are assumed valid (see ``fused_topk_kl``)."""
     return _FusedTopkKLTritonFunction.apply(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask,
-                                            spec, chunk_size, settings, grad_weight_fp32, need_h, need_w)
+                                            spec, chunk_size, settings, grad_weight_fp32, need_h, need_w,
+                                            target_weights)

@@ -32,7 +32,8 @@ from distill.devices import resolve_device, resolve_dtype
 from pipelines.corpus import CorpusConfig, prepare_corpus
 from teacher_cache.backends import PREFILL_TOKENS, canonical_dtype, open_teacher_folder, weights_hash
 from teacher_cache.build import (
-    BuildReport, CacheConfig, build_cache, cache_identity, check_k_fits, complete_cache_id, other_cache_diff,
+    BuildReport, CacheConfig, build_cache, cache_identity, check_backend_can_sample, check_k_fits, complete_cache_id,
+    other_cache_diff,
 )
 from teacher_cache.errors import CacheMismatchError
 from teacher_cache.identity import tokenizer_info
@@ -86,6 +87,7 @@ class StageOneConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        check_backend_can_sample(self.teacher.backend, self.cache)
 
 
 def cache_teacher(config: StageOneConfig, progress: bool = True) -> BuildReport:
@@ -140,7 +142,7 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
 
     model_dir = config.teacher.model or default_teacher_dir()
     teacher_folder = open_teacher_folder(model_dir)
-    check_k_fits(config.cache.k, teacher_folder.vocab_size)
+    check_k_fits(config.cache.slots, teacher_folder.vocab_size, "samples" if config.cache.targets == "sampled" else "k")
     dtype = resolve_dtype(config.teacher.dtype, device if ray is not None else resolve_device(device))
     out = config.cache.out
     # held from here, so a second writer is refused before any work (workers share it)
@@ -187,7 +189,7 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
             dtype=dtype,
             device=device,
             temperature=config.cache.temperature,
-            k=config.cache.k,
+            k=config.cache.slots,
             max_len=max(lengths),
             batch_size=config.cache.batch_size,
             prefill_tokens=config.teacher.prefill_tokens,

@@ -3,7 +3,12 @@ resumable stream over a ``CacheReader``.
 
 Row convention (cache format v1): row t of a sequence holds the teacher's distribution over token
 t + 1. A batch flattens [B, L] positions to B * L rows; padded rows (ragged sequences) have
-``mask`` False and harmless values (ids 0..k-1, log-probs 0).
+``mask`` False and harmless values (ids 0..k-1, log-probs 0, target weights 0).
+
+From a sampled cache (RS-KD; ``reader.manifest.spec.targets.kind == "sampled"``) a batch also
+carries ``target_weights``, the weight of each slot in the unbiased estimate of the full KL:
+w_j = (c_j / S) * exp(l_j - log r(u_j)), which is c_j / S when the proposal r is the teacher p
+(CONTRACT: E[w at id v] = p(v)). Padding slots (count 0) and padding rows weigh 0.
 """
 
 from __future__ import annotations
@@ -59,19 +64,26 @@ class Batch:
     target_ids: torch.Tensor  # int64 [N], the next input id; -1 on each sequence's last row and padding
     target_logprob: torch.Tensor  # float32 [N], teacher log-prob of target_ids (NaN where none)
     mask: torch.Tensor  # bool [N], False on padding rows
+    # float32 [N, k], a sampled cache's slot weights (module doc; 0 on padding); None: a top-k cache
+    target_weights: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.mask.sum())
 
+    def _map(self, fn) -> "Batch":
+        """Every tensor through ``fn``; None stays None."""
+        return Batch(**{k: None if v is None else fn(v) for k, v in vars(self).items()})
+
     def to(self, device, non_blocking: bool = False) -> "Batch":
-        return Batch(**{k: v.to(device, non_blocking=non_blocking) for k, v in vars(self).items()})
+        return self._map(lambda v: v.to(device, non_blocking=non_blocking))
 
     def positions(self, start: int, end: int) -> "Batch":
         """The rows of positions start..end of every sequence: a batch of B * (end - start) rows."""
         B, L = self.input_ids.shape
         rows = lambda t: t.view(B, L, *t.shape[1:])[:, start:end].reshape(B * (end - start), *t.shape[1:])
-        return Batch(self.input_ids[:, start:end], *(rows(getattr(self, f.name)) for f in dataclasses.fields(self)[1:]))
+        return Batch(self.input_ids[:, start:end], *(None if getattr(self, f.name) is None else rows(getattr(self, f.name))
+                                                     for f in dataclasses.fields(self)[1:]))
 
     def padded_to(self, length: int) -> "Batch":
         """Every sequence padded to `length` positions, the padding as CacheBatches makes it."""
@@ -82,13 +94,25 @@ class Batch:
         pad = lambda t_BL, fill: torch.cat([t_BL, fill.expand(B, extra, *t_BL.shape[2:]).to(t_BL.dtype)], 1)
         rows = lambda t, fill: pad(t.view(B, L, *t.shape[1:]), fill).reshape(B * length, *t.shape[1:])
         scalar = lambda value: torch.tensor([[value]])
+        weights = None if self.target_weights is None else rows(self.target_weights, scalar(0.0))
         return Batch(pad(self.input_ids, scalar(0)), rows(self.topk_ids, torch.arange(k).view(1, 1, k)),
                      rows(self.topk_logprobs, scalar(0.0)), rows(self.tail_logmass, scalar(0.0)),
                      rows(self.target_ids, scalar(-1)), rows(self.target_logprob, scalar(float("nan"))),
-                     rows(self.mask, scalar(False)))
+                     rows(self.mask, scalar(False)), weights)
 
     def pin_memory(self) -> "Batch":
-        return Batch(**{k: v.pin_memory() for k, v in vars(self).items()})
+        return self._map(lambda v: v.pin_memory())
+
+
+def target_weights(targets) -> np.ndarray:
+    """float32 [N, k]: the slot weights of sampled targets (``TeacherTargets`` with sample_counts),
+    w_j = (c_j / S) * exp(l_j - log r(u_j)), or c_j / S when no proposal log-probs are stored."""
+    counts = targets.sample_counts.astype(np.float64)
+    weights = counts / counts.sum(axis=1, keepdims=True)
+    if targets.proposal_logprobs is not None:
+        ratio = targets.topk_logprobs.astype(np.float64) - targets.proposal_logprobs.astype(np.float64)
+        weights *= np.exp(np.where(counts > 0, ratio, 0.0))  # padding: weight 0, whatever its log-probs
+    return weights.astype(np.float32)
 
 
 class _ShardLRU:
@@ -149,6 +173,7 @@ class CacheBatches:
         self.reader, self.batch_size, self.seq_len = reader, batch_size, seq_len
         self.seed, self.shuffle, self.pin = seed, shuffle, pin_memory
         self.k = reader.manifest.spec.targets.k
+        self.sampled = reader.manifest.spec.targets.sampled
         self._lru = _ShardLRU(reader, lru_shards)
         self.epoch, self.offset = 0, 0
         self._order_epoch, self._order = None, None
@@ -218,11 +243,14 @@ class CacheBatches:
         target = np.full((B, L), -1, np.int64)
         target_lp = np.full((B, L), np.nan, np.float32)
         mask = np.zeros((B, L), bool)
+        weights = np.zeros((B, L, k), np.float32) if self.sampled else None
         for b, (shard, seq_stop, lo, hi) in enumerate(rows):
             n, t = hi - lo, shard.targets
             input_ids[b, :n] = shard.input_ids[lo:hi]
             topk_ids[b, :n] = t.topk_ids[lo:hi]
             topk_lp[b, :n] = t.topk_logprobs[lo:hi]
+            if weights is not None:
+                weights[b, :n] = target_weights(t.slice(lo, hi))
             tail[b, :n] = t.tail_logmass[lo:hi]
             target_lp[b, :n] = t.target_logprob[lo:hi]
             # The window's last row still has a next token unless the sequence ends there.
@@ -231,7 +259,7 @@ class CacheBatches:
             mask[b, :n] = True
         flat = lambda a: torch.from_numpy(a.reshape(B * L, *a.shape[2:]))
         batch = Batch(torch.from_numpy(input_ids), flat(topk_ids), flat(topk_lp), flat(tail), flat(target),
-                      flat(target_lp), flat(mask))
+                      flat(target_lp), flat(mask), None if weights is None else flat(weights))
         return batch.pin_memory() if self.pin else batch
 
 

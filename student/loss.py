@@ -8,6 +8,11 @@ targets.temperature); `LossConfig.temperature` is the temperature of the distill
 which cannot be re-tempered (it is one number for many tokens), so they train only at the
 cache's temperature, where the loss's optimum is the teacher itself.
 
+A sampled cache (manifest targets.kind "sampled") carries per-slot weights instead of a top-k
+(`Batch.target_weights`): the loss is then the unbiased estimate of the full-vocabulary KL, the
+"unnormalized" formulas with the weights as the teacher's mass, whatever `LossConfig.tail` says,
+and only at the temperature the cache was sampled at.
+
 torch and the kernel are imported inside `distill_loss`: the CLI imports `LossConfig` for its
 option defaults without loading torch.
 """
@@ -27,7 +32,8 @@ TailMode = Literal["bucket", "renorm", "unnormalized"]  # kernels.fused_topk_kl.
 class LossConfig:
     """What the student is trained to match: the teacher's cached top-k (and tail), and or the actual tokens."""
 
-    # How the teacher's mass beyond the top-k counts (kernels/fused_topk_kl.py has the formulas).
+    # How the teacher's mass beyond the top-k counts (kernels/fused_topk_kl.py has the formulas);
+    # a sampled cache has no top-k and always trains with its estimator (module docstring).
     # "bucket" is the default: "renorm" never moves the student's mass into the teacher's top-k and
     # learned worst of the three on real data (RESULTS.md, KD vs CE, bench_kd_vs_ce.py).
     tail: TailMode = "bucket"
@@ -46,9 +52,16 @@ class LossConfig:
     def distillation_temperature(self, cache_temperature: float) -> float:
         return cache_temperature if self.temperature is None else self.temperature
 
-    def check_cache_temperature(self, cache_temperature: float) -> None:
-        """Refuse a temperature this tail cannot compose with a cache at `cache_temperature`."""
+    def check_cache_temperature(self, cache_temperature: float, kind: str = "topk") -> None:
+        """Refuse a temperature this tail, or a cache of targets `kind` ("topk" | "sampled", the
+        manifest's targets.kind), cannot compose with a cache at `cache_temperature`."""
         temperature = self.distillation_temperature(cache_temperature)
+        if kind == "sampled" and temperature != cache_temperature:
+            raise ConfigError("temperature", (
+                f"is {temperature:g} but the cache holds ids sampled from the teacher at temperature "
+                f"{cache_temperature:g}, and sampled targets estimate the teacher only at the temperature they were "
+                f"drawn at; leave out --temperature (the cache's), or sample a cache at temperature {temperature:g} "
+                f"(distill cache-teacher --targets sampled --temperature {temperature:g})"))
         if self.tail != "renorm" and temperature != cache_temperature:
             raise ConfigError("temperature", (
                 f"is {temperature:g} but the cache holds the teacher at temperature {cache_temperature:g}, and the "
@@ -62,10 +75,12 @@ def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_tempe
     """(loss, kl) of the student `hidden_ND @ weight_VD.T` against `batch`'s cached targets.
 
     hidden_ND: [N, d] final hidden states; weight_VD: [V, d] lm-head, same dtype and device.
-    batch: a student.data.Batch of N rows. loss = (1 - ce_weight) T^2 KL + ce_weight CE, with
-    gradients to hidden and weight; kl: the KL(teacher || student) term alone at temperature T,
-    detached, reduced as the loss ("mean" over the unmasked rows, CE over the rows with a next
-    token, or "sum"). One fused pass: the [N, V] logits never exist in full.
+    batch: a student.data.Batch of N rows; with `target_weights` (a sampled cache) the KL is the
+    unbiased estimate of the full-vocabulary KL and the tail "unnormalized" whatever config.tail
+    says. loss = (1 - ce_weight) T^2 KL + ce_weight CE, with gradients to hidden and weight; kl:
+    the KL(teacher || student) term alone at temperature T, detached, reduced as the loss ("mean"
+    over the unmasked rows, CE over the rows with a next token, or "sum"). One fused pass: the
+    [N, V] logits never exist in full.
 
     whole: (real rows, rows with a next token) of the micro-batch that `batch` is a part of (a
     chunk of chunk-recurrent training): loss and kl are then this part's share of the micro-
@@ -81,10 +96,12 @@ def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_tempe
         rows, target_rows = whole
         kl_part, ce_part = (1 - ce_weight) / max(rows, 1), ce_weight / max(target_rows, 1)
         scale, ce_weight, reduction = kl_part + ce_part, ce_part / (kl_part + ce_part), "sum"
+    target_weights = getattr(batch, "target_weights", None)  # None for a top-k cache
+    tail = config.tail if target_weights is None else "unnormalized"
     loss, kl = fused_topk_kl(hidden_ND, weight_VD, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass,
-                             target_ids=batch.target_ids, mask=batch.mask, tail=config.tail, temperature=temperature,
+                             target_ids=batch.target_ids, mask=batch.mask, tail=tail, temperature=temperature,
                              cache_temperature=cache_temperature, ce_weight=ce_weight, reduction=reduction,
-                             impl="auto", check_ids=check_ids, return_kl=True)
+                             impl="auto", check_ids=check_ids, return_kl=True, target_weights=target_weights)
     if scale is not None:
         loss, kl = loss * scale, kl / max(whole[0], 1)
     return loss, kl

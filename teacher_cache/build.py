@@ -32,7 +32,7 @@ from teacher_cache.codecs import codec_names
 from teacher_cache.location import RemotePath, cache_location
 from teacher_cache.manifest import CacheSpec
 from teacher_cache.store import get_store, shard_name
-from teacher_cache.targets import TeacherTargets
+from teacher_cache.targets import Sampling, TeacherTargets
 from teacher_cache.workers import Workers
 
 if TYPE_CHECKING:
@@ -53,7 +53,16 @@ class CacheConfig:
     # cache directory (created; an interrupted run there is resumed, a damaged one repaired), or
     # an fsspec URL of an object store prefix (s3://, gs://; teacher_cache/location.py)
     out: Path | RemotePath
-    k: int = 100  # top-k entries stored per position
+    # topk: the teacher's k most probable ids per position; sampled: RS-KD, `samples` ids drawn
+    # per position with replacement (unique ids with counts; an unbiased estimate of the full KL)
+    targets: Literal["topk", "sampled"] = "topk"
+    k: int = 100  # top-k entries stored per position (targets topk)
+    # ids drawn per position (targets sampled); the RS-KD paper's choice, about a dozen
+    samples: int = 12
+    # temperature of the distribution the ids are drawn from (targets sampled); None: the cache
+    # temperature, so the stored counts alone weight the ids (no proposal log-probs stored)
+    proposal_temperature: float | None = None
+    seed: int = 0  # seed of the draws (targets sampled); a sequence's draws depend on it and its index only
     value_codec: str = "sqrt8"  # fp32 | bf16 | fp16 | sqrt8 (see teacher_cache/codecs.py)
     # parquet | zarr (Zarr v3); parquet is the default because it writes cheaper at the same size
     # (tests/benchmarks/notes/LOG.md, "Stage one end to end on the H200")
@@ -76,6 +85,10 @@ class CacheConfig:
         check_types(self)
         self.out = cache_location(self.out)
         require("k", self.k, self.k >= 1, "an integer >= 1")
+        require("samples", self.samples, 1 <= self.samples <= 255, "an integer in [1, 255] (counts are uint8)")
+        require("proposal_temperature", self.proposal_temperature, self.proposal_temperature is None or (
+            math.isfinite(self.proposal_temperature) and self.proposal_temperature > 0), "a finite number > 0")
+        require("seed", self.seed, self.seed >= 0, "an integer >= 0")
         require("value_codec", self.value_codec, self.value_codec in codec_names(),
                 f"one of {', '.join(codec_names())}")
         require("shard_size", self.shard_size, self.shard_size >= 1, "an integer >= 1")
@@ -92,11 +105,32 @@ class CacheConfig:
         require("ray_address", self.ray_address, self.ray_address is None or self.executor == "ray",
                 "unset unless --executor ray")
 
+    @property
+    def slots(self) -> int:
+        """Entries stored per position: k, or the samples of a sampled cache."""
+        return self.samples if self.targets == "sampled" else self.k
 
-def check_k_fits(k: int, vocab_size: int | None) -> None:
-    """`k` against the teacher's vocabulary, before any work (ConfigError naming `k`)."""
+    @property
+    def sampling(self) -> Sampling | None:
+        if self.targets != "sampled":
+            return None
+        proposal = self.temperature if self.proposal_temperature is None else self.proposal_temperature
+        return Sampling(samples=self.samples, proposal_temperature=float(proposal), seed=self.seed)
+
+
+def check_k_fits(k: int, vocab_size: int | None, name: str = "k") -> None:
+    """`k` (or `samples`, named by `name`) against the teacher's vocabulary, before any work."""
     if vocab_size is not None and k > vocab_size:
-        raise ConfigError("k", f"must be in [1, vocab_size={vocab_size}] (the teacher's vocabulary), got {k}")
+        raise ConfigError(name, f"must be in [1, vocab_size={vocab_size}] (the teacher's vocabulary), got {k}")
+
+
+def check_backend_can_sample(backend: TeacherBackend | str, config: CacheConfig) -> None:
+    """A sampled cache needs a backend that sees the teacher's whole distribution (ConfigError naming `backend`)."""
+    name = backend if isinstance(backend, str) else backend.name
+    can = name == "hf" if isinstance(backend, str) else getattr(backend, "can_sample", False)
+    if config.targets == "sampled" and not can:
+        raise ConfigError("backend", f"must be hf with --targets sampled (vLLM returns only the top-k prompt "
+                                     f"log-probs, not the whole distribution to sample from), got {name!r}")
 
 
 @dataclass
@@ -147,7 +181,8 @@ def build_cache(
     """
     if not sequences:
         raise DistillUserError("the corpus produced no sequences; give more text or a shorter --seq-len")
-    check_k_fits(config.k, backend.vocab_size)
+    check_k_fits(config.slots, backend.vocab_size, "samples" if config.targets == "sampled" else "k")
+    check_backend_can_sample(backend, config)
     lengths = np.array([len(s) for s in sequences], dtype=np.int64)
     if lengths.min() < 2:
         raise DistillUserError(f"every sequence needs at least 2 tokens, got one of {lengths.min()}")
@@ -278,10 +313,12 @@ def cache_identity(teacher: dict, config: CacheConfig, *, tokenizer: dict, data:
 
 
 def _settings_identity(config: CacheConfig) -> dict:
-    return {
-        "targets": {"k": config.k, "value_codec": config.value_codec, "temperature": float(config.temperature)},
-        "storage": {"format": config.storage, "shard_size": config.shard_size},
-    }
+    targets = {"k": config.slots, "value_codec": config.value_codec, "temperature": float(config.temperature),
+               "kind": config.targets}
+    if (sampling := config.sampling) is not None:
+        targets |= {"samples": sampling.samples, "proposal_temperature": sampling.proposal_temperature,
+                    "seed": sampling.seed}
+    return {"targets": targets, "storage": {"format": config.storage, "shard_size": config.shard_size}}
 
 
 def other_cache_diff(existing, teacher: dict, config: CacheConfig, *, tokenizer: dict, seq_len: int) -> list[str]:
@@ -350,7 +387,7 @@ def _score_and_write(sequences, lengths, todo, backend, config, writer, report, 
                 pipe = handoff.pipe()
                 in_flight.append(pool.submit(write, index, seqs, pipe))
                 try:
-                    _score_shard(seqs, backend, config, pipe, report, bar)
+                    _score_shard(seqs, index * shard_size, backend, config, pipe, report, bar)
                 except BaseException:
                     pipe.abort()  # its writer removes the partial shard
                     raise
@@ -365,11 +402,13 @@ def _score_and_write(sequences, lengths, todo, backend, config, writer, report, 
             bar.close()
 
 
-def _score_shard(seqs, backend, config, pipe: "_Pipe", report, bar) -> None:
+def _score_shard(seqs, first, backend, config, pipe: "_Pipe", report, bar) -> None:
+    """Score the sequences ``seqs`` of one shard; ``first`` is the index of seqs[0] in the cache."""
     for b in range(0, len(seqs), config.batch_size):
         batch = seqs[b:b + config.batch_size]
         t0 = time.perf_counter()
-        for block in _row_blocks(backend, batch, config.k):
+        indices = list(range(first + b, first + b + len(batch)))
+        for block in _row_blocks(backend, batch, config, indices):
             report.teacher_seconds += time.perf_counter() - t0
             t1 = time.perf_counter()
             pipe.put(block)
@@ -380,13 +419,18 @@ def _score_shard(seqs, backend, config, pipe: "_Pipe", report, bar) -> None:
         report.teacher_seconds += time.perf_counter() - t0
 
 
-def _row_blocks(backend: TeacherBackend, batch: list[np.ndarray], k: int) -> Iterable[TeacherTargets]:
+def _row_blocks(backend: TeacherBackend, batch: list[np.ndarray], config: CacheConfig,
+                indices: list[int]) -> Iterable[TeacherTargets]:
     """The batch's rows as the backend produces them: its ``score_blocks`` where it has one (rows
-    of a long sequence chunk by chunk), else its ``score`` (one block per sequence)."""
+    of a long sequence chunk by chunk), else its ``score`` (one block per sequence). indices: the
+    sequences' indices in the cache (a sampled cache's draws depend on them)."""
+    if config.targets == "sampled":
+        return (block for _, block in backend.score_blocks(batch, config.slots, sampling=config.sampling,
+                                                           indices=indices))
     score_blocks = getattr(backend, "score_blocks", None)
     if score_blocks is None:
-        return backend.score(batch, k)
-    return (block for _, block in score_blocks(batch, k))
+        return backend.score(batch, config.k)
+    return (block for _, block in score_blocks(batch, config.k))
 
 
 class _Aborted(Exception):
@@ -415,7 +459,7 @@ class _Pipe:
     def put(self, block: TeacherTargets) -> None:
         """Teacher side; waits while the handoff is full. Dropped once the reader has stopped (its
         error surfaces from the writer's future)."""
-        nbytes = sum(a.nbytes for a in (block.topk_ids, block.topk_logprobs, block.tail_logmass, block.target_logprob))
+        nbytes = sum(a.nbytes for a in block.arrays if a is not None)
         h = self._handoff
         with self._cond:
             while h.queued and h.queued + nbytes > h.max_bytes and not self._reader_gone:

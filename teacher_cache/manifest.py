@@ -1,4 +1,10 @@
-"""manifest.json of a teacher cache (format "distill-teacher-cache", version 1).
+"""manifest.json of a teacher cache (format "distill-teacher-cache", version 1 or 2).
+
+Version 1 is a top-k cache; its targets section has no ``kind``. Version 2 is a cache whose
+targets section names its ``kind`` ("sampled": RS-KD sampled targets, with ``samples``,
+``proposal_temperature`` and ``seed``). A top-k cache is still written as version 1, byte for
+byte as before (same ``cache_id``), so every distill reads it; an older distill refuses a
+version 2 cache by its version, which it cannot read.
 
 The manifest is the contract between stage one and stage two: readers check it before they
 touch a shard. Loading is strict: an unknown format version, a missing or unknown key, or a value
@@ -23,7 +29,12 @@ from typing import Any
 from teacher_cache.errors import CacheError
 
 FORMAT_NAME = "distill-teacher-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # of a top-k cache
+SAMPLED_FORMAT_VERSION = 2  # of a cache whose targets name their kind
+FORMAT_VERSIONS = (FORMAT_VERSION, SAMPLED_FORMAT_VERSION)
+TARGET_KINDS = ("topk", "sampled")
+# targets fields a top-k cache leaves out of its manifest and identity (version 1 has none of them)
+_SAMPLED_FIELDS = ("kind", "samples", "proposal_temperature", "seed")
 MANIFEST_NAME = "manifest.json"
 STORAGE_FORMATS = ("zarr", "parquet")
 STATUSES = ("incomplete", "complete")
@@ -91,20 +102,52 @@ class DataInfo:
         )
 
 
+def _positive_float(value: Any, name: str) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    _require(ok and math.isfinite(value) and value > 0, f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)  # 1 and 1.0 must hash to the same cache_id
+
+
 @dataclass(frozen=True)
 class TargetsInfo:
-    k: int  # top-k entries stored per position
+    k: int  # entries stored per position (top-k; sampled: the slots, = samples)
     value_codec: str  # how top-k log-probs are stored: fp32 | bf16 | fp16 | a quantised codec
     temperature: float  # stored log-probs are log_softmax(logits / temperature)
+    kind: str = "topk"  # "topk" | "sampled" (RS-KD: ids drawn from the proposal, with counts)
+    samples: int | None = None  # sampled: ids drawn per position (with replacement)
+    proposal_temperature: float | None = None  # sampled: drawn from softmax(logits / this)
+    seed: int | None = None  # sampled: seed of the draws (teacher_cache.targets.Sampling)
 
     def __post_init__(self) -> None:
         _int_at_least(self.k, 1, "targets.k")
         _nonempty_str(self.value_codec, "targets.value_codec")
-        ok = isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-        _require(ok and math.isfinite(self.temperature) and self.temperature > 0,
-                 f"targets.temperature must be a finite number > 0, got {self.temperature!r}")
-        # 1 and 1.0 must hash to the same cache_id.
-        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "temperature", _positive_float(self.temperature, "targets.temperature"))
+        _require(self.kind in TARGET_KINDS, f"targets.kind must be one of {', '.join(TARGET_KINDS)}, "
+                                            f"got {self.kind!r}")
+        if self.kind == "topk":
+            extra = [name for name in _SAMPLED_FIELDS[1:] if getattr(self, name) is not None]
+            _require(not extra, f"a top-k cache has no targets.{', targets.'.join(extra)}")
+            return
+        _int_at_least(self.samples, 1, "targets.samples")
+        _require(self.samples <= 255, f"targets.samples must be at most 255 (uint8 counts), got {self.samples}")
+        _require(self.k == self.samples, f"targets.k must equal targets.samples in a sampled cache, got k={self.k} "
+                                         f"and samples={self.samples}")
+        object.__setattr__(self, "proposal_temperature",
+                           _positive_float(self.proposal_temperature, "targets.proposal_temperature"))
+        _int_at_least(self.seed, 0, "targets.seed")
+
+    @property
+    def sampled(self) -> bool:
+        return self.kind == "sampled"
+
+    @property
+    def proposal_is_teacher(self) -> bool:
+        """Whether the ids were drawn from the stored distribution itself (then no proposal log-probs are stored)."""
+        return self.proposal_temperature == self.temperature
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        return d if self.sampled else {key: value for key, value in d.items() if key not in _SAMPLED_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -143,12 +186,13 @@ _SECTIONS = {"teacher": TeacherInfo, "tokenizer": TokenizerInfo, "data": DataInf
              "storage": StorageInfo}
 
 # The fields that determine shard contents, as section -> keys. Paths, descriptions, totals that
-# follow from the fingerprint, compression settings and shard bookkeeping are left out.
+# follow from the fingerprint, compression settings and shard bookkeeping are left out. A top-k
+# cache's identity leaves out the sampled-only targets fields (so its cache_id is as before).
 IDENTITY_FIELDS = {
     "teacher": ("weights_hash", "backend", "dtype"),
     "tokenizer": ("hash",),
     "data": ("fingerprint", "seq_len"),
-    "targets": ("k", "value_codec", "temperature"),
+    "targets": ("k", "value_codec", "temperature", *_SAMPLED_FIELDS),
     "storage": ("format", "shard_size"),
 }
 
@@ -183,9 +227,15 @@ class CacheSpec:
         _require(not unknown, f"cache spec has unknown section(s) {unknown}; allowed: {sorted(_SECTIONS)}")
         return CacheSpec(**parts)
 
+    @property
+    def format_version(self) -> int:
+        return SAMPLED_FORMAT_VERSION if self.targets.sampled else FORMAT_VERSION
+
     def identity(self) -> dict:
-        ident: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
+        ident: dict[str, Any] = {"format": FORMAT_NAME, "version": self.format_version}
         for section, keys in IDENTITY_FIELDS.items():
+            if section == "targets" and not self.targets.sampled:
+                keys = tuple(key for key in keys if key not in _SAMPLED_FIELDS)
             ident[section] = {key: getattr(getattr(self, section), key) for key in keys}
         return ident
 
@@ -245,10 +295,10 @@ class Manifest:
         return self.spec.cache_id
 
     def to_dict(self) -> dict:
-        d: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "cache_id": self.cache_id,
+        d: dict[str, Any] = {"format": FORMAT_NAME, "version": self.spec.format_version, "cache_id": self.cache_id,
                              "status": self.status}
         for name in _SECTIONS:
-            d[name] = dataclasses.asdict(getattr(self.spec, name))
+            d[name] = self.spec.targets.to_dict() if name == "targets" else dataclasses.asdict(getattr(self.spec, name))
         d["shards"] = [dataclasses.asdict(s) for s in self.shards]
         d["tool_version"] = self.tool_version
         d["created"] = self.created
@@ -259,14 +309,20 @@ class Manifest:
         _require(isinstance(d, dict), f"manifest must be a JSON object, got {type(d).__name__}")
         _require(d.get("format") == FORMAT_NAME,
                  f"not a distill teacher cache manifest: format is {d.get('format')!r}, expected {FORMAT_NAME!r}")
-        _require(d.get("version") == FORMAT_VERSION,
+        _require(d.get("version") in FORMAT_VERSIONS,
                  f"cache format version {d.get('version')!r} is not supported; this distill ({tool_version()}) "
-                 f"reads version {FORMAT_VERSION}: upgrade distill or rebuild the cache")
+                 f"reads versions {', '.join(map(str, FORMAT_VERSIONS))}: upgrade distill or rebuild the cache")
         top = {"format", "version", "cache_id", "status", "shards", "tool_version", "created", *_SECTIONS}
         unknown, missing = sorted(set(d) - top), sorted(top - set(d))
         _require(not unknown, f"manifest has unknown key(s) {unknown}; written by a newer distill?")
         _require(not missing, f"manifest is missing key(s) {missing}")
         spec = CacheSpec.from_dict({name: d[name] for name in _SECTIONS})
+        if d["version"] == SAMPLED_FORMAT_VERSION:
+            _require(isinstance(d["targets"], dict) and "kind" in d["targets"],
+                     f"a version {SAMPLED_FORMAT_VERSION} manifest names its targets.kind; this one does not")
+        _require(d["version"] == spec.format_version,
+                 f"manifest version {d['version']} does not match its {spec.targets.kind} targets (version "
+                 f"{spec.format_version}); the manifest was edited by hand: restore it or rebuild the cache")
         _require(isinstance(d["shards"], list), f"manifest shards must be a list, got {type(d['shards']).__name__}")
         shards = tuple(_section_from_dict(ShardInfo, s, f"shards[{i}]") for i, s in enumerate(d["shards"]))
         m = Manifest(spec=spec, status=d["status"], shards=shards, tool_version=str(d["tool_version"]),

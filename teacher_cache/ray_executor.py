@@ -181,8 +181,18 @@ class RayTeacher:
     vocab_size: int
     device: str  # "cuda" (a task reserves gpus_per_task GPUs) or "cpu"
     gpus_per_task: int = 1
-    name: str = "ray"
     build_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def name(self) -> str:
+        """The backend the tasks run ("hf" | "vllm")."""
+        return self.description["backend"]
+
+    @property
+    def can_sample(self) -> bool:
+        """Whether the tasks' backend draws sampled targets (as ``build.check_backend_can_sample``
+        decides by name before a backend exists)."""
+        return self.name == "hf"
 
     def describe(self) -> dict:
         return dict(self.description)
@@ -349,8 +359,8 @@ class _FailingTeacher:
     def __getattr__(self, name):
         return getattr(self._backend, name)
 
-    def score_blocks(self, sequences, k):
-        for item in self._backend.score_blocks(sequences, k):
+    def score_blocks(self, sequences, k, **options):
+        for item in self._backend.score_blocks(sequences, k, **options):
             self._blocks += 1
             if self._blocks == 2:
                 time.sleep(0.5)  # lets the writer thread start the shard's temp file

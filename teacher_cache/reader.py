@@ -19,7 +19,7 @@ import numpy as np
 from teacher_cache.codecs import get_codec
 from teacher_cache.errors import REPAIR_HINT, CacheError, CacheMismatchError, CorruptShardError
 from teacher_cache.location import cache_location
-from teacher_cache.manifest import Manifest, load_manifest
+from teacher_cache.manifest import Manifest, TargetsInfo, load_manifest
 from teacher_cache.store import SHARDS_DIR, decode_shard, get_store, read_shard, shard_checksum, shard_size_on_disk
 from teacher_cache.targets import TeacherTargets
 
@@ -33,6 +33,8 @@ class CachedSequence:
     topk_logprobs: Any  # float32 [L, k], full-vocabulary log-probs at the cache temperature
     tail_logmass: Any  # float32 [L]
     target_logprob: Any  # float32 [L], NaN on the last row
+    sample_counts: Any = None  # uint8 [L, k] for a sampled cache (see TeacherTargets), else None
+    proposal_logprobs: Any = None  # float32 [L, k] when a sampled cache's proposal is not the teacher
 
 
 @dataclass
@@ -41,6 +43,18 @@ class _LoadedShard:
     input_ids: np.ndarray
     seq_offsets: np.ndarray
     targets: TeacherTargets
+
+
+def check_target_arrays(targets: TeacherTargets, info: TargetsInfo, name: str) -> None:
+    """A decoded shard's targets hold the arrays its manifest's targets section promises."""
+    if targets.k != info.k:
+        raise CorruptShardError(f"shard {name} has k={targets.k}, the manifest says {info.k}; rebuild the cache")
+    expected = (info.sampled, info.sampled and not info.proposal_is_teacher)
+    found = (targets.sample_counts is not None, targets.proposal_logprobs is not None)
+    if found != expected:
+        arrays = ", ".join(n for n, f in zip(("sample_counts", "proposal_logprobs"), found) if f) or "neither"
+        raise CorruptShardError(f"shard {name} holds {arrays} of sample_counts and proposal_logprobs, which does not "
+                                f"match its manifest's {info.kind} targets; rebuild the cache")
 
 
 class CacheReader:
@@ -117,12 +131,10 @@ class CacheReader:
         if (len(seq_offsets) - 1, len(input_ids)) != (info.sequences, info.tokens):
             raise CorruptShardError(f"shard {info.name} holds {len(seq_offsets) - 1} sequences / {len(input_ids)} "
                                     f"tokens, the manifest says {info.sequences} / {info.tokens}; rebuild the cache")
-        if targets.k != self.manifest.spec.targets.k:
-            raise CorruptShardError(f"shard {info.name} has k={targets.k}, the manifest says "
-                                    f"{self.manifest.spec.targets.k}; rebuild the cache")
-        for a in (input_ids, seq_offsets, targets.topk_ids, targets.topk_logprobs, targets.tail_logmass,
-                  targets.target_logprob):
-            a.flags.writeable = False  # sequences are views into this cached shard
+        check_target_arrays(targets, self.manifest.spec.targets, info.name)
+        for a in (input_ids, seq_offsets, *targets.arrays):
+            if a is not None:
+                a.flags.writeable = False  # sequences are views into this cached shard
         self._last = _LoadedShard(index, input_ids, seq_offsets, targets)
         return self._last
 
@@ -137,13 +149,11 @@ class CacheReader:
         shard = self._load(index)
         local = i - self._shard_starts[index]
         start, stop = int(shard.seq_offsets[local]), int(shard.seq_offsets[local + 1])
-        t = shard.targets
-        parts = (shard.input_ids[start:stop], t.topk_ids[start:stop], t.topk_logprobs[start:stop],
-                 t.tail_logmass[start:stop], t.target_logprob[start:stop])
+        parts = (shard.input_ids[start:stop], *shard.targets.slice(start, stop).arrays)
         if as_ == "torch":
             import torch
 
-            parts = tuple(torch.from_numpy(np.array(p)) for p in parts)
+            parts = tuple(None if p is None else torch.from_numpy(np.array(p)) for p in parts)
         return CachedSequence(*parts)
 
     def __getitem__(self, i: int) -> CachedSequence:

@@ -3,6 +3,11 @@
 Everything is accumulated shard by shard in bounded memory (percentiles come from a 10,000-bin
 histogram of top-k mass, accurate to 1e-4), so the stats of a large cache need one pass and
 no more memory than one shard.
+
+For a sampled cache (RS-KD) the "top-k" figures are those of the drawn ids (slots with count > 0;
+padding slots are left out), ranks are positions among the drawn ids by count, and
+``unique_ids_per_position`` says how many distinct ids the S draws gave (mean, percentiles and
+a histogram over 1..S).
 """
 
 from __future__ import annotations
@@ -58,9 +63,11 @@ class _Accumulator:
     entropy_tail_low: float = 0.0
     entropy_tail_high: float = 0.0
     rank_counts: np.ndarray = None  # int64 [buckets + 1], the last for ranks > k
+    unique_counts: np.ndarray = None  # int64 [k + 1]: positions by number of distinct drawn ids (sampled)
 
     def __post_init__(self) -> None:
         self.rank_counts = np.zeros(len(rank_buckets(self.k)) + 1, dtype=np.int64)
+        self.unique_counts = np.zeros(self.k + 1, dtype=np.int64)
 
     def add(self, input_ids: np.ndarray, seq_offsets: np.ndarray, targets) -> None:
         self.shards += 1
@@ -73,6 +80,13 @@ class _Accumulator:
 
         logp = targets.topk_logprobs.astype(np.float64)
         p = np.exp(logp)
+        ids, others = targets.topk_ids, np.full(len(p), max(self.vocab_size - self.k, 0))
+        if targets.sample_counts is not None:
+            drawn = targets.sample_counts > 0
+            unique = drawn.sum(axis=1)
+            self.unique_counts += np.bincount(unique, minlength=self.k + 1)
+            p, logp, ids = np.where(drawn, p, 0.0), np.where(drawn, logp, 0.0), np.where(drawn, ids, -1)
+            others = self.vocab_size - unique
         mass = p.sum(axis=1)
         bins = np.clip((mass * _MASS_BINS).astype(np.int64), 0, _MASS_BINS - 1)
         self.mass_counts += np.bincount(bins, minlength=_MASS_BINS)
@@ -81,16 +95,15 @@ class _Accumulator:
         self.entropy_top += float(-plogp.sum())
         tail = np.exp(targets.tail_logmass.astype(np.float64))
         # Every tail token has p <= p_k and p <= the tail mass; a quantising codec may decode p_k to 0,
-        # in which case only the second cap is known.
+        # in which case only the second cap is known (so too for drawn ids, which are no top-k).
         p_min = p.min(axis=1)
-        cap = np.where(p_min > 0, np.minimum(p_min, tail), tail)
+        cap = np.where((p_min > 0) & (targets.sample_counts is None), np.minimum(p_min, tail), tail)
         low = np.where(cap > 0, tail * -np.log(np.maximum(cap, 1e-300)), 0.0)
-        others = max(self.vocab_size - self.k, 0)
-        high = np.where(tail > 0, tail * (math.log(max(others, 1)) - np.log(np.maximum(tail, 1e-300))), 0.0)
+        high = np.where(tail > 0, tail * (np.log(np.maximum(others, 1)) - np.log(np.maximum(tail, 1e-300))), 0.0)
         self.entropy_tail_low += float(low.sum())
         self.entropy_tail_high += float(np.maximum(high, low).sum())
 
-        self._add_ranks(input_ids, seq_offsets, targets.topk_ids)
+        self._add_ranks(input_ids, seq_offsets, ids)
 
     def _add_ranks(self, input_ids: np.ndarray, seq_offsets: np.ndarray, topk_ids: np.ndarray) -> None:
         # Row t predicts token t + 1 of the same sequence; the last row of a sequence predicts nothing.
@@ -137,6 +150,7 @@ def cache_stats(path: str | os.PathLike, max_shards: int | None = None) -> dict:
     """
     reader = CacheReader(path, verify_checksums=False)
     spec = reader.manifest.spec
+    sampled = spec.targets.sampled
     acc = _Accumulator(k=spec.targets.k, vocab_size=spec.tokenizer.vocab_size)
     for index, input_ids, seq_offsets, targets in reader.iter_shards():
         if max_shards is not None and index >= max_shards:
@@ -146,18 +160,21 @@ def cache_stats(path: str | os.PathLike, max_shards: int | None = None) -> dict:
     k = spec.targets.k
     bytes_on_disk = sum(s.bytes for s in reader.manifest.shards)
     fp32_bytes = 8 * k + 8  # int32 id + fp32 log-prob per entry, fp32 tail and target per position
+    if sampled:  # + a uint8 count per slot, and an fp32 proposal log-prob when stored
+        fp32_bytes += k * (1 if spec.targets.proposal_is_teacher else 5)
     per_token = bytes_on_disk / spec.data.tokens
     ce = acc.ce_sum / acc.ce_rows if acc.ce_rows else float("nan")
     rows = max(acc.tokens, 1)
     labels = [_bucket_label(lo, hi) for lo, hi in rank_buckets(k)] + [f">{k}"]
     ranked = int(acc.rank_counts.sum())
     plot_counts = acc.mass_counts.reshape(_PLOT_BINS, -1).sum(axis=1)
-    return {
+    stats = {
         "cache": str(path),
         "cache_id": reader.manifest.cache_id,
         "teacher": spec.teacher.path,
         "storage_format": spec.storage.format,
         "value_codec": spec.targets.value_codec,
+        "targets_kind": spec.targets.kind,
         "k": k,
         "temperature": spec.targets.temperature,
         "vocab_size": spec.tokenizer.vocab_size,
@@ -183,6 +200,22 @@ def cache_stats(path: str | os.PathLike, max_shards: int | None = None) -> dict:
         "actual_token_rank": {"buckets": labels, "counts": acc.rank_counts.tolist(),
                               "fractions": (acc.rank_counts / max(ranked, 1)).tolist()},
     }
+    if sampled:
+        stats["sampling"] = {"samples": spec.targets.samples, "proposal_temperature": spec.targets.proposal_temperature,
+                             "seed": spec.targets.seed}
+        stats["unique_ids_per_position"] = _unique_stats(acc.unique_counts)
+    return stats
+
+
+def _unique_stats(counts: np.ndarray) -> dict:
+    """Mean, percentiles and histogram of the distinct drawn ids per position; counts: int [S + 1]."""
+    total = max(int(counts.sum()), 1)
+    values = np.arange(len(counts))
+    cum = np.cumsum(counts)
+    # The q-th percentile of an integer-valued sample: the smallest value with at least q% of rows at or below it.
+    pct = {f"p{q}": int(values[min(np.searchsorted(cum, q / 100 * total), len(counts) - 1)]) for q in PERCENTILES}
+    return {"mean": float((values * counts).sum() / total), "percentiles": pct,
+            "histogram": {"unique_ids": values[1:].tolist(), "counts": counts[1:].tolist()}}
 
 
 def to_json(stats: dict) -> str:
@@ -202,8 +235,15 @@ def render_table(stats: dict) -> str:
     table.add_column("statistic", style="bold")
     table.add_column("value")
     table.add_row("teacher", str(stats["teacher"]))
+    sampled = stats.get("targets_kind") == "sampled"
     table.add_row("storage / codec / k / T", f"{stats['storage_format']} / {stats['value_codec']} / {stats['k']} / "
                                              f"{stats['temperature']:g}")
+    if sampled:
+        sampling, unique = stats["sampling"], stats["unique_ids_per_position"]
+        table.add_row("sampled targets", f"{sampling['samples']} draws per position from T = "
+                                         f"{sampling['proposal_temperature']:g}, seed {sampling['seed']}")
+        table.add_row("unique ids per position", f"mean {unique['mean']:.2f}; p1/p10/p50/p90/p99 "
+                      + " / ".join(str(unique["percentiles"][f"p{q}"]) for q in PERCENTILES))
     table.add_row("sequences / tokens / shards", f"{stats['sequences']:,} / {stats['tokens']:,} / {stats['shards']:,}")
     if stats["scanned_shards"] != stats["shards"]:
         table.add_row("scanned", f"{stats['scanned_shards']} shards, {stats['scanned_tokens']:,} tokens")
@@ -213,12 +253,13 @@ def render_table(stats: dict) -> str:
     table.add_row("teacher cross-entropy", f"{_fmt(stats['teacher_cross_entropy_nats'])} nats "
                                            f"(perplexity {_fmt(stats['teacher_perplexity'], '.2f')})")
     pct = stats["topk_mass_percentiles"]
-    table.add_row("top-k mass p1/p10/p50/p90/p99", " / ".join(_fmt(pct[f"p{q}"]) for q in PERCENTILES))
+    part = "drawn ids" if sampled else "top-k"
+    table.add_row(f"{part} mass p1/p10/p50/p90/p99", " / ".join(_fmt(pct[f"p{q}"]) for q in PERCENTILES))
     ent = stats["entropy_nats"]
-    table.add_row("entropy (nats)", f"top-k part {ent['topk_part']:.3f}; with tail in "
+    table.add_row("entropy (nats)", f"{part} part {ent['topk_part']:.3f}; with tail in "
                                     f"[{ent['lower_bound']:.3f}, {ent['upper_bound']:.3f}]")
     ranks = stats["actual_token_rank"]
-    table.add_row("actual token's rank",
+    table.add_row("actual token's rank" + (" by count" if sampled else ""),
                   "  ".join(f"{b}: {f:.1%}" for b, f in zip(ranks["buckets"], ranks["fractions"])))
     console = Console(file=io.StringIO(), width=110, color_system=None, force_terminal=False)
     console.print(table)

@@ -7,6 +7,11 @@ first axis is N (positions) except ``seq_offsets`` [S + 1]:
     target_logprob float32 [N], and the value codec's arrays (fp32/bf16/fp16: topk_ids,
     topk_logprobs; sqrt8: topk_id_gaps, topk_id_gaps_hi, topk_sqrtp; see teacher_cache/codecs.py).
 
+A sampled cache's shard also holds ``sample_counts`` uint8 [N, S] and, when the proposal is not
+the teacher, ``proposal_logprobs`` float32 [N, S]. Its rows are stored with the ids of each row
+ascending in every [N, S] array (so the counts stay aligned with the ids whatever order a codec
+stores them in); decoding puts the slots back in cache order (count descending, then id).
+
 The codec's arrays are treated generically (any names, dtypes and trailing shape), so a codec
 that adds per-row scales needs no change here. A ``ShardStore`` (Zarr or Parquet) turns that dict
 into files and back, losslessly; where each store keeps ``seq_offsets`` is in its module doc and
@@ -31,10 +36,11 @@ import numpy as np
 from teacher_cache.codecs import ValueCodec
 from teacher_cache.errors import REPAIR_HINT, CacheError, CorruptShardError
 from teacher_cache.location import RemotePath
-from teacher_cache.targets import TeacherTargets
+from teacher_cache.targets import TeacherTargets, canonical_slots
 
 SHARDS_DIR = "shards"
 FIXED_ARRAYS = ("input_ids", "seq_offsets", "tail_logmass", "target_logprob")
+SAMPLED_ARRAYS = ("sample_counts", "proposal_logprobs")  # a sampled cache's, beside the codec's
 
 
 class ShardStore(Protocol):
@@ -119,8 +125,17 @@ def encode_blocks(input_ids: np.ndarray, targets: Iterable[TeacherTargets],
             "tail_logmass": np.ascontiguousarray(block.tail_logmass, dtype=np.float32),
             "target_logprob": np.ascontiguousarray(block.target_logprob, dtype=np.float32),
         }
-        for key, value in codec.encode(block.topk_ids, block.topk_logprobs).items():
-            assert key not in FIXED_ARRAYS, f"codec {codec.name} array name {key!r} clashes with a shard array"
+        ids, logprobs = block.topk_ids, block.topk_logprobs
+        if block.sampled:
+            by_id = np.argsort(ids, axis=1, kind="stable")
+            ids, logprobs = np.take_along_axis(ids, by_id, 1), np.take_along_axis(logprobs, by_id, 1)
+            rows["sample_counts"] = np.ascontiguousarray(np.take_along_axis(block.sample_counts, by_id, 1),
+                                                         dtype=np.uint8)
+            if block.proposal_logprobs is not None:
+                rows["proposal_logprobs"] = np.ascontiguousarray(
+                    np.take_along_axis(block.proposal_logprobs, by_id, 1), dtype=np.float32)
+        for key, value in codec.encode(ids, logprobs).items():
+            assert key not in FIXED_ARRAYS + SAMPLED_ARRAYS, f"codec {codec.name} array name {key!r} clashes"
             assert value.shape[0] == stop - start, f"codec {codec.name} array {key} has {value.shape[0]} rows"
             rows[key] = np.ascontiguousarray(value)
         yield rows
@@ -186,11 +201,26 @@ def decode_shard(arrays: dict[str, np.ndarray], codec: ValueCodec,
         raise CorruptShardError(f"shard {name} has inconsistent array lengths or sequence offsets; "
                                 f"the cache is damaged: {REPAIR_HINT}")
     try:
-        topk_ids, topk_logprobs = codec.decode({k: v for k, v in arrays.items() if k not in FIXED_ARRAYS})
+        topk_ids, topk_logprobs = codec.decode({k: v for k, v in arrays.items()
+                                                if k not in FIXED_ARRAYS + SAMPLED_ARRAYS})
     except KeyError as e:
         raise CorruptShardError(f"shard {name} lacks array {e} that value codec {codec.name!r} needs; "
                                 f"the cache is damaged: {REPAIR_HINT}") from e
-    targets = TeacherTargets(topk_ids, topk_logprobs, arrays["tail_logmass"], arrays["target_logprob"])
+    counts, proposal = arrays.get("sample_counts"), arrays.get("proposal_logprobs")
+    if counts is not None:
+        # The stored rows are in ascending-id order; the codec may have returned another.
+        by_id = np.argsort(topk_ids, axis=1, kind="stable")
+        topk_ids, topk_logprobs = np.take_along_axis(topk_ids, by_id, 1), np.take_along_axis(topk_logprobs, by_id, 1)
+        order = canonical_slots(topk_ids, counts)
+        topk_ids, topk_logprobs = np.take_along_axis(topk_ids, order, 1), np.take_along_axis(topk_logprobs, order, 1)
+        counts = np.take_along_axis(counts, order, 1)
+        if proposal is not None:
+            proposal = np.take_along_axis(proposal, order, 1)
+    elif proposal is not None:
+        raise CorruptShardError(f"shard {name} has proposal_logprobs but no sample_counts; the cache is damaged: "
+                                f"{REPAIR_HINT}")
+    targets = TeacherTargets(topk_ids, topk_logprobs, arrays["tail_logmass"], arrays["target_logprob"], counts,
+                             proposal)
     return input_ids, seq_offsets, targets
 
 

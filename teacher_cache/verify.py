@@ -1,13 +1,17 @@
 """`distill verify`: check a cache's shards against its manifest without trusting either.
 
 ``check_shards`` is the cheap check a consumer runs before it relies on a cache (every shard's
-size and checksum; no decoding); ``damaged_shards`` is what a rerun of stage one repairs.
+size and checksum; no decoding); ``damaged_shards`` is what a rerun of stage one repairs. On a
+sampled cache ``verify_cache`` also decodes every shard by default and checks the rows' own rules
+(``check_sampled_rows``).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from distill.files import TEMP_MARK
 from teacher_cache.errors import REPAIR_HINT, CacheError, CorruptShardError
@@ -62,15 +66,32 @@ class VerifyReport:
         return f"{self.path}: cache {self.cache_id} FAILED: " + "; ".join(parts) + hint
 
 
-def verify_cache(path: str | os.PathLike, deep: bool = False) -> VerifyReport:
+def check_sampled_rows(ids: np.ndarray, counts: np.ndarray, samples: int) -> str | None:
+    """What breaks a sampled shard's row rules, or None: counts sum to ``samples`` on every row,
+    and a row's ids are distinct (padding ids too: the fused loss stores gradients at ids).
+    ids: int [N, S]; counts: uint8 [N, S]."""
+    sums = counts.sum(axis=1, dtype=np.int64)
+    bad = np.flatnonzero(sums != samples)
+    if bad.size:
+        return f"row {bad[0]}'s sample counts sum to {sums[bad[0]]}, not samples={samples} ({bad.size} such rows)"
+    ordered = np.sort(ids, axis=1)
+    dup = np.flatnonzero((ordered[:, 1:] == ordered[:, :-1]).any(axis=1))
+    if dup.size:
+        return f"row {dup[0]} holds an id twice ({dup.size} such rows); a row's ids (padding too) must be distinct"
+    return None
+
+
+def verify_cache(path: str | os.PathLike, deep: bool | None = None) -> VerifyReport:
     """Check every shard's existence, size and checksum, and the manifest's totals.
 
-    deep=True also decodes every shard and checks its sequence and token counts (slower). A
+    deep=True also decodes every shard and checks its sequence and token counts and, in a sampled
+    cache, its rows (``check_sampled_rows``); slower. None: deep for a sampled cache only. A
     manifest that cannot be read raises ``CacheError``; everything else is in the report.
     """
     path = cache_location(path)
     manifest = load_manifest(path)
     spec = manifest.spec
+    deep = spec.targets.sampled if deep is None else deep
     store = get_store(spec.storage.format)
     shards_dir = path / SHARDS_DIR
     report = VerifyReport(path=str(path), cache_id=manifest.cache_id, status=manifest.status,
@@ -96,6 +117,7 @@ def verify_cache(path: str | os.PathLike, deep: bool = False) -> VerifyReport:
     codec = None
     if deep:
         from teacher_cache.codecs import get_codec
+        from teacher_cache.reader import check_target_arrays
 
         codec = get_codec(spec.targets.value_codec)
     for info in manifest.shards:
@@ -112,13 +134,17 @@ def verify_cache(path: str | os.PathLike, deep: bool = False) -> VerifyReport:
             report.bad.append((info.name, "checksum differs from the manifest (damaged or modified)"))
         elif codec is not None:
             try:
-                input_ids, offsets, _ = decode_shard(read_shard(store, shard_path, info.name), codec, info.name)
+                input_ids, offsets, targets = decode_shard(read_shard(store, shard_path, info.name), codec, info.name)
+                check_target_arrays(targets, spec.targets, info.name)
             except CacheError as e:
                 report.bad.append((info.name, str(e)))
                 continue
             if (len(offsets) - 1, len(input_ids)) != (info.sequences, info.tokens):
                 report.bad.append((info.name, f"holds {len(offsets) - 1} sequences / {len(input_ids)} tokens, "
                                               f"manifest says {info.sequences} / {info.tokens}"))
+            elif spec.targets.sampled and (why := check_sampled_rows(targets.topk_ids, targets.sample_counts,
+                                                                      spec.targets.samples)):
+                report.bad.append((info.name, why))
     return report
 
 
@@ -128,7 +154,7 @@ def check_shards(path: str | os.PathLike) -> None:
     incomplete cache or a manifest that does not match its shards raises ``CacheError``).
 
     Reads every byte once but decodes nothing: cheap next to any use of the cache."""
-    report = verify_cache(path)
+    report = verify_cache(path, deep=False)
     if report.ok:
         return
     if report.status == "complete" and not report.problems:
@@ -139,7 +165,7 @@ def check_shards(path: str | os.PathLike) -> None:
 def damaged_shards(path: str | os.PathLike) -> list[int]:
     """Indices of the missing or damaged shards of the complete cache at ``path`` (empty when it is
     whole); CacheError when the cache is incomplete or its manifest does not match its shards."""
-    report = verify_cache(path)
+    report = verify_cache(path, deep=False)
     if report.ok:
         return []
     if report.status != "complete" or report.problems:

@@ -348,9 +348,18 @@ class CacheWriter:
             self._written.update(infos)
 
     def _checked_k(self, index: int, blocks: Iterable[TeacherTargets]):
+        targets = self.spec.targets
         for block in blocks:
-            if block.k != self.spec.targets.k:
-                raise CacheError(f"shard {index} targets have k={block.k}, the cache has k={self.spec.targets.k}")
+            if block.k != targets.k:
+                raise CacheError(f"shard {index} targets have k={block.k}, the cache has k={targets.k}")
+            if block.sampled != targets.sampled:
+                raise CacheError(f"shard {index} targets are {'sampled' if block.sampled else 'top-k'}, the cache's "
+                                 f"are {targets.kind}")
+            if targets.sampled and (block.proposal_logprobs is None) != targets.proposal_is_teacher:
+                has = "has" if block.proposal_logprobs is not None else "lacks"
+                raise CacheError(f"shard {index} targets {has} proposal log-probs, but the cache's proposal "
+                                 f"temperature is {targets.proposal_temperature:g} and its temperature "
+                                 f"{targets.temperature:g} (they are stored exactly when the two differ)")
             yield block
 
     def _shard_info_from_disk(self, index: int) -> ShardInfo:

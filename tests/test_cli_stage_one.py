@@ -154,6 +154,12 @@ def test_binary_files_matched_by_the_glob_are_skipped_and_counted(tiny_teacher, 
         (["--encoding-errors", "latin1"], "--encoding-errors must be one of 'skip'"),
         (["--corpus", "/no/such/place"], "--corpus names /no/such/place, which does not exist"),
         (["--model", "/no/such/model"], "--model must be an HF model folder"),
+        (["--targets", "random"], "--targets must be one of 'topk', 'sampled', got 'random'"),
+        (["--targets", "sampled", "--backend", "vllm"], "--backend must be hf with --targets sampled"),
+        (["--samples", "0"], "--samples must be an integer in [1, 255]"),
+        (["--samples", "256"], "--samples must be an integer in [1, 255] (counts are uint8), got 256"),
+        (["--proposal-temperature", "0"], "--proposal-temperature must be a finite number > 0"),
+        (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
     ],
 )
 def test_bad_option_names_the_option(args, start, tiny_teacher, tmp_path, capsys, no_slow_work):
@@ -242,7 +248,9 @@ def test_cli_defaults_are_the_config_defaults():
         "max_sequences": (CorpusConfig, "max_sequences"), "k": (CacheConfig, "k"),
         "codec": (CacheConfig, "value_codec"), "storage": (CacheConfig, "storage"),
         "shard_size": (CacheConfig, "shard_size"), "batch_size": (CacheConfig, "batch_size"),
-        "temperature": (CacheConfig, "temperature"),
+        "temperature": (CacheConfig, "temperature"), "targets": (CacheConfig, "targets"),
+        "samples": (CacheConfig, "samples"), "proposal_temperature": (CacheConfig, "proposal_temperature"),
+        "seed": (CacheConfig, "seed"),
     }
     for option, (cls, name) in fields.items():
         assert defaults[option] == cls.__dataclass_fields__[name].default, option

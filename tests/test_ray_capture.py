@@ -160,7 +160,21 @@ def test_task_device_and_resources_follow_the_cluster():
         cpu.task_device("cuda")
     with pytest.raises(DistillUserError, match="--device must be auto, cuda or cpu with --executor ray .*got 'cuda:1'"):
         gpu.task_device("cuda:1")
-    options = gpu.teacher(print, {}, 10, "cuda", gpus_per_task=2)._task_options()
+    options = gpu.teacher(print, {"backend": "vllm"}, 10, "cuda", gpus_per_task=2)._task_options()
     assert options["num_gpus"] == 2 and "num_cpus" not in options and options["max_retries"] == 3
-    options = cpu.teacher(print, {}, 10, "cpu")._task_options()
+    options = cpu.teacher(print, {"backend": "hf"}, 10, "cpu")._task_options()
     assert options["num_cpus"] == 1 and "num_gpus" not in options and not options["retry_exceptions"]
+
+
+@pytest.mark.slow
+def test_sampled_cache_on_ray_equals_one_process(local_ray, tiny_teacher, tmp_path, capsys):
+    """A sampled cache's draws depend on the seed and each sequence's index in the cache only, so
+    the shards Ray's tasks write equal the one-process ones."""
+    sampled = ["--targets", "sampled", "--samples", "12", "--seed", "3"]
+    code, _, err = run_cli(["cache-teacher", "--model", tiny_teacher, "--out", tmp_path / "one", *SMALL, *sampled],
+                           capsys)
+    assert code == 0, err
+    code, _, err = _build(tiny_teacher, tmp_path / "ray", capsys, *sampled)
+    assert code == 0, err
+    assert _shards(tmp_path / "ray") == _shards(tmp_path / "one")
+    assert json.loads((tmp_path / "ray" / "manifest.json").read_text())["targets"]["kind"] == "sampled"

@@ -18,6 +18,9 @@ class TeacherBackend(Protocol):
 
     name: str  # "hf" | "vllm"
     vocab_size: int  # rows of the lm-head (logits width)
+    # A backend that sees the whole distribution sets ``can_sample = True`` and takes
+    # ``sampling=`` (a ``teacher_cache.targets.Sampling``) and ``indices=`` (the sequences' indices
+    # in the cache) in ``score`` and ``score_blocks``, returning sampled targets (the hf backend).
 
     def score(self, sequences: list[np.ndarray], k: int) -> list[TeacherTargets]:
         """sequences: int32 [L_i] token ids each; returns one TeacherTargets of L_i rows per sequence."""

@@ -2,7 +2,9 @@
 
 The model body gives the final hidden states; ``kernels.topk_logprobs`` then applies the lm-head,
 log-softmax, top-k and the target gather in row chunks, so the [tokens, vocab] fp32 logits never
-exist in full (the model's own forward would build them for the whole batch).
+exist in full (the model's own forward would build them for the whole batch). For a sampled cache
+``kernels.sample_targets`` does the same with S draws per row in place of the top-k, from the
+uniforms that ``teacher_cache.targets.Sampling`` gives each sequence.
 
 Sequences of at most ``prefill_tokens`` tokens run whole, several to a forward. A longer one runs
 alone, chunk by chunk, through the teacher's own KV cache (chunked prefill): memory is its keys
@@ -21,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kernels.sample_targets import sample_targets
 from kernels.topk_logprobs import topk_logprobs
 from teacher_cache.backends import (
     PREFILL_TOKENS,
@@ -34,7 +37,7 @@ from teacher_cache.backends import (
 )
 from distill.devices import resolve_device
 from distill.errors import DistillUserError
-from teacher_cache.targets import TeacherTargets
+from teacher_cache.targets import Sampling, TeacherTargets
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,7 @@ class HFBackend:
     """
 
     name = "hf"
+    can_sample = True  # score_blocks takes sampling= (sees the whole distribution)
 
     def __init__(
         self,
@@ -112,28 +116,43 @@ class HFBackend:
             self._weights_hash = weights_hash(self.model_dir)
         return {"path": str(self.model_dir), "weights_hash": self._weights_hash, "backend": "hf", "dtype": self.dtype}
 
-    def score(self, sequences: list[np.ndarray], k: int) -> list[TeacherTargets]:
-        """sequences: int [L_i] token ids each (L_i >= 2); one TeacherTargets of L_i rows each."""
+    def score(self, sequences: list[np.ndarray], k: int, *, sampling: Sampling | None = None,
+              indices: list[int] | None = None) -> list[TeacherTargets]:
+        """sequences: int [L_i] token ids each (L_i >= 2); one TeacherTargets of L_i rows each.
+
+        sampling: draw ``sampling.samples`` ids per row (k must equal it) instead of the top-k;
+        indices: then the sequences' indices in the cache, which choose their uniforms.
+        """
         rows: list[list[TeacherTargets]] = [[] for _ in sequences]
-        for i, block in self.score_blocks(sequences, k):
+        for i, block in self.score_blocks(sequences, k, sampling=sampling, indices=indices):
             rows[i].append(block)
         return [parts[0] if len(parts) == 1 else TeacherTargets.concat(parts) for parts in rows]
 
-    def score_blocks(self, sequences: list[np.ndarray], k: int) -> Iterator[tuple[int, TeacherTargets]]:
+    def score_blocks(self, sequences: list[np.ndarray], k: int, *, sampling: Sampling | None = None,
+                     indices: list[int] | None = None) -> Iterator[tuple[int, TeacherTargets]]:
         """The rows of ``score`` as they are produced: (i, consecutive rows of sequence i), sequence
         after sequence in the order given; a sequence longer than prefill_tokens comes in chunks."""
         seqs = check_sequences(sequences, self.vocab_size)
         check_k(k, self.vocab_size)
+        if sampling is not None:
+            if k != sampling.samples or indices is None or len(indices) != len(seqs):
+                raise ValueError(f"sampling needs k == sampling.samples ({k} vs {sampling.samples}) and one cache "
+                                 f"index per sequence, got {None if indices is None else len(indices)} for {len(seqs)}")
+            draw = _Draw(sampling, self.temperature, self._logit_scale, self.chunk_size)
+            ids = list(indices)
+        else:
+            draw, ids = None, [None] * len(seqs)
         short = [i for i, s in enumerate(seqs) if len(s) <= self.prefill_tokens]
-        results = self._score_batched(seqs, short, k)
+        results = self._score_batched(seqs, short, k, draw, ids)
         for i, seq in enumerate(seqs):
             if i in results:
                 yield i, results.pop(i)
             else:
-                for block in self._prefill_in_chunks(seq, k):
+                for block in self._prefill_in_chunks(seq, k, draw, ids[i]):
                     yield i, block
 
-    def _score_batched(self, seqs: list[np.ndarray], indices: list[int], k: int) -> dict[int, TeacherTargets]:
+    def _score_batched(self, seqs: list[np.ndarray], indices: list[int], k: int, draw: "_Draw | None",
+                       cache_ids: list) -> dict[int, TeacherTargets]:
         order = sorted(indices, key=lambda i: -len(seqs[i]))  # longest first, so a batch pads little
         results: dict[int, TeacherTargets] = {}
         # One batch in flight: batch j's results copy to the host while batch j+1 is launched,
@@ -141,7 +160,8 @@ class HFBackend:
         pending = None
         for start in range(0, len(order), self.batch_size):
             batch_idx = order[start : start + self.batch_size]
-            launched = (batch_idx, self._launch_batch([seqs[i] for i in batch_idx], k))
+            launched = (batch_idx, self._launch_batch([seqs[i] for i in batch_idx], k, draw,
+                                                      [cache_ids[i] for i in batch_idx]))
             if pending is not None:
                 self._collect(*pending, results)
             pending = launched
@@ -149,7 +169,8 @@ class HFBackend:
             self._collect(*pending, results)
         return results
 
-    def _prefill_in_chunks(self, seq: np.ndarray, k: int) -> Iterator[TeacherTargets]:
+    def _prefill_in_chunks(self, seq: np.ndarray, k: int, draw: "_Draw | None" = None,
+                           cache_id: int | None = None) -> Iterator[TeacherTargets]:
         """seq: int64 [L], L > prefill_tokens. Its rows, one block per chunk of prefill_tokens."""
         from transformers import DynamicCache
 
@@ -163,18 +184,22 @@ class HFBackend:
         pending = None
         for start in range(0, len(seq), self.prefill_tokens):
             stop = min(start + self.prefill_tokens, len(seq))
-            launched = self._launch_chunk(ids[start:stop], next_ids[start:stop], cache, start, k)
+            launched = self._launch_chunk(ids[start:stop], next_ids[start:stop], cache, start, k, draw, cache_id)
             if pending is not None:
                 yield _host_targets(pending)
             pending = launched
         yield _host_targets(pending)
 
     @torch.inference_mode()
-    def _launch_chunk(self, ids_C, next_ids_C, cache, start: int, k: int):
+    def _launch_chunk(self, ids_C, next_ids_C, cache, start: int, k: int, draw: "_Draw | None" = None,
+                      cache_id: int | None = None):
         """Positions start..start+C of one sequence against its cache (which the call extends)."""
         positions = torch.arange(start, start + len(ids_C), device=self.device)
         hidden_CD = self._body(input_ids=ids_C[None], past_key_values=cache, use_cache=True,
                                cache_position=positions, position_ids=positions[None]).last_hidden_state[0]
+        if draw is not None:
+            uniforms = draw.sampling.uniforms(cache_id, start, start + len(ids_C))
+            return self._to_host(draw(hidden_CD, self._lm_weight, uniforms, next_ids_C))
         out = topk_logprobs(hidden_CD, self._lm_weight, k, next_ids_C, temperature=self.temperature / self._logit_scale,
                             chunk_size=self.chunk_size, impl=self.impl, check_ids=False)
         return self._to_host(out)
@@ -194,7 +219,7 @@ class HFBackend:
         return self._body(input_ids=input_ids_BL, use_cache=False).last_hidden_state
 
     @torch.inference_mode()
-    def _launch_batch(self, batch: list[np.ndarray], k: int):
+    def _launch_batch(self, batch: list[np.ndarray], k: int, draw: "_Draw | None" = None, cache_ids=None):
         """Queue a batch's work and its copy to the host; returns (lengths, host arrays, event)."""
         lengths = [len(s) for s in batch]
         ids_BL = np.zeros((len(batch), max(lengths)), dtype=np.int64)
@@ -210,6 +235,10 @@ class HFBackend:
         else:
             real_BL = torch.arange(ids_BL.shape[1])[None, :] < torch.tensor(lengths)[:, None]
             hidden_ND = hidden_BLD[real_BL.to(self.device)]  # real rows, sequence after sequence
+        if draw is not None:
+            uniforms = np.concatenate([draw.sampling.uniforms(i, 0, n) for i, n in zip(cache_ids, lengths)])
+            return lengths, self._to_host(draw(hidden_ND, self._lm_weight, uniforms,
+                                               torch.from_numpy(next_ids).to(self.device)))
         out = topk_logprobs(
             hidden_ND,
             self._lm_weight,
@@ -222,11 +251,12 @@ class HFBackend:
         )
         return lengths, self._to_host(out)
 
-    def _to_host(self, out: tuple[torch.Tensor, ...]):
+    def _to_host(self, out: tuple[torch.Tensor | None, ...]):
         """Queue the copy of ``out`` to the host; returns (host arrays or tensors, event or None)."""
         if self.device.type != "cuda":
-            return tuple(t.numpy() for t in out), None
-        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in out)
+            return tuple(None if t is None else t.numpy() for t in out), None
+        host = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                     for t in out)
         done = torch.cuda.Event()
         done.record()
         return host, done
@@ -234,8 +264,10 @@ class HFBackend:
     @staticmethod
     def _collect(batch_idx, launched, results) -> None:
         lengths, copied = launched
-        for i, parts in zip(batch_idx, split_rows(_host_arrays(copied), lengths)):
-            results[i] = TeacherTargets(*parts)
+        arrays = _host_arrays(copied)
+        present = [a for a in arrays if a is not None]
+        for i, parts in zip(batch_idx, split_rows(tuple(present), lengths)):
+            results[i] = TeacherTargets(*parts)  # an absent array is the last one (proposal log-probs)
 
     @torch.inference_mode()
     def _probe_logit_scale(self) -> float:
@@ -262,7 +294,7 @@ class HFBackend:
         return scale
 
 
-def _host_arrays(copied) -> tuple[np.ndarray, ...]:
+def _host_arrays(copied) -> tuple[np.ndarray | None, ...]:
     host, done = copied
     if done is not None:
         done.synchronize()
@@ -271,6 +303,23 @@ def _host_arrays(copied) -> tuple[np.ndarray, ...]:
 
 def _host_targets(copied) -> TeacherTargets:
     return TeacherTargets(*_host_arrays(copied))
+
+
+class _Draw:
+    """A sampled cache's lm-head step: ``kernels.sample_targets`` with the backend's temperatures
+    (a constant logit scale folds into both, as into the top-k path's)."""
+
+    def __init__(self, sampling: Sampling, temperature: float, logit_scale: float, chunk_size: int | None):
+        self.sampling, self.chunk_size = sampling, chunk_size
+        self.temperature = temperature / logit_scale
+        self.proposal_temperature = sampling.proposal_temperature / logit_scale
+        self.proposal_is_teacher = sampling.proposal_temperature == temperature
+
+    def __call__(self, hidden_ND, weight_VD, uniforms: np.ndarray, next_ids_N):
+        proposal = None if self.proposal_is_teacher else self.proposal_temperature
+        return sample_targets(hidden_ND, weight_VD, torch.from_numpy(uniforms).to(hidden_ND.device), next_ids_N,
+                              temperature=self.temperature, proposal_temperature=proposal,
+                              chunk_size=self.chunk_size)
 
 
 def _chunk_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

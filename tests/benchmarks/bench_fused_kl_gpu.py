@@ -7,13 +7,15 @@ Variants at each point, on the same inputs:
   liger  Liger-Kernel's fused linear cross-entropy (plain CE over the same three matmuls: another
          loss, the closest fused peer); skipped, with the reason recorded, where it is not importable
   ours   kernels.fused_topk_kl.fused_topk_kl (impl "auto": the Triton path on a GPU)
+  sampled  the same loss on a sampled cache's targets (--samples slots per row with their
+         weights, target_weights: the RS-KD estimator), at the same N, V: its cost beside top-k
   dense  kernels.fused_topk_kl.topk_kl_dense: full logits and autograd, the reference; "oom" is
          recorded where it does not fit
-Before any timing: ours against dense (loss and both gradients) and Liger against our
+Before any timing: ours and sampled against dense (loss and both gradients) and Liger against our
 cross-entropy (ce_weight = 1) at --check-rows rows of the largest vocabulary (harness.check_close).
 One results row per (point, variant): median ms, peak GiB above the inputs, extra GiB (the peak
 less the returned gradients), TFLOP/s of 6 N d V and its fraction of the device's bf16 matmul
-ceiling, and the time over bare and over Liger.
+ceiling, and the time over bare and over Liger (sampled: also over ours, x_ours).
 
 --sweep first times the scaled row kernel's pass alone (FusedKLSettings.scaled_block x
 scaled_warps) at each vocabulary's production chunk, as GB/s of one read and one write of the
@@ -23,6 +25,11 @@ with each vocabulary's fastest setting ("ours_best") where it is not the default
 The H200 run (repo root; liger-kernel importable, e.g. its wheel's folder on PYTHONPATH):
 
     PYTHONPATH=. python tests/benchmarks/bench_fused_kl_gpu.py --results tests/benchmarks/results.jsonl
+
+The cost of sampled targets beside top-k alone (no Liger needed):
+
+    PYTHONPATH=. python tests/benchmarks/bench_fused_kl_gpu.py --variants bare,ours,sampled \
+        --results tests/benchmarks/results.jsonl
 
 Without a GPU it runs the same code on the CPU (torch path, CPU timer, no Liger) at tiny sizes:
 
@@ -45,7 +52,7 @@ from kernels.fused_topk_kl import TAIL_MODES, FusedKLSettings, fused_topk_kl, to
 from kernels.fused_topk_kl_torch import row_weights, teacher_logprobs
 
 GIB = 2**30
-VARIANTS = ("bare", "liger", "ours", "dense")
+VARIANTS = ("bare", "liger", "ours", "sampled", "dense")
 
 
 def make_inputs(n, v, d, k, dtype, device, seed=0):
@@ -63,6 +70,19 @@ def make_inputs(n, v, d, k, dtype, device, seed=0):
     target_N = torch.randint(0, v, (n,), generator=gen, device=device)
     mask_N = torch.rand(n, generator=gen, device=device) > 0.1
     return hidden, weight, ids_NK, lp_NK, tail_N, target_N, mask_N
+
+
+def make_sampled_inputs(n, v, d, samples, dtype, device, seed=0):
+    """make_inputs with k = samples slots, plus a sampled cache's weights (counts / samples, r = p):
+    per row `samples` draws over its slots from a peaked distribution, the slots ordered by count,
+    so that rows repeat ids and end in padding slots of weight 0 as a real sampled cache does."""
+    hidden, weight, ids_NK, lp_NK, tail_N, target_N, mask_N = make_inputs(n, v, d, samples, dtype, device, seed)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    slot_p_NK = torch.softmax(torch.randn(n, samples, generator=gen, device=device) * 2.0, dim=-1)
+    draws_NK = torch.multinomial(slot_p_NK, samples, replacement=True, generator=gen)
+    counts_NK = torch.zeros(n, samples, device=device).scatter_add_(1, draws_NK, torch.ones_like(draws_NK).float())
+    weights_NK = counts_NK.sort(dim=1, descending=True).values / samples
+    return hidden, weight, ids_NK, lp_NK, tail_N, target_N, mask_N, weights_NK
 
 
 def liger_loss():
@@ -90,9 +110,12 @@ def grad_step(loss_fn, h, w):
     return step
 
 
-def loss_kw(args, target, mask):
-    return dict(target_ids=target, mask=mask, tail=args.tail, temperature=args.temperature,
-                cache_temperature=args.temperature, ce_weight=args.ce_weight, check_ids=False)
+def loss_kw(args, target, mask, target_weights=None):
+    """The loss's keywords; with target_weights (the sampled variant) its only tail, unnormalized."""
+    tail = args.tail if target_weights is None else "unnormalized"
+    return dict(target_ids=target, mask=mask, tail=tail, temperature=args.temperature,
+                cache_temperature=args.temperature, ce_weight=args.ce_weight, check_ids=False,
+                target_weights=target_weights)
 
 
 def check(args, device, liger):
@@ -104,6 +127,11 @@ def check(args, device, liger):
     kw = loss_kw(args, target, mask)
     pairs = [("ours", lambda h, w: fused_topk_kl(h, w, ids, lp, tl, **kw),
               lambda h, w: topk_kl_dense(h, w, ids, lp, tl, **kw))]
+    _, _, s_ids, s_lp, s_tl, _, _, s_w = make_sampled_inputs(args.check_rows, v, args.d, args.samples, torch.bfloat16,
+                                                             device, seed=1)
+    s_kw = loss_kw(args, target, mask, s_w)
+    pairs.append(("sampled", lambda h, w: fused_topk_kl(h, w, s_ids, s_lp, s_tl, **s_kw),
+                  lambda h, w: topk_kl_dense(h, w, s_ids, s_lp, s_tl, **s_kw)))
     if liger is not None:
         ce = dict(kw, ce_weight=1.0, mask=None)
         pairs.append(("liger", lambda h, w: liger(w, h, target), lambda h, w: fused_topk_kl(h, w, ids, lp, tl, **ce)))
@@ -198,6 +226,8 @@ def measure_point(args, device, n, v, liger, liger_reason, settings, best, resul
     hidden, weight, ids, lp, tl, target, mask = make_inputs(n, v, args.d, args.k, torch.bfloat16, device)
     h, w = hidden.requires_grad_(), weight.requires_grad_()
     kw = loss_kw(args, target, mask)
+    *_, s_ids, s_lp, s_tl, _, _, s_w = make_sampled_inputs(n, v, 1, args.samples, torch.bfloat16, device)
+    s_kw = loss_kw(args, target, mask, s_w)
     flops = 6 * n * args.d * v
     outputs_gib = (h.numel() * h.element_size() + w.numel() * w.element_size()) / GIB
     chunk = fkt.triton_chunk_size(n, v, 2, settings.triton_chunk_bytes) if device == "cuda" else None
@@ -206,6 +236,8 @@ def measure_point(args, device, n, v, liger, liger_reason, settings, best, resul
         "liger": lambda: grad_step(lambda h, w: liger(w, h, target), h, w),
         "ours": lambda: grad_step(lambda h, w: fused_topk_kl(h, w, ids, lp, tl, settings=settings, **kw), h, w),
         "ours_best": lambda: grad_step(lambda h, w: fused_topk_kl(h, w, ids, lp, tl, settings=best[v], **kw), h, w),
+        "sampled": lambda: grad_step(lambda h, w: fused_topk_kl(h, w, s_ids, s_lp, s_tl, settings=settings, **s_kw),
+                                     h, w),
         "dense": lambda: grad_step(lambda h, w: topk_kl_dense(h, w, ids, lp, tl, **kw), h, w),
     }
     wanted = [x for x in VARIANTS if x in args.variants]
@@ -215,8 +247,10 @@ def measure_point(args, device, n, v, liger, liger_reason, settings, best, resul
     for name in wanted:
         config = dict(V=v, N=n, d=args.d, k=args.k, dtype="bfloat16", tail=args.tail, temperature=args.temperature,
                       ce_weight=args.ce_weight, device=device, torch=torch.__version__)
-        if name.startswith("ours"):
+        if name.startswith("ours") or name == "sampled":
             config.update(chunk_rows=chunk, settings=best[v] if name == "ours_best" else settings)
+        if name == "sampled":
+            config.update(k=args.samples, tail="unnormalized", targets="sampled")
         if name == "liger" and liger is None:
             figures = dict(status="skipped", reason=liger_reason)
         else:
@@ -228,7 +262,7 @@ def measure_point(args, device, n, v, liger, liger_reason, settings, best, resul
                     figures["of_matmul_ceiling"] = figures["tflops"] / ceilings()["matmul_bf16_tflops"]
                     if name != "bare":
                         figures["extra_gib"] = timing.peak_gib - outputs_gib
-                for peer in ("bare", "liger"):
+                for peer in ("bare", "liger") + (("ours",) if name == "sampled" else ()):
                     if peer in ms_of and peer != name:
                         figures[f"x_{peer}"] = timing.median_ms / ms_of[peer]
             except torch.OutOfMemoryError:
@@ -238,18 +272,18 @@ def measure_point(args, device, n, v, liger, liger_reason, settings, best, resul
 
 
 def print_table(rows):
-    print("\n| V | N | variant | ms | x bare | x Liger | TFLOP/s (6NdV) | of ceiling | extra GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| V | N | variant | ms | x bare | x Liger | x ours | TFLOP/s (6NdV) | of ceiling | extra GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         c, f = row["config"], row["figures"]
         if "median_ms" not in f:
             print(f"| {c['V']:,} | {c['N']:,} | {row['case'].split('/')[1]} | {f.get('status')} "
-                  f"{f.get('reason', '')} | | | | | |")
+                  f"{f.get('reason', '')} | | | | | | |")
             continue
-        cells = [f"{f[key]:.3f}" if key in f else "" for key in ("x_bare", "x_liger", "of_matmul_ceiling")]
+        cells = [f"{f[key]:.3f}" if key in f else "" for key in ("x_bare", "x_liger", "x_ours", "of_matmul_ceiling")]
         extra = f"{f['extra_gib']:.2f}" if "extra_gib" in f else ""
         print(f"| {c['V']:,} | {c['N']:,} | {row['case'].split('/')[1]} | {f['median_ms']:.2f} | {cells[0]} | "
-              f"{cells[1]} | {f['tflops']:.0f} | {cells[2]} | {extra} |")
+              f"{cells[1]} | {cells[2]} | {f['tflops']:.0f} | {cells[3]} | {extra} |")
 
 
 def ints(text):
@@ -263,6 +297,8 @@ def main():
     parser.add_argument("--rows", type=ints, default=[8192, 32768, 131072], help="token counts N (comma-separated)")
     parser.add_argument("--d", type=int, default=2048, help="hidden width")
     parser.add_argument("--k", type=int, default=100, help="cached top-k")
+    parser.add_argument("--samples", type=int, default=12,
+                        help="slots per row of the sampled variant (a sampled cache's --samples, the issue's default)")
     parser.add_argument("--tail", default="unnormalized", choices=TAIL_MODES)
     parser.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (cache at the same)")
     parser.add_argument("--ce-weight", type=float, default=0.0)

@@ -14,7 +14,8 @@ speed does not depend on the run's length), then one per --variants entry, each 
 `build_cache` of --sequences after an untimed 16-sequence warm-up build: "default" (the hf backend
 and `CacheConfig` as `distill cache-teacher` runs them on a GPU) or "+"-joined options: compile
 (`--compile`: the model body compiled), zarr (Zarr storage), torch (the torch top-k path), sN
-(shards of N sequences), bN (N sequences a teacher call), wN (N writer threads). Model TFLOP/s
+(shards of N sequences), bN (N sequences a teacher call), wN (N writer threads), rsN (a sampled
+cache, `--targets sampled --samples N`: kernels/sample_targets.py in place of the top-k). Model TFLOP/s
 count 2 x parameters + causal attention (2 x layers x seq_len x hidden) per token, against the
 bf16 matmul ceiling. --profile adds `teacher_gpu/<shape>/profile/<part>`: one 8 x seq_len batch
 of the plain pass, split into the model body, the lm-head matmul, the fp32 log-softmax and the
@@ -154,9 +155,11 @@ def parse_variant(variant: str) -> tuple[dict, dict]:
             backend["batch_size"] = cache["batch_size"] = number
         elif opt[0] == "w" and number:
             cache["writer_threads"] = number
+        elif opt[:2] == "rs" and opt[2:].isdigit():
+            cache["targets"], cache["samples"] = "sampled", int(opt[2:])
         else:
             raise SystemExit(f"unknown variant option {opt!r} in {variant!r}: default, or + of compile, torch, zarr, "
-                             "sN, bN, wN")
+                             "sN, bN, wN, rsN")
     return backend, cache
 
 
@@ -174,7 +177,9 @@ def ours(model_dir: Path, seqs, k: int, work: Path, variant: str, device: str) -
     if device == "cuda":
         torch.cuda.synchronize()
     report = build_cache(seqs, backend, config, progress=False, **identity)
-    teacher = timer(device)(lambda: [backend.score(seqs[b:b + config.batch_size], k)
+    sampled = lambda b: {} if config.sampling is None else {
+        "sampling": config.sampling, "indices": list(range(b, min(b + config.batch_size, len(seqs))))}
+    teacher = timer(device)(lambda: [backend.score(seqs[b:b + config.batch_size], config.slots, **sampled(b))
                                      for b in range(0, len(seqs), config.batch_size)], warmup=0, repeats=1)
     backend.close()
     disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
