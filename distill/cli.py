@@ -75,6 +75,8 @@ def cache_teacher(
     temperature: float = typer.Option(_stage_one_default("cache", "temperature"), help="Cache temperature: stored log-probs are log_softmax(logits / T)."),
     num_workers: int = typer.Option(_stage_one_default("cache", "num_workers"), help="A job array of this many workers (Slurm array or any scheduler): this process writes only its shards (shard i belongs to worker i mod W) and no manifest; `distill cache-merge` writes it. Under torchrun the ranks are the workers: leave it at 1."),
     worker_index: int = typer.Option(_stage_one_default("cache", "worker_index"), help="This worker's index in [0, --num-workers) (e.g. $SLURM_ARRAY_TASK_ID)."),
+    executor: str = typer.Option(_stage_one_default("cache", "executor"), help="local (this process scores every shard) or ray (one Ray task per shard on a Ray cluster; a task whose worker dies is retried; needs the `ray` extra)."),
+    ray_address: Optional[str] = typer.Option(_stage_one_default("cache", "ray_address"), help="The Ray cluster (--executor ray), e.g. 10.0.0.1:6379; default: RAY_ADDRESS, else a cluster started on this machine by `ray start`, else a new local one."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars (also none of transformers' loading bars)."),
 ) -> None:
     """Run a teacher once over a corpus and write its top-k (or sampled) next-token log-probs to a cache.
@@ -92,6 +94,8 @@ def cache_teacher(
       torchrun --nproc-per-node 8 -m distill cache-teacher --model ./Qwen2.5-7B --out caches/qwen   # one rank per GPU
 
       distill cache-teacher ... --num-workers 16 --worker-index $SLURM_ARRAY_TASK_ID; then distill cache-merge caches/qwen --num-workers 16
+
+      distill cache-teacher --model ./Qwen2.5-7B --out /shared/caches/qwen --executor ray --ray-address 10.0.0.1:6379   # one task per shard
 
     Re-running the same command after an interruption resumes where it stopped (also at another number of workers or ranks); on a complete cache it checks every shard and rebuilds exactly the damaged ones.
     """
@@ -113,6 +117,7 @@ def cache_teacher(
                 out=out, targets=targets, k=k, samples=samples, proposal_temperature=proposal_temperature, seed=seed,
                 value_codec=codec, storage=storage, shard_size=shard_size,
                 batch_size=batch_size, temperature=temperature, num_workers=num_workers, worker_index=worker_index,
+                executor=executor, ray_address=ray_address,
             ),
         )
         report = run(config, progress=not quiet)

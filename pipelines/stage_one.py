@@ -11,12 +11,15 @@ cache-teacher ...`, each rank reads RANK/WORLD_SIZE, joins the process group (nc
 teacher, on cuda:LOCAL_RANK; gloo on a CPU), tokenises the corpus itself (the same on every
 rank), scores only its own shards, and rank 0 writes the manifest once every rank is done. With
 `--num-workers W --worker-index I` (a Slurm array, or any scheduler) the worker writes its shards
-and no manifest; `distill cache-merge` writes it. Either way the cache equals a one-process build.
+and no manifest; `distill cache-merge` writes it. With `--executor ray` this process claims the
+cache and writes the manifest, and Ray tasks load the teacher and write the shards
+(teacher_cache/ray_executor.py). Every way, the cache equals a one-process build.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -100,7 +103,15 @@ def _cache_teacher(config: StageOneConfig, progress: bool) -> BuildReport:
     if world is not None and config.cache.num_workers > 1:
         raise ConfigError("num_workers", f"is for job arrays, got {config.cache.num_workers} under torchrun "
                                          f"(WORLD_SIZE={world[1]}): the ranks are the workers; drop --num-workers")
+    if world is not None and config.cache.executor == "ray":
+        raise ConfigError("executor", f"is 'ray' under torchrun (WORLD_SIZE={world[1]}): the ranks are the workers; "
+                                      "run one `distill cache-teacher --executor ray` without torchrun")
     device = config.teacher.device
+    if config.cache.executor == "ray":
+        from teacher_cache.ray_executor import RayConfig, ray_session
+
+        with ray_session(RayConfig(address=config.cache.ray_address)) as cluster:
+            return _cache_teacher_as(config, Workers(), cluster.task_device(device), progress, ray=cluster)
     if world is None:
         array = config.cache.num_workers > 1  # job-array workers do not talk to each other
         workers = Workers(config.cache.num_workers, config.cache.worker_index, None if array else Collective())
@@ -119,7 +130,10 @@ def _cache_teacher(config: StageOneConfig, progress: bool) -> BuildReport:
             dist.destroy_process_group()
 
 
-def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, progress: bool) -> BuildReport:
+def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, progress: bool,
+                      ray=None) -> BuildReport:
+    """ray: the ``ray_executor.RayCluster`` whose tasks load the teacher and write the shards
+    (``device`` is then theirs), or None: this process does."""
     from pipelines.defaults import default_teacher_dir
     from teacher_cache.backends import make_backend
     from teacher_cache.manifest import load_manifest, manifest_path
@@ -129,7 +143,7 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
     model_dir = config.teacher.model or default_teacher_dir()
     teacher_folder = open_teacher_folder(model_dir)
     check_k_fits(config.cache.slots, teacher_folder.vocab_size, "samples" if config.cache.targets == "sampled" else "k")
-    dtype = resolve_dtype(config.teacher.dtype, resolve_device(device))
+    dtype = resolve_dtype(config.teacher.dtype, device if ray is not None else resolve_device(device))
     out = config.cache.out
     # held from here, so a second writer is refused before any work (workers share it)
     lock = _lock_unless_reusing(out, shared=not workers.single)
@@ -168,7 +182,8 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
         backend_options = {"compile": True} if config.teacher.compile else {}
         if config.teacher.tensor_parallel_size > 1:
             backend_options["engine_kwargs"] = {"tensor_parallel_size": config.teacher.tensor_parallel_size}
-        backend = make_backend(
+        make = functools.partial(
+            make_backend,
             config.teacher.backend,
             model_dir,
             dtype=dtype,
@@ -180,6 +195,8 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
             prefill_tokens=config.teacher.prefill_tokens,
             **backend_options,
         )
+        backend = make() if ray is None else ray.teacher(make, teacher, teacher_folder.vocab_size, device,
+                                                         gpus_per_task=config.teacher.tensor_parallel_size)
         try:
             report = build_cache(corpus.sequences, backend, config.cache, tokenizer=tok_info, data=data,
                                  progress=progress, lock=lock, workers=workers)

@@ -75,6 +75,11 @@ class CacheConfig:
     # (teacher_cache/workers.py) and no complete manifest; `distill cache-merge` writes it.
     num_workers: int = 1
     worker_index: int = 0
+    # local: this process scores every shard; ray: one Ray task per shard on a Ray cluster, with
+    # Ray's retries (teacher_cache/ray_executor.py), at `ray_address` (None: RAY_ADDRESS, else a
+    # local Ray on this machine)
+    executor: Literal["local", "ray"] = "local"
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -94,6 +99,11 @@ class CacheConfig:
         require("num_workers", self.num_workers, self.num_workers >= 1, "an integer >= 1")
         require("worker_index", self.worker_index, 0 <= self.worker_index < self.num_workers,
                 f"an integer in [0, --num-workers={self.num_workers})")
+        if self.executor == "ray" and self.num_workers > 1:
+            raise ConfigError("executor", f"is 'ray' with --num-workers {self.num_workers} (a job array): Ray "
+                                          "schedules the shards itself; drop --num-workers and --worker-index")
+        require("ray_address", self.ray_address, self.ray_address is None or self.executor == "ray",
+                "unset unless --executor ray")
 
     @property
     def slots(self) -> int:
@@ -204,7 +214,10 @@ def build_cache(
         if report.resumed_shards and not report.repaired_shards:
             log.info("resuming %s: %d of this worker's %d shards already written, %d to go", config.out,
                      report.resumed_shards, len(mine), len(todo))
-        _score_and_write(sequences, lengths, todo, backend, config, writer, report, progress)
+        if hasattr(backend, "write_shards"):  # the shards are written elsewhere (ray_executor.RayTeacher)
+            backend.write_shards(sequences, lengths, todo, config, writer, report, progress)
+        else:
+            _score_and_write(sequences, lengths, todo, backend, config, writer, report, progress)
         if collective is not None:
             if workers.single:
                 writer.finalize()
