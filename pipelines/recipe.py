@@ -206,7 +206,7 @@ def _build(path: Path, doc: dict) -> Recipe:
     recipe = Recipe(name=name, stage_one=stage_one, student=student, train=train, source=path)
     config = train_config(recipe, teacher_dir=Path("TEACHER"))  # the real folder is found (or imported) later
     try:
-        config.loss.check_cache_temperature(stage_one.cache.temperature)
+        config.loss.check_cache_temperature(stage_one.cache.temperature, kind=stage_one.cache.targets)
     except ConfigError as e:
         raise e.in_section("train") from None
     return recipe

@@ -61,7 +61,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     tok = tokenizer_info_of(config.tokenizer)
     reader = CacheReader(config.cache, expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])
     cache_temperature = reader.manifest.spec.targets.temperature
-    config.loss.check_cache_temperature(cache_temperature)
+    config.loss.check_cache_temperature(cache_temperature, kind=reader.manifest.spec.targets.kind)
     config = config.with_flat(temperature=config.loss.distillation_temperature(cache_temperature))
     train_idx, _ = split_indices(reader.num_sequences, config.heldout)
     data = CacheBatches(reader, train_idx, config.batch_size, seq_len=config.seq_len, seed=config.seed)

@@ -394,7 +394,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
     tok = tokenizer_info_of(config.tokenizer)
     reader = CacheReader(config.cache, expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])
     cache_temperature = reader.manifest.spec.targets.temperature
-    config.loss.check_cache_temperature(cache_temperature, kind=getattr(reader.manifest.spec.targets, "kind", "topk"))
+    config.loss.check_cache_temperature(cache_temperature, kind=reader.manifest.spec.targets.kind)
     config = config.with_flat(temperature=config.loss.distillation_temperature(cache_temperature))
     check_shards(config.cache)  # every shard's size and checksum, before anything is written
     train_idx, held_idx = split_indices(reader.num_sequences, config.heldout)

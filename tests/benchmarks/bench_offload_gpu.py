@@ -280,7 +280,8 @@ def main():
         checks = check_plan(variant, plan, config, args, work) if plan is not None else {}
         figures = {**measure(plan, config, params, args, work), **checks}
         free(args.device)  # also after an out-of-memory error
-        results.add(f"{args.shape}-T{args.seq_len}/{variant}", figures,
+        budget = f"-gpu{args.gpu_memory}" if args.gpu_memory else ""  # a budgeted run is another case
+        results.add(f"{args.shape}-T{args.seq_len}{budget}/{variant}", figures,
                     {**base, "variant": variant, "plan": plan.to_dict() if plan is not None else None})
     if args.work is None:
         import shutil
