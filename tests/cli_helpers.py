@@ -28,3 +28,16 @@ def one_error_line(code, err) -> str:
     lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
+
+
+def run_cli_ok(args) -> None:
+    """Run `distill ARGS` in-process where no capsys is at hand (module-scoped fixtures); fails
+    unless the command exits 0."""
+    old = sys.argv
+    sys.argv = ["distill", *map(str, args)]
+    try:
+        main()
+    except SystemExit as e:
+        assert e.code in (0, None), f"distill {' '.join(map(str, args))} exited {e.code}"
+    finally:
+        sys.argv = old

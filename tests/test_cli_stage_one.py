@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from cli_helpers import one_error_line, run_cli
-from distill.cli import main
+from cli_helpers import one_error_line, run_cli, run_cli_ok
 
 SMALL = ["--max-sequences", "4", "--seq-len", "32", "-k", "8", "--shard-size", "2", "-q"]
 
@@ -21,14 +19,10 @@ SMALL = ["--max-sequences", "4", "--seq-len", "32", "-k", "8", "--shard-size", "
 @pytest.fixture(scope="module")
 def tiny_cache(tmp_path_factory, tiny_teacher) -> Path:
     out = tmp_path_factory.mktemp("cli1") / "cache"
-    old_argv, old_mask = sys.argv, os.umask(0o027)
-    sys.argv = ["distill", "cache-teacher", "--model", str(tiny_teacher), "--out", str(out), *SMALL]
+    old_mask = os.umask(0o027)
     try:
-        main()
-    except SystemExit as e:
-        assert e.code in (0, None)
+        run_cli_ok(["cache-teacher", "--model", tiny_teacher, "--out", out, *SMALL])
     finally:
-        sys.argv = old_argv
         os.umask(old_mask)
     return out
 

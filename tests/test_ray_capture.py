@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli_helpers import one_error_line, run_cli
+from cli_helpers import one_error_line, run_cli, run_cli_ok
 from teacher_cache.ray_executor import FAULT_ENV
 
 # 7 sequences in shards of 2: 4 shards, the last one short. batch-size 1: a shard's two sequences
@@ -23,17 +23,8 @@ SMALL = ["--max-sequences", "7", "--seq-len", "32", "-k", "8", "--shard-size", "
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, tiny_teacher) -> Path:
-    from distill.cli import main
-
     out = tmp_path_factory.mktemp("one") / "cache"
-    old_argv = sys.argv
-    sys.argv = ["distill", "cache-teacher", "--model", str(tiny_teacher), "--out", str(out), *SMALL]
-    try:
-        main()
-    except SystemExit as e:
-        assert e.code in (0, None)
-    finally:
-        sys.argv = old_argv
+    run_cli_ok(["cache-teacher", "--model", tiny_teacher, "--out", out, *SMALL])
     return out
 
 

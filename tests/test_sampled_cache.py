@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from cli_helpers import run_cli
+from cli_helpers import run_cli, run_cli_ok
 from kernels.sample_targets import sample_targets
 from student.data import CacheBatches, target_weights
 from teacher_cache.manifest import Manifest, load_manifest
@@ -45,18 +45,8 @@ def _sequences(cache: Path) -> list:
 
 @pytest.fixture(scope="module")
 def sampled_cache(tmp_path_factory, tiny_teacher):
-    from distill.cli import main
-    import sys
-
     out = tmp_path_factory.mktemp("sampled") / "cache"
-    old, sys.argv = sys.argv, ["distill", "cache-teacher", "--model", str(tiny_teacher), "--out", str(out), *SMALL,
-                               *SAMPLED]
-    try:
-        main()
-    except SystemExit as e:
-        assert e.code in (0, None)
-    finally:
-        sys.argv = old
+    run_cli_ok(["cache-teacher", "--model", tiny_teacher, "--out", out, *SMALL, *SAMPLED])
     return out
 
 

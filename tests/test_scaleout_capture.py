@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import one_error_line, run_cli
+from cli_helpers import one_error_line, run_cli, run_cli_ok
 from teacher_cache.workers import Workers, shard_owner, worker_shards
 
 # 7 sequences in shards of 2: 4 shards, the last one short.
@@ -22,17 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, tiny_teacher) -> Path:
-    from distill.cli import main
-
     out = tmp_path_factory.mktemp("one") / "cache"
-    old_argv = sys.argv
-    sys.argv = ["distill", "cache-teacher", "--model", str(tiny_teacher), "--out", str(out), *SMALL]
-    try:
-        main()
-    except SystemExit as e:
-        assert e.code in (0, None)
-    finally:
-        sys.argv = old_argv
+    run_cli_ok(["cache-teacher", "--model", tiny_teacher, "--out", out, *SMALL])
     return out
 
 
