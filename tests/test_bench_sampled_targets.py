@@ -67,11 +67,14 @@ def test_tiny_cpu_run_appends_a_row_per_cache_and_plots(tiny_recipe, tmp_path, m
     assert same(rows[0]) == same(rows[1])
     assert png.stat().st_size > 0
 
-    # A rerun reuses the cache (the teacher does not score again) and re-evaluates the finished run.
-    again = bench.main([*argv, "--targets", "topk:4"])
-    assert [row["id"] for row in again] == ["sampled_targets/topk4@abc1234#2"]
-    assert again[0]["figures"]["cache_reused"] is True
+    # A rerun reuses the cache (the teacher does not score again) and re-evaluates the finished run;
+    # another seed trains a run of its own from the same cache.
+    again = bench.main([*argv, "--targets", "topk:4", "--seeds", "0,1"])
+    assert [row["id"] for row in again] == ["sampled_targets/topk4@abc1234#2", "sampled_targets/topk4-seed1@abc1234"]
+    assert again[0]["figures"]["cache_reused"] is True and again[1]["figures"]["cache_reused"] is True
     assert again[0]["figures"]["full_vocab_kl"] == pytest.approx(small["full_vocab_kl"], rel=1e-6)
+    assert [row["figures"]["seed"] for row in again] == [0, 1]
+    assert again[1]["config"]["train_config"]["seed"] == 1
     assert bench.main(["--plot-only", "--results", str(results), "--plot", str(tmp_path / "again.png")]) == []
     assert (tmp_path / "again.png").stat().st_size > 0
 
@@ -82,6 +85,8 @@ def test_tiny_cpu_run_appends_a_row_per_cache_and_plots(tiny_recipe, tmp_path, m
     (["--targets", "topk:8,topk:8"], "--targets"),
     (["--tokens", "1024", "--seq-len", "512", "--heldout", "2"], "--heldout"),
     (["--steps", "0"], "--steps"),
+    (["--seeds", "0,x"], "--seeds"),
+    (["--seeds", "1,1"], "--seeds"),
 ])
 def test_bad_options_are_refused_naming_the_option(argv, needle, capsys):
     with pytest.raises(SystemExit):
@@ -92,3 +97,13 @@ def test_bad_options_are_refused_naming_the_option(argv, needle, capsys):
 def test_specs_name_their_runs():
     assert bench.parse_target("topk:100") == ("topk100", "topk", 100)
     assert bench.parse_target("sampled:12") == ("sampled12", "sampled", 12)
+
+
+def test_seed_means_average_each_cache_over_its_seeds():
+    row = lambda kind, count, kl, ece: {"targets": kind, "count": count, "bytes_per_token": 10.0 * count,
+                                        "full_vocab_kl": kl, "calibration_error": ece}
+    means = bench.seed_means([row("topk", 8, 1.0, 0.01), row("topk", 8, 3.0, 0.03), row("sampled", 12, 0.5, 0.02)])
+    by = {(m["targets"], m["count"]): m for m in means}
+    assert by["topk", 8]["seeds"] == 2 and by["topk", 8]["full_vocab_kl"] == pytest.approx(2.0)
+    assert by["topk", 8]["full_vocab_kl_sd"] == pytest.approx(2**0.5) and by["topk", 8]["calibration_error"] == 0.02
+    assert by["sampled", 12]["seeds"] == 1 and by["sampled", 12]["calibration_error_sd"] == 0.0

@@ -5,13 +5,17 @@ and sampled caches (S = 4, 12, 32 draws a position), trains the recipe's pruned 
 (same steps, seed, data order and held-out split), then evaluates each run as `distill eval RUN
 --teacher` does: held-out exact full-vocabulary KL, cross-entropy and calibration error (ECE of
 the top-1), beside the cache's bytes per token (as cache-stats counts them) and the cache's own
-kl (the top-k bound, or the sampled estimate). One results row a cache (`sampled_targets/NAME`)
-and a plot of full-vocabulary KL and ECE against bytes/token (log x) for the README.
+kl (the top-k bound, or the sampled estimate). One results row a cache and training seed
+(`sampled_targets/NAME`, `NAME-seedN` for seeds other than 0) and a plot of full-vocabulary KL and
+ECE against bytes/token (log x; with several --seeds their mean and standard deviation) for the
+README.
 
     # H200, full size (the defaults), in two commands, then the plot of both halves:
     python tests/benchmarks/bench_sampled_targets.py --device cuda --targets topk:8,topk:32,topk:100
     python tests/benchmarks/bench_sampled_targets.py --device cuda --targets sampled:4,sampled:12,sampled:32
     python tests/benchmarks/bench_sampled_targets.py --plot-only
+    # more seeds for the caches already built (ECE moves between seeds):
+    python tests/benchmarks/bench_sampled_targets.py --device cuda --targets topk:100,sampled:12 --seeds 1,2
     # CPU, tiny, the default teacher (tests/test_bench_sampled_targets.py runs a tinier one on a tiny teacher):
     python tests/benchmarks/bench_sampled_targets.py --device cpu --tokens 4096 --seq-len 64 --steps 4 \\
         --batch-size 2 --heldout 2 --targets topk:8,topk:32 --out /tmp/st --results /tmp/st.jsonl --plot /tmp/st.png
@@ -58,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
     ap.add_argument("--heldout", type=int, default=64, help="held-out sequences (the evaluation's, every run's)")
     ap.add_argument("--eval-every", type=int, default=500, help="the trainer's own (cache-based) evaluations")
+    ap.add_argument("--seeds", default="0", help="comma-separated training seeds: every cache trains once per seed "
+                                                 "(data order and initialisation); the plot draws their mean")
     ap.add_argument("--cache-batch-size", type=int, default=64, help="sequences per teacher call in stage one")
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda: teacher, student and evaluation")
     ap.add_argument("--recipe", type=Path, default=None, help="teacher, corpus, student and [train] settings "
@@ -71,6 +77,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.specs = [parse_target(spec) for spec in args.targets.split(",")]
     except ValueError as e:
         ap.error(str(e))
+    try:
+        args.seed_list = [int(seed) for seed in args.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    if len(set(args.seed_list)) < len(args.seed_list):
+        ap.error(f"--seeds names a seed twice: {args.seeds}")
     if len({name for name, _, _ in args.specs}) < len(args.specs):
         ap.error(f"--targets names a cache twice: {args.targets}")
     for name in ("tokens", "seq_len", "steps", "batch_size", "heldout", "cache_batch_size"):
@@ -142,6 +154,25 @@ def newest_rows(path: Path) -> list[dict]:
     return list({row["case"]: row for row in load_rows(path) if row["bench"] == BENCH}.values())
 
 
+def seed_means(figures: list[dict]) -> list[dict]:
+    """One entry per cache (targets, count): its figures averaged over the seeds it trained with,
+    with "seeds" (how many) and the standard deviation over seeds of the KL and the ECE."""
+    import statistics
+
+    groups: dict[tuple, list[dict]] = {}
+    for f in figures:
+        groups.setdefault((f["targets"], f["count"]), []).append(f)
+    means = []
+    for group in groups.values():
+        mean = {**group[0], "seeds": len(group)}
+        for key in ("full_vocab_kl", "calibration_error"):
+            values = [f[key] for f in group]
+            mean[key] = statistics.fmean(values)
+            mean[key + "_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
+        means.append(mean)
+    return means
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Full-vocabulary KL and ECE against bytes/token (log x), one line per target kind, the teacher's
     own ECE as a dashed line."""
@@ -152,14 +183,15 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for kind, marker in zip(KINDS, ("o", "s")):
-        points = sorted((r["figures"] for r in rows if r["figures"].get("targets") == kind),
+        points = sorted(seed_means([r["figures"] for r in rows if r["figures"].get("targets") == kind]),
                         key=lambda f: f["bytes_per_token"])
         if not points:
             continue
         x = [f["bytes_per_token"] for f in points]
         name = "top-k" if kind == "topk" else "sampled (RS-KD)"
         for ax, key in zip(axes, ("full_vocab_kl", "calibration_error")):
-            ax.plot(x, [f[key] for f in points], marker=marker, label=name)
+            spread = [f[key + "_sd"] for f in points] if any(f["seeds"] > 1 for f in points) else None
+            ax.errorbar(x, [f[key] for f in points], yerr=spread, marker=marker, capsize=3, label=name)
             for f in points:
                 tag = f"k={f['count']}" if kind == "topk" else f"S={f['count']}"
                 ax.annotate(tag, (f["bytes_per_token"], f[key]), textcoords="offset points", xytext=(4, 4),
@@ -194,19 +226,21 @@ def main(argv=None) -> list[dict]:
     before = len(load_rows(args.results))
     by_spec = {f"{kind}:{count}": name for name, kind, count in args.specs}
 
-    def parse(spec):
-        name = by_spec[spec]
-        return name, {"cache": str(caches[name]["dir"]), "device": args.device, "batch_size": args.batch_size,
-                      "heldout": args.heldout, "eval_sequences": None, "warmup_steps": max(1, args.steps // 20),
-                      "save_every": 0}
+    def parse(variant):  # "topk:8@SEED"; seed 0's run keeps the cache's own name
+        spec, _, seed = variant.partition("@")
+        name = by_spec[spec] + ("" if seed == "0" else f"-seed{seed}")
+        return name, {"cache": str(caches[by_spec[spec]]["dir"]), "device": args.device, "seed": int(seed),
+                      "batch_size": args.batch_size, "heldout": args.heldout, "eval_sequences": None,
+                      "warmup_steps": max(1, args.steps // 20), "save_every": 0}
 
-    def describe(spec, config, run_dir):
-        return evaluate_run(run_dir, caches[by_spec[spec]], teacher_dir, args.device)
+    def describe(variant, config, run_dir):
+        fields, text = evaluate_run(run_dir, caches[by_spec[variant.partition("@")[0]]], teacher_dir, args.device)
+        return {**fields, "seed": config.seed}, text
 
     # run_variants trains the recipe's student once per spec (its [train] settings, these overrides).
     variants = argparse.Namespace(recipe=args.recipe, cache=caches[args.specs[0][0]]["dir"], steps=args.steps,
                                   eval_every=args.eval_every, out=args.out / "runs", results=args.results,
-                                  variants=",".join(by_spec))
+                                  variants=",".join(f"{spec}@{seed}" for spec in by_spec for seed in args.seed_list))
     run_variants(variants, parse, describe, f"{BENCH}.json", bench=BENCH)
     rows = load_rows(args.results)[before:]
     plot(newest_rows(args.results), args.plot)
