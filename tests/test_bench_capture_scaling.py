@@ -40,7 +40,7 @@ def test_too_few_shards_for_the_largest_world_size_is_refused_before_any_work(tm
     assert not (tmp_path / "work").exists() and not (tmp_path / "r.jsonl").exists()
 
 
-@pytest.mark.slow  # about 1.5 to 2 minutes on 2 shared cores: three torchrun launches of `distill cache-teacher`
+@pytest.mark.slow  # 60 s alone, up to 2 min beside CI, on 2 shared cores: three torchrun launches of cache-teacher
 def test_tiny_cpu_run_appends_one_row_per_world_size_with_the_same_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
