@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from bench_train_step_gpu import make_tokenizer, write_cache
 from harness import Results, add_results_arg, check_close
+from run_helpers import torchrun, world_sizes
 
 from student.config import StudentConfig
 from student.model import Student
@@ -52,8 +53,7 @@ SHAPES = {
 
 def launch(nproc: int, global_batch: int, args, work: Path, out: Path) -> float:
     """One `distill train-student` run on `nproc` processes; returns its wall seconds."""
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 \
-        else [sys.executable]
+    run = torchrun(nproc) if nproc > 1 else [sys.executable]
     command = [*run, "-m", "distill", "train-student", "--cache", str(work / "cache"), "--student",
                str(work / "student"), "--out", str(out), "--steps", str(args.steps), "--batch-size", str(nproc),
                "--grad-accum", str(global_batch // nproc),
@@ -80,12 +80,7 @@ def main():
     parser.add_argument("--work", type=Path, default=None, help="folder for the student, cache and runs (default: a temp dir)")
     add_results_arg(parser)
     args = parser.parse_args()
-    sizes = [int(n) for n in args.gpus.split(",")]
-    if args.device == "cuda":
-        skipped = [n for n in sizes if n > torch.cuda.device_count()]
-        sizes = [n for n in sizes if n <= torch.cuda.device_count()]
-        if skipped:
-            print(f"skipped world sizes {skipped}: {torch.cuda.device_count()} GPU(s) seen", flush=True)
+    sizes = world_sizes(args.gpus, args.device)
     if args.steps < 2 * args.log_every:
         raise SystemExit("--steps must hold two --log-every windows (the first is dropped)")
     global_batch = args.global_batch or max(sizes)

@@ -1,12 +1,14 @@
-"""What the training benchmarks share: the metrics rows of a run directory, the optimizer variant
-specs, a recipe's [train] settings as the base TrainConfig, and one training run per variant with
-a results row each. Imported by the scripts beside it (run as `python tests/benchmarks/NAME.py`,
-this folder is on sys.path). TrainConfig is used only through its flat API (`to_flat`,
-`with_flat`), so these helpers do not depend on how its sub-configs are composed."""
+"""What the training and scale-out benchmarks share: the metrics rows of a run directory, the
+optimizer variant specs, a recipe's [train] settings as the base TrainConfig, one training run per
+variant with a results row each, and the world sizes and torchrun launch of the scaling benchmarks.
+Imported by the scripts beside it (run as `python tests/benchmarks/NAME.py`, this folder is on
+sys.path). TrainConfig is used only through its flat API (`to_flat`, `with_flat`), so these
+helpers do not depend on how its sub-configs are composed."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from harness import OUTPUT_DIR, Results, add_results_arg
@@ -16,6 +18,31 @@ def metric_rows(run_dir: Path, kind: str | None = None) -> list[dict]:
     """The rows of RUN_DIR/metrics.jsonl, only those of `kind` ("train", "eval") when given."""
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in rows if kind is None or r.get("kind") == kind]
+
+
+def world_sizes(spec: str, device: str) -> list[int]:
+    """The world sizes of a comma-separated --gpus value, e.g. "1,2,4,8"; on "cuda" those above the
+    GPUs this host has are dropped (and said so), elsewhere (gloo on the CPU) every one is kept."""
+    sizes = [int(n) for n in spec.split(",")]
+    if any(n < 1 for n in sizes):
+        raise SystemExit(f"--gpus: world sizes must be >= 1, got {spec!r}")
+    if device == "cuda":
+        import torch
+
+        present = torch.cuda.device_count()
+        skipped = [n for n in sizes if n > present]
+        sizes = [n for n in sizes if n <= present]
+        if skipped:
+            print(f"skipped world sizes {skipped}: {present} GPU(s) seen", flush=True)
+    if not sizes:
+        raise SystemExit(f"--gpus {spec}: no world size fits this host")
+    return sizes
+
+
+def torchrun(nproc: int) -> list[str]:
+    """The command that starts `nproc` processes on this host as `torchrun --standalone` does (a free
+    rendezvous port each launch); the distill command follows it as `-m distill ...`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
 
 
 def parse_optimizer_variant(spec: str) -> tuple[str, dict]:
