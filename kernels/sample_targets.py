@@ -25,9 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from distill.configs import check_types, require
-
-# Floor of the unsampled mass, as teacher_cache.targets.tail_logmass_from_topk: log(1e-12), not -inf.
-_TAIL_MIN_MASS = 1e-12
+from kernels.topk_logprobs import tail_logmass, target_logprobs
 
 
 @dataclass(frozen=True)
@@ -93,14 +91,8 @@ def sample_targets_torch(hidden, weight, uniforms, next_ids, temperature, propos
         logprobs[start:stop] = lp_CS
         if differs:
             proposal[start:stop] = proposal_CV.gather(1, ids_CS) - proposal_lse_C[:, None]
-        mass_log_C = torch.logsumexp(lp_CS.masked_fill(count_CS == 0, float("-inf")), dim=-1)
-        tail[start:stop] = torch.log((-torch.expm1(mass_log_C)).clamp_min(_TAIL_MIN_MASS))
-        if next_ids is not None:
-            nxt_C = next_ids[start:stop]
-            picked_C = scaled_CV.gather(1, nxt_C.clamp_min(0)[:, None])[:, 0] - lse_C
-            target[start:stop] = torch.where(nxt_C >= 0, picked_C, float("nan"))
-        else:
-            target[start:stop] = float("nan")
+        tail[start:stop] = tail_logmass(torch.logsumexp(lp_CS.masked_fill(count_CS == 0, float("-inf")), dim=-1))
+        target[start:stop] = target_logprobs(scaled_CV, lse_C, None if next_ids is None else next_ids[start:stop])
     return ids, logprobs, tail, target, counts, proposal
 
 

@@ -31,6 +31,21 @@ except ImportError:  # the torch path needs no Triton
 _TAIL_MIN_MASS = 1e-12
 
 
+def tail_logmass(mass_log_C: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(mass_log)) per row, floored at log(1e-12): the log of the mass outside a row's
+    stored ids, from the log of their mass (via expm1: accurate when that mass is near 1)."""
+    return torch.log((-torch.expm1(mass_log_C)).clamp_min(_TAIL_MIN_MASS))
+
+
+def target_logprobs(logits_CV: torch.Tensor, lse_C: torch.Tensor, next_C: torch.Tensor | None) -> torch.Tensor:
+    """log-prob of each row's next id under logits_CV (already divided by the temperature) with
+    logsumexp lse_C; NaN where next_C is -1, everywhere when next_C is None."""
+    if next_C is None:
+        return torch.full_like(lse_C, float("nan"))
+    picked_C = logits_CV.gather(1, next_C.clamp_min(0)[:, None])[:, 0] - lse_C
+    return torch.where(next_C >= 0, picked_C, float("nan"))
+
+
 @dataclass(frozen=True)
 class TopkSettings:
     """How ``topk_logprobs`` runs (never what it computes). Pass one as ``settings=``; the
@@ -96,15 +111,8 @@ def topk_logprobs_torch(
         lp_CK = vals_CK - lse_C[:, None]
         topk_ids[start:stop] = ids_CK.to(torch.int32)
         topk_lp[start:stop] = lp_CK
-        # log(1 - exp(logsumexp(topk))) via expm1: accurate when the top-k mass is near 1.
-        mass_log_C = torch.logsumexp(lp_CK, dim=-1)
-        tail[start:stop] = torch.log((-torch.expm1(mass_log_C)).clamp_min(_TAIL_MIN_MASS))
-        if next_ids is not None:
-            nxt_C = next_ids[start:stop]
-            picked_C = logits_CV.gather(1, nxt_C.clamp_min(0)[:, None])[:, 0] - lse_C
-            target[start:stop] = torch.where(nxt_C >= 0, picked_C, float("nan"))
-        else:
-            target[start:stop] = float("nan")
+        tail[start:stop] = tail_logmass(torch.logsumexp(lp_CK, dim=-1))
+        target[start:stop] = target_logprobs(logits_CV, lse_C, None if next_ids is None else next_ids[start:stop])
     return topk_ids, topk_lp, tail, target
 
 
@@ -180,8 +188,7 @@ def topk_logprobs_triton(hidden, weight, k, next_ids, temperature, chunk_size, s
         lp_CK = vals_CK - lse_C[:, None]
         topk_ids[start:stop] = cand_CM.gather(1, pos_CK).to(torch.int32)
         topk_lp[start:stop] = lp_CK
-        mass_log_C = torch.logsumexp(lp_CK, dim=-1)
-        tail[start:stop] = torch.log((-torch.expm1(mass_log_C)).clamp_min(_TAIL_MIN_MASS))
+        tail[start:stop] = tail_logmass(torch.logsumexp(lp_CK, dim=-1))
         target[start:stop] = target_logit_C - lse_C
     return topk_ids, topk_lp, tail, target
 
