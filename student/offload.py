@@ -31,26 +31,40 @@ A step:
             `prefetch_depth` items ahead, in the order of use (forward in order, backward in reverse),
             on a side stream, with events the compute stream waits on; nothing waits on the host.
   backward  as soon as a layer's backward has its weight gradients (one flat tensor per dtype):
-            states "gpu": they are added into its device accumulators; states "host": they are
-            widened to fp32 on the device and go device -> host on a second side stream, on the
-            first micro-batch of a step straight into the fp32 accumulators (the host does
-            nothing), later into pinned staging that a worker thread adds in once the copy is done.
-  finish_grads()  waits for those copies and that worker (the update needs the gradients: the
-            step's host wait).
-  clipping  the trainer's clip_grad_norm_foreach over every gradient, on the host and on the device.
+            states "gpu": they are added into its device accumulators; states "host": the step's
+            sum so far is formed on the device in fp32 (the first micro-batch's gradient widened;
+            after it, the host accumulator comes back ahead of use, on the schedule, and the
+            gradient is added to it: the host's additions, in its order, so the sum is exact), its
+            per-parameter L2 norms are taken there (the last micro-batch's are the clipping's) and
+            it goes device -> host on a second side stream into the fp32 accumulator.
+  finish_grads()  makes the accumulators the parameters' .grad; with the update on the CPU it waits
+            for their copies (the host reads them next: the step's host wait), on the GPU nothing.
+  clip_grad_norm()  the trainer's clip_grad_norm_foreach, with no host pass over gradients: the
+            host layers' norms are those taken in the backward; the device gradients are scaled
+            now; the coefficient (a device scalar) is applied inside the update.
   step()    plan.optimizer "cpu": the device parameters step (queued on the device), then the host
-            layers one after another on the CPU, each one's staging copy cast and, when resident,
-            its working weights sent to the device right after its update. "gpu": layer by layer,
-            master, gradient and states of a host layer go to the device, the same optimizer steps
-            that slice there, the results go back, the working copies are written from the updated
-            device master; then the device parameters step. Every optimizer step is over only the
-            parameters that have gradients at that moment: what the optimizer gives without
-            offload (per-parameter updates do not depend on which others step with them).
+            reads the coefficient once and the host layers update one after another on the CPU,
+            each one's gradient scaled, staging copy cast and, when resident, its working weights
+            sent to the device right after its update. "gpu": the host layers, last to first, pass
+            through a ring of UPDATE_SLOTS device slots (student/offload_plan.py): master, gradient
+            and states come in on an upload stream (the first slots' in the backward, once their
+            layer's backward is done: they do not depend on the clipping), the gradient is scaled
+            and the same optimizer steps that slice there, the resident working weights and the
+            staging casts are written from the updated master, then master, states and staging go
+            out on a writeback stream; a slot is loaded again once its copies out are done; then
+            the device parameters step. The copies out overlap the next step: what reads those
+            host buffers next waits for them on its stream (the next weights' and gradients'
+            copies, the next update), the host in `synchronize()` (a checkpoint, the end of
+            training). Every optimizer step is over only the parameters that have gradients at
+            that moment: what the optimizer gives without offload (per-parameter updates do not
+            depend on which others step with them).
   phase_s() the last step's phases (forward, head, backward, grads, clip, optimizer, refresh), as the
             planner predicts them (student/planner.py's PHASES).
 
 On a CPU device there are no streams: every copy is a plain copy, the same code path otherwise, so
-the CPU tests hold offloaded training to the losses of training without it, bit for bit.
+the CPU tests hold offloaded training to the losses of training without it, bit for bit (the same
+fp32 sums, norms and products, in the same order: clip.total_grad_norm stacks the per-parameter
+norms in the parameters' order whoever measured them).
 Not supported yet (the trainer refuses them in one line): chunk-recurrent training (a KV store) and
 the sparse FFN (its L1 terms and dead-neuron reinitialisation would have to cross the layer Function).
 """
@@ -58,8 +72,8 @@ the sparse FFN (its L1 terms and dead-neuron reinitialisation would have to cros
 from __future__ import annotations
 
 import contextlib
+import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +81,8 @@ from torch.func import functional_call
 
 from distill.configs import ConfigError
 from distill.errors import DistillUserError
-from student.offload_plan import OffloadPlan
+from student.offload_plan import UPDATE_SLOTS, OffloadPlan
+from student.optim.clip import check_max_norm, clip_coefficient, scale_grads_, total_grad_norm
 
 __all__ = ["OffloadRuntime"]
 
@@ -143,6 +158,16 @@ class _HostLayer:
         self.staging = [self.master[g.span] if g.dtype == torch.float32 else empty(g.numel, g.dtype)
                         for g in self.groups]
         self.has_grad = False  # gradients of this step arrived (else the next ones are copied, not added)
+        # CUDA events (None on a CPU device, or before the first): the copy of the step's gradient
+        # sum into `grad` is done; the update's copies into `master`, the states and the staging
+        # copies are done (what reads those host buffers waits for it, on its stream).
+        self.grad_out = self.written = None
+        # The optimizer's tensor states of the layer as views of one host buffer per dtype
+        # (`state_flats`; a checkpoint cannot save one storage under two dtypes), so that a few
+        # copies move them: (param, key, dtype, offset, shape) each; laid out at the layer's first
+        # update on the device (`_states_home`; None before).
+        self.state_flats: dict[torch.dtype, torch.Tensor] | None = None
+        self.state_entries: list[tuple] = []
 
     def separate_staging(self):
         """(group, staging) of the groups whose staging is not the master itself."""
@@ -151,7 +176,8 @@ class _HostLayer:
 
 class _Schedule:
     """The copies to the device of one forward (and its backward), in the order of use: weights of
-    stream layers in the forward, then per layer in reverse an offloaded input and stream weights.
+    stream layers in the forward, then per layer in reverse an offloaded input, stream weights and
+    (a host layer, after the step's first micro-batch) its gradient accumulator.
     Each is issued `depth` items before it is taken; ring items pass through the ring's slots,
     the forward weights of a kept layer get their own buffer (they live until its backward)."""
 
@@ -164,6 +190,9 @@ class _Schedule:
                     items.append(("x", i, "bwd"))
                 if layers[i].params == "stream" and layers[i].activation != "keep":
                     items.append(("w", i, "bwd"))
+                h = runtime.host[i]
+                if h.has_grad and not h.on_device:  # not the step's first micro-batch: its sum so far comes in
+                    items.append(("g", i, "bwd"))
         self.runtime, self.depth, self.items = runtime, depth, items
         self.position = {item: k for k, item in enumerate(items)}
         self.slot, count = {}, 0
@@ -190,6 +219,22 @@ class _Schedule:
         tensors, event = self.issued.pop(k)
         self.runtime._wait(event)
         return tensors
+
+
+@dataclass
+class _Slot:
+    """One of the ring's device buffers that host layers' updates on the GPU pass through (flat,
+    sized for the largest host layer): master, gradient, optimizer states (bytes, laid out as the
+    layer's `state_flats`) and the staging copies cast from the updated master on their way out."""
+
+    master: torch.Tensor
+    grad: torch.Tensor
+    staged: list[torch.Tensor]  # per separate-staging group, in the working dtype
+    states: dict[torch.dtype, torch.Tensor] | None = None  # allocated once every host layer's states have a layout
+    layer: int | None = None  # the layer whose master (and states) came in this step
+    states_in: bool = False  # its states came in (else the update copies them in itself)
+    loaded: object = None  # event: the copies in are done
+    free: object = None  # event: the last copies out of this slot are done (it may be written)
 
 
 class _LayerFunction(torch.autograd.Function):
@@ -251,6 +296,7 @@ class _PhaseClock:
         self.micro: list[dict] = []  # per micro-batch: fwd0 (first layer's forward), fwd1 (last's end), bwd0, bwd1
         self.step: dict[str, float] = {}  # the step's phases so far, seconds
         self.marks: dict[str, float] = {}  # host readings of the step
+        self.device_marks: dict[str, object] = {}  # CUDA events of the step's update (on the compute stream)
 
     def mark(self, name: str) -> None:
         if self.cuda:
@@ -279,6 +325,11 @@ class _PhaseClock:
     def host_mark(self, name: str) -> None:
         self.marks[name] = time.perf_counter()
 
+    def device_mark(self, name: str) -> None:
+        if self.cuda:
+            self.device_marks[name] = torch.cuda.Event(enable_timing=True)
+            self.device_marks[name].record(torch.cuda.current_stream(self.device))
+
 
 class OffloadRuntime:
     """Carries out `plan` for `model` (a student.model.Student): moves its decoder layers' weights
@@ -286,10 +337,10 @@ class OffloadRuntime:
     norm, the lm-head and the RoPE table go to `device` (they stay there, not offloaded).
 
     compute_dtype: the autocast dtype the trainer runs under (None: fp32). The trainer calls
-    `finish_grads()` after the micro-batches' backwards, clips, then `step(optimizer)` instead of
-    optimizer.step(); `refresh()` after loading weights into the model, `synchronize()` before
-    reading host weights (a checkpoint). Build the optimizer after this runtime (it must see the
-    parameters where they live)."""
+    `finish_grads()` after the micro-batches' backwards, `clip_grad_norm(max_norm)`, then
+    `step(optimizer)` instead of optimizer.step(); `refresh()` after loading weights into the
+    model, `synchronize()` before reading host weights or states (a checkpoint). Build the
+    optimizer after this runtime (it must see the parameters where they live)."""
 
     def __init__(self, model, plan: OffloadPlan, device, compute_dtype: torch.dtype | None = None):
         num_layers = model.config.num_layers
@@ -318,13 +369,24 @@ class OffloadRuntime:
         dtypes = [g.dtype for g in streamed[0].groups] if streamed else []
         self.ring = [[torch.empty(n, dtype=d, device=self.device) for n, d in zip(widths, dtypes)]
                      for _ in range(plan.prefetch_depth + 1)] if streamed else []
-        self.h2d = torch.cuda.Stream(self.device) if self.cuda else None
-        self.d2h = torch.cuda.Stream(self.device) if self.cuda else None
+        # Side streams: the step's copies in and out (weights, inputs, gradients), and the update's
+        # (plan.optimizer "gpu"), which run beside the step's instead of queueing behind them.
+        stream = lambda: torch.cuda.Stream(self.device) if self.cuda else None
+        self.h2d, self.d2h, self.upload, self.writeback = stream(), stream(), stream(), stream()
         self._resident_ready: dict[int, object] = {}
         self._schedule: _Schedule | None = None
         self._offloaded: dict[int, tuple[torch.Tensor, object]] = {}
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-grads")
-        self._pending: list[Future] = []
+        # The norms of the host layers' gradients (param -> 0-dim fp32 on the device), measured as
+        # the sums leave the device; the clip coefficient the update applies to those gradients.
+        self._grad_norms: dict[torch.Tensor, torch.Tensor] = {}
+        self._clip_coef: torch.Tensor | None = None
+        # The update on the GPU runs the host layers last to first (the order their backwards end)
+        # through a ring of UPDATE_SLOTS slots: a layer in position k of that order waits for the
+        # copies out of position k - UPDATE_SLOTS; the first UPDATE_SLOTS positions load during the backward.
+        order = [i for i in reversed(range(num_layers)) if not self.host[i].on_device]
+        self._slot_of = {i: n % UPDATE_SLOTS for n, i in enumerate(order)}
+        self._slots: list[_Slot] = []
+        self._optimizer = None  # the optimizer of the last step (its states' layouts are checked against it)
         self._clock = _PhaseClock(self.device)
         self.refresh()
         model.layer_runner = self.run_layer
@@ -341,15 +403,18 @@ class OffloadRuntime:
         event.record(stream)
         return event
 
-    def _wait(self, event) -> None:
+    def _wait(self, event, stream=None) -> None:
+        """`stream` (the compute stream by default) waits for `event` (None: nothing to wait for)."""
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            (stream or torch.cuda.current_stream(self.device)).wait_event(event)
 
-    def _to_device(self, sources: list[torch.Tensor], targets: list[torch.Tensor]):
-        """Copy host tensors into device tensors on the upload stream once the compute stream has
-        reached this point (so the targets' previous readers are done); returns the event."""
+    def _to_device(self, sources: list[torch.Tensor], targets: list[torch.Tensor], after=None):
+        """Copy host tensors into device tensors on the h2d stream once the compute stream has
+        reached this point (so the targets' previous readers are done) and `after` (an event: the
+        sources' last writer) has happened; returns the event."""
         if self.cuda:
             self.h2d.wait_stream(torch.cuda.current_stream(self.device))
+            self._wait(after, self.h2d)
         with self._side(self.h2d):
             for target, source in zip(targets, sources):
                 target.copy_(source, non_blocking=True)
@@ -367,11 +432,14 @@ class OffloadRuntime:
                 self.h2d.wait_event(offloaded)
             return [target], self._to_device([host], [target])
         h = self.host[index]
+        if kind == "g":  # the gradient sum of the step's earlier micro-batches, once it is out
+            target = torch.empty(h.numel, dtype=torch.float32, device=self.device)
+            return [target], self._to_device([h.grad], [target], after=h.grad_out)
         if k in schedule.slot:
             targets = [buf[:g.numel] for buf, g in zip(self.ring[schedule.slot[k]], h.groups)]
         else:
             targets = [torch.empty(g.numel, dtype=g.dtype, device=self.device) for g in h.groups]
-        return targets, self._to_device(h.staging, targets)
+        return targets, self._to_device(h.staging, targets, after=h.written)
 
     def _offload_input(self, index: int, x: torch.Tensor) -> None:
         """Layer `index`'s input to host memory on the download stream; the device copy is freed
@@ -424,62 +492,97 @@ class OffloadRuntime:
 
     def _grads_ready(self, index: int, grads: list[torch.Tensor]) -> None:
         """Layer `index`'s weight gradients (flat, per group) to its fp32 accumulators: on the device
-        for a layer whose states are there; else widened to fp32 on the device and copied out, on
-        the first micro-batch of a step straight into the host accumulators (nothing for the host
-        to do), later into pinned staging that the worker thread adds in."""
+        for a layer whose states are there. Else the step's sum so far is formed on the device in
+        fp32 (the first micro-batch's gradient widened; later ones added to the accumulator, which
+        the schedule brought in: the additions the host would make, in its order), its per-parameter
+        norms are taken there (the clipping's), and it goes to the host accumulator on the d2h
+        stream. A layer whose update loads during the backward (`_preload`) gets it in its slot too."""
         h = self.host[index]
         first, h.has_grad = not h.has_grad, True
-        if h.on_device:
-            with torch.no_grad():
+        with torch.no_grad():
+            if h.on_device:
                 for g, grad in zip(h.groups, grads):
                     h.grad[g.span].copy_(grad) if first else h.grad[g.span].add_(grad)
-            return
-        if self.cuda:
-            widened = [grad.float() for grad in grads]  # exact; the same as the host's widening
-            self.d2h.wait_stream(torch.cuda.current_stream(self.device))
-            with self._side(self.d2h):
-                staged = [h.grad[g.span] if first else torch.empty(g.numel, dtype=torch.float32, pin_memory=True)
-                          for g in h.groups]
-                for host, grad in zip(staged, widened):
-                    host.copy_(grad, non_blocking=True)
-                    grad.record_stream(self.d2h)
-            event = self._record(self.d2h)
+                return
             if first:
-                staged = None  # landed in the accumulators: only the copy to wait for
-        else:
-            staged, event = grads, None
-        self._pending.append(self._worker.submit(_accumulate, h, staged, event, first))
+                total = torch.empty(h.numel, dtype=torch.float32, device=self.device)
+                for g, grad in zip(h.groups, grads):
+                    total[g.span].copy_(grad)  # exact: the widening autocast's cast backward does
+            else:
+                total = self._schedule.take(("g", index, "bwd"))[0]
+                for g, grad in zip(h.groups, grads):
+                    total[g.span].add_(grad)
+            views = [total[span].view(shape) for span, shape in h.spans]
+            self._grad_norms.update(zip(h.params, torch._foreach_norm(views, 2.0, dtype=torch.float32)))
+            if self.plan.optimizer == "gpu" and index in self._preloaded:
+                self._preload(index, total)
+            if self.cuda:
+                self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+                with self._side(self.d2h):
+                    h.grad.copy_(total, non_blocking=True)
+                    total.record_stream(self.d2h)
+                h.grad_out = self._record(self.d2h)
+            else:
+                h.grad.copy_(total)
 
     def finish_grads(self) -> None:
-        """Wait until every gradient of the step is in its accumulator; make them the parameters' .grad."""
+        """Make the accumulators the parameters' .grad once every micro-batch's backward is queued.
+        With the update on the CPU the host waits for the copies out (it reads the gradients next:
+        the step's host wait); with the update on the GPU nothing waits (the update's copies in wait
+        for them on their stream), so the host gradients may still be in flight: clip through
+        `clip_grad_norm`, and `synchronize()` before reading them on the host."""
         self._clock.backward_done()
-        for future in self._pending:
-            future.result()
-        self._pending.clear()
+        if self.plan.optimizer == "cpu":
+            for h in self.host:
+                if h.grad_out is not None:
+                    h.grad_out.synchronize()
         self._clock.host_mark("grads1")
         for h in self.host:
             if h.has_grad:
                 for p, view in zip(h.params, h.grad_views):
                     p.grad = view
 
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """student.optim.clip.clip_grad_norm_foreach over the model's parameters, with no host pass
+        over gradients: the host layers' per-parameter norms were measured on the device in the
+        backward; the device gradients are scaled now; the host layers' inside `step` (the update
+        on the GPU scales each slice there; on the CPU the host reads the coefficient once). Returns
+        the total norm (a 0-dim fp32 tensor on the device); max_norm inf only measures."""
+        max_norm = check_max_norm(max_norm)
+        known = {p: norm for p, norm in self._grad_norms.items() if p.grad is not None}
+        total, grads = total_grad_norm(self.model.parameters(), known)
+        self._clip_coef = None
+        if not math.isinf(max_norm):
+            coef = clip_coefficient(total, max_norm)
+            scale_grads_(grads, coef)
+            self._clip_coef = coef if known else None
+        return total
+
     # --- the update ------------------------------------------------------------------------------
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer's step over every parameter (where plan.optimizer says), then the working
-        copies from the updated masters. Call after `finish_grads` and clipping."""
+        copies from the updated masters. Call after `finish_grads` and `clip_grad_norm`."""
+        self._optimizer = optimizer
         self._clock.host_mark("step0")
+        self._clock.device_mark("step0")
         if self.plan.optimizer == "cpu":
             self._step_on_host(optimizer)
         else:
             self._step_on_device(optimizer)
+        self._clock.device_mark("updated")
         self._clock.host_mark("updated")
         for h in self.host:
             h.has_grad = False
+        self._grad_norms, self._clip_coef = {}, None
+        for slot in self._slots:
+            slot.layer = None
 
     def _step_on_host(self, optimizer) -> None:
         """The device parameters (embeddings, head, layers whose states are on the device) step first,
-        queued on the device; then the host layers one after another on the CPU, each one's staging
-        copy cast and (resident) its working weights sent to the device as soon as it is updated."""
+        queued on the device; then the host layers one after another on the CPU, each one's gradient
+        scaled by the clip coefficient (read once), staging copy cast and (resident) working weights
+        sent to the device as soon as it is updated."""
         held = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
         if self.cuda:
             self.h2d.synchronize()  # no upload still reads a staging copy about to be rewritten
@@ -487,9 +590,12 @@ class OffloadRuntime:
             p.grad = held[p] if p not in self._host_params else None
         optimizer.step()
         self._refresh_device_layers()
+        coef = self._clip_coef.to("cpu") if self._clip_coef is not None else None  # after the device's work is queued
         for index, h in enumerate(self.host):
             if h.on_device or not any(held.get(p) is not None for p in h.params):
                 continue
+            if coef is not None:
+                h.grad.mul_(coef)
             members = set(h.params)
             for p in held:
                 p.grad = held[p] if p in members else None
@@ -499,39 +605,23 @@ class OffloadRuntime:
             p.grad = held[p]
 
     def _step_on_device(self, optimizer) -> None:
+        """The host layers, last to first, through the ring of slots (`_load`, `_update_layer`),
+        then the device parameters; nothing here waits on the host. A layer's copies out overlap the
+        next layers' updates and the next step (what reads them waits for them on its stream)."""
         held = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
         for p in held:
             p.grad = None
-        if self.cuda:  # the staging copies are rewritten below: no upload may still read them
-            torch.cuda.current_stream(self.device).wait_stream(self.h2d)
-        for index, h in enumerate(self.host):
-            if h.on_device or not any(held.get(p) is not None for p in h.params):
-                continue
-            master = h.master.to(self.device, copy=True, non_blocking=True)
-            grad = h.grad.to(self.device, copy=True, non_blocking=True)
-            kept = {}
-            for p, (span, shape) in zip(h.params, h.spans):
-                p.data, p.grad = master[span].view(shape), grad[span].view(shape)
-                kept[p] = dict(optimizer.state[p])
-                for key, value in kept[p].items():
-                    if isinstance(value, torch.Tensor):
-                        optimizer.state[p][key] = value.to(self.device, copy=True, non_blocking=True)
-            optimizer.step()
-            h.master.copy_(master, non_blocking=True)
-            for p, (span, shape) in zip(h.params, h.spans):
-                for key, value in optimizer.state[p].items():
-                    if isinstance(value, torch.Tensor):
-                        host = kept[p].get(key)
-                        if host is None:  # a state the optimizer created in this step
-                            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self.cuda)
-                        host.copy_(value, non_blocking=True)
-                        optimizer.state[p][key] = host
-                p.data, p.grad = h.master[span].view(shape), None
-            for k, (g, staging) in enumerate(zip(h.groups, h.staging)):
-                if index in self.resident:
-                    self.resident[index][k].copy_(master[g.span])
-                if g.dtype != torch.float32:
-                    staging.copy_(master[g.span].to(g.dtype), non_blocking=True)
+        written = []  # per position in the order: the last copies out so far (an event, or None)
+        for k, index in enumerate(reversed(range(len(self.host)))):
+            h = self.host[index]
+            if not h.on_device and any(held.get(p) is not None for p in h.params):
+                slot = self._slot(index)
+                if slot.layer != index:
+                    self._load(index, slot, gradient=True,
+                               after=written[k - UPDATE_SLOTS] if k >= UPDATE_SLOTS else None)
+                self._update_layer(index, slot, optimizer)
+            written.append(h.written if not h.on_device and h.written is not None else
+                           (written[-1] if written else None))
         rest = [p for p in held if p not in self._host_params]
         for p in rest:
             p.grad = held[p]
@@ -540,11 +630,142 @@ class OffloadRuntime:
         for p in held:
             p.grad = held[p] if p not in self._host_params else None
 
+    @property
+    def _preloaded(self) -> set[int]:
+        """The host layers whose update loads during the backward: the first UPDATE_SLOTS positions
+        of the update's order (the top layers)."""
+        top = range(len(self.host) - 1, len(self.host) - 1 - UPDATE_SLOTS, -1)
+        return {i for i in top if i >= 0 and not self.host[i].on_device}
+
+    def _slot(self, index: int) -> _Slot:
+        """Layer `index`'s slot of the ring (allocated at first use; the states' buffer once every
+        host layer's states have a layout, as large as the largest)."""
+        host = [h for h in self.host if not h.on_device]
+        if not self._slots:
+            numel = max(h.numel for h in host)
+            staged = [[g for g, _ in h.separate_staging()] for h in host]
+            groups = [[x[k] for x in staged if len(x) > k] for k in range(max(map(len, staged)))]
+            empty = lambda n, dtype: torch.empty(n, dtype=dtype, device=self.device)
+            self._slots = [_Slot(empty(numel, torch.float32), empty(numel, torch.float32),
+                                 [empty(max(g.numel for g in gs), gs[0].dtype) for gs in groups])
+                           for _ in range(UPDATE_SLOTS)]
+        if self._slots[0].states is None and all(h.state_flats is not None for h in host):
+            dtypes = {dtype for h in host for dtype in h.state_flats}
+            for slot in self._slots:
+                slot.states = {dtype: torch.empty(max(h.state_flats[dtype].numel() for h in host if dtype in h.state_flats),
+                                                  dtype=dtype, device=self.device) for dtype in dtypes}
+        return self._slots[self._slot_of[index]]
+
+    def _preload(self, index: int, total: torch.Tensor) -> None:
+        """In the backward: layer `index`'s master and states into its slot (once a step: they do
+        not change until its update), and the step's gradient sum so far (each micro-batch: the last
+        one's is the step's)."""
+        slot = self._slot(index)
+        if slot.layer != index:
+            self._load(index, slot, gradient=False)
+        self._wait(slot.free)
+        slot.grad[:total.numel()].copy_(total)
+
+    def _load(self, index: int, slot: _Slot, gradient: bool, after=None) -> None:
+        """Layer `index`'s master, states (when laid out and the slot holds them) and, if
+        `gradient`, its host gradient into `slot` on the upload stream, once the slot's last copies
+        out, the layer's last update's copies out, its gradient's copy out and `after` are done."""
+        h = self.host[index]
+        slot.states_in = (slot.states is not None and self._states_laid_out(h)
+                          and all(dtype in slot.states and flat.numel() <= slot.states[dtype].numel()
+                                  for dtype, flat in h.state_flats.items()))
+        if self.cuda:
+            for event in (slot.free, h.written, h.grad_out if gradient else None, after):
+                self._wait(event, self.upload)
+        with self._side(self.upload):
+            slot.master[:h.numel].copy_(h.master, non_blocking=True)
+            if gradient:
+                slot.grad[:h.numel].copy_(h.grad, non_blocking=True)
+            if slot.states_in:
+                for dtype, flat in h.state_flats.items():
+                    slot.states[dtype][:flat.numel()].copy_(flat, non_blocking=True)
+        slot.loaded, slot.layer = self._record(self.upload), index
+
+    def _states_laid_out(self, h: _HostLayer) -> bool:
+        """The layer's tensor states are the views of its state_flats (not replaced since, e.g. by
+        loading a checkpoint)."""
+        optimizer = self._optimizer
+        entries = [(p, key) for p in h.params for key, v in optimizer.state.get(p, {}).items()
+                   if isinstance(v, torch.Tensor)]
+        return (h.state_flats is not None and entries == [(p, key) for p, key, *_ in h.state_entries]
+                and all(optimizer.state[p][key].data_ptr() == _view(h.state_flats, *rest).data_ptr()
+                        for p, key, *rest in h.state_entries))
+
+    def _update_layer(self, index: int, slot: _Slot, optimizer) -> None:
+        """One host layer's update in its slot, on the compute stream once its copies in are done:
+        the gradient scaled by the clip coefficient, the optimizer's step over its parameters, the
+        resident working weights and the staging casts from the updated master; then master, states
+        and staging copies go out on the writeback stream."""
+        h = self.host[index]
+        self._wait(slot.loaded)
+        master, grad = slot.master[:h.numel], slot.grad[:h.numel]
+        if self._clip_coef is not None:
+            grad.mul_(self._clip_coef)
+        for p, (span, shape) in zip(h.params, h.spans):
+            p.data, p.grad = master[span].view(shape), grad[span].view(shape)
+            for key, value in optimizer.state[p].items():
+                if isinstance(value, torch.Tensor) and not slot.states_in:
+                    optimizer.state[p][key] = value.to(self.device, copy=True, non_blocking=True)
+        if slot.states_in:
+            for p, key, *at in h.state_entries:
+                optimizer.state[p][key] = _view(slot.states, *at)
+        optimizer.step()
+        with torch.no_grad():
+            if index in self.resident:
+                for target, g in zip(self.resident[index], h.groups):
+                    target.copy_(master[g.span])
+            staged = [(staging, buf[:g.numel]) for (g, staging), buf in zip(h.separate_staging(), slot.staged)]
+            for (g, _), (_, cast) in zip(h.separate_staging(), staged):
+                cast.copy_(master[g.span])  # rounded as .to(dtype) rounds
+            if not slot.states_in:  # copied out here, on the compute stream (no memory of theirs waits on another)
+                self._states_home(h, optimizer)
+            if self.cuda:
+                self.writeback.wait_stream(torch.cuda.current_stream(self.device))
+            with self._side(self.writeback):
+                h.master.copy_(master, non_blocking=True)
+                for staging, cast in staged:
+                    staging.copy_(cast, non_blocking=True)
+                if slot.states_in:
+                    for p, key, *at in h.state_entries:
+                        value = optimizer.state[p][key]
+                        _view(h.state_flats, *at).copy_(value, non_blocking=True)
+                        if self.cuda and value.data_ptr() != _view(slot.states, *at).data_ptr():
+                            value.record_stream(self.writeback)  # a tensor the optimizer made in place of its own
+        h.written = slot.free = self._record(self.writeback)
+        for p, (span, shape) in zip(h.params, h.spans):
+            p.data, p.grad = h.master[span].view(shape), None
+        for p, key, *at in h.state_entries:
+            optimizer.state[p][key] = _view(h.state_flats, *at)
+
+    def _states_home(self, h: _HostLayer, optimizer) -> None:
+        """The layer's tensor states (on the device, just updated, not in a slot) into its host
+        buffer on the compute stream; a new buffer laid out for them when they do not match the
+        layout (the layer's first update on the device, or the optimizer made other states)."""
+        current = [(p, key, v) for p in h.params for key, v in optimizer.state[p].items() if isinstance(v, torch.Tensor)]
+        if [(p, key, v.dtype, v.shape) for p, key, v in current] != [(p, key, d, s) for p, key, d, _, s in h.state_entries]:
+            entries, sizes = [], {}
+            for p, key, v in current:
+                entries.append((p, key, v.dtype, sizes.get(v.dtype, 0), v.shape))
+                sizes[v.dtype] = sizes.get(v.dtype, 0) + v.numel()
+            if h.state_flats is not None:
+                self.synchronize()  # nothing still reads or writes the old buffers
+                for flat in h.state_flats.values():
+                    if self._pinned and flat.numel():
+                        _unpin(flat)
+            h.state_flats = {dtype: _host_empty(n, dtype, self._pinned) for dtype, n in sizes.items()}
+            h.state_entries = entries
+        for p, key, *at in h.state_entries:
+            _view(h.state_flats, *at).copy_(optimizer.state[p][key], non_blocking=self.cuda)
+
     def refresh(self) -> None:
         """The staging copies and the resident working weights from the masters (after loading a
         checkpoint into the model)."""
-        if self.cuda:
-            self.h2d.synchronize()  # no upload still reads a staging copy about to be rewritten
+        self.synchronize()  # no copy still reads or writes a host buffer about to be rewritten
         self._refresh_device_layers()
         for index, h in enumerate(self.host):
             if not h.on_device:
@@ -557,7 +778,7 @@ class OffloadRuntime:
             for g, staging in h.separate_staging():
                 staging.copy_(h.master[g.span])
         if index in self.resident:
-            self._resident_ready[index] = self._to_device(h.staging, self.resident[index])
+            self._resident_ready[index] = self._to_device(h.staging, self.resident[index], after=h.written)
 
     def _refresh_device_layers(self) -> None:
         """The working weights of the layers whose states are on the device: a cast there."""
@@ -580,15 +801,18 @@ class OffloadRuntime:
         phases = dict(self._clock.step, grads=marks["grads1"] - marks["grads0"], clip=marks["step0"] - marks["grads1"])
         if self.plan.optimizer == "cpu":  # the host updates, then what the device still does: the refresh
             phases.update(optimizer=marks["updated"] - marks["step0"], refresh=end - marks["updated"])
-        else:  # queued on the device: done when it is
-            phases.update(optimizer=end - marks["step0"], refresh=0.0)
+        elif self.cuda:  # queued on the device: until the compute stream is through (the copies out
+            # of the last layers overlap the next step)
+            device = self._clock.device_marks
+            phases.update(optimizer=device["step0"].elapsed_time(device["updated"]) / 1e3, refresh=0.0)
+        else:
+            phases.update(optimizer=marks["updated"] - marks["step0"], refresh=0.0)
         self._clock.marks = {}
         return phases
 
     def synchronize(self) -> None:
-        """Every copy done: the host masters, states and gradients may be read."""
-        for future in self._pending:
-            future.result()
+        """Every copy done: the host masters, states and gradients may be read (a checkpoint, the
+        end of training; the update's copies out are otherwise still in flight after `step`)."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
@@ -603,32 +827,21 @@ class OffloadRuntime:
         return total
 
     def close(self) -> None:
-        """Stop the gradient worker and leave the model's layers to run by themselves again (their
+        """Wait for every copy and leave the model's layers to run by themselves again (their
         weights stay in host memory)."""
         self.synchronize()
-        self._worker.shutdown()
         self.model.layer_runner = None
         if self._pinned:
             for h in self.host:
                 if h.on_device:
                     continue
-                for tensor in (h.master, h.grad, *(s for _, s in h.separate_staging())):
+                flats = list(h.state_flats.values()) if h.state_flats is not None else []
+                for tensor in (h.master, h.grad, *(s for _, s in h.separate_staging()), *flats):
                     if tensor.numel():
                         _unpin(tensor)
             self._pinned = False
 
 
-def _accumulate(h: _HostLayer, grads: list[torch.Tensor], event, first: bool) -> None:
-    """The worker thread: once the copy is done, add (or, first in the step, copy) into the fp32
-    accumulators (a bf16 gradient is widened exactly, as autocast's cast backward does)."""
-    if event is not None:
-        event.synchronize()
-    if grads is None:
-        return
-    with torch.no_grad():
-        for g, grad in zip(h.groups, grads):
-            target = h.grad[g.span]
-            if first:
-                target.copy_(grad)
-            else:
-                target.add_(grad)
+def _view(flats: dict[torch.dtype, torch.Tensor], dtype: torch.dtype, offset: int, shape: torch.Size) -> torch.Tensor:
+    """The tensor of `shape` at element `offset` of the flat buffer of `dtype`."""
+    return flats[dtype][offset:offset + math.prod(shape)].view(shape)

@@ -36,9 +36,14 @@ from typing import Literal
 from distill.configs import ConfigError, check_types
 from distill.files import atomic_write_json
 
-__all__ = ["PLAN_VERSION", "READABLE_VERSIONS", "LayerPlan", "OffloadConfig", "OffloadPlan", "Predicted", "parse_bytes"]
+__all__ = ["PLAN_VERSION", "UPDATE_SLOTS", "READABLE_VERSIONS", "LayerPlan", "OffloadConfig", "OffloadPlan", "Predicted", "parse_bytes"]
 
 PLAN_VERSION = 2
+# Host layers updated on the GPU pass through a ring of this many device slots (master, gradient,
+# states, staging casts of one layer each): one updating while the next one's copies come in and
+# the last one's go out; the first of them load during the backward. The runtime and the planner's
+# cost model and peak both use it.
+UPDATE_SLOTS = 2
 READABLE_VERSIONS = (1, 2)  # a version-1 plan has no `states`: every layer's are on the host
 
 

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from distill.configs import ConfigError
-from student.offload_plan import LayerPlan, OffloadPlan, Predicted
+from student.offload_plan import UPDATE_SLOTS, LayerPlan, OffloadPlan, Predicted
 from student.step_profile import ProfileSettings, profile
 
 __all__ = ["PHASES", "LayerCosts", "CostTable", "SolverSettings", "BudgetError", "ProfileSettings", "predict", "solve",
@@ -39,12 +39,15 @@ OPTIMIZER_SIDES = ("cpu", "gpu")
 #   forward   the decoder layers' forwards (every micro-batch), with their waits for copies in
 #   head      the embeddings, final norm, head and loss, forward and backward
 #   backward  the decoder layers' backwards, recomputation and waits for copies in
-#   grads     after the backward until every gradient is in its accumulator (copies out and the
-#             host's accumulation that the backward did not hide)
-#   clip      the trainer's clipping by the global norm (a pass over the host gradients)
-#   optimizer the update (on the CPU: the host layers one after another; on the GPU: their slices
-#             in and out; the device parameters meanwhile)
-#   refresh   after the update until the resident working weights are on the GPU again
+#   grads     after the backward until the host has the gradients it reads (the update on the CPU:
+#             the copies out the backward did not hide; on the GPU: none)
+#   clip      the trainer's clipping by the global norm (the norms were taken on the device in the
+#             backward: the total and the coefficient)
+#   optimizer the update (on the CPU: the host layers one after another; on the GPU: the ring of
+#             slots until the compute stream is through, the device parameters after)
+#   refresh   after the update until the resident working weights are on the GPU again (the update
+#             on the CPU), or until what the next step waits for is there (on the GPU: gradients
+#             still on their way out, a streamed layer's write-back)
 PHASES = ("forward", "head", "backward", "grads", "clip", "optimizer", "refresh")
 GiB = 2**30
 
@@ -96,12 +99,9 @@ class CostTable:
     head_s: float = 0.0  # embeddings, final norm, head and loss, forward and backward, one micro-batch
     static_update_s: float = 0.0  # the optimizer update of the static parameters (on the GPU)
     micro_batches: int = 1  # micro-batches per optimizer step (grad_accum)
-    # Host memory streaming rate (bytes read plus written a second) of the host's passes over fp32
-    # gradients: the accumulation into the fp32 accumulators and the clipping (norm, then scale).
+    # Host memory streaming rate (bytes read plus written a second) of a host pass over fp32
+    # gradients: the update on the CPU scales each host layer's gradient by the clip coefficient.
     host_bytes_per_s: float = math.inf
-    # True on a CPU device: the host copies the first micro-batch's gradients into the accumulators
-    # (on a GPU the device->host copy lands in them and the host does nothing).
-    host_copies_first_grads: bool = False
 
     def __post_init__(self):
         assert self.layers and self.micro_batches >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
@@ -159,34 +159,42 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       layer i's weights (stream, unless kept since the forward: "keep") and its input (offload) are
       copied in when the backward of layer i+d+1 ends (at the end of the forward for the top d+1
       layers); its backward waits for them and runs the forward again first unless "keep". A
-      layer whose states are on the host sends its weight gradient out in fp32 after its backward
-      (the backward of layer i-d-1 waits until that copy is done) and the host accumulates it
-      once it is there, layer after layer (the first micro-batch's copy lands in the accumulator:
-      no host pass but on a CPU device); a "gpu" layer accumulates on the device (not timed).
+      layer whose states are on the host sends its weight gradient sum out in fp32 after its
+      backward (the backward of layer i-d-1 waits until that copy is done); with more than one
+      micro-batch its accumulator comes in with its other copies first (the sum is formed on the
+      device; so in every micro-batch, the first's too: a little pessimistic). The gradients'
+      norms are taken on the device meanwhile (not timed); a "gpu" layer accumulates there.
     - Micro-batches run one after another, each starting on empty queues; the step is
-      (micro_batches - 1) x one micro-batch + the last one, whose host accumulation must end
-      before the clipping: one pass reading the host gradients for the norm, one scaling them
-      (3 x their fp32 bytes). Then the optimizer:
-      "cpu": the host layers update on the CPU one after another (with the cast of their staging
-      copies), each resident one's working weights going to the GPU after its update; the static
-      parameters and the "gpu" layers update on the GPU meanwhile. "gpu": the static parameters
-      and "gpu" layers update, then the host layers, one after another on the compute stream,
-      nothing overlapped: master, gradient and states come in (H2D), update, master, states and
-      the staging copy go back (D2H). Nothing of the optimizer overlaps the next step.
+      (micro_batches - 1) x one micro-batch + the last one. Clipping takes no time of its own (the
+      norms are known; the coefficient is applied inside the update). Then the optimizer:
+      "cpu": once every gradient is on the host, the host layers update on the CPU one after
+      another (each scaling its gradient by the coefficient first: a pass of 2 x its fp32 bytes;
+      then the cast of its staging copy), each resident one's working weights going to the GPU
+      after its update; the static parameters and the "gpu" layers update on the GPU meanwhile.
+      "gpu": the host layers, last to first, through a ring of UPDATE_SLOTS slots, on three
+      queues of their own (copies in, compute, copies out; `_ring`): the layer in position k of
+      that order loads its master, gradient and states once the copies out of position
+      k - UPDATE_SLOTS are done and its gradient is on the host; the first UPDATE_SLOTS positions
+      load master and states right after their backward (their gradient is on the device); each
+      updates once loaded, then master, states and staging copy go out. Then the static
+      parameters and the "gpu" layers update. The copies out overlap the next step: the step ends
+      when the compute queue is through, unless the next step's forward of a streamed host layer
+      would wait for its copy out (its weights come in after it, and the layers before it take at
+      least their forward time), which delays that step as much.
     - GPU peak: the larger of the turnaround (end of the forward) and the optimizer phase.
       Turnaround: static + weights of resident and kept layers + master, gradient and states of
       "gpu" layers + (d+1) buffers of the largest streamed layer + kept activations (keep:
       everything saved; recompute: the input) + 2 (d+1) of the largest offloaded input (copies
-      out and back in flight) + (d+1) fp32 gradients and one compute-dtype gradient of the
-      largest layer + the largest layer's workspace and recomputed activations. Optimizer phase:
-      static + resident weights + "gpu" layers' state (+ two slices of the largest layer's
-      master, gradient and states on "gpu": one is there at a time; the second is the allocator's
-      slack).
+      out and back in flight) + (d+1) fp32 gradients (2 (d+1) with more than one micro-batch:
+      accumulators coming in) and one compute-dtype gradient of the largest layer + the largest
+      layer's workspace and recomputed activations + with the update on the GPU its ring (the
+      first slots fill in the backward). Optimizer phase: static + resident weights + "gpu"
+      layers' state + the ring.
     - Host peak: static + the host layers' master, gradient accumulator, states and staging copy +
       the offloaded inputs of one micro-batch.
     - Not modelled: the copy back of an offloaded input waiting for its copy out (the forward and
-      backward between them hide it); the host accumulating the gradients of micro-batches but
-      the last (beside the next micro-batch's work); pinned staging of those gradients on the host.
+      backward between them hide it); the update's copies in sharing the bus with the backward's
+      (the first slots' loads); the ring waiting on a "gpu" layer's position as if it had a slot.
     """
     L, d, m = len(costs.layers), plan.prefetch_depth, costs.micro_batches
     assert len(plan.layers) == L, f"the plan has {len(plan.layers)} layers, the cost table {L}"
@@ -213,40 +221,39 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
         copy_out = max(copy_out, fwd_end[i]) + offload[i] * d2h(c[i].boundary_bytes)
         out_end[i] = copy_out
 
-    # Backward, top layer first; `host` is the end of the host's accumulation (the last micro-batch's).
+    # Backward, top layer first.
     compute = fwd_end[-1] + costs.head_s
-    bwd_end, grad_end, host = [0.0] * L, [0.0] * L, 0.0
+    accumulated = costs.micro_batches > 1  # a host layer's sum so far comes in before its gradient is added
+    bwd_end, grad_end = [0.0] * L, [0.0] * L
     for i in reversed(range(L)):
         issue = bwd_end[i + d + 1] if i + d + 1 < L else fwd_end[-1]
         copy_in = max(copy_in, issue) + h2d(stream[i] * (not keep[i]) * c[i].weight_bytes
-                                            + offload[i] * c[i].boundary_bytes)
+                                            + offload[i] * c[i].boundary_bytes + accumulated * on_host[i] * c[i].master_bytes)
         start = max(compute, copy_in, grad_end[i + d + 1] if i + d + 1 < L else 0.0)
         stall[i] += start - compute
         bwd_end[i] = compute = start + backward[i]
         copy_out = max(copy_out, compute) + on_host[i] * d2h(c[i].master_bytes)
         grad_end[i] = copy_out
-        host = max(host, copy_out) + on_host[i] * host_pass(_accumulated_bytes(costs, c[i]))
     micro_batch = max(compute, copy_in, copy_out)
-    grads_done = max(compute, copy_out, host)
 
-    # Clipping and the optimizer, once every gradient of the last micro-batch is in (the norm needs them all).
-    clip = sum(host_pass(3 * x.master_bytes) for x, h in zip(c, on_host) if h)
-    start = grads_done + clip
+    # The optimizer, after the clipping (the norms were taken in the backward: no time of its own).
     device_update = costs.static_update_s + sum(x.update_gpu_s for x, h in zip(c, on_host) if not h)
-    if plan.optimizer == "cpu":
-        cpu = start
+    if plan.optimizer == "cpu":  # once every gradient is on the host
+        cpu = start = max(compute, copy_out)
         for i in range(L):
-            cpu += on_host[i] * c[i].update_cpu_s
+            cpu += on_host[i] * (c[i].update_cpu_s + host_pass(2 * c[i].master_bytes))
             copy_in = max(copy_in, cpu) + (on_host[i] and not stream[i]) * h2d(c[i].weight_bytes)
         updated = max(cpu, start + device_update)
         last = max(micro_batch, updated, copy_in)
     else:
-        updated = last = start + device_update + sum(
-            h2d(x.update_in_bytes) + x.update_gpu_s + d2h(x.master_bytes + x.state_bytes + x.staging_bytes)
-            for x, h in zip(c, on_host) if h)
+        start = compute
+        updated, wb_end = _ring(costs, plan, start, bwd_end, grad_end)
+        updated += device_update
+        last = max(micro_batch, updated, *[wb_end[i] + h2d(c[i].weight_bytes) - sum(x.forward_s for x in c[:i])
+                                           for i in range(L) if on_host[i] and stream[i]])
     step_s = (m - 1) * micro_batch + last
     phase_s = dict(forward=m * fwd_end[-1], head=m * costs.head_s, backward=m * (compute - fwd_end[-1] - costs.head_s),
-                   grads=(m - 1) * (micro_batch - compute) + grads_done - compute, clip=clip, optimizer=updated - start,
+                   grads=(m - 1) * (micro_batch - compute) + start - compute, clip=0.0, optimizer=updated - start,
                    refresh=last - updated)
 
     gpu_peak, host_peak = _peaks(costs, plan)
@@ -255,11 +262,28 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
                      phase_s=phase_s)
 
 
-def _accumulated_bytes(costs: CostTable, x: LayerCosts) -> int:
-    """Bytes the host reads and writes accumulating one host layer's gradient of the last micro-batch."""
-    if costs.micro_batches > 1:
-        return 3 * x.master_bytes  # the gradient arrived, the accumulator, the sum
-    return 2 * x.master_bytes if costs.host_copies_first_grads else 0
+def _ring(costs: CostTable, plan: OffloadPlan, start: float, bwd_end: list[float], grad_end: list[float]
+          ) -> tuple[float, list[float]]:
+    """The update on the GPU through the ring of UPDATE_SLOTS slots (predict's docstring): (end of
+    the host layers' updates on the compute queue, per layer the end of the copies-out queue after
+    it). Three queues, layers last to first; a layer that stays on the GPU passes through in no
+    time (but the queues' ends carry over it)."""
+    c, L, R = costs.layers, len(costs.layers), UPDATE_SLOTS
+    h2d = lambda n: n / costs.h2d_bytes_per_s
+    d2h = lambda n: n / costs.d2h_bytes_per_s
+    load, update, written, wb_end = 0.0, start, [], [0.0] * L
+    for k, i in enumerate(reversed(range(L))):
+        host = plan.layers[i].states == "host"
+        if k < R:  # loads in the backward: master and states; the gradient is on the device
+            load = max(load, bwd_end[i]) + host * h2d(c[i].master_bytes + c[i].state_bytes)
+        else:
+            load = max(load, grad_end[i], written[k - R]) + host * h2d(c[i].update_in_bytes)
+        update = max(update, load) + host * c[i].update_gpu_s
+        wb = max(written[-1] if written else 0.0, update) + host * d2h(c[i].master_bytes + c[i].state_bytes
+                                                                        + c[i].staging_bytes)
+        written.append(wb)
+        wb_end[i] = wb
+    return update, wb_end
 
 
 def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
@@ -272,7 +296,8 @@ def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
                for x, lp in zip(c, p) if lp.activation != "offload")
     in_flight = 2 * (d + 1) * most(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload")
     states = sum(x.update_in_bytes for x, lp in zip(c, p) if lp.states == "gpu")
-    turnaround = (costs.static_gpu_bytes + held + ring + acts + in_flight + states + _fixed_gpu_bytes(costs, d))
+    turnaround = (costs.static_gpu_bytes + held + ring + acts + in_flight + states + _fixed_gpu_bytes(costs, d)
+                  + _optimizer_slices(costs, plan.optimizer))
     resident = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident")
     optimizer_phase = costs.static_gpu_bytes + resident + states + _optimizer_slices(costs, plan.optimizer)
     host = (costs.static_host_bytes + sum(x.host_bytes for x, lp in zip(c, p) if lp.states == "host")
@@ -281,15 +306,18 @@ def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
 
 
 def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
-    """What every plan of this depth holds at the turnaround: gradients (d+1 in fp32 on their way
-    out, the one being widened in the compute dtype) and one layer's backward (its workspace and
-    recomputed activations)."""
-    return ((depth + 1) * max(x.master_bytes for x in costs.layers) + max(x.weight_bytes for x in costs.layers)
+    """What every plan of this depth holds at the turnaround: gradients (d+1 fp32 sums on their way
+    out, the one being widened in the compute dtype; after the first micro-batch d+1 accumulators
+    more on their way in) and one layer's backward (its workspace and recomputed activations)."""
+    sums = (depth + 1) * (2 if costs.micro_batches > 1 else 1)
+    return (sums * max(x.master_bytes for x in costs.layers) + max(x.weight_bytes for x in costs.layers)
             + max(x.workspace_bytes + x.keep_bytes for x in costs.layers))
 
 
 def _optimizer_slices(costs: CostTable, side: str) -> int:
-    return 2 * max(x.update_in_bytes for x in costs.layers) if side == "gpu" else 0
+    """The update's ring on the GPU (UPDATE_SLOTS slots of the largest layer's master, gradient,
+    states and staging casts), held from the backward (the first slots load there) to the update."""
+    return UPDATE_SLOTS * max(x.update_in_bytes + x.staging_bytes for x in costs.layers) if side == "gpu" else 0
 
 
 # --- the mixed-integer program ------------------------------------------------------------------
@@ -361,6 +389,17 @@ class ProgramResult:
     optimal: bool  # False: the time limit stopped HiGHS with a feasible plan
 
 
+def _horizon_ms(costs: CostTable) -> float:
+    """More milliseconds than any event of a step's program can need at its least: every duration
+    of the program added up, twice."""
+    total = costs.head_s + costs.static_update_s
+    for x in costs.layers:
+        moved = 2 * (x.weight_bytes + x.boundary_bytes + x.master_bytes) + x.update_in_bytes + x.staging_bytes + x.state_bytes
+        total += (2 * x.forward_s + x.backward_s + x.update_gpu_s + x.update_cpu_s
+                  + moved / min(costs.h2d_bytes_per_s, costs.d2h_bytes_per_s) + 2 * x.master_bytes / costs.host_bytes_per_s)
+    return 2e3 * total + 1.0
+
+
 def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSettings):
     """The program of `predict` for a fixed prefetch depth and optimizer side, without budgets.
     Returns (program, choice columns y[i][k], step-time expression, GPU peak rows, host expression):
@@ -395,11 +434,13 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         prog.at_least(OF[i], prev(OF, i - 1), out)
         prog.at_least(OF[i], FE[i], out)
 
-    BE, XB, GB, A = ([prog.var() for _ in range(L)] for _ in range(4))
+    BE, XB, GB = ([prog.var() for _ in range(L)] for _ in range(3))
+    accumulated = costs.micro_batches > 1
     for i in reversed(range(L)):
         copy = _add(pick(i, h2d(c[i].weight_bytes), act="recompute", par="stream"),
                     pick(i, h2d(c[i].weight_bytes), act="offload", par="stream"),
-                    pick(i, h2d(c[i].boundary_bytes), act="offload"))
+                    pick(i, h2d(c[i].boundary_bytes), act="offload"),
+                    pick(i, accumulated * h2d(c[i].master_bytes), st="host"))
         prog.at_least(XB[i], XB[i + 1] if i + 1 < L else XF[-1], copy)
         prog.at_least(XB[i], BE[i + d + 1] if i + d + 1 < L else FE[-1], copy)
         bwd = _add(const((c[i].backward_s + c[i].forward_s) * ms), pick(i, -c[i].forward_s * ms, act="keep"))
@@ -413,33 +454,49 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         grad = pick(i, d2h(c[i].master_bytes), st="host")
         prog.at_least(GB[i], GB[i + 1] if i + 1 < L else OF[-1], grad)
         prog.at_least(GB[i], BE[i], grad)
-        accumulate = pick(i, host_pass(_accumulated_bytes(costs, c[i])), st="host")
-        prog.at_least(A[i], A[i + 1] if i + 1 < L else None, accumulate)
-        prog.at_least(A[i], GB[i], accumulate)
     T, T2 = prog.var(cost=(costs.micro_batches - 1)), prog.var(cost=1.0)
     for end in (BE[0], XB[0], GB[0]):
         prog.at_least(T, end, {})
     prog.at_least(T2, T, {})
-    done, start = prog.var(), prog.var()  # every gradient in its accumulator; clipped
-    for end in (BE[0], GB[0], A[0]):
-        prog.at_least(done, end, {})
-    prog.at_least(start, done, _add(*[pick(i, host_pass(3 * c[i].master_bytes), st="host") for i in range(L)]))
     device_update = _add(const(costs.static_update_s * ms), *[pick(i, c[i].update_gpu_s * ms, st="gpu")
                                                                for i in range(L)])
     if optimizer == "cpu":
+        start = prog.var()  # every gradient on the host
+        for end in (BE[0], GB[0]):
+            prog.at_least(start, end, {})
         U, R = [prog.var() for _ in range(L)], [prog.var() for _ in range(L)]
         for i in range(L):
-            prog.at_least(U[i], U[i - 1] if i else start, pick(i, c[i].update_cpu_s * ms, st="host"))
+            prog.at_least(U[i], U[i - 1] if i else start,
+                          pick(i, c[i].update_cpu_s * ms + host_pass(2 * c[i].master_bytes), st="host"))
             refresh = pick(i, h2d(c[i].weight_bytes), par="resident", st="host")
             prog.at_least(R[i], R[i - 1] if i else XB[0], refresh)
             prog.at_least(R[i], U[i], refresh)
         prog.at_least(T2, U[-1], {})
         prog.at_least(T2, R[-1], {})
         prog.at_least(T2, start, device_update)
-    else:
-        prog.at_least(T2, start, _add(device_update, *[
-            pick(i, h2d(x.update_in_bytes) + x.update_gpu_s * ms + d2h(x.master_bytes + x.state_bytes + x.staging_bytes),
-                 st="host") for i, x in enumerate(c)]))
+    else:  # `_ring`: positions k of the order, layer L-1-k
+        LD, UP, WB = ([prog.var() for _ in range(L)] for _ in range(3))
+        big = _horizon_ms(costs)
+        for k in range(L):
+            i = L - 1 - k
+            if k < UPDATE_SLOTS:
+                load = pick(i, h2d(c[i].master_bytes + c[i].state_bytes), st="host")
+                waits = (BE[i],)
+            else:
+                load = pick(i, h2d(c[i].update_in_bytes), st="host")
+                waits = (GB[i], WB[k - UPDATE_SLOTS])
+            for before in (LD[k - 1] if k else None, *waits):
+                prog.at_least(LD[k], before, load)
+            update = pick(i, c[i].update_gpu_s * ms, st="host")
+            for before in (UP[k - 1] if k else BE[0], LD[k]):
+                prog.at_least(UP[k], before, update)
+            out = pick(i, d2h(c[i].master_bytes + c[i].state_bytes + c[i].staging_bytes), st="host")
+            for before in (WB[k - 1] if k else None, UP[k]):
+                prog.at_least(WB[k], before, out)
+            # A streamed host layer's next forward waits for its copies out (big M: no bound otherwise).
+            ahead = h2d(c[i].weight_bytes) - sum(x.forward_s for x in c[:i]) * ms
+            prog.at_least(T2, WB[k], _add({None: ahead - big}, pick(i, big, par="stream", st="host")))
+        prog.at_least(T2, UP[-1], device_update)
     step = {T: (costs.micro_batches - 1) / ms, T2: 1.0 / ms}  # seconds
 
     # Memory (in units): the two GPU peaks of `_peaks` and the host's.
@@ -450,7 +507,8 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         prog.at_least(MA, None, pick(i, c[i].boundary_bytes * per_byte, act="offload"))
     resident = [pick(i, c[i].weight_bytes * per_byte, par="resident") for i in range(L)]
     states = [pick(i, c[i].update_in_bytes * per_byte, st="gpu") for i in range(L)]
-    turnaround = _add(const((costs.static_gpu_bytes + _fixed_gpu_bytes(costs, d)) * per_byte),
+    turnaround = _add(const((costs.static_gpu_bytes + _fixed_gpu_bytes(costs, d) + _optimizer_slices(costs, optimizer))
+                            * per_byte),
                       {MW: d + 1.0, MA: 2.0 * (d + 1)}, *resident, *states,
                       *[pick(i, c[i].weight_bytes * per_byte, "keep", "stream") for i in range(L)],
                       *[pick(i, c[i].keep_bytes * per_byte, act="keep") for i in range(L)],

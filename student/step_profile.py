@@ -103,7 +103,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
                      static_gpu_bytes=2 * static_params + static_states + loss_workspace
                      + (settings.reserve_bytes if cuda else 0),
                      head_s=head_s, static_update_s=static_update_s, micro_batches=config.grad_accum,
-                     host_bytes_per_s=_host_pass_rate(settings), host_copies_first_grads=not cuda)
+                     host_bytes_per_s=_host_pass_rate(settings))
 
 
 def _timed(device: str, fn):

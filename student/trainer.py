@@ -510,7 +510,8 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
             if runtime is not None:
                 runtime.finish_grads()
             max_norm = config.optim.clip_grad if config.optim.clip_grad > 0 else float("inf")
-            grad_norm = clip_grad_norm_foreach(model.parameters(), max_norm)
+            grad_norm = (runtime.clip_grad_norm(max_norm) if runtime is not None  # the same clipping, no host pass
+                         else clip_grad_norm_foreach(model.parameters(), max_norm))
             grad_norm = (grad_norm.full_tensor() if dist is not None else grad_norm).item()
             loss_value = loss_sum / config.grad_accum
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):

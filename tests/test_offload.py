@@ -116,6 +116,69 @@ def test_offloaded_training_equals_training_without_offload(small, tmp_path, tmp
     assert set(row["offload_phase_s"]) == set(PHASES) and all(t >= 0 for t in row["offload_phase_s"].values())
 
 
+@pytest.mark.parametrize("plan, grad_accum", [("mixed-gpu", 2), ("states-cpu", 2), ("streamed-gpu", 1)])
+def test_offloaded_clipping_equals_clipping_without_offload(small, tmp_path, plan, grad_accum):
+    """A max norm small enough that every step clips: the host layers' norms measured on the device
+    (of the micro-batches' sum), the coefficient applied inside the update (on the GPU in the slots,
+    on the CPU read once) give the losses, gradient norms and weights of clip_grad_norm_foreach
+    without offload, bit for bit (CPU: the same fp32 sums and products in the same order)."""
+    want, out = tmp_path / "plain", tmp_path / "run"
+    clipped = dict(optimizer="adamw", clip_grad=1e-3, grad_accum=grad_accum, save_every=0, eval_every=0)
+    train(config(small, want, **clipped), progress=False)
+    train(config(small, out, offload=plan_file(tmp_path / "plan.json", *PLANS[plan]), **clipped), progress=False)
+    assert all(r["grad_norm"] > 10 * 1e-3 for r in rows(want))  # the clipping bites
+    assert results(out) == results(want)
+    assert same_weights(out / "student", want / "student")
+
+
+def test_the_runtime_clips_without_reading_host_gradients(small):
+    """The host layers' gradient norms come from the device, measured as the sums left it: with the
+    host accumulators poisoned after the backward, the runtime's clip_grad_norm still returns
+    clip_grad_norm_foreach's norm of the model without offload, exactly, and scales the device
+    gradients as it does; the update then scales the host gradients (here: their poisoned values)."""
+    from student.offload import OffloadRuntime
+    from student.optim.clip import clip_grad_norm_foreach
+
+    student, _ = small
+    plain, offloaded = Student.from_pretrained(student), Student.from_pretrained(student)
+    runtime = OffloadRuntime(offloaded, OffloadPlan.load(plan_file(Path(student) / "clip-plan.json", "ks or rr kg", 1,
+                                                                   "gpu")), "cpu")
+    ids = torch.randint(0, VOCAB, (2, 2, 12), generator=torch.Generator().manual_seed(3))
+    for model in (plain, offloaded):
+        for micro in ids:  # two micro-batches: the norm is of their sum
+            model(micro).pow(2).mean().backward()
+    runtime.finish_grads()
+    want = clip_grad_norm_foreach(plain.parameters(), 1e-3)
+    for h in runtime.host:
+        if not h.on_device:
+            h.grad.fill_(float("nan"))
+    got = runtime.clip_grad_norm(1e-3)
+    assert torch.equal(got, want) and want > 1e-2
+    device = [name for name, _ in offloaded.named_parameters() if not name.startswith("layers.")
+              or name.startswith("layers.3.")]
+    grads = dict(plain.named_parameters())
+    pairs = [(p.grad, grads[name].grad) for name, p in offloaded.named_parameters() if name in device]
+    assert all(a is None and b is None or torch.equal(a, b) for a, b in pairs)  # (the head is not used here)
+    assert runtime._clip_coef is not None and runtime._clip_coef < 1
+    runtime.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_checkpoint_right_after_an_offloaded_step_has_the_updated_masters(small, tmp_path):
+    """The update on the GPU leaves its copies out in flight after the step (they overlap the next
+    step); the trainer's checkpoint after the last step waits for them: it holds the final weights."""
+    from student.checkpoint import latest_checkpoint, load_checkpoint
+
+    out = tmp_path / "run"
+    train(config(small, out, device="cuda", steps=2, save_every=1, eval_every=0,
+                 offload=plan_file(tmp_path / "plan.json", *PLANS["streamed-gpu"])), progress=False)
+    model = Student.from_pretrained(small[0])
+    load_checkpoint(latest_checkpoint(out), model)
+    final = Student.from_pretrained(out / "student").state_dict()
+    assert all(torch.equal(v.float(), final[k].float()) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize("killed, resumed", [("mixed-gpu", "none"), ("none", "mixed-cpu")])
 def test_killed_run_resumes_with_or_without_offload(small, tmp_path, tmp_path_factory, killed, resumed):
     """Killed (os._exit, as SIGKILL would) after step 5 with a checkpoint at 4; the rerun, with the

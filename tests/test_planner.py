@@ -107,19 +107,25 @@ def test_predict_peaks_count_what_each_decision_holds():
 
 
 def test_predict_phases_add_up_and_charge_the_hosts_passes_over_gradients():
-    """The phases sum to the step; a host pass over fp32 gradients (accumulation, clipping) takes
-    its bytes at the host's rate; a layer whose states are on the GPU sends no gradient out,
-    holds its master, gradient and states on the GPU and nothing on the host."""
+    """The phases sum to the step; clipping takes no time (its norms were taken on the device); the
+    update on the CPU scales each host gradient first, a pass over its fp32 bytes at the host's
+    rate; with micro-batches the accumulators come in before the backward adds to them; a layer
+    whose states are on the GPU sends no gradient out, holds its master, gradient and states on
+    the GPU and nothing on the host."""
     fast = dict(h2d_bytes_per_s=1e30, d2h_bytes_per_s=1e30, micro_batches=1, static_update_s=0.0)
     kept = OffloadPlan.uniform(2, "keep", "resident", optimizer="cpu")
     base = predict(table([layer(), layer()], **fast), kept)
     slow_host = predict(table([layer(), layer()], host_bytes_per_s=GiB, **fast), kept)
-    # Clipping reads each layer's 2 GiB of fp32 gradients, then scales them (reads and writes): 3 passes.
-    assert slow_host.step_s == pytest.approx(base.step_s + 2 * 3 * 2.0)
-    assert slow_host.phase_s["clip"] == pytest.approx(12.0) and base.phase_s["clip"] == 0.0
-    copied = predict(table([layer(), layer()], host_bytes_per_s=GiB, host_copies_first_grads=True, **fast), kept)
-    # Read and write 2 GiB, each layer, as its gradient arrives: the top layer's overlaps the last backward.
-    assert copied.phase_s["grads"] == pytest.approx(2 * 2 * 2.0 - 20 * MS)
+    # The CPU update reads and writes each layer's 2 GiB of fp32 gradients once (the clip coefficient).
+    assert slow_host.step_s == pytest.approx(base.step_s + 2 * 2 * 2.0)
+    assert slow_host.phase_s["optimizer"] == pytest.approx(base.phase_s["optimizer"] + 8.0)
+    assert slow_host.phase_s["clip"] == 0.0 and base.phase_s["clip"] == 0.0
+    # Two micro-batches, 2 GiB accumulators in at 1 GiB/s: the backward of each layer waits for its own.
+    slow_in = {**fast, "h2d_bytes_per_s": GiB}
+    one = predict(table([layer(), layer()], **slow_in), kept)
+    two = predict(table([layer(), layer()], **{**slow_in, "micro_batches": 2}), kept)
+    assert one.phase_s["backward"] == pytest.approx(2 * 20 * MS)
+    assert two.phase_s["backward"] == pytest.approx(2 * (2 * 2.0 + 20 * MS - 10 * MS))
     for costs in (table([layer(), layer()]), table([layer(), layer()], host_bytes_per_s=5e9, micro_batches=3)):
         for plan in every_plan(2, (0, 1)):
             p = predict(costs, plan)
@@ -132,9 +138,32 @@ def test_predict_phases_add_up_and_charge_the_hosts_passes_over_gradients():
     h, g = predict(costs, host), predict(costs, gpu)
     assert h.host_peak_bytes - g.host_peak_bytes == (2 * 2 + 4 + 1) * GiB  # master, gradient, states, staging
     assert g.gpu_peak_bytes - h.gpu_peak_bytes <= (2 * 2 + 4) * GiB  # (the optimizer's slices were already there)
-    # No fp32 gradient of 2 GiB out at 1 GiB/s, no update slice out (master, states, staging; the
-    # copies in are free here): the layer updates where it is.
-    assert h.step_s - g.step_s == pytest.approx(2.0 + (2 + 4 + 1) * 1.0, rel=1e-6)
+    # No fp32 gradient of 2 GiB out at 1 GiB/s (the last layer's, which the step waits for): the
+    # layer updates where it is. The update slices' copies out (master, states, staging) overlap
+    # the next step here (no layer streams its weights).
+    assert h.step_s - g.step_s == pytest.approx(2.0, rel=1e-6)
+
+
+def test_the_update_on_the_gpu_loads_its_first_slots_in_the_backward_and_pipelines_the_rest():
+    """Four host layers, 1 GiB masters, no states, copies in at 1 GiB/s, copies out free, no update
+    time: the top two layers' masters come in during the backward (their gradients are on the
+    device); the next two bring master and gradient (2 GiB each) once the backward is through, one
+    after the other; the serial update of before took 2 GiB in for every layer."""
+    ring = table([layer(master_bytes=GiB, state_bytes=0, weight_bytes=GiB // 2, update_gpu_s=0.0) for _ in range(4)],
+                 h2d_bytes_per_s=GiB, d2h_bytes_per_s=1e30, micro_batches=1, static_update_s=0.0)
+    plan = OffloadPlan.uniform(4, "keep", "resident", optimizer="gpu")
+    p = predict(ring, plan)
+    # Loads end 1, 2, 4 and 6 s after the top layer's backward; three layers' backwards (20 ms) come after it.
+    assert p.phase_s["optimizer"] == pytest.approx(6.0 - 3 * 20 * MS)
+    assert program_step_s(ring, plan) == pytest.approx(p.step_s, rel=1e-9)
+    # Slow copies out: a streamed bottom layer's next forward waits for its write-back (master and
+    # staging copy, 1.5 GiB at 1 GiB/s after its update) and its weights' copy in (0.5 GiB).
+    slow_out = dataclasses.replace(ring, d2h_bytes_per_s=GiB)
+    resident, streamed = plan, OffloadPlan(layers=(LayerPlan("keep", "stream"), *plan.layers[1:]), optimizer="gpu")
+    r, s = predict(slow_out, resident), predict(slow_out, streamed)
+    assert r.phase_s["refresh"] == 0.0 and s.phase_s["refresh"] == pytest.approx(1.5 + 0.5)
+    assert s.step_s - r.step_s == pytest.approx(0.5 + 2.0)  # (and its weights' copy in this step's forward)
+    assert s.step_s == pytest.approx(program_step_s(slow_out, streamed), rel=1e-9)
 
 
 def test_states_on_the_gpu_take_the_room_recomputing_frees():
@@ -151,10 +180,12 @@ def test_states_on_the_gpu_take_the_room_recomputing_frees():
 # --- the program --------------------------------------------------------------------------------
 
 
+# Budgets: tight ones sit about as far above the least peak as they did before two micro-batches
+# held (d+1) accumulators more (the first three were 8.5, 11, 40; then 10, 13, 12).
 @pytest.mark.parametrize("num_layers, seed, gpu_gib, depths", [
-    (3, 0, 8.5, (0, 1, 2, 3)), (3, 1, 11, (0, 1, 2, 3)), (3, 2, 40, (0, 1, 2, 3)),
-    (4, 3, 10, (0, 2)), (4, 4, 13, (1,)),
-    pytest.param(5, 5, 12, (1,), marks=pytest.mark.slow),  # 9**5 plans on each side
+    (3, 0, 10.1, (0, 1, 2, 3)), (3, 1, 12.3, (0, 1, 2, 3)), (3, 2, 40, (0, 1, 2, 3)),
+    (4, 3, 11.5, (0, 2)), (4, 4, 16.9, (1,)),
+    pytest.param(5, 5, 15.8, (1,), marks=pytest.mark.slow),  # 9**5 plans on each side
 ])
 def test_the_program_finds_the_brute_force_optimum(num_layers, seed, gpu_gib, depths):
     costs = random_table(num_layers, seed)
@@ -172,7 +203,7 @@ def test_the_program_finds_the_brute_force_optimum(num_layers, seed, gpu_gib, de
 def test_the_programs_optimum_is_predicts_step_time_of_its_plan(depth, side):
     for seed in range(3):
         costs = random_table(4, seed, micro_batches=1 + seed)
-        found = solve_fixed(costs, 24 * GiB, 60 * GiB, depth=depth, optimizer=side)
+        found = solve_fixed(costs, 40 * GiB, 60 * GiB, depth=depth, optimizer=side)  # (depth 3 on the GPU needs > 35)
         assert found is not None and found.optimal
         assert (found.plan.prefetch_depth, found.plan.optimizer) == (depth, side)
         assert found.step_s == pytest.approx(predict(costs, found.plan).step_s, rel=1e-7)
@@ -184,8 +215,7 @@ def test_the_program_encodes_predict_for_any_plan():
     r = random.Random(5)
     for trial in range(24):
         costs = random_table(4, seed=trial, h2d_bytes_per_s=r.choice([5e9, 50e9]), d2h_bytes_per_s=r.choice([3e9, 40e9]),
-                             micro_batches=r.choice([1, 3]), host_bytes_per_s=r.choice([2e9, 30e9]),
-                             host_copies_first_grads=r.choice([False, True]))
+                             micro_batches=r.choice([1, 3]), host_bytes_per_s=r.choice([2e9, 30e9]))
         plan = OffloadPlan(layers=tuple(LayerPlan(*r.choice(CHOICES)) for _ in range(4)),
                            prefetch_depth=r.choice([0, 1, 2, 3]), optimizer=r.choice(["cpu", "gpu"]))
         assert program_step_s(costs, plan) == pytest.approx(predict(costs, plan).step_s, rel=1e-7), plan
@@ -221,7 +251,8 @@ def test_a_tight_budget_recomputes_the_cheap_layer_then_offloads_then_streams():
     slow_cpu = dict(update_cpu_s=1.0, master_bytes=GiB // 2, state_bytes=GiB)
     costs = table([layer(**slow_cpu), layer(**slow_cpu), layer(keep_bytes=6 * GiB, forward_s=1 * MS, **slow_cpu),
                    layer(**slow_cpu)], d2h_bytes_per_s=1e12)
-    everything = predict(costs, OffloadPlan.uniform(4, "keep", "resident", prefetch_depth=0)).gpu_peak_bytes
+    everything = predict(costs, OffloadPlan.uniform(4, "keep", "resident", prefetch_depth=0,
+                                                     optimizer="gpu")).gpu_peak_bytes
     plan = solve(costs, everything - GiB, 100 * GiB, settings=host)
     assert [lp.activation for lp in plan.layers] == ["keep", "keep", "recompute", "keep"]
     assert all(lp.params == "resident" for lp in plan.layers)

@@ -18,7 +18,8 @@ becomes a row with "oom": true):
                 writes, as `distill train-student --offload auto` would)
   file          the plan in --plan (e.g. one `distill plan --json` saved)
 Each offloaded step is the trainer's: student.trainer._micro_batch_backward through the
-student.offload.OffloadRuntime, finish_grads, clip_grad_norm_foreach at 1.0, runtime.step, zero_grad.
+student.offload.OffloadRuntime, finish_grads, the runtime's clip_grad_norm at 1.0 (the trainer's
+clipping, its host layers' norms taken on the device), runtime.step, zero_grad.
 
 Rows `offload/<shape>-T<tokens>/<variant>`: median step seconds over --repeats after --warmup
 steps (CUDA events, harness.time_gpu), tokens/s, model TFLOP/s = 6 x parameters x tokens / step
@@ -152,7 +153,7 @@ def step_fn(model: Student, plan: OffloadPlan | None, args, work: Path, batch):
         loss, _ = _micro_batch_backward(model, batch, cfg, amp, cache_temperature=1.0)
         if runtime is not None:
             runtime.finish_grads()
-        norm = clip_grad_norm_foreach(model.parameters(), 1.0)
+        norm = runtime.clip_grad_norm(1.0) if runtime is not None else clip_grad_norm_foreach(model.parameters(), 1.0)
         runtime.step(optimizer) if runtime is not None else optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append((loss.detach().float(), norm.detach().float()))
