@@ -162,6 +162,13 @@ class RowBuffer:
 
     def take(self, rows: int) -> dict[str, np.ndarray]:
         """The first ``rows`` rows held (at most ``self.rows``)."""
+        parts = self.take_parts(rows)
+        if len(parts) == 1:
+            return parts[0]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def take_parts(self, rows: int) -> list[dict[str, np.ndarray]]:
+        """The first ``rows`` rows held (at most ``self.rows``), as consecutive blocks not yet joined."""
         assert 0 < rows <= self.rows, (rows, self.rows)
         parts, got = [], 0
         while got < rows:
@@ -176,9 +183,7 @@ class RowBuffer:
                 self._blocks[0] = {k: v[cut:] for k, v in block.items()}
                 got = rows
         self.rows -= rows
-        if len(parts) == 1:
-            return parts[0]
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        return parts
 
 
 def check_row_count(rows: int, seq_offsets: np.ndarray) -> None:

@@ -34,17 +34,24 @@ _ZSTD_LEVEL = 3
 # enough that a writer thread holds little of a million-token sequence at once.
 ROW_GROUP_BYTES = 128 << 20
 _MAX_ROW_GROUP_ROWS = 1 << 20
+# One thread per column: a shard has at most about eight, and their encoding is the work a build
+# waits for after the teacher's last batch (tests/benchmarks/RESULTS.md, "Cache writer tail").
+_COLUMN_THREADS = 8
+_WRITE_OPTIONS = {"compression": "zstd", "compression_level": _ZSTD_LEVEL, "use_dictionary": False,
+                  "use_byte_stream_split": True, "write_statistics": False, "write_page_checksum": True}
 
 
 class ParquetStore:
-    """row_group_bytes: stored bytes of the rows of one row group (rows of all columns)."""
+    """row_group_bytes: stored bytes of the rows of one row group (rows of all columns); threads:
+    columns of a row group encoded at once (teacher_cache/parquet_columns.py; the bytes do not
+    depend on it)."""
 
     format = "parquet"
     suffix = ".parquet"
     root_file = None
 
-    def __init__(self, row_group_bytes: int = ROW_GROUP_BYTES):
-        self.row_group_bytes = row_group_bytes
+    def __init__(self, row_group_bytes: int = ROW_GROUP_BYTES, threads: int = _COLUMN_THREADS):
+        self.row_group_bytes, self.threads = row_group_bytes, threads
 
     def codecs(self) -> dict:
         return {"compression": f"zstd(level={_ZSTD_LEVEL})", "encoding": "BYTE_STREAM_SPLIT, no dictionary",
@@ -55,7 +62,7 @@ class ParquetStore:
         self.write_stream(path, arrays["seq_offsets"], [rows])
 
     def write_stream(self, path: Path, seq_offsets: np.ndarray, blocks) -> None:
-        import pyarrow.parquet as pq
+        from teacher_cache.parquet_columns import ParallelParquetWriter
 
         buffer, writer, group_rows, written = RowBuffer(), None, 0, 0
         with atomic_file(path) as f:
@@ -64,31 +71,31 @@ class ParquetStore:
                     buffer.add(block)
                     if writer is None:
                         schema = _schema(block, seq_offsets)
-                        writer = pq.ParquetWriter(
-                            f, schema, compression="zstd", compression_level=_ZSTD_LEVEL, use_dictionary=False,
-                            use_byte_stream_split=True, write_statistics=False, write_page_checksum=True)
+                        writer = ParallelParquetWriter(f, schema, _WRITE_OPTIONS, self.threads)
                         group_rows = self._group_rows(block)
                     while buffer.rows >= group_rows:
-                        written += self._write_group(writer, schema, buffer.take(group_rows))
+                        written += self._write_group(writer, schema, buffer.take_parts(group_rows))
                 if buffer.rows:
-                    written += self._write_group(writer, schema, buffer.take(buffer.rows))
+                    written += self._write_group(writer, schema, buffer.take_parts(buffer.rows))
                 check_row_count(written, seq_offsets)
-            finally:
+            except BaseException:
                 if writer is not None:
-                    writer.close()
+                    writer.abort()
+                raise
+            writer.close()
 
     def _group_rows(self, block: dict[str, np.ndarray]) -> int:
         row_bytes = sum(v.itemsize * int(np.prod(v.shape[1:], dtype=np.int64)) for v in block.values())
         return max(1, min(_MAX_ROW_GROUP_ROWS, self.row_group_bytes // max(1, row_bytes)))
 
     @staticmethod
-    def _write_group(writer, schema, rows: dict[str, np.ndarray]) -> int:
-        import pyarrow as pa
+    def _write_group(writer, schema, parts: list[dict[str, np.ndarray]]) -> int:
+        """parts: consecutive row blocks, joined per column on that column's thread."""
+        def column(name):
+            return lambda: _column(parts[0][name] if len(parts) == 1 else np.concatenate([p[name] for p in parts]))
 
-        num_rows = len(rows["input_ids"])
-        columns = [_column(rows[field.name]) for field in schema]
-        writer.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=num_rows)
-        return num_rows
+        writer.write_row_group([column(field.name) for field in schema])
+        return sum(len(p["input_ids"]) for p in parts)
 
     @staticmethod
     def _meta(schema) -> dict:

@@ -202,3 +202,76 @@ def test_readme_decodes_a_shard_with_pyarrow_alone(tmp_path, corpus):
         stored = table.column(name).combine_chunks()
         stored = (stored.flatten() if name.startswith("topk") else stored).to_numpy()
         np.testing.assert_array_equal(group[name][:].reshape(-1), stored, err_msg=name)
+
+
+# ---- parquet: column chunks encoded on parallel threads, bytes as pyarrow writes them ----
+
+def _pyarrow_reference(path, store, seq_offsets, blocks) -> None:
+    """The shard as pq.ParquetWriter writes it: each row group's columns one after another."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from teacher_cache.store import RowBuffer
+    from teacher_cache.store_parquet import _WRITE_OPTIONS, _column, _schema
+
+    buffer, schema = RowBuffer(), _schema(blocks[0], seq_offsets)
+    for block in blocks:
+        buffer.add(block)
+    group_rows = store._group_rows(blocks[0])
+    with open(path, "wb") as f, pq.ParquetWriter(f, schema, **_WRITE_OPTIONS) as writer:
+        while buffer.rows:
+            rows = buffer.take(min(group_rows, buffer.rows))
+            writer.write_table(pa.Table.from_arrays([_column(rows[field.name]) for field in schema], schema=schema),
+                               row_group_size=len(rows["input_ids"]))
+
+
+def _big_rows(codec: str, num_rows: int, k: int, sampled: bool, seed: int = 0) -> dict:
+    """Rows large enough that every top-k column spans several pages."""
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((num_rows, 4 * k)), axis=1)[:, :k].astype(np.int32) * 37
+    logits = rng.standard_normal((num_rows, k)).astype(np.float32) * 3
+    logprobs = np.sort(logits - np.logaddexp.reduce(logits, axis=1, keepdims=True) - 0.1, axis=1)[:, ::-1]
+    rows = {"input_ids": rng.integers(0, 49152, num_rows).astype(np.int32),
+            "tail_logmass": np.log(rng.random(num_rows)).astype(np.float32),
+            "target_logprob": -rng.random(num_rows).astype(np.float32),
+            **get_codec(codec).encode(ids, logprobs)}
+    if sampled:
+        rows["sample_counts"] = rng.integers(0, 4, (num_rows, k)).astype(np.uint8)
+        rows["proposal_logprobs"] = np.ascontiguousarray(logprobs)
+    return rows
+
+
+@pytest.mark.parametrize("codec,sampled,row_group_bytes", [
+    ("sqrt8", False, None), ("fp16", False, None), ("bf16", True, None), ("fp32", False, None),
+    ("sqrt8", True, 3 << 20),  # several row groups, cut inside blocks
+])
+def test_parquet_bytes_equal_pyarrow_writer(tmp_path, codec, sampled, row_group_bytes):
+    from teacher_cache.store_parquet import ParquetStore
+
+    rows = _big_rows(codec, 12_000, 32, sampled)
+    cuts = [0, 1, 2_048, 5_000, 9_999, 12_000]
+    blocks = [{name: value[a:b] for name, value in rows.items()} for a, b in zip(cuts, cuts[1:])]
+    seq_offsets = np.array([0, 3, 5_000, 12_000], dtype=np.int64)
+    kwargs = {} if row_group_bytes is None else {"row_group_bytes": row_group_bytes}
+    for threads in (1, 8):
+        ParquetStore(**kwargs, threads=threads).write_stream(tmp_path / f"ours{threads}.parquet", seq_offsets,
+                                                             iter(blocks))
+    _pyarrow_reference(tmp_path / "ref.parquet", ParquetStore(**kwargs), seq_offsets, blocks)
+    ref = (tmp_path / "ref.parquet").read_bytes()
+    assert (tmp_path / "ours1.parquet").read_bytes() == ref
+    assert (tmp_path / "ours8.parquet").read_bytes() == ref
+    import pyarrow.parquet as pq
+
+    groups = pq.ParquetFile(tmp_path / "ours8.parquet").metadata.num_row_groups
+    assert (groups > 1) == (row_group_bytes is not None)
+
+
+def test_parquet_column_error_leaves_no_shard(tmp_path):
+    """A column that fails to encode on its thread fails the write, and no file or temp file stays."""
+    from teacher_cache.store_parquet import ParquetStore
+
+    rows = _big_rows("sqrt8", 300, 8, False)
+    blocks = [{k: v[:100] for k, v in rows.items()}, {k: v[100:] for k, v in rows.items() if k != "topk_sqrtp"}]
+    with pytest.raises(KeyError, match="topk_sqrtp"):  # raised on that column's thread
+        ParquetStore().write_stream(tmp_path / "00000.parquet", np.array([0, 300], dtype=np.int64), iter(blocks))
+    assert list(tmp_path.iterdir()) == []
