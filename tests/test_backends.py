@@ -73,6 +73,10 @@ def test_hf_sequence_order_and_batching_do_not_matter(hf_fp32, short_sequences):
         np.testing.assert_allclose(a.target_logprob, b.target_logprob, atol=FP32_ATOL, rtol=0)
 
 
+def test_hf_compiles_by_default_only_on_a_gpu(hf_fp32):
+    assert hf_fp32.compiled is (hf_fp32.device.type == "cuda")
+
+
 def test_hf_describe(teacher_dir, hf_fp32):
     info = hf_fp32.describe()
     assert info["backend"] == "hf" and info["dtype"] == "float32" and info["path"] == str(Path(teacher_dir).resolve())

@@ -271,3 +271,26 @@ def test_import_gguf_to_a_file_is_one_error_line(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     code, _, err = run_cli(["import-gguf", default_teacher_gguf(), tmp_path / "file"], capsys)
     assert "is an existing file" in one_error_line(code, err)
+
+
+@pytest.mark.parametrize("flags, expected", [([], None), (["--compile"], True), (["--no-compile"], False)])
+def test_compile_reaches_the_hf_backend_unset_unless_asked(tiny_teacher, tmp_path, capsys, monkeypatch, flags, expected):
+    """Without a flag the hf backend gets compile=None and decides by its device (compiled on a GPU)."""
+    import teacher_cache.backends
+
+    seen = {}
+
+    def fake_backend(name, model_dir, **kwargs):
+        seen.update(kwargs, name=name)
+        raise SystemExit(0)  # the plumbing is all this test checks; no teacher is loaded
+
+    monkeypatch.setattr(teacher_cache.backends, "make_backend", fake_backend)
+    code, _, err = run_cli(["cache-teacher", "--model", tiny_teacher, "--out", tmp_path / "c", *SMALL, *flags], capsys)
+    assert code == 0, err
+    assert seen["name"] == "hf" and seen["compile"] is expected
+
+
+def test_compile_with_vllm_is_refused(tiny_teacher, tmp_path, capsys, no_slow_work):
+    code, _, err = run_cli(["cache-teacher", "--model", tiny_teacher, "--out", tmp_path / "c", *SMALL,
+                            "--backend", "vllm", "--compile"], capsys)
+    assert "--compile" in one_error_line(code, err) and "vllm" in err

@@ -58,7 +58,10 @@ class HFBackend:
     (sorted by length first, so a batch pads little). temperature: cache temperature T; logits
     are divided by T before the log-softmax. chunk_size: rows per lm-head chunk (None: auto).
     impl: lm-head top-k path, "auto" (Triton on a GPU) | "torch" | "triton". compile: run the
-    model body through torch.compile (fuses its element-wise work; pays off on long GPU runs).
+    model body of whole-sequence batches through torch.compile (fuses its element-wise work); None
+    compiles on a GPU, where it pays off once a run is longer than the compilation (rows
+    `teacher_gpu/*/compile@b0b7c04`), and not on a CPU. Chunked prefill always runs the eager body:
+    its growing KV cache would take a compilation per length.
     prefill_tokens: longest sequence run in one forward; a longer one is prefilled alone in
     chunks of this many tokens through the teacher's KV cache (see the module doc).
     """
@@ -75,7 +78,7 @@ class HFBackend:
         temperature: float = 1.0,
         chunk_size: int | None = None,
         impl: str = "auto",
-        compile: bool = False,
+        compile: bool | None = None,
         prefill_tokens: int = PREFILL_TOKENS,
     ):
         from transformers import AutoModelForCausalLM
@@ -98,7 +101,7 @@ class HFBackend:
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.dtype))
         self.model = model.to(self.device).eval()
         _refuse_capped_logits(self.model.config, self.model_dir)
-        self._body = self.model.get_decoder()
+        self._body = self._eager_body = self.model.get_decoder()
         head = self.model.get_output_embeddings()
         if head is None or getattr(head, "bias", None) is not None:
             raise DistillUserError(
@@ -108,6 +111,9 @@ class HFBackend:
         self._lm_weight = head.weight  # [V, d]
         self.vocab_size = int(self._lm_weight.shape[0])
         self._logit_scale = self._probe_logit_scale()
+        if compile is None:
+            compile = self.device.type == "cuda"
+        self.compiled = compile
         if compile:  # after the probe, so its short input does not take a compilation
             self._body = torch.compile(self._body)
 
@@ -195,7 +201,7 @@ class HFBackend:
                       cache_id: int | None = None):
         """Positions start..start+C of one sequence against its cache (which the call extends)."""
         positions = torch.arange(start, start + len(ids_C), device=self.device)
-        hidden_CD = self._body(input_ids=ids_C[None], past_key_values=cache, use_cache=True,
+        hidden_CD = self._eager_body(input_ids=ids_C[None], past_key_values=cache, use_cache=True,
                                cache_position=positions, position_ids=positions[None]).last_hidden_state[0]
         if draw is not None:
             uniforms = draw.sampling.uniforms(cache_id, start, start + len(ids_C))
@@ -205,7 +211,7 @@ class HFBackend:
         return self._to_host(out)
 
     def close(self) -> None:
-        for attr in ("model", "_body", "_lm_weight"):
+        for attr in ("model", "_body", "_eager_body", "_lm_weight"):
             if hasattr(self, attr):
                 delattr(self, attr)
         gc.collect()

@@ -12,9 +12,9 @@ distributions, on which such a comparison could not fail.
 Rows, `teacher_gpu/<shape>/<variant>`: "plain" (the plain pass, over --plain-sequences, whose
 speed does not depend on the run's length), then one per --variants entry, each a whole
 `build_cache` of --sequences after an untimed 16-sequence warm-up build: "default" (the hf backend
-and `CacheConfig` as `distill cache-teacher` runs them on a GPU) or "+"-joined options: compile
-(`--compile`: the model body compiled), zarr (Zarr storage), torch (the torch top-k path), sN
-(shards of N sequences), bN (N sequences a teacher call), wN (N writer threads), rsN (a sampled
+and `CacheConfig` as `distill cache-teacher` runs them on a GPU, the model body compiled) or
+"+"-joined options: compile (`--compile`), eager (`--no-compile`), zarr (Zarr storage), torch
+(the torch top-k path), sN (shards of N sequences), bN (N sequences a teacher call), wN (N writer threads), rsN (a sampled
 cache, `--targets sampled --samples N`: kernels/sample_targets.py in place of the top-k). Model TFLOP/s
 count 2 x parameters + causal attention (2 x layers x seq_len x hidden) per token, against the
 bf16 matmul ceiling. --profile adds `teacher_gpu/<shape>/profile/<part>`: one 8 x seq_len batch
@@ -145,6 +145,8 @@ def parse_variant(variant: str) -> tuple[dict, dict]:
         number = int(opt[1:]) if opt[1:].isdigit() else None
         if opt == "compile":
             backend["compile"] = True
+        elif opt == "eager":
+            backend["compile"] = False
         elif opt == "torch":
             backend["impl"] = "torch"
         elif opt == "zarr":
@@ -229,7 +231,7 @@ def profile(results: Results, shape: str, model_dir: Path, seq_len: int, k: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="smollm2-135m,qwen2-0.5b", help=f"comma-separated, of {', '.join(SHAPES)}")
-    parser.add_argument("--variants", default="default,compile", help="comma-separated; see the module docstring")
+    parser.add_argument("--variants", default="default,eager", help="comma-separated; see the module docstring")
     parser.add_argument("--sequences", type=int, default=1024, help="sequences each build_cache variant writes")
     parser.add_argument("--plain-sequences", type=int, default=256, help="sequences of each timed plain pass")
     parser.add_argument("--plain-repeats", type=int, default=3)
