@@ -65,8 +65,18 @@ On a CPU device there are no streams: every copy is a plain copy, the same code 
 the CPU tests hold offloaded training to the losses of training without it, bit for bit (the same
 fp32 sums, norms and products, in the same order: clip.total_grad_norm stacks the per-parameter
 norms in the parameters' order whoever measured them).
-Not supported yet (the trainer refuses them in one line): chunk-recurrent training (a KV store) and
-the sparse FFN (its L1 terms and dead-neuron reinitialisation would have to cross the layer Function).
+Chunk-recurrent training (student/long_context.py): the engine runs each chunk through
+Student.forward, so through `run_layer`, which hands the layer its key/value store. Pass 1's
+forwards run without gradients (the plain no-grad path, as evaluation's); pass 2 runs each chunk
+forward and backward, last chunk first, and the runtime takes each chunk as it takes a micro-batch:
+its layer gradients are added into the accumulators (the first chunk of a step's first micro-batch
+copied, the rest added, in the order plain chunk-recurrent training adds them into .grad). The
+plan's activation decision holds per chunk ("recompute" runs the layer again from its chunk input,
+attending the stored pages; the store hands back pass 2's kept attention output, as under the
+engine's own checkpoint_layers, which the runner replaces). The plan's chunk_tokens, when set,
+must be the run's (the trainer checks it).
+Not supported yet (the trainer refuses it in one line): the sparse FFN (its L1 terms and dead-neuron
+reinitialisation would have to cross the layer Function).
 """
 
 from __future__ import annotations
@@ -80,7 +90,6 @@ import torch
 from torch.func import functional_call
 
 from distill.configs import ConfigError
-from distill.errors import DistillUserError
 from student.offload_plan import UPDATE_SLOTS, OffloadPlan
 from student.optim.clip import check_max_norm, clip_coefficient, scale_grads_, total_grad_norm
 
@@ -241,20 +250,20 @@ class _LayerFunction(torch.autograd.Function):
     """One decoder layer with offloaded weights: forward and backward per its LayerPlan."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, row_mask, runtime: OffloadRuntime, index: int):
+    def forward(ctx, x, cos, sin, row_mask, runtime: OffloadRuntime, index: int, kv_store):
         activation = runtime.plan.layers[index].activation
         weights = runtime._weights(index, "fwd")
-        ctx.runtime, ctx.index, ctx.graph = runtime, index, None
+        ctx.runtime, ctx.index, ctx.graph, ctx.kv_store = runtime, index, None, kv_store
         ctx.amp = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         if activation == "keep":
             with torch.enable_grad():
                 x_ = x.detach().requires_grad_()
                 flats = [w.detach().requires_grad_() for w in weights]
-                y = runtime._call(index, flats, x_, cos, sin, row_mask)
+                y = runtime._call(index, flats, x_, cos, sin, row_mask, kv_store)
             ctx.graph = (x_, flats, y)
             ctx.save_for_backward()
             return y.detach()
-        y = runtime._call(index, weights, x, cos, sin, row_mask)
+        y = runtime._call(index, weights, x, cos, sin, row_mask, kv_store)
         ctx.save_for_backward(x if activation == "recompute" else None, cos, sin, row_mask)
         if activation == "offload":
             runtime._offload_input(index, x)
@@ -277,12 +286,13 @@ class _LayerFunction(torch.autograd.Function):
             with torch.enable_grad(), torch.autocast(runtime.device.type, dtype=dtype, enabled=enabled):
                 x_ = x.detach().requires_grad_()
                 flats = [w.detach().requires_grad_() for w in weights]
-                y = runtime._call(index, flats, x_, cos, sin, row_mask)
+                y = runtime._call(index, flats, x_, cos, sin, row_mask, ctx.kv_store)
+            ctx.kv_store = None
         dx, *dflats = torch.autograd.grad(y, [x_, *flats], dy)
         runtime._grads_ready(index, dflats)
         if index == 0:
             runtime._clock.mark("bwd1")
-        return dx, None, None, None, None, None
+        return dx, None, None, None, None, None, None
 
 
 class _PhaseClock:
@@ -317,7 +327,9 @@ class _PhaseClock:
         done = [m for m in self.micro if {"fwd0", "fwd1", "bwd0", "bwd1"} <= m.keys()]
         if done and self.cuda:
             done[-1]["bwd1"].synchronize()
-        self.step = {"forward": sum(self.seconds(m["fwd0"], m["fwd1"]) for m in done),
+        # The forwards without a backward (chunk-recurrent pass 1) count as forward time too.
+        forwards = [m for m in self.micro if {"fwd0", "fwd1"} <= m.keys()]
+        self.step = {"forward": sum(self.seconds(m["fwd0"], m["fwd1"]) for m in forwards),
                      "head": sum(self.seconds(m["fwd1"], m["bwd0"]) for m in done),
                      "backward": sum(self.seconds(m["bwd0"], m["bwd1"]) for m in done)}
         self.micro, self.marks = [], {"grads0": time.perf_counter()}
@@ -457,20 +469,23 @@ class OffloadRuntime:
     # --- layers ----------------------------------------------------------------------------------
 
     def run_layer(self, index: int, x, cos, sin, kv_store, row_mask):
-        """Student.forward's layer runner: (layer output, None)."""
-        if kv_store is not None:
-            raise DistillUserError("offloaded training runs whole sequences: drop --chunk-tokens, or --offload")
+        """Student.forward's layer runner: (layer output, None). kv_store: the chunk-recurrent
+        engine's (student/long_context.py) when a chunk runs, passed to the layer's attention; a
+        chunk's forward and backward are those of a micro-batch here."""
         if index == 0:
             self._schedule = _Schedule(self, torch.is_grad_enabled())
             self._offloaded.clear()
+        # Timed: the forwards of training, with gradients or (chunk-recurrent pass 1) without.
+        timed = torch.is_grad_enabled() or (kv_store is not None and self.model.training)
+        if timed and index == 0:
+            self._clock.mark("fwd0")
         if torch.is_grad_enabled():
-            if index == 0:
-                self._clock.mark("fwd0")
-            y = _LayerFunction.apply(x, cos, sin, row_mask, self, index)
-            if index == len(self.host) - 1:
-                self._clock.mark("fwd1")
-            return y, None
-        return self._call(index, self._weights(index, "fwd"), x, cos, sin, row_mask), None
+            y = _LayerFunction.apply(x, cos, sin, row_mask, self, index, kv_store)
+        else:
+            y = self._call(index, self._weights(index, "fwd"), x, cos, sin, row_mask, kv_store)
+        if timed and index == len(self.host) - 1:
+            self._clock.mark("fwd1")
+        return y, None
 
     def _weights(self, index: int, phase: str) -> list[torch.Tensor]:
         """Layer `index`'s working weights on the device, one flat tensor per group, ready to read."""
@@ -479,12 +494,12 @@ class OffloadRuntime:
             return self.resident[index]
         return self._schedule.take(("w", index, phase))
 
-    def _call(self, index: int, flats: list[torch.Tensor], x, cos, sin, row_mask):
+    def _call(self, index: int, flats: list[torch.Tensor], x, cos, sin, row_mask, kv_store=None):
         params = {}
         for flat, g in zip(flats, self.host[index].groups):
             for name, shape, piece in zip(g.names, g.shapes, flat.split(g.sizes)):
                 params[name] = piece.view(shape)
-        y, terms = functional_call(self.model.layers[index], params, (x, cos, sin, None, row_mask))
+        y, terms = functional_call(self.model.layers[index], params, (x, cos, sin, kv_store, row_mask))
         assert terms is None, "the sparse FFN is refused with offload before training"
         return y
 

@@ -142,9 +142,6 @@ class TrainConfig:
         require("seq_len", self.seq_len, self.seq_len is None or self.seq_len >= 2, "None or an integer >= 2")
         require("eval_sequences", self.eval_sequences, self.eval_sequences is None or self.eval_sequences >= 1,
                 "None or an integer >= 1")
-        if self.offload.offload != "none" and self.long.chunk_tokens is not None:
-            raise ConfigError("offload", f"is {self.offload.offload!r}: offloaded training runs whole sequences, "
-                                         "not yet chunk by chunk; drop --chunk-tokens or use --offload none")
         if self.offload.offload != "none" and self.sparse.sparse_ffn:
             raise ConfigError("offload", f"is {self.offload.offload!r}: offloaded training does not run the sparse "
                                          "FFN yet; drop --sparse-ffn or use --offload none")
@@ -617,6 +614,12 @@ def _offload_runtime(config: TrainConfig, model, amp_dtype):
         plan = plan_for_training(config)
     else:
         plan = OffloadPlan.load(config.offload.offload)
+    if plan.chunk_tokens is not None and plan.chunk_tokens != config.long.chunk_tokens:
+        ran = (f"--chunk-tokens {config.long.chunk_tokens}" if config.long.chunk_tokens is not None
+               else "whole sequences")
+        raise ConfigError("offload", f"holds a plan made for --chunk-tokens {plan.chunk_tokens} but this run has "
+                                     f"{ran}; train with the plan's --chunk-tokens, make the plan for this run "
+                                     "(`distill plan`) or use --offload auto")
     return OffloadRuntime(model, plan, config.device, amp_dtype)
 
 

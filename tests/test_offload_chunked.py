@@ -1,0 +1,89 @@
+"""student/offload.py with the chunk-recurrent engine (student/long_context.py): offloaded
+chunk-recurrent training gives the losses, gradient norms, evaluations and final weights of
+chunk-recurrent training without offload, bit for bit on the CPU (a chunk size that does not divide
+the sequences, two micro-batches a step, the states on either side, the update on either side,
+AdamW and FOAM); a plan made for another chunk size is refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from distill.configs import ConfigError
+from student.offload_plan import OffloadPlan
+from student.planner import PHASES
+from student.trainer import train
+from test_offload import config, plan_file, results, same_weights, small  # noqa: F401 (small: the fixture)
+from test_trainer import rows
+
+CHUNK = 7  # the cached sequences have 24 positions: chunks of 7, 7, 7 and 3
+CHUNKED = dict(chunk_tokens=CHUNK, page_tokens=16)
+
+PLANS = {  # (layers, prefetch depth, optimizer side): test_offload.plan_file's notation
+    "host-cpu": ("rr kr rr or", 1, "cpu"),  # every layer's states on the host, the update on the CPU
+    "host-gpu": ("rr rr kr rr", 0, "gpu"),  # on the host, the update in slices on the device
+    "states-cpu": ("rg rr kg rr", 1, "cpu"),  # layers 0 and 2: states on the device
+    "states-gpu": ("kg rr rg or", 2, "gpu"),
+    "streamed-gpu": ("rs os ks rr", 1, "gpu"),  # weights streamed, chunk by chunk
+}
+
+_REFERENCE: dict[str, Path] = {}
+
+
+def reference(small, tmp_path_factory, optimizer: str) -> Path:  # noqa: F811 (small: the fixture)
+    """Chunk-recurrent training without offload (once per optimizer in this module)."""
+    if optimizer not in _REFERENCE:
+        out = tmp_path_factory.mktemp(f"chunked-{optimizer}") / "run"
+        train(config(small, out, optimizer=optimizer, **CHUNKED), progress=False)
+        _REFERENCE[optimizer] = out
+    return _REFERENCE[optimizer]
+
+
+@pytest.mark.parametrize("optimizer, plan", [("adamw", "host-cpu"), ("adamw", "host-gpu"), ("foam", "states-cpu"),
+                                             ("foam", "states-gpu"), ("adamw", "streamed-gpu")])
+def test_offloaded_chunk_recurrent_training_equals_it_without_offload(small, tmp_path, tmp_path_factory,  # noqa: F811
+                                                                      optimizer, plan):
+    """Six steps of two micro-batches of four chunks, evaluations at 0, 3 and 6 (chunked, without
+    gradients): every loss, KL, gradient norm, evaluation and final weight is the run's without
+    offload, exactly; the measured phases include pass 1's forwards."""
+    want = reference(small, tmp_path_factory, optimizer)
+    out, path = tmp_path / "run", tmp_path / "plan.json"
+    plan_file(path, *PLANS[plan])
+    OffloadPlan.from_dict({**OffloadPlan.load(path).to_dict(), "chunk_tokens": CHUNK}).save(path)
+    train(config(small, out, optimizer=optimizer, offload=str(path), **CHUNKED), progress=False)
+    assert results(out) == results(want)
+    assert len(rows(out)) == 6 and len(rows(out, "eval")) == 3
+    assert same_weights(out / "student", want / "student")
+    assert json.loads((out / "run.json").read_text())["offload_plan"]["chunk_tokens"] == CHUNK
+    phases = rows(out)[-1]["offload_phase_s"]
+    assert set(phases) == set(PHASES) and all(t >= 0 for t in phases.values()) and phases["forward"] > 0
+
+
+def test_a_plan_for_another_chunk_size_is_refused(small, tmp_path):  # noqa: F811
+    """In one line naming --offload, with both chunk settings, before anything trains."""
+    path = tmp_path / "plan.json"
+    plan_file(path, *PLANS["host-cpu"])
+    OffloadPlan.from_dict({**OffloadPlan.load(path).to_dict(), "chunk_tokens": 5}).save(path)
+    for overrides, seen in ((CHUNKED, f"--chunk-tokens {CHUNK}"), ({}, "whole sequences")):
+        with pytest.raises(ConfigError, match="--chunk-tokens 5") as e:
+            train(config(small, tmp_path / "run", offload=str(path), **overrides), progress=False)
+        assert e.value.field == "offload" and seen in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not rows(tmp_path / "run")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_offloaded_chunk_recurrent_training_matches_within_bf16(small, tmp_path):  # noqa: F811
+    """bf16 autocast on the GPU, the pages in pinned host memory (kv_offload): every plan's losses
+    follow chunk-recurrent training without offload to bf16 tolerance."""
+    gpu = dict(device="cuda", save_every=0, eval_every=0, kv_offload=True, offload_pages=1, **CHUNKED)
+    train(config(small, tmp_path / "plain", **gpu), progress=False)
+    want = [r["loss"] for r in rows(tmp_path / "plain")]
+    for name, spec in PLANS.items():
+        out, path = tmp_path / name, tmp_path / f"{name}.json"
+        plan_file(path, *spec)
+        train(config(small, out, offload=str(path), **gpu), progress=False)
+        assert [r["loss"] for r in rows(out)] == pytest.approx(want, rel=2e-2), name
