@@ -373,7 +373,7 @@ def plan(**values) -> None:
 
       distill plan --cache caches/qwen --student ./qwen-14b --optimizer foam --json
 
-    Train with a saved plan: distill train-student ... --offload plan.json (or --offload auto to plan and train in one go). A budget no plan meets is refused with the smallest one that works. Long-context chunking (--chunk-tokens) is not planned yet.
+    Train with a saved plan: distill train-student ... --offload plan.json (or --offload auto to plan and train in one go). A budget no plan meets is refused with the smallest one that works. With --chunk-tokens the step measured is chunk-recurrent (a chunk's layers, pass 1, the key/value pages; weights resident) and the plan holds the chunk size and the pages resident on the GPU.
     """
     from distill.configs import ConfigError
     from student.offload_plan import parse_bytes

@@ -112,8 +112,10 @@ class OffloadPlan:
     layers: tuple[LayerPlan, ...]
     prefetch_depth: int = 1
     optimizer: Literal["gpu", "cpu"] = "cpu"
-    # Long-context engine (student/long_context.py), when it is on: the chunk size and how many
-    # key/value pages stay resident on the GPU (the rest are offloaded). None: not planned.
+    # Long-context engine (student/long_context.py), when it is on: the chunk size the plan was
+    # made for (a run with another is refused) and how many key/value pages (of every row) the GPU
+    # holds at once over all layers: every page without kv_offload, two page sets of one layer with
+    # it (the rest in host memory). None: whole sequences.
     chunk_tokens: int | None = None
     resident_pages: int | None = None
     gpu_memory: int | None = None  # the budgets the plan was solved for, bytes

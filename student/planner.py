@@ -98,13 +98,21 @@ class CostTable:
     static_host_bytes: int = 0  # on the host beside the layers' bytes
     head_s: float = 0.0  # embeddings, final norm, head and loss, forward and backward, one micro-batch
     static_update_s: float = 0.0  # the optimizer update of the static parameters (on the GPU)
-    micro_batches: int = 1  # micro-batches per optimizer step (grad_accum)
+    # Micro-batches per optimizer step (grad_accum); with chunk-recurrent training each chunk's
+    # forward and backward (pass 2) counts as one: grad_accum x chunks.
+    micro_batches: int = 1
     # Host memory streaming rate (bytes read plus written a second) of a host pass over fp32
     # gradients: the update on the CPU scales each host layer's gradient by the clip coefficient.
     host_bytes_per_s: float = math.inf
+    # Chunk-recurrent training (student/long_context.py; the layers' costs are then a chunk's):
+    chunks: int = 1  # chunks per micro-batch (1: whole sequences)
+    pass1_s: float = 0.0  # pass 1 of the step's micro-batches: the no-grad forwards of all chunks but the last
+    kv_gpu_bytes: int = 0  # the key/value store's pages (and gradient pages) on the GPU; its host bytes are static_host_bytes
+    chunk_tokens: int | None = None  # the chunk size measured (None: whole sequences)
+    resident_pages: int | None = None  # key/value pages (of every row) on the GPU at once, over all layers
 
     def __post_init__(self):
-        assert self.layers and self.micro_batches >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
+        assert self.layers and self.micro_batches >= 1 and self.chunks >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
         assert self.host_bytes_per_s > 0
 
 
@@ -181,6 +189,9 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       when the compute queue is through, unless the next step's forward of a streamed host layer
       would wait for its copy out (its weights come in after it, and the layers before it take at
       least their forward time), which delays that step as much.
+    - Chunk-recurrent training: pass 1 (`pass1_s`, no-grad forwards, the weights resident) runs
+      before the chunks' forwards and backwards, which are the micro-batches above; the key/value
+      store's device bytes are held at the turnaround.
     - GPU peak: the larger of the turnaround (end of the forward) and the optimizer phase.
       Turnaround: static + weights of resident and kept layers + master, gradient and states of
       "gpu" layers + (d+1) buffers of the largest streamed layer + kept activations (keep:
@@ -251,8 +262,8 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
         updated += device_update
         last = max(micro_batch, updated, *[wb_end[i] + h2d(c[i].weight_bytes) - sum(x.forward_s for x in c[:i])
                                            for i in range(L) if on_host[i] and stream[i]])
-    step_s = (m - 1) * micro_batch + last
-    phase_s = dict(forward=m * fwd_end[-1], head=m * costs.head_s, backward=m * (compute - fwd_end[-1] - costs.head_s),
+    step_s = (m - 1) * micro_batch + last + costs.pass1_s
+    phase_s = dict(forward=m * fwd_end[-1] + costs.pass1_s, head=m * costs.head_s, backward=m * (compute - fwd_end[-1] - costs.head_s),
                    grads=(m - 1) * (micro_batch - compute) + start - compute, clip=0.0, optimizer=updated - start,
                    refresh=last - updated)
 
@@ -306,12 +317,12 @@ def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
 
 
 def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
-    """What every plan of this depth holds at the turnaround: gradients (d+1 fp32 sums on their way
+    """What every plan of this depth holds at the turnaround: the key/value store's device pages, gradients (d+1 fp32 sums on their way
     out, the one being widened in the compute dtype; after the first micro-batch d+1 accumulators
     more on their way in) and one layer's backward (its workspace and recomputed activations)."""
     sums = (depth + 1) * (2 if costs.micro_batches > 1 else 1)
     return (sums * max(x.master_bytes for x in costs.layers) + max(x.weight_bytes for x in costs.layers)
-            + max(x.workspace_bytes + x.keep_bytes for x in costs.layers))
+            + max(x.workspace_bytes + x.keep_bytes for x in costs.layers) + costs.kv_gpu_bytes)
 
 
 def _optimizer_slices(costs: CostTable, side: str) -> int:
@@ -414,8 +425,10 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
     y = [[prog.var(binary=True, cost=tie(*k) * settings.tie_break_s * ms) for k in CHOICES] for _ in range(L)]
     for i in range(L):
         prog.rows.append(({col: 1.0 for col in y[i]}, 1.0, 1.0))
-        for col, (_, _, st) in zip(y[i], CHOICES):
-            if st not in settings.states:
+        for col, (_, p, st) in zip(y[i], CHOICES):
+            # Chunk-recurrent training keeps the weights resident: streamed ones would come in again
+            # for every chunk's forward and backward, and pass 1's, which the model does not charge.
+            if st not in settings.states or (p == "stream" and costs.chunks > 1):
                 prog.rows.append(({col: 1.0}, 0.0, 0.0))
     pick = lambda i, scale, act=None, par=None, st=None: {
         y[i][j]: scale for j, (a, p, s) in enumerate(CHOICES) if act in (None, a) and par in (None, p) and st in (None, s)}
@@ -549,8 +562,8 @@ def solve_fixed(costs: CostTable, gpu_memory: int | None, host_memory: int | Non
     if result.x is None:
         return None
     plan = _plan_of(result.x, y, depth, optimizer)
-    step_s = sum(coef * result.x[col] for col, coef in step.items())
-    return ProgramResult(plan, step_s, result.fun / 1e3, optimal=result.status == 0)
+    step_s = sum(coef * result.x[col] for col, coef in step.items()) + costs.pass1_s
+    return ProgramResult(plan, step_s, result.fun / 1e3 + costs.pass1_s, optimal=result.status == 0)
 
 
 def program_step_s(costs: CostTable, plan: OffloadPlan) -> float:
@@ -563,7 +576,7 @@ def program_step_s(costs: CostTable, plan: OffloadPlan) -> float:
             prog.rows.append(({col: 1.0}, value, value))
     result = prog.solve(60.0, 0.0)
     assert result.status == 0, result.message
-    return sum(coef * result.x[col] for col, coef in step.items())
+    return sum(coef * result.x[col] for col, coef in step.items()) + costs.pass1_s
 
 
 def _plan_of(x, y, depth: int, optimizer: str) -> OffloadPlan:
@@ -606,8 +619,9 @@ def smallest_budget(costs: CostTable, which: str, other_budget: int | None, *, t
 def solve(costs: CostTable, gpu_memory: int, host_memory: int, *, time_limit_s: float = 60.0,
           settings: SolverSettings = SolverSettings()) -> OffloadPlan:
     """The plan of least predicted step time whose peaks fit `gpu_memory` and `host_memory` (bytes),
-    over every per-layer choice, the prefetch depths of `settings` and both optimizer sides. The
-    plan carries `predict`'s figures and the budgets. A budget no plan meets raises BudgetError
+    over every per-layer choice, the prefetch depths of `settings` and both optimizer sides (with
+    chunk-recurrent costs, resident weights only). The plan carries `predict`'s figures, the
+    budgets and the chunk engine's chunk size and resident pages as measured. A budget no plan meets raises BudgetError
     naming the option and the smallest budget that one plan meets (under the other budget)."""
     runs = [(d, side) for d in settings.depths for side in OPTIMIZER_SIDES]
     best = None
@@ -621,7 +635,8 @@ def solve(costs: CostTable, gpu_memory: int, host_memory: int, *, time_limit_s: 
     if not best.optimal:
         logger.warning("the planner's solver hit its time limit; using the best plan it found (predicted step "
                        "%.4g s)", best.step_s)
-    return replace(best.plan, gpu_memory=gpu_memory, host_memory=host_memory, predicted=predict(costs, best.plan))
+    return replace(best.plan, gpu_memory=gpu_memory, host_memory=host_memory, predicted=predict(costs, best.plan),
+                   chunk_tokens=costs.chunk_tokens, resident_pages=costs.resident_pages)
 
 
 def _raise_budget_error(costs, gpu_memory, host_memory, time_limit_s, settings):
@@ -697,6 +712,10 @@ def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
     lines = [f"predicted step time {predicted.step_s * 1e3:.2f} ms (compute, recompute and the transfers it "
              "cannot hide; per layer: all micro-batches)",
              "phases: " + ", ".join(f"{name} {predicted.phase_s.get(name, 0.0) * 1e3:.2f} ms" for name in PHASES),
+             *([f"chunk-recurrent: {plan.chunk_tokens} tokens a chunk, {costs.chunks} chunks a micro-batch "
+                f"(each a micro-batch above; pass 1 {costs.pass1_s * 1e3:.2f} ms a step); {plan.resident_pages} "
+                f"key/value pages resident on the GPU ({format_bytes(costs.kv_gpu_bytes)}), "
+                f"{format_bytes(costs.static_host_bytes)} on the host"] if plan.chunk_tokens is not None else []),
              f"peak GPU memory {format_bytes(predicted.gpu_peak_bytes)}{budget(plan.gpu_memory)}; "
              f"peak host memory {format_bytes(predicted.host_peak_bytes)}{budget(plan.host_memory)}",
              f"measured: host->device {costs.h2d_bytes_per_s / 1e9:.1f} GB/s, device->host "

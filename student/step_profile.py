@@ -1,6 +1,8 @@
 """Measuring a student's training step for the offload planner (student/planner.py): per decoder
 layer forward and backward seconds and bytes on one real micro-batch, copy bandwidth each way, one
-optimizer update on each side, and the default memory budgets of this machine.
+optimizer update on each side, and the default memory budgets of this machine. With chunk-recurrent
+training (--chunk-tokens, student/long_context.py) the layers are measured on a chunk attending its
+key/value store, and the store's bytes and pass 1's forwards are counted (`profile` says how).
 
 torch is imported inside the functions (the planner's cost model and program need none of it).
 """
@@ -9,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-from distill.configs import ConfigError
 
 if TYPE_CHECKING:
     from student.planner import CostTable
@@ -55,9 +55,6 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     from teacher_cache.reader import CacheReader
 
     config = _resolve(config)
-    if config.long.chunk_tokens is not None:
-        raise ConfigError("chunk_tokens", f"is {config.long.chunk_tokens}: the offload planner does not plan "
-                                          "chunk-recurrent training yet; plan without --chunk-tokens")
     tok = tokenizer_info_of(config.tokenizer)
     reader = CacheReader(config.cache, expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])
     cache_temperature = reader.manifest.spec.targets.temperature
@@ -74,13 +71,16 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
             setattr(model, name, getattr(model, name).to(device))
     model.inv_freq = model.inv_freq.to(device)
 
-    measured = [_measure_layers(model, batch.to(device), config, amp, settings, cache_temperature) for batch in batches]
+    measured = [_measure_chunks(model, batch.to(device), config, amp, settings, cache_temperature)
+                for batch in batches]
     median = lambda values: sorted(values)[len(values) // 2]
     per_layer = [
         {key: (median([m["layers"][i][key] for m in measured]) if key.endswith("_s")
                else max(m["layers"][i][key] for m in measured)) for key in measured[0]["layers"][i]}
         for i in range(len(model.layers))]
     head_s = median([m["head_s"] for m in measured])
+    pass1_s = median([m["pass1_s"] for m in measured]) * config.grad_accum
+    chunks = max(m["chunks"] for m in measured)
     loss_workspace = max(m["loss_workspace"] for m in measured)
 
     gpu_update_s, states = _update_seconds(model.layers[0], config.optim, device, settings, build_optimizer)
@@ -99,11 +99,15 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
                                                      copy_first=False)
     static_params = sum(p.numel() * p.element_size() for p in static.parameters())
     h2d, d2h = _bandwidths(device, settings)
+    kv_gpu, kv_host, resident_pages = (_kv_bytes(model, config, batches[0].input_ids.shape, amp) if chunks > 1
+                                       else (0, 0, None))
     return CostTable(layers=tuple(layers), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
                      static_gpu_bytes=2 * static_params + static_states + loss_workspace
                      + (settings.reserve_bytes if cuda else 0),
-                     head_s=head_s, static_update_s=static_update_s, micro_batches=config.grad_accum,
-                     host_bytes_per_s=_host_pass_rate(settings))
+                     static_host_bytes=kv_host, head_s=head_s, static_update_s=static_update_s,
+                     micro_batches=config.grad_accum * chunks, host_bytes_per_s=_host_pass_rate(settings),
+                     chunks=chunks, pass1_s=pass1_s, kv_gpu_bytes=kv_gpu,
+                     chunk_tokens=config.long.chunk_tokens if chunks > 1 else None, resident_pages=resident_pages)
 
 
 def _timed(device: str, fn):
@@ -157,9 +161,66 @@ class _SavedBytes:
         return max(self.storages.values(), default=0)
 
 
-def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_temperature: float) -> dict:
+def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_temperature: float) -> dict:
+    """`_measure_layers` of one micro-batch, whole, or with chunk-recurrent training per chunk as
+    pass 2 runs it: a chunk's attention grows with its past pages, linearly, so its first and last
+    chunks are measured and a chunk's seconds are their mean (a chunk's bytes their largest: the
+    last one's, which reads every page). Adds `chunks` (per micro-batch) and `pass1_s`: the
+    no-grad forwards of every chunk but the last (pass 1), interpolated the same way."""
+    from student.long_context import _store_for, chunk_bounds
+
+    bounds = chunk_bounds(batch.input_ids.shape[1], config.long.chunk_tokens)
+    if len(bounds) == 1:
+        return {**_measure_layers(model, batch, config, amp, settings, cache_temperature), "chunks": 1, "pass1_s": 0.0}
+    ends = []
+    for s, e in (bounds[0], bounds[-1]):
+        store = _store_for(model, batch.input_ids.shape[0], batch.input_ids.shape[1], config.long,
+                           amp or model.embed_tokens.weight.dtype, config.device)
+        for pool in store.k + store.v:
+            pool.zero_()  # the past pages' values do not matter to the timing, only that they are finite
+        store.begin(s, e, grad=True)
+        ends.append(_measure_layers(model, batch.positions(s, e), config, amp, settings, cache_temperature,
+                                    store=store))
+    first, last = ends
+    n = len(bounds)
+    layers = [{key: (a[key] + b[key]) / 2 if key.endswith("_s") else max(a[key], b[key]) for key in a}
+              for a, b in zip(first["layers"], last["layers"])]
+    # Chunk j's forward: first + (last - first) * j / (n - 1); summed over j = 0 .. n - 2.
+    pass1_s = sum((n - 1) * a["forward_s"] + (b["forward_s"] - a["forward_s"]) * (n - 2) / 2
+                  for a, b in zip(first["layers"], last["layers"]))
+    return {"layers": layers, "head_s": (first["head_s"] + last["head_s"]) / 2,
+            "loss_workspace": max(first["loss_workspace"], last["loss_workspace"]), "chunks": n, "pass1_s": pass1_s}
+
+
+def _kv_bytes(model, config, shape, amp) -> tuple[int, int, int]:
+    """(device bytes, host bytes, resident pages) of the chunk-recurrent engine's key/value store
+    for micro-batches of `shape` [B, L] (student/long_context.py's PagedKVStore): per layer its key
+    and value pages in the attention dtype and their fp32 gradient pages, every layer's at once by
+    the end of the last chunk's backward; with kv_offload on a GPU all of them in pinned host
+    memory, the device holding two page sets of offload_pages pages of one layer (one read, the
+    next copied). Pass 1's kept attention outputs (and their fp32 lse) of every chunk but the last
+    go to pinned host memory on a GPU (stay on the device elsewhere). Resident pages: the pages (of
+    every row) the device holds at once, over all layers."""
+    c, long = model.config, config.long
+    B, L = shape
+    cuda = config.device.startswith("cuda")
+    size = (amp or model.embed_tokens.weight.dtype).itemsize
+    num_pages = -(-L // long.page_tokens)
+    page_bytes = B * c.num_kv_heads * long.page_tokens * c.head_dim * (2 * size + 2 * 4)  # k, v and their gradients
+    last_start = (len(range(0, L, long.chunk_tokens)) - 1) * long.chunk_tokens
+    kept = c.num_layers * B * c.num_heads * last_start * (c.head_dim * size + 4)
+    if long.kv_offload and cuda:
+        resident = 2 * min(long.offload_pages, num_pages)
+        return resident * page_bytes, c.num_layers * num_pages * page_bytes + kept, resident
+    resident = c.num_layers * num_pages
+    return resident * page_bytes + (0 if cuda else kept), kept if cuda else 0, resident
+
+
+def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_temperature: float,
+                    store=None) -> dict:
     """Per layer forward/backward seconds and bytes on one micro-batch (on config.device), and the
-    head's seconds and workspace (embeddings, final norm, head, loss)."""
+    head's seconds and workspace (embeddings, final norm, head, loss). store: a chunk's key/value
+    store (begun for that chunk, which `batch` is: its positions start there)."""
     import copy
 
     import torch
@@ -171,7 +232,8 @@ def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_
     dtype = amp or torch.float32
     autocast = lambda: torch.autocast(torch.device(device).type, dtype=amp, enabled=amp is not None)
     ids, row_mask = batch.input_ids, batch.mask
-    positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
+    start = store.past_length() if store is not None else 0
+    positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
     with torch.no_grad(), autocast():
         x = model.embed_tokens(ids)
     cos, sin = rope_cos_sin(model.inv_freq, positions, x.dtype)
@@ -192,7 +254,7 @@ def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
             with _SavedBytes(shared) as counted, autocast():
-                seconds, (out, _) = _timed(device, lambda: working(x_in, cos, sin, None, row_mask))
+                seconds, (out, _) = _timed(device, lambda: working(x_in, cos, sin, store, row_mask))
             saved = saved or counted
             forward.append(seconds)
             backward.append(_timed(device, lambda: out.backward(torch.ones_like(out)))[0])

@@ -379,3 +379,51 @@ def test_a_version_1_plan_reads_as_every_layers_states_on_the_host(tmp_path):
         OffloadPlan.from_dict({**v1, "version": 3})
     with pytest.raises(ConfigError, match="resident there"):
         LayerPlan("keep", "stream", "gpu")
+
+
+# --- chunk-recurrent training -------------------------------------------------------------------
+
+
+def test_chunked_costs_add_pass_one_hold_the_pages_and_plan_resident_weights():
+    """A chunked table: pass 1 adds its seconds to the step and to the forward phase, the store's
+    device pages add to the GPU peak, the program still encodes `predict` exactly, and the solver
+    keeps every layer's weights resident (streaming would come again for every chunk)."""
+    whole = random_table(3, seed=5, micro_batches=8)
+    chunked = dataclasses.replace(whole, chunks=4, pass1_s=70 * MS, kv_gpu_bytes=3 * GiB, chunk_tokens=512,
+                                  resident_pages=96)
+    plan = OffloadPlan(layers=(LayerPlan("keep"), LayerPlan("offload"), LayerPlan("recompute", states="gpu")),
+                       prefetch_depth=1, optimizer="gpu")
+    a, b = predict(whole, plan), predict(chunked, plan)
+    assert b.step_s == pytest.approx(a.step_s + 70 * MS)
+    assert b.phase_s["forward"] == pytest.approx(a.phase_s["forward"] + 70 * MS)
+    assert sum(b.phase_s.values()) == pytest.approx(b.step_s)
+    assert b.gpu_peak_bytes == a.gpu_peak_bytes + 3 * GiB and b.host_peak_bytes == a.host_peak_bytes
+    assert program_step_s(chunked, plan) == pytest.approx(b.step_s, rel=1e-6)
+    # Tight enough that the whole-sequence plan streams some layer's weights.
+    gpu = predict(whole, OffloadPlan.uniform(3, "offload", "stream", prefetch_depth=0)).gpu_peak_bytes + GiB
+    assert any(lp.params == "stream" for lp in solve(whole, gpu, 100 * GiB, settings=SolverSettings(depths=(0,))).layers)
+    made = solve(chunked, gpu + 3 * GiB + 8 * GiB, 100 * GiB, settings=SolverSettings(depths=(0,)))
+    assert all(lp.params == "resident" for lp in made.layers)
+    assert (made.chunk_tokens, made.resident_pages) == (512, 96)
+    assert made.predicted.step_s == pytest.approx(predict(chunked, made).step_s)
+
+
+def test_distill_plan_with_chunk_tokens_plans_the_chunked_step(tiny, tmp_path, capsys):  # noqa: F811
+    """On the CPU: the plan holds the chunk size and the pages resident (every layer's, without
+    kv_offload: 2 layers x 2 pages of 16 positions), its layers' weights are resident, and
+    the table says how the step is chunked; the chunked step's GPU peak is not the whole one's."""
+    path = tmp_path / "plan.json"
+    code, out, err = run_cli(plan_args(tiny, "--gpu-memory", "1GiB", "--chunk-tokens", "7", "--page-tokens", "16",
+                                       "--out", path), capsys)
+    assert code == 0, err
+    # The profiled micro-batch is padded to its longest sequence, of 17 to 21 positions: 3 chunks, 2 pages.
+    assert "chunk-recurrent: 7 tokens a chunk, 3 chunks a micro-batch" in out and "4 key/value pages" in out
+    plan = OffloadPlan.load(path)
+    assert (plan.chunk_tokens, plan.resident_pages) == (7, 4)
+    assert all(lp.params == "resident" for lp in plan.layers)
+    assert 0 < plan.predicted.step_s and plan.predicted.gpu_peak_bytes <= GiB
+    code, out, err = run_cli(plan_args(tiny, "--gpu-memory", "1GiB", "--json"), capsys)
+    assert code == 0, err
+    whole = OffloadPlan.from_dict(json.loads(out))
+    assert whole.chunk_tokens is None and whole.resident_pages is None
+    assert whole.predicted.gpu_peak_bytes != plan.predicted.gpu_peak_bytes
