@@ -62,6 +62,18 @@ def test_offloaded_chunk_recurrent_training_equals_it_without_offload(small, tmp
     assert set(phases) == set(PHASES) and all(t >= 0 for t in phases.values()) and phases["forward"] > 0
 
 
+def test_offload_auto_plans_the_chunked_step_and_trains_as_without_offload(small, tmp_path, tmp_path_factory):  # noqa: F811
+    """--offload auto with --chunk-tokens: the planner's plan (made for this chunk size, weights
+    resident) trains to the results of chunk-recurrent training without offload, exactly."""
+    want = reference(small, tmp_path_factory, "adamw")
+    out = tmp_path / "run"
+    train(config(small, out, offload="auto", gpu_memory="1GiB", host_memory="4GiB", **CHUNKED), progress=False)
+    assert results(out) == results(want)
+    plan = OffloadPlan.from_dict(json.loads((out / "run.json").read_text())["offload_plan"])
+    assert plan.chunk_tokens == CHUNK and plan.resident_pages is not None
+    assert all(lp.params == "resident" for lp in plan.layers)
+
+
 def test_a_plan_for_another_chunk_size_is_refused(small, tmp_path):  # noqa: F811
     """In one line naming --offload, with both chunk settings, before anything trains."""
     path = tmp_path / "plan.json"
