@@ -60,7 +60,7 @@ class HFBackend:
     impl: lm-head top-k path, "auto" (Triton on a GPU) | "torch" | "triton". compile: run the
     model body of whole-sequence batches through torch.compile (fuses its element-wise work); None
     compiles on a GPU, where it pays off once a run is longer than the compilation (rows
-    `teacher_gpu/*/compile@b0b7c04`), and not on a CPU. Chunked prefill always runs the eager body:
+    `teacher_gpu/*/default@a2bce95`, RESULTS.md Teacher capture), and not on a CPU. Chunked prefill always runs the eager body:
     its growing KV cache would take a compilation per length.
     prefill_tokens: longest sequence run in one forward; a longer one is prefilled alone in
     chunks of this many tokens through the teacher's KV cache (see the module doc).
