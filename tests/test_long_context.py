@@ -1,8 +1,9 @@
 """student/long_context.py: chunk-recurrent training gives the loss and every parameter gradient
 of full backpropagation (fp32, CPU; Llama, Qwen2, Qwen3 with GQA, the sparse FFN on and off,
 chunks and pages that do not divide the sequence), chunked evaluation equals whole-sequence
-evaluation, and `--deterministic` training with --chunk-tokens gives the losses of training
-without it, step by step."""
+evaluation, `--deterministic` training with --chunk-tokens gives the losses of training
+without it, step by step, and (GPU) offloaded pages, prefetched across layers, give resident pages'
+gradients."""
 
 from __future__ import annotations
 
