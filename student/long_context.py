@@ -19,7 +19,11 @@ The store is the attention seam of `student.model.Student` (its `kv_store` argum
 has one forward for whole sequences, inference with a cache, and both passes here. Attention over
 pages is kernels/page_attention.py (cuDNN's fused attention on a GPU, its torch reference elsewhere). With
 `kv_offload` the pages live in pinned host memory and only the pages an attention call reads come
-to the GPU, a page set at a time (`offload_pages`), copied on a side stream ahead of use.
+to the GPU, a page set at a time (`offload_pages`), copied on a side stream ahead of use: within a
+layer the next set while the current one is read, and across layers the first set of the layer
+that reads pages next (layer + 1 in a forward, layer - 1 in pass 2's backward), of the pages
+already final when the chunk began. The GPU then holds up to three page sets at once: the two of
+the current layer and the next layer's first.
 
 The paper's reference code moves a whole layer's pages between host and GPU at once and its
 rectangular backend drops the past pages' gradients; neither is done here.
@@ -28,6 +32,7 @@ rectangular backend drops the past pages' gradients; neither is done here.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
@@ -51,8 +56,8 @@ class LongContextConfig:
     chunk_tokens: int | None = None
     page_tokens: int = 64  # positions per page of the key/value store (a power of two >= 16)
     kv_offload: bool = False  # keep pages (and their gradients) in pinned host memory, not on the GPU
-    # Pages that come to the GPU at once when offloaded (one page set of an attention call); two
-    # sets are resident while one is read and the next is copied.
+    # Pages that come to the GPU at once when offloaded (one page set of an attention call); up to
+    # three sets are resident: one read, the next copied, and the next layer's first prefetched.
     offload_pages: int = 1024
     # Pass 2 keeps only each layer's input and attention output for the backward and runs the rest
     # of the layer again there: the activations held are one layer's of one chunk, for one more
@@ -148,6 +153,10 @@ class PagedKVStore:
         self.kept_attention: dict[tuple[int, int], tuple] = {}
         self.start = self.end = 0
         self.grad = False
+        # Offload: the next layer's first page set, copied ahead (`_prefetch`), and how prefetched
+        # sets ended, by (outcome, with_grads): "used", or "dropped" (not the set its layer read).
+        self._prefetched: tuple | None = None
+        self.prefetch_count: Counter = Counter()
         slots = torch.arange(self.num_pages * batch_size, dtype=torch.int32, device=self.device)
         self.table = slots.view(self.num_pages, batch_size).T.contiguous()  # [B, num_pages]: row b's page j -> its slot
 
@@ -165,6 +174,7 @@ class PagedKVStore:
         return self.start
 
     def begin(self, start: int, end: int, grad: bool) -> None:
+        _take_prefetched(self, None)  # a set prefetched for the previous chunk is not this one's
         self.start, self.end, self.grad = start, end, grad
 
     def attend(self, layer: int, q, k, v):
@@ -299,37 +309,35 @@ def select_pages(q, mean_k, budget: int):
 
 def _offloaded_sets(store: PagedKVStore, layer: int, first_page: int, num_pages: int, with_grads: bool):
     """Page sets of `offload_pages` pages (of every row) copied to the GPU on a side stream, the
-    next set's copy in flight while the caller computes on this one. With grads, each set's
+    next set's copy in flight while the caller computes on this one. The first set is the one the
+    layer before prefetched when it holds these pages; once this layer's last set is on its way
+    (without grads) or its gradients are sent home (with grads), the first set of the layer that
+    reads pages next is prefetched: up to three sets on the GPU at once. With grads, each set's
     gradient pages come along (zeros the first time a layer's are touched: the sequence's last
     chunk reads every page) and go back to the host after the caller has added to them."""
     import torch
 
-    B, step = store.B, store.offload_pages
+    B = store.B
     compute, side = torch.cuda.current_stream(store.device), _side_stream(store.device)
-    pools = [store.k[layer], store.v[layer]]
     fresh = with_grads and layer not in store.grads_touched
     assert not fresh or first_page == 0, "the first backward of a layer (the last chunk's) reads every page"
     if with_grads:
-        pools += [store.dk[layer], store.dv[layer]]
         store.grads_touched.add(layer)
+    bounds = _set_bounds(first_page, num_pages, store.start // store.P, store.offload_pages)
 
-    def fetch(j0: int, j1: int):
-        side.wait_stream(compute)  # the pages were last written, and the buffers last read, on compute
-        with torch.cuda.stream(side):
-            out = [pool[j0 * B:j1 * B].to(store.device, non_blocking=True) for pool in pools[:2]]
-            for pool in pools[2:]:
-                out.append(torch.zeros((j1 - j0) * B, *store.page_shape, device=store.device) if fresh
-                           else pool[j0 * B:j1 * B].to(store.device, non_blocking=True))
-        done = torch.cuda.Event()
-        done.record(side)
-        return out, done
+    def issue(i: int):
+        pending = _take_prefetched(store, (layer, with_grads, fresh, *bounds[0])) if i == 0 else None
+        if pending is None:
+            pending = _fetch(store, layer, *bounds[i], with_grads=with_grads, fresh=fresh)
+        if i + 1 == len(bounds) and not with_grads:  # the forward reads layer + 1's pages next
+            _prefetch(store, layer + 1, with_grads=False)
+        return pending
 
-    bounds = [(j0, min(j0 + step, num_pages)) for j0 in range(first_page, num_pages, step)]
-    pending = fetch(*bounds[0])
+    pending = issue(0)
     for i, (j0, j1) in enumerate(bounds):
         gpu, done = pending
         if i + 1 < len(bounds):
-            pending = fetch(*bounds[i + 1])
+            pending = issue(i + 1)
         compute.wait_event(done)
         for t in gpu:
             t.record_stream(compute)
@@ -339,10 +347,70 @@ def _offloaded_sets(store: PagedKVStore, layer: int, first_page: int, num_pages:
         if with_grads:  # the caller added this set's gradients: send them home
             side.wait_stream(compute)
             with torch.cuda.stream(side):
-                for pool, new in zip(pools[2:], grads):
+                for pool, new in zip((store.dk[layer], store.dv[layer]), grads):
                     pool[j0 * B:j1 * B].copy_(new, non_blocking=True)
     if with_grads:
         compute.wait_stream(side)  # the chunk's own gradients are read back right after
+        # The backward reads layer - 1's pages next. Queued behind the write-backs on the side
+        # stream, so the wait above does not wait for it.
+        _prefetch(store, layer - 1, with_grads=True)
+
+
+def _set_bounds(first_page: int, num_pages: int, final: int, step: int) -> list[tuple[int, int]]:
+    """[(j0, j1)] of the page sets covering pages first_page..num_pages-1, `step` pages at a time,
+    split at `final` (the chunk's first page): the first set then holds only pages that earlier
+    chunks wrote, which the layer before may prefetch (`_prefetch`)."""
+    cut = min(max(first_page, final), num_pages)
+    return ([(j, min(j + step, cut)) for j in range(first_page, cut, step)]
+            + [(j, min(j + step, num_pages)) for j in range(cut, num_pages, step)])
+
+
+def _fetch(store: PagedKVStore, layer: int, j0: int, j1: int, *, with_grads: bool, fresh: bool):
+    """Copy pages j0..j1-1 of `layer` (of every row; with grads their gradient pages too, zeros
+    when `fresh`) to the GPU on the side stream, after the work queued so far on the compute stream:
+    ([k, v] or [k, v, dk, dv], an event recorded when the copies are done)."""
+    import torch
+
+    B, side = store.B, _side_stream(store.device)
+    side.wait_stream(torch.cuda.current_stream(store.device))  # pages last written, buffers last read there
+    with torch.cuda.stream(side):
+        out = [pool[j0 * B:j1 * B].to(store.device, non_blocking=True) for pool in (store.k[layer], store.v[layer])]
+        if with_grads:
+            out += [torch.zeros((j1 - j0) * B, *store.page_shape, device=store.device) if fresh
+                    else pool[j0 * B:j1 * B].to(store.device, non_blocking=True)
+                    for pool in (store.dk[layer], store.dv[layer])]
+    done = torch.cuda.Event()
+    done.record(side)
+    return out, done
+
+
+def _prefetch(store: PagedKVStore, layer: int, with_grads: bool) -> None:
+    """Start copying `layer`'s first page set (`_set_bounds`) ahead of its attention, keeping it on
+    the store for `_offloaded_sets`. Only pages before the chunk's first are final now (the
+    chunk's own are written by that layer's `attend`, later), so none without a past page, past
+    the first or last layer, or for a layer that reads its selected pages first (sparse)."""
+    final = store.start // store.P
+    if not 0 <= layer < len(store.k) or final == 0:
+        return
+    if store.sparse_pages is not None and final > store.sparse_pages:
+        return
+    _take_prefetched(store, None)
+    fresh = with_grads and layer not in store.grads_touched
+    key = (layer, with_grads, fresh, 0, min(store.offload_pages, final))
+    store._prefetched = key, _fetch(store, layer, *key[3:], with_grads=with_grads, fresh=fresh)
+
+
+def _take_prefetched(store: PagedKVStore, key):
+    """The prefetched copy when it is of `key` (layer, with_grads, fresh, j0, j1), else None; a
+    prefetched copy of anything else is dropped (never read as other pages)."""
+    held, store._prefetched = store._prefetched, None
+    if held is None:
+        return None
+    if held[0] == key:
+        store.prefetch_count["used", key[1]] += 1
+        return held[1]
+    store.prefetch_count["dropped", held[0][1]] += 1
+    return None
 
 
 def _selected_set(store: PagedKVStore, layer: int, picked, with_grads: bool):
