@@ -197,8 +197,8 @@ def _kv_bytes(model, config, shape, amp) -> tuple[int, int, int]:
     for micro-batches of `shape` [B, L] (student/long_context.py's PagedKVStore): per layer its key
     and value pages in the attention dtype and their fp32 gradient pages, every layer's at once by
     the end of the last chunk's backward; with kv_offload on a GPU all of them in pinned host
-    memory, the device holding two page sets of offload_pages pages of one layer (one read, the
-    next copied). Pass 1's kept attention outputs (and their fp32 lse) of every chunk but the last
+    memory, the device holding three page sets of offload_pages pages (one read, the next copied,
+    and the next layer's first, prefetched across the layer boundary). Pass 1's kept attention outputs (and their fp32 lse) of every chunk but the last
     go to pinned host memory on a GPU (stay on the device elsewhere). Resident pages: the pages (of
     every row) the device holds at once, over all layers."""
     c, long = model.config, config.long
@@ -210,7 +210,7 @@ def _kv_bytes(model, config, shape, amp) -> tuple[int, int, int]:
     last_start = (len(range(0, L, long.chunk_tokens)) - 1) * long.chunk_tokens
     kept = c.num_layers * B * c.num_heads * last_start * (c.head_dim * size + 4)
     if long.kv_offload and cuda:
-        resident = 2 * min(long.offload_pages, num_pages)
+        resident = 3 * min(long.offload_pages, num_pages)
         return resident * page_bytes, c.num_layers * num_pages * page_bytes + kept, resident
     resident = c.num_layers * num_pages
     return resident * page_bytes + (0 if cuda else kept), kept if cuda else 0, resident
