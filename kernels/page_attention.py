@@ -149,17 +149,45 @@ def _add_pages(pool, grad, table) -> None:
 
 
 def _cudnn_forward(q, k, v, causal: bool, scale: float):
+    if q.shape[2] == 1 and k.shape[2] == 1:
+        return _lone_forward(q, k, v, scale)
     r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
     return r[0], r[1]
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    if q.shape[2] == 1 and k.shape[2] == 1:
+        return _lone_backward(dout, q, k, v, out, lse, scale)
     B, H, T, _ = q.shape
     no_rng = torch.empty(0, device=q.device)  # philox seed and offset: no dropout
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dout, q, k, v, out, lse.reshape(B, H, T, 1), no_rng, no_rng, None, None, None, T, k.shape[2], 0.0, causal,
         scale=scale)
     return dq.float(), dk.float(), dv.float()
+
+
+# A piece of one query and one key (a chunk's last query alone at the first position of a page
+# set, or a chunk of one token) is one cuDNN refuses ("s_q = s_kv = 1 is not supported"): its
+# attention is that key's value, with weight exp(s - lse) in the backward, in plain torch.
+def _lone_forward(q, k, v, scale: float):
+    """(out [B, H, 1, D], lse [B, H, 1, 1]) of each query head against its group's one key."""
+    groups = q.shape[1] // k.shape[1]
+    k_h = k.float().repeat_interleave(groups, dim=1)
+    lse = scale * (q.float() * k_h).sum(-1, keepdim=True)
+    return v.float().repeat_interleave(groups, dim=1), lse
+
+
+def _lone_backward(dout, q, k, v, out, lse, scale: float):
+    """(dq, dk, dv) fp32 of one query against one key, with out and lse of the whole attention."""
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    groups = H // Hkv
+    dout, q, out = dout.float(), q.float(), out.float()
+    k_h, v_h = k.float().repeat_interleave(groups, dim=1), v.float().repeat_interleave(groups, dim=1)
+    p = torch.exp(scale * (q * k_h).sum(-1, keepdim=True) - lse.reshape(B, H, 1, 1))
+    ds = p * ((dout * v_h).sum(-1, keepdim=True) - (dout * out).sum(-1, keepdim=True))
+    per_group = (B, Hkv, groups, 1, D)
+    return scale * ds * k_h, (scale * ds * q).view(per_group).sum(2), (p * dout).view(per_group).sum(2)
 
 
 def _use_cudnn(impl: str, q: torch.Tensor) -> bool:

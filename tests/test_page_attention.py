@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from kernels.page_attention import (
+    _lone_backward,
+    _lone_forward,
     _pieces,
     merge_partials,
     page_attention_backward,
@@ -127,6 +129,8 @@ CASES = {
     # the table starts at page 2 (first keys at 32): queries 0..2 see none of it (lse -inf)
     "subset": dict(q_start=29, first_page=2, num_pages=3),
     "head_dim24": dict(q_start=20, D=24, Tq=21),
+    # a chunk of one token: its past keys, then itself alone (a piece of one query and one key)
+    "one_query": dict(q_start=7, Tq=1),
 }
 
 
@@ -178,6 +182,32 @@ def test_page_set_splits_merge_and_sum_to_the_whole(impl, dtype, splits):
     assert rel_err(dq, dq_ref) < TOL[impl, dtype]
     assert rel_err(dk_pool, dk_ref) < TOL[impl, dtype]
     assert rel_err(dv_pool, dv_ref) < TOL[impl, dtype]
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_a_piece_of_one_query_and_one_key_matches_dense(group):
+    """cuDNN refuses a piece of one query and one key, so the cuDNN path computes that piece in
+    plain torch; checked here on the CPU. A chunk of one token at position 7: keys 0..6 (zero, so
+    their share of dq is zero and the softmax over all eight stays non-trivial) and its own key 7
+    alone, the 1 x 1 piece. Forward: the piece merged with the zero keys' part is the whole;
+    backward, with the whole's out and lse: dq is the dense one, key 7's dk and dv are too."""
+    case, dout = make_case(G=group, Hkv=2, Tq=1, q_start=7)
+    assert _pieces(1, 0, 16, 7) == [(0, 1, 0, 7, False), (0, 1, 7, 8, True)]
+    slots = case["table"].long()[:, 0]
+    case["k_pool"][slots, :, :7] = 0.0
+    out_ref, lse_ref, dq_ref, dk_ref, dv_ref = dense(case, dout)
+    k, v = case["k_pool"][slots][:, :, 7:8], case["v_pool"][slots][:, :, 7:8]  # [B, Hkv, 1, D]
+    scale = 1 / math.sqrt(k.shape[-1])
+    out, lse = _lone_forward(case["q"], k, v, scale)
+    zero_keys = (case["v_pool"][slots][:, :, :7].mean(2, keepdim=True).repeat_interleave(group, dim=1),
+                 torch.full(lse.shape[:3], math.log(7.0)))
+    out_all, lse_all = merge_partials([zero_keys, (out, lse.squeeze(-1))])
+    assert rel_err(out_all, out_ref) < 1e-6
+    check_lse(lse_all, lse_ref)
+    dq, dk, dv = _lone_backward(dout, case["q"], k, v, out_ref.float(), lse_ref.float(), scale)
+    assert rel_err(dq, dq_ref) < 1e-5
+    assert rel_err(dk, dk_ref[slots][:, :, 7:8]) < 1e-5
+    assert rel_err(dv, dv_ref[slots][:, :, 7:8]) < 1e-5
 
 
 @pytest.mark.parametrize("Tq, first_pos, num_keys, q_start", [
