@@ -107,3 +107,27 @@ def test_seed_means_average_each_cache_over_its_seeds():
     assert by["topk", 8]["seeds"] == 2 and by["topk", 8]["full_vocab_kl"] == pytest.approx(2.0)
     assert by["topk", 8]["full_vocab_kl_sd"] == pytest.approx(2**0.5) and by["topk", 8]["calibration_error"] == 0.02
     assert by["sampled", 12]["seeds"] == 1 and by["sampled", 12]["calibration_error_sd"] == 0.0
+
+
+def test_corpus_names_stdlib_and_torch_and_takes_paths(tmp_path):
+    import sysconfig
+
+    import torch
+
+    args = bench.parse_args(["--corpus", f"stdlib,torch,{tmp_path}"])
+    assert args.corpus_paths == (Path(sysconfig.get_paths()["stdlib"]), Path(torch.__file__).parent, tmp_path)
+    assert bench.parse_args([]).corpus_paths is None
+
+
+def test_the_plot_takes_the_newest_rows_of_the_newest_training_length(tmp_path):
+    """A case measured again at another length replaces nothing of the old curve's: the plot draws
+    the newest length's cases only, each from its newest row."""
+    def row(case, steps, kl):
+        return {"id": f"{bench.BENCH}/{case}@x", "bench": bench.BENCH, "case": case, "figures": {"full_vocab_kl": kl},
+                "config": {"train_config": {"steps": steps}}}
+    results = tmp_path / "results.jsonl"
+    rows = [row("topk8", 1500, 1.0), row("topk100", 1500, 0.9), row("topk100", 3000, 0.8), row("sampled12", 3000, 0.7),
+            row("sampled12", 3000, 0.6)]
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    newest = {r["case"]: r["figures"]["full_vocab_kl"] for r in bench.newest_rows(results)}
+    assert newest == {"topk100": 0.8, "sampled12": 0.6}

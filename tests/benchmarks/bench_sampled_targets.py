@@ -16,6 +16,9 @@ README.
     python tests/benchmarks/bench_sampled_targets.py --plot-only
     # more seeds for the caches already built (ECE moves between seeds):
     python tests/benchmarks/bench_sampled_targets.py --device cuda --targets topk:100,sampled:12 --seeds 1,2
+    # one pass over a corpus as large as the training (no sequence seen twice), three seeds:
+    python tests/benchmarks/bench_sampled_targets.py --device cuda --corpus stdlib,torch --tokens 12400000 \\
+        --steps 3000 --targets topk:100,sampled:12 --seeds 0,1,2
     # CPU, tiny, the default teacher (tests/test_bench_sampled_targets.py runs a tinier one on a tiny teacher):
     python tests/benchmarks/bench_sampled_targets.py --device cpu --tokens 4096 --seq-len 64 --steps 4 \\
         --batch-size 2 --heldout 2 --targets topk:8,topk:32 --out /tmp/st --results /tmp/st.jsonl --plot /tmp/st.png
@@ -53,11 +56,29 @@ def parse_target(spec: str) -> tuple[str, str, int]:
     return f"{kind}{int(count)}", kind, int(count)
 
 
+def corpus_path(name: str) -> Path:
+    """A --corpus entry: `stdlib`, `torch` or a path."""
+    if name == "stdlib":
+        from pipelines.defaults import default_corpus_dir
+
+        return default_corpus_dir()
+    if name == "torch":
+        import torch
+
+        return Path(torch.__file__).parent
+    return Path(name)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--targets", default=TARGETS, help=f"comma-separated caches to build and train from (default {TARGETS})")
     ap.add_argument("--tokens", type=int, default=3_000_000, help="corpus tokens (sequences = tokens // seq-len)")
     ap.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence")
+    ap.add_argument("--corpus", default=None,
+                    help="comma-separated files or folders read in order in place of the recipe's corpus paths; "
+                         "`stdlib` names the interpreter's standard library, `torch` the installed torch "
+                         "package's sources (e.g. --corpus stdlib,torch for a corpus of one pass at the "
+                         "default --steps)")
     ap.add_argument("--steps", type=int, default=2000, help="training steps of every run")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
     ap.add_argument("--heldout", type=int, default=64, help="held-out sequences (the evaluation's, every run's)")
@@ -88,6 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("tokens", "seq_len", "steps", "batch_size", "heldout", "cache_batch_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args.corpus_paths = None if args.corpus is None else tuple(corpus_path(name) for name in args.corpus.split(","))
     if args.tokens // args.seq_len <= args.heldout:
         ap.error(f"--tokens {args.tokens} gives {args.tokens // args.seq_len} sequences of --seq-len {args.seq_len}: "
                  f"more than --heldout {args.heldout} are needed")
@@ -98,7 +120,8 @@ def stage_one_config(recipe, args, name: str, kind: str, count: int):
     """The recipe's stage one for one cache: its teacher and corpus sized by --tokens/--seq-len (the
     same sequences for every cache), written to OUT/caches/NAME with these targets."""
     s1 = recipe.stage_one
-    corpus = dataclasses.replace(s1.corpus, seq_len=args.seq_len, max_sequences=args.tokens // args.seq_len)
+    corpus = dataclasses.replace(s1.corpus, seq_len=args.seq_len, max_sequences=args.tokens // args.seq_len,
+                                 **({"paths": args.corpus_paths} if args.corpus_paths else {}))
     teacher = dataclasses.replace(s1.teacher, device=args.device)
     cache = dataclasses.replace(s1.cache, out=args.out / "caches" / name, batch_size=args.cache_batch_size)
     if kind == "topk":
@@ -150,8 +173,13 @@ def evaluate_run(run_dir: Path, cache: dict, teacher_dir, device: str) -> tuple[
 
 
 def newest_rows(path: Path) -> list[dict]:
-    """The newest row of each case of this benchmark in the results file."""
-    return list({row["case"]: row for row in load_rows(path) if row["bench"] == BENCH}.values())
+    """The newest row of each case of this benchmark in the results file, of the newest row's
+    training length only (runs of another length are another experiment, not points of its curve)."""
+    rows = [row for row in load_rows(path) if row["bench"] == BENCH]
+    if not rows:
+        return []
+    steps = rows[-1]["config"]["train_config"]["steps"]
+    return list({row["case"]: row for row in rows if row["config"]["train_config"]["steps"] == steps}.values())
 
 
 def seed_means(figures: list[dict]) -> list[dict]:
