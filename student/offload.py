@@ -1,7 +1,10 @@
 """The offload runtime: trains a Student whose decoder layers live in host memory, carrying out an
 OffloadPlan (student/offload_plan.py says what each decision means; the planner, student/planner.py,
 makes plans). LazyTrain's executor (arXiv 2608.11919, after MegaTrain): layers stream through the
-GPU, the host keeps the fp32 state.
+GPU, the host keeps the fp32 state. The runtime owns the streams of the step's copies, their
+schedule, the layer autograd Function, the gradients, the clipping and the update on the CPU;
+student/offload_update.py owns the layers' fp32 buffers (HostLayer) and the update on the GPU
+(UpdateRing), which the runtime builds and calls.
 
 Where things live:
   host (pinned when the device is CUDA), per decoder layer whose plan says states "host": its fp32
@@ -46,18 +49,13 @@ A step:
             reads the coefficient once and the host layers update one after another on the CPU,
             each one's gradient scaled, staging copy cast and, when resident, its working weights
             sent to the device right after its update. "gpu": the host layers, last to first, pass
-            through a ring of UPDATE_SLOTS device slots (student/offload_plan.py): master, gradient
-            and states come in on an upload stream (the first slots' in the backward, once their
-            layer's backward is done: they do not depend on the clipping), the gradient is scaled
-            and the same optimizer steps that slice there, the resident working weights and the
-            staging casts are written from the updated master, then master, states and staging go
-            out on a writeback stream; a slot is loaded again once its copies out are done; then
-            the device parameters step. The copies out overlap the next step: what reads those
-            host buffers next waits for them on its stream (the next weights' and gradients'
-            copies, the next update), the host in `synchronize()` (a checkpoint, the end of
-            training). Every optimizer step is over only the parameters that have gradients at
-            that moment: what the optimizer gives without offload (per-parameter updates do not
-            depend on which others step with them).
+            through the update ring (student/offload_update.py: UPDATE_SLOTS device slots, the
+            first loaded in the backward), then the device parameters step. The ring's copies out
+            overlap the next step: what reads those host buffers next waits for them on its stream
+            (the next weights' and gradients' copies, the next update), the host in
+            `synchronize()` (a checkpoint, the end of training). Every optimizer step is over only
+            the parameters that have gradients at that moment: what the optimizer gives without
+            offload (per-parameter updates do not depend on which others step with them).
   phase_s() the last step's phases (forward, head, backward, grads, clip, optimizer, refresh), as the
             planner predicts them (student/planner.py's PHASES).
 
@@ -84,103 +82,16 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 from torch.func import functional_call
 
 from distill.configs import ConfigError
-from student.offload_plan import UPDATE_SLOTS, OffloadPlan
+from student.offload_plan import OffloadPlan
+from student.offload_update import HostLayer, UpdateRing, unpin
 from student.optim.clip import check_max_norm, clip_coefficient, scale_grads_, total_grad_norm
 
 __all__ = ["OffloadRuntime"]
-
-
-@dataclass(frozen=True)
-class _Group:
-    """The parameters of one layer that share a working dtype: contiguous in the layer's flats."""
-
-    dtype: torch.dtype  # working dtype
-    names: tuple[str, ...]
-    shapes: tuple[torch.Size, ...]
-    sizes: tuple[int, ...]
-    start: int  # offset in the layer's master and gradient flats
-    numel: int
-
-    @property
-    def span(self) -> slice:
-        return slice(self.start, self.start + self.numel)
-
-
-def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """Host memory, page-locked in place when `pin` (cudaHostRegister, as torch.cuda's own helper
-    does): torch's pinned allocator would round each buffer up to a power of two, a third more
-    host memory for a layer's weights. `_unpin` gives it back."""
-    tensor = torch.empty(numel, dtype=dtype)
-    if pin and numel:
-        error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
-        if error:
-            raise RuntimeError(f"page-locking {tensor.nbytes} bytes of host memory failed (cudaError {error}); "
-                               "give the plan a smaller host budget (--host-memory)")
-    return tensor
-
-
-def _unpin(tensor: torch.Tensor) -> None:
-    error = int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
-    assert not error, f"cudaHostUnregister of a buffer this runtime registered failed (cudaError {error})"
-
-
-class _HostLayer:
-    """One decoder layer's fp32 state: flat master and gradient buffers whose views are the layer's
-    parameters and their gradients, and per group the staging copy the device reads. In host
-    memory (pinned when `pin`), or on `device` for a layer whose plan puts its states on the GPU
-    (its staging copies are then its resident working weights)."""
-
-    def __init__(self, layer: torch.nn.Module, compute_dtype: torch.dtype, pin: bool, device=None):
-        self.on_device = device is not None
-        empty = (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=device)) if self.on_device else \
-            (lambda numel, dtype: _host_empty(numel, dtype, pin))
-        named = list(layer.named_parameters())
-        members = [[(n, p) for n, p in named if p.ndim >= 2], [(n, p) for n, p in named if p.ndim < 2]]
-        self.groups, start = [], 0
-        for group, dtype in zip(members, (compute_dtype, torch.float32)):
-            if group:
-                sizes = tuple(p.numel() for _, p in group)
-                self.groups.append(_Group(dtype, tuple(n for n, _ in group), tuple(p.shape for _, p in group),
-                                          sizes, start, sum(sizes)))
-                start += sum(sizes)
-        self.numel = start
-        self.master = empty(start, torch.float32)
-        self.grad = empty(start, torch.float32)
-        self.params, self.grad_views, self.spans = [], [], []
-        offset = 0
-        with torch.no_grad():
-            for _, p in members[0] + members[1]:
-                span = slice(offset, offset + p.numel())
-                view = self.master[span].view(p.shape)
-                view.copy_(p.detach())
-                p.data = view
-                self.params.append(p)
-                self.grad_views.append(self.grad[span].view(p.shape))
-                self.spans.append((span, p.shape))
-                offset += p.numel()
-        self.staging = [self.master[g.span] if g.dtype == torch.float32 else empty(g.numel, g.dtype)
-                        for g in self.groups]
-        self.has_grad = False  # gradients of this step arrived (else the next ones are copied, not added)
-        # CUDA events (None on a CPU device, or before the first): the copy of the step's gradient
-        # sum into `grad` is done; the update's copies into `master`, the states and the staging
-        # copies are done (what reads those host buffers waits for it, on its stream).
-        self.grad_out = self.written = None
-        # The optimizer's tensor states of the layer as views of one host buffer per dtype
-        # (`state_flats`; a checkpoint cannot save one storage under two dtypes), so that a few
-        # copies move them: (param, key, dtype, offset, shape) each; laid out at the layer's first
-        # update on the device (`_states_home`; None before).
-        self.state_flats: dict[torch.dtype, torch.Tensor] | None = None
-        self.state_entries: list[tuple] = []
-
-    def separate_staging(self):
-        """(group, staging) of the groups whose staging is not the master itself."""
-        return [(g, s) for g, s in zip(self.groups, self.staging) if g.dtype != torch.float32]
 
 
 class _Schedule:
@@ -228,22 +139,6 @@ class _Schedule:
         tensors, event = self.issued.pop(k)
         self.runtime._wait(event)
         return tensors
-
-
-@dataclass
-class _Slot:
-    """One of the ring's device buffers that host layers' updates on the GPU pass through (flat,
-    sized for the largest host layer): master, gradient, optimizer states (bytes, laid out as the
-    layer's `state_flats`) and the staging copies cast from the updated master on their way out."""
-
-    master: torch.Tensor
-    grad: torch.Tensor
-    staged: list[torch.Tensor]  # per separate-staging group, in the working dtype
-    states: dict[torch.dtype, torch.Tensor] | None = None  # allocated once every host layer's states have a layout
-    layer: int | None = None  # the layer whose master (and states) came in this step
-    states_in: bool = False  # its states came in (else the update copies them in itself)
-    loaded: object = None  # event: the copies in are done
-    free: object = None  # event: the last copies out of this slot are done (it may be written)
 
 
 class _LayerFunction(torch.autograd.Function):
@@ -367,7 +262,7 @@ class OffloadRuntime:
             if module is not None:
                 module.to(self.device)
         model.inv_freq = model.inv_freq.to(self.device)
-        self.host = [_HostLayer(layer, compute_dtype, pin=self.cuda,
+        self.host = [HostLayer(layer, compute_dtype, pin=self.cuda,
                                 device=self.device if lp.states == "gpu" else None)
                      for layer, lp in zip(model.layers, plan.layers)]
         self._pinned = self.cuda  # the host buffers are page-locked until `close`
@@ -381,10 +276,11 @@ class OffloadRuntime:
         dtypes = [g.dtype for g in streamed[0].groups] if streamed else []
         self.ring = [[torch.empty(n, dtype=d, device=self.device) for n, d in zip(widths, dtypes)]
                      for _ in range(plan.prefetch_depth + 1)] if streamed else []
-        # Side streams: the step's copies in and out (weights, inputs, gradients), and the update's
-        # (plan.optimizer "gpu"), which run beside the step's instead of queueing behind them.
+        # Side streams: the step's copies in and out (weights, inputs, gradients); the update ring
+        # (plan.optimizer "gpu") makes its own two, which run beside these instead of queueing behind them.
         stream = lambda: torch.cuda.Stream(self.device) if self.cuda else None
-        self.h2d, self.d2h, self.upload, self.writeback = stream(), stream(), stream(), stream()
+        self.h2d, self.d2h = stream(), stream()
+        self._update_ring = UpdateRing(self)
         self._resident_ready: dict[int, object] = {}
         self._schedule: _Schedule | None = None
         self._offloaded: dict[int, tuple[torch.Tensor, object]] = {}
@@ -392,13 +288,6 @@ class OffloadRuntime:
         # the sums leave the device; the clip coefficient the update applies to those gradients.
         self._grad_norms: dict[torch.Tensor, torch.Tensor] = {}
         self._clip_coef: torch.Tensor | None = None
-        # The update on the GPU runs the host layers last to first (the order their backwards end)
-        # through a ring of UPDATE_SLOTS slots: a layer in position k of that order waits for the
-        # copies out of position k - UPDATE_SLOTS; the first UPDATE_SLOTS positions load during the backward.
-        order = [i for i in reversed(range(num_layers)) if not self.host[i].on_device]
-        self._slot_of = {i: n % UPDATE_SLOTS for n, i in enumerate(order)}
-        self._slots: list[_Slot] = []
-        self._optimizer = None  # the optimizer of the last step (its states' layouts are checked against it)
         self._clock = _PhaseClock(self.device)
         self.refresh()
         model.layer_runner = self.run_layer
@@ -511,7 +400,7 @@ class OffloadRuntime:
         fp32 (the first micro-batch's gradient widened; later ones added to the accumulator, which
         the schedule brought in: the additions the host would make, in its order), its per-parameter
         norms are taken there (the clipping's), and it goes to the host accumulator on the d2h
-        stream. A layer whose update loads during the backward (`_preload`) gets it in its slot too."""
+        stream. A layer whose update loads during the backward (`UpdateRing.preload`) gets it in its slot too."""
         h = self.host[index]
         first, h.has_grad = not h.has_grad, True
         with torch.no_grad():
@@ -529,8 +418,8 @@ class OffloadRuntime:
                     total[g.span].add_(grad)
             views = [total[span].view(shape) for span, shape in h.spans]
             self._grad_norms.update(zip(h.params, torch._foreach_norm(views, 2.0, dtype=torch.float32)))
-            if self.plan.optimizer == "gpu" and index in self._preloaded:
-                self._preload(index, total)
+            if self.plan.optimizer == "gpu" and index in self._update_ring.preloaded:
+                self._update_ring.preload(index, total)
             if self.cuda:
                 self.d2h.wait_stream(torch.cuda.current_stream(self.device))
                 with self._side(self.d2h):
@@ -578,7 +467,6 @@ class OffloadRuntime:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer's step over every parameter (where plan.optimizer says), then the working
         copies from the updated masters. Call after `finish_grads` and `clip_grad_norm`."""
-        self._optimizer = optimizer
         self._clock.host_mark("step0")
         self._clock.device_mark("step0")
         if self.plan.optimizer == "cpu":
@@ -590,8 +478,7 @@ class OffloadRuntime:
         for h in self.host:
             h.has_grad = False
         self._grad_norms, self._clip_coef = {}, None
-        for slot in self._slots:
-            slot.layer = None
+        self._update_ring.end_step()
 
     def _step_on_host(self, optimizer) -> None:
         """The device parameters (embeddings, head, layers whose states are on the device) step first,
@@ -620,23 +507,13 @@ class OffloadRuntime:
             p.grad = held[p]
 
     def _step_on_device(self, optimizer) -> None:
-        """The host layers, last to first, through the ring of slots (`_load`, `_update_layer`),
+        """The host layers, last to first, through the update ring's slots (`UpdateRing.update`),
         then the device parameters; nothing here waits on the host. A layer's copies out overlap the
         next layers' updates and the next step (what reads them waits for them on its stream)."""
         held = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
         for p in held:
             p.grad = None
-        written = []  # per position in the order: the last copies out so far (an event, or None)
-        for k, index in enumerate(reversed(range(len(self.host)))):
-            h = self.host[index]
-            if not h.on_device and any(held.get(p) is not None for p in h.params):
-                slot = self._slot(index)
-                if slot.layer != index:
-                    self._load(index, slot, gradient=True,
-                               after=written[k - UPDATE_SLOTS] if k >= UPDATE_SLOTS else None)
-                self._update_layer(index, slot, optimizer)
-            written.append(h.written if not h.on_device and h.written is not None else
-                           (written[-1] if written else None))
+        self._update_ring.update(optimizer, held)
         rest = [p for p in held if p not in self._host_params]
         for p in rest:
             p.grad = held[p]
@@ -644,138 +521,6 @@ class OffloadRuntime:
         self._refresh_device_layers()
         for p in held:
             p.grad = held[p] if p not in self._host_params else None
-
-    @property
-    def _preloaded(self) -> set[int]:
-        """The host layers whose update loads during the backward: the first UPDATE_SLOTS positions
-        of the update's order (the top layers)."""
-        top = range(len(self.host) - 1, len(self.host) - 1 - UPDATE_SLOTS, -1)
-        return {i for i in top if i >= 0 and not self.host[i].on_device}
-
-    def _slot(self, index: int) -> _Slot:
-        """Layer `index`'s slot of the ring (allocated at first use; the states' buffer once every
-        host layer's states have a layout, as large as the largest)."""
-        host = [h for h in self.host if not h.on_device]
-        if not self._slots:
-            numel = max(h.numel for h in host)
-            staged = [[g for g, _ in h.separate_staging()] for h in host]
-            groups = [[x[k] for x in staged if len(x) > k] for k in range(max(map(len, staged)))]
-            empty = lambda n, dtype: torch.empty(n, dtype=dtype, device=self.device)
-            self._slots = [_Slot(empty(numel, torch.float32), empty(numel, torch.float32),
-                                 [empty(max(g.numel for g in gs), gs[0].dtype) for gs in groups])
-                           for _ in range(UPDATE_SLOTS)]
-        if self._slots[0].states is None and all(h.state_flats is not None for h in host):
-            dtypes = {dtype for h in host for dtype in h.state_flats}
-            for slot in self._slots:
-                slot.states = {dtype: torch.empty(max(h.state_flats[dtype].numel() for h in host if dtype in h.state_flats),
-                                                  dtype=dtype, device=self.device) for dtype in dtypes}
-        return self._slots[self._slot_of[index]]
-
-    def _preload(self, index: int, total: torch.Tensor) -> None:
-        """In the backward: layer `index`'s master and states into its slot (once a step: they do
-        not change until its update), and the step's gradient sum so far (each micro-batch: the last
-        one's is the step's)."""
-        slot = self._slot(index)
-        if slot.layer != index:
-            self._load(index, slot, gradient=False)
-        self._wait(slot.free)
-        slot.grad[:total.numel()].copy_(total)
-
-    def _load(self, index: int, slot: _Slot, gradient: bool, after=None) -> None:
-        """Layer `index`'s master, states (when laid out and the slot holds them) and, if
-        `gradient`, its host gradient into `slot` on the upload stream, once the slot's last copies
-        out, the layer's last update's copies out, its gradient's copy out and `after` are done."""
-        h = self.host[index]
-        slot.states_in = (slot.states is not None and self._states_laid_out(h)
-                          and all(dtype in slot.states and flat.numel() <= slot.states[dtype].numel()
-                                  for dtype, flat in h.state_flats.items()))
-        if self.cuda:
-            for event in (slot.free, h.written, h.grad_out if gradient else None, after):
-                self._wait(event, self.upload)
-        with self._side(self.upload):
-            slot.master[:h.numel].copy_(h.master, non_blocking=True)
-            if gradient:
-                slot.grad[:h.numel].copy_(h.grad, non_blocking=True)
-            if slot.states_in:
-                for dtype, flat in h.state_flats.items():
-                    slot.states[dtype][:flat.numel()].copy_(flat, non_blocking=True)
-        slot.loaded, slot.layer = self._record(self.upload), index
-
-    def _states_laid_out(self, h: _HostLayer) -> bool:
-        """The layer's tensor states are the views of its state_flats (not replaced since, e.g. by
-        loading a checkpoint)."""
-        optimizer = self._optimizer
-        entries = [(p, key) for p in h.params for key, v in optimizer.state.get(p, {}).items()
-                   if isinstance(v, torch.Tensor)]
-        return (h.state_flats is not None and entries == [(p, key) for p, key, *_ in h.state_entries]
-                and all(optimizer.state[p][key].data_ptr() == _view(h.state_flats, *rest).data_ptr()
-                        for p, key, *rest in h.state_entries))
-
-    def _update_layer(self, index: int, slot: _Slot, optimizer) -> None:
-        """One host layer's update in its slot, on the compute stream once its copies in are done:
-        the gradient scaled by the clip coefficient, the optimizer's step over its parameters, the
-        resident working weights and the staging casts from the updated master; then master, states
-        and staging copies go out on the writeback stream."""
-        h = self.host[index]
-        self._wait(slot.loaded)
-        master, grad = slot.master[:h.numel], slot.grad[:h.numel]
-        if self._clip_coef is not None:
-            grad.mul_(self._clip_coef)
-        for p, (span, shape) in zip(h.params, h.spans):
-            p.data, p.grad = master[span].view(shape), grad[span].view(shape)
-            for key, value in optimizer.state[p].items():
-                if isinstance(value, torch.Tensor) and not slot.states_in:
-                    optimizer.state[p][key] = value.to(self.device, copy=True, non_blocking=True)
-        if slot.states_in:
-            for p, key, *at in h.state_entries:
-                optimizer.state[p][key] = _view(slot.states, *at)
-        optimizer.step()
-        with torch.no_grad():
-            if index in self.resident:
-                for target, g in zip(self.resident[index], h.groups):
-                    target.copy_(master[g.span])
-            staged = [(staging, buf[:g.numel]) for (g, staging), buf in zip(h.separate_staging(), slot.staged)]
-            for (g, _), (_, cast) in zip(h.separate_staging(), staged):
-                cast.copy_(master[g.span])  # rounded as .to(dtype) rounds
-            if not slot.states_in:  # copied out here, on the compute stream (no memory of theirs waits on another)
-                self._states_home(h, optimizer)
-            if self.cuda:
-                self.writeback.wait_stream(torch.cuda.current_stream(self.device))
-            with self._side(self.writeback):
-                h.master.copy_(master, non_blocking=True)
-                for staging, cast in staged:
-                    staging.copy_(cast, non_blocking=True)
-                if slot.states_in:
-                    for p, key, *at in h.state_entries:
-                        value = optimizer.state[p][key]
-                        _view(h.state_flats, *at).copy_(value, non_blocking=True)
-                        if self.cuda and value.data_ptr() != _view(slot.states, *at).data_ptr():
-                            value.record_stream(self.writeback)  # a tensor the optimizer made in place of its own
-        h.written = slot.free = self._record(self.writeback)
-        for p, (span, shape) in zip(h.params, h.spans):
-            p.data, p.grad = h.master[span].view(shape), None
-        for p, key, *at in h.state_entries:
-            optimizer.state[p][key] = _view(h.state_flats, *at)
-
-    def _states_home(self, h: _HostLayer, optimizer) -> None:
-        """The layer's tensor states (on the device, just updated, not in a slot) into its host
-        buffer on the compute stream; a new buffer laid out for them when they do not match the
-        layout (the layer's first update on the device, or the optimizer made other states)."""
-        current = [(p, key, v) for p in h.params for key, v in optimizer.state[p].items() if isinstance(v, torch.Tensor)]
-        if [(p, key, v.dtype, v.shape) for p, key, v in current] != [(p, key, d, s) for p, key, d, _, s in h.state_entries]:
-            entries, sizes = [], {}
-            for p, key, v in current:
-                entries.append((p, key, v.dtype, sizes.get(v.dtype, 0), v.shape))
-                sizes[v.dtype] = sizes.get(v.dtype, 0) + v.numel()
-            if h.state_flats is not None:
-                self.synchronize()  # nothing still reads or writes the old buffers
-                for flat in h.state_flats.values():
-                    if self._pinned and flat.numel():
-                        _unpin(flat)
-            h.state_flats = {dtype: _host_empty(n, dtype, self._pinned) for dtype, n in sizes.items()}
-            h.state_entries = entries
-        for p, key, *at in h.state_entries:
-            _view(h.state_flats, *at).copy_(optimizer.state[p][key], non_blocking=self.cuda)
 
     def refresh(self) -> None:
         """The staging copies and the resident working weights from the masters (after loading a
@@ -853,10 +598,5 @@ class OffloadRuntime:
                 flats = list(h.state_flats.values()) if h.state_flats is not None else []
                 for tensor in (h.master, h.grad, *(s for _, s in h.separate_staging()), *flats):
                     if tensor.numel():
-                        _unpin(tensor)
+                        unpin(tensor)
             self._pinned = False
-
-
-def _view(flats: dict[torch.dtype, torch.Tensor], dtype: torch.dtype, offset: int, shape: torch.Size) -> torch.Tensor:
-    """The tensor of `shape` at element `offset` of the flat buffer of `dtype`."""
-    return flats[dtype][offset:offset + math.prod(shape)].view(shape)

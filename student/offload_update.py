@@ -1,0 +1,319 @@
+"""The offloaded layers' fp32 state and its update on the GPU, for student/offload.py's
+OffloadRuntime, which builds both and drives them (this module imports the runtime for type hints only).
+
+HostLayer: one decoder layer's flat master and gradient buffers (the layer's parameters and their
+    gradients are views of them), its staging copies in the compute dtype and the host buffers of
+    its optimizer states; in host memory (page-locked when the device is CUDA), or on the device
+    for a layer whose plan puts its states on the GPU. The runtime fills the gradients in the
+    backward and, with plan.optimizer "cpu", updates the layers itself.
+UpdateRing: plan.optimizer "gpu". The host layers, last to first, pass through a ring of
+    UPDATE_SLOTS device slots (student/offload_plan.py): master, gradient and states come in on an
+    upload stream (the first slots' in the backward, once their layer's backward is done: they do
+    not depend on the clipping; the runtime's `_grads_ready` calls `preload`), the gradient is
+    scaled and the same optimizer steps that slice there, the resident working weights and the
+    staging casts are written from the updated master, then master, states and staging go out on
+    a writeback stream; a slot is loaded again once its copies out are done (`update`, from the
+    runtime's step, before the device parameters step). The copies out overlap the next step:
+    what reads those host buffers next waits for them on its stream (student/offload.py: the next
+    weights' and gradients' copies, the next update), the host in the runtime's `synchronize()`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from student.offload_plan import UPDATE_SLOTS
+
+if TYPE_CHECKING:
+    from student.offload import OffloadRuntime
+
+__all__ = ["HostLayer", "UpdateRing", "unpin"]
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The parameters of one layer that share a working dtype: contiguous in the layer's flats."""
+
+    dtype: torch.dtype  # working dtype
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    sizes: tuple[int, ...]
+    start: int  # offset in the layer's master and gradient flats
+    numel: int
+
+    @property
+    def span(self) -> slice:
+        return slice(self.start, self.start + self.numel)
+
+
+def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Host memory, page-locked in place when `pin` (cudaHostRegister, as torch.cuda's own helper
+    does): torch's pinned allocator would round each buffer up to a power of two, a third more
+    host memory for a layer's weights. `unpin` gives it back."""
+    tensor = torch.empty(numel, dtype=dtype)
+    if pin and numel:
+        error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
+        if error:
+            raise RuntimeError(f"page-locking {tensor.nbytes} bytes of host memory failed (cudaError {error}); "
+                               "give the plan a smaller host budget (--host-memory)")
+    return tensor
+
+
+def unpin(tensor: torch.Tensor) -> None:
+    error = int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
+    assert not error, f"cudaHostUnregister of a buffer this runtime registered failed (cudaError {error})"
+
+
+class HostLayer:
+    """One decoder layer's fp32 state: flat master and gradient buffers whose views are the layer's
+    parameters and their gradients, and per group the staging copy the device reads. In host
+    memory (pinned when `pin`), or on `device` for a layer whose plan puts its states on the GPU
+    (its staging copies are then its resident working weights)."""
+
+    def __init__(self, layer: torch.nn.Module, compute_dtype: torch.dtype, pin: bool, device=None):
+        self.on_device = device is not None
+        empty = (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=device)) if self.on_device else \
+            (lambda numel, dtype: _host_empty(numel, dtype, pin))
+        named = list(layer.named_parameters())
+        members = [[(n, p) for n, p in named if p.ndim >= 2], [(n, p) for n, p in named if p.ndim < 2]]
+        self.groups, start = [], 0
+        for group, dtype in zip(members, (compute_dtype, torch.float32)):
+            if group:
+                sizes = tuple(p.numel() for _, p in group)
+                self.groups.append(_Group(dtype, tuple(n for n, _ in group), tuple(p.shape for _, p in group),
+                                          sizes, start, sum(sizes)))
+                start += sum(sizes)
+        self.numel = start
+        self.master = empty(start, torch.float32)
+        self.grad = empty(start, torch.float32)
+        self.params, self.grad_views, self.spans = [], [], []
+        offset = 0
+        with torch.no_grad():
+            for _, p in members[0] + members[1]:
+                span = slice(offset, offset + p.numel())
+                view = self.master[span].view(p.shape)
+                view.copy_(p.detach())
+                p.data = view
+                self.params.append(p)
+                self.grad_views.append(self.grad[span].view(p.shape))
+                self.spans.append((span, p.shape))
+                offset += p.numel()
+        self.staging = [self.master[g.span] if g.dtype == torch.float32 else empty(g.numel, g.dtype)
+                        for g in self.groups]
+        self.has_grad = False  # gradients of this step arrived (else the next ones are copied, not added)
+        # CUDA events (None on a CPU device, or before the first): the copy of the step's gradient
+        # sum into `grad` is done; the update's copies into `master`, the states and the staging
+        # copies are done (what reads those host buffers waits for it, on its stream).
+        self.grad_out = self.written = None
+        # The optimizer's tensor states of the layer as views of one host buffer per dtype
+        # (`state_flats`; a checkpoint cannot save one storage under two dtypes), so that a few
+        # copies move them: (param, key, dtype, offset, shape) each; laid out at the layer's first
+        # update on the device (`_states_home`; None before).
+        self.state_flats: dict[torch.dtype, torch.Tensor] | None = None
+        self.state_entries: list[tuple] = []
+
+    def separate_staging(self):
+        """(group, staging) of the groups whose staging is not the master itself."""
+        return [(g, s) for g, s in zip(self.groups, self.staging) if g.dtype != torch.float32]
+
+
+@dataclass
+class _Slot:
+    """One of the ring's device buffers that host layers' updates on the GPU pass through (flat,
+    sized for the largest host layer): master, gradient, optimizer states (bytes, laid out as the
+    layer's `state_flats`) and the staging copies cast from the updated master on their way out."""
+
+    master: torch.Tensor
+    grad: torch.Tensor
+    staged: list[torch.Tensor]  # per separate-staging group, in the working dtype
+    states: dict[torch.dtype, torch.Tensor] | None = None  # allocated once every host layer's states have a layout
+    layer: int | None = None  # the layer whose master (and states) came in this step
+    states_in: bool = False  # its states came in (else the update copies them in itself)
+    loaded: object = None  # event: the copies in are done
+    free: object = None  # event: the last copies out of this slot are done (it may be written)
+
+
+class UpdateRing:
+    """The update on the GPU of the runtime's host layers through UPDATE_SLOTS slots (this module's
+    docstring). The runtime builds it right after its own streams, calls `preload` from
+    `_grads_ready` for the `preloaded` layers, `update` in its step on the GPU and `end_step` after
+    every step; the ring copies with the runtime's helpers and reads its clip coefficient."""
+
+    def __init__(self, runtime: OffloadRuntime):
+        self.runtime = runtime
+        self.host, self.device, self.cuda, self.resident = runtime.host, runtime.device, runtime.cuda, runtime.resident
+        self._side, self._record, self._wait = runtime._side, runtime._record, runtime._wait
+        # The update's side streams, which run beside the step's copies instead of queueing behind them.
+        stream = lambda: torch.cuda.Stream(self.device) if self.cuda else None
+        self.upload, self.writeback = stream(), stream()
+        # The host layers last to first (the order their backwards end) through the ring: a layer in
+        # position k of that order waits for the copies out of position k - UPDATE_SLOTS; the first
+        # UPDATE_SLOTS positions load during the backward.
+        order = [i for i in reversed(range(len(self.host))) if not self.host[i].on_device]
+        self._slot_of = {i: n % UPDATE_SLOTS for n, i in enumerate(order)}
+        self._slots: list[_Slot] = []
+        self.optimizer = None  # the optimizer of the last step (its states' layouts are checked against it)
+
+    def update(self, optimizer, held: dict) -> None:
+        """The host layers with gradients (`held`: each parameter's gradient, its .grad None
+        meanwhile), last to first, through the slots (`_load`, `_update_layer`); nothing here
+        waits on the host. A layer's copies out overlap the next layers' updates and the next step
+        (what reads them waits for them on its stream)."""
+        self.optimizer = optimizer
+        written = []  # per position in the order: the last copies out so far (an event, or None)
+        for k, index in enumerate(reversed(range(len(self.host)))):
+            h = self.host[index]
+            if not h.on_device and any(held.get(p) is not None for p in h.params):
+                slot = self._slot(index)
+                if slot.layer != index:
+                    self._load(index, slot, gradient=True,
+                               after=written[k - UPDATE_SLOTS] if k >= UPDATE_SLOTS else None)
+                self._update_layer(index, slot, optimizer)
+            written.append(h.written if not h.on_device and h.written is not None else
+                           (written[-1] if written else None))
+
+    def end_step(self) -> None:
+        """After every step: no slot holds a layer (the next step loads its masters and states again)."""
+        for slot in self._slots:
+            slot.layer = None
+
+    @property
+    def preloaded(self) -> set[int]:
+        """The host layers whose update loads during the backward: the first UPDATE_SLOTS positions
+        of the update's order (the top layers)."""
+        top = range(len(self.host) - 1, len(self.host) - 1 - UPDATE_SLOTS, -1)
+        return {i for i in top if i >= 0 and not self.host[i].on_device}
+
+    def _slot(self, index: int) -> _Slot:
+        """Layer `index`'s slot of the ring (allocated at first use; the states' buffer once every
+        host layer's states have a layout, as large as the largest)."""
+        host = [h for h in self.host if not h.on_device]
+        if not self._slots:
+            numel = max(h.numel for h in host)
+            staged = [[g for g, _ in h.separate_staging()] for h in host]
+            groups = [[x[k] for x in staged if len(x) > k] for k in range(max(map(len, staged)))]
+            empty = lambda n, dtype: torch.empty(n, dtype=dtype, device=self.device)
+            self._slots = [_Slot(empty(numel, torch.float32), empty(numel, torch.float32),
+                                 [empty(max(g.numel for g in gs), gs[0].dtype) for gs in groups])
+                           for _ in range(UPDATE_SLOTS)]
+        if self._slots[0].states is None and all(h.state_flats is not None for h in host):
+            dtypes = {dtype for h in host for dtype in h.state_flats}
+            for slot in self._slots:
+                slot.states = {dtype: torch.empty(max(h.state_flats[dtype].numel() for h in host if dtype in h.state_flats),
+                                                  dtype=dtype, device=self.device) for dtype in dtypes}
+        return self._slots[self._slot_of[index]]
+
+    def preload(self, index: int, total: torch.Tensor) -> None:
+        """In the backward: layer `index`'s master and states into its slot (once a step: they do
+        not change until its update), and the step's gradient sum so far (each micro-batch: the last
+        one's is the step's)."""
+        slot = self._slot(index)
+        if slot.layer != index:
+            self._load(index, slot, gradient=False)
+        self._wait(slot.free)
+        slot.grad[:total.numel()].copy_(total)
+
+    def _load(self, index: int, slot: _Slot, gradient: bool, after=None) -> None:
+        """Layer `index`'s master, states (when laid out and the slot holds them) and, if
+        `gradient`, its host gradient into `slot` on the upload stream, once the slot's last copies
+        out, the layer's last update's copies out, its gradient's copy out and `after` are done."""
+        h = self.host[index]
+        slot.states_in = (slot.states is not None and self._states_laid_out(h)
+                          and all(dtype in slot.states and flat.numel() <= slot.states[dtype].numel()
+                                  for dtype, flat in h.state_flats.items()))
+        if self.cuda:
+            for event in (slot.free, h.written, h.grad_out if gradient else None, after):
+                self._wait(event, self.upload)
+        with self._side(self.upload):
+            slot.master[:h.numel].copy_(h.master, non_blocking=True)
+            if gradient:
+                slot.grad[:h.numel].copy_(h.grad, non_blocking=True)
+            if slot.states_in:
+                for dtype, flat in h.state_flats.items():
+                    slot.states[dtype][:flat.numel()].copy_(flat, non_blocking=True)
+        slot.loaded, slot.layer = self._record(self.upload), index
+
+    def _states_laid_out(self, h: HostLayer) -> bool:
+        """The layer's tensor states are the views of its state_flats (not replaced since, e.g. by
+        loading a checkpoint)."""
+        optimizer = self.optimizer
+        entries = [(p, key) for p in h.params for key, v in optimizer.state.get(p, {}).items()
+                   if isinstance(v, torch.Tensor)]
+        return (h.state_flats is not None and entries == [(p, key) for p, key, *_ in h.state_entries]
+                and all(optimizer.state[p][key].data_ptr() == _view(h.state_flats, *rest).data_ptr()
+                        for p, key, *rest in h.state_entries))
+
+    def _update_layer(self, index: int, slot: _Slot, optimizer) -> None:
+        """One host layer's update in its slot, on the compute stream once its copies in are done:
+        the gradient scaled by the clip coefficient, the optimizer's step over its parameters, the
+        resident working weights and the staging casts from the updated master; then master, states
+        and staging copies go out on the writeback stream."""
+        h = self.host[index]
+        self._wait(slot.loaded)
+        master, grad = slot.master[:h.numel], slot.grad[:h.numel]
+        if self.runtime._clip_coef is not None:
+            grad.mul_(self.runtime._clip_coef)
+        for p, (span, shape) in zip(h.params, h.spans):
+            p.data, p.grad = master[span].view(shape), grad[span].view(shape)
+            for key, value in optimizer.state[p].items():
+                if isinstance(value, torch.Tensor) and not slot.states_in:
+                    optimizer.state[p][key] = value.to(self.device, copy=True, non_blocking=True)
+        if slot.states_in:
+            for p, key, *at in h.state_entries:
+                optimizer.state[p][key] = _view(slot.states, *at)
+        optimizer.step()
+        with torch.no_grad():
+            if index in self.resident:
+                for target, g in zip(self.resident[index], h.groups):
+                    target.copy_(master[g.span])
+            staged = [(staging, buf[:g.numel]) for (g, staging), buf in zip(h.separate_staging(), slot.staged)]
+            for (g, _), (_, cast) in zip(h.separate_staging(), staged):
+                cast.copy_(master[g.span])  # rounded as .to(dtype) rounds
+            if not slot.states_in:  # copied out here, on the compute stream (no memory of theirs waits on another)
+                self._states_home(h, optimizer)
+            if self.cuda:
+                self.writeback.wait_stream(torch.cuda.current_stream(self.device))
+            with self._side(self.writeback):
+                h.master.copy_(master, non_blocking=True)
+                for staging, cast in staged:
+                    staging.copy_(cast, non_blocking=True)
+                if slot.states_in:
+                    for p, key, *at in h.state_entries:
+                        value = optimizer.state[p][key]
+                        _view(h.state_flats, *at).copy_(value, non_blocking=True)
+                        if self.cuda and value.data_ptr() != _view(slot.states, *at).data_ptr():
+                            value.record_stream(self.writeback)  # a tensor the optimizer made in place of its own
+        h.written = slot.free = self._record(self.writeback)
+        for p, (span, shape) in zip(h.params, h.spans):
+            p.data, p.grad = h.master[span].view(shape), None
+        for p, key, *at in h.state_entries:
+            optimizer.state[p][key] = _view(h.state_flats, *at)
+
+    def _states_home(self, h: HostLayer, optimizer) -> None:
+        """The layer's tensor states (on the device, just updated, not in a slot) into its host
+        buffer on the compute stream; a new buffer laid out for them when they do not match the
+        layout (the layer's first update on the device, or the optimizer made other states)."""
+        current = [(p, key, v) for p in h.params for key, v in optimizer.state[p].items() if isinstance(v, torch.Tensor)]
+        if [(p, key, v.dtype, v.shape) for p, key, v in current] != [(p, key, d, s) for p, key, d, _, s in h.state_entries]:
+            entries, sizes = [], {}
+            for p, key, v in current:
+                entries.append((p, key, v.dtype, sizes.get(v.dtype, 0), v.shape))
+                sizes[v.dtype] = sizes.get(v.dtype, 0) + v.numel()
+            if h.state_flats is not None:
+                self.runtime.synchronize()  # nothing still reads or writes the old buffers
+                for flat in h.state_flats.values():
+                    if self.runtime._pinned and flat.numel():
+                        unpin(flat)
+            h.state_flats = {dtype: _host_empty(n, dtype, self.runtime._pinned) for dtype, n in sizes.items()}
+            h.state_entries = entries
+        for p, key, *at in h.state_entries:
+            _view(h.state_flats, *at).copy_(optimizer.state[p][key], non_blocking=self.cuda)
+
+
+def _view(flats: dict[torch.dtype, torch.Tensor], dtype: torch.dtype, offset: int, shape: torch.Size) -> torch.Tensor:
+    """The tensor of `shape` at element `offset` of the flat buffer of `dtype`."""
+    return flats[dtype][offset:offset + math.prod(shape)].view(shape)
