@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from student.planner import CostTable
+    from student.offload_cost import CostTable
 
 __all__ = ["ProfileSettings", "profile", "default_budgets", "available_host_bytes"]
 
@@ -49,7 +49,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     import torch
 
     from student.data import CacheBatches, split_indices, tokenizer_info_of
-    from student.planner import CostTable, LayerCosts
+    from student.offload_cost import CostTable, LayerCosts
     from student.optim import build_optimizer
     from student.trainer import _initial_student, _resolve
     from teacher_cache.reader import CacheReader
