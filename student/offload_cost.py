@@ -11,11 +11,11 @@ A leaf beside offload_plan: no torch, no solver.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from student.offload_plan import UPDATE_SLOTS, OffloadPlan, Predicted
 
-__all__ = ["PHASES", "LayerCosts", "CostTable", "predict"]
+__all__ = ["PHASES", "LayerCosts", "KVPages", "CostTable", "predict", "kv_options", "kv_residency"]
 
 
 # The phases of a step, in order, as `predict` returns them and OffloadRuntime.phase_s measures them:
@@ -68,6 +68,48 @@ class LayerCosts:
 
 
 @dataclass(frozen=True)
+class KVPages:
+    """The chunk-recurrent engine's key/value store of one micro-batch (student/long_context.py's
+    PagedKVStore) and where its pages live: what `kv_residency` prices the other residencies with."""
+
+    num_layers: int
+    seq_tokens: int  # positions of a micro-batch
+    chunk_tokens: int
+    page_tokens: int
+    kv_page_bytes: int  # one page of every row: its keys and values in the attention dtype
+    grad_page_bytes: int  # their fp32 gradient pages
+    kept_bytes: int  # pass 1's kept attention outputs and lse (every chunk's but the last, all layers)
+    offloadable: bool  # on a GPU: the pages may live in pinned host memory (elsewhere they stay put)
+    kv_offload: bool = False
+    offload_pages: int = 1024  # pages (of every row) of a page set, with kv_offload
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of every row, per layer."""
+        return -(-self.seq_tokens // self.page_tokens)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.kv_offload and self.offloadable
+
+    def bytes(self) -> tuple[int, int, int]:
+        """(device bytes, host bytes, resident pages): per layer its key and value pages and their
+        gradient pages, every layer's at once by the end of the last chunk's backward; offloaded,
+        all of them in pinned host memory, the device holding three page sets (one read, the next
+        copied, and the next layer's first, prefetched across the layer boundary). Pass 1's kept
+        attention outputs go to pinned host memory on a GPU (stay on the device elsewhere).
+        Resident pages: the pages (of every row) the device holds at once, over all layers."""
+        page = self.kv_page_bytes + self.grad_page_bytes
+        if self.offloaded:
+            resident = 3 * min(self.offload_pages, self.num_pages)
+            return resident * page, self.num_layers * self.num_pages * page + self.kept_bytes, resident
+        resident = self.num_layers * self.num_pages
+        if self.offloadable:
+            return resident * page, self.kept_bytes, resident
+        return resident * page + self.kept_bytes, 0, resident
+
+
+@dataclass(frozen=True)
 class CostTable:
     """Measured costs of a student's training step (`profile`), the input of `predict` and `solve`."""
 
@@ -92,6 +134,10 @@ class CostTable:
     kv_gpu_bytes: int = 0  # the key/value store's pages (and gradient pages) on the GPU; its host bytes are static_host_bytes
     chunk_tokens: int | None = None  # the chunk size measured (None: whole sequences)
     resident_pages: int | None = None  # key/value pages (of every row) on the GPU at once, over all layers
+    kv: KVPages | None = None  # the key/value store as measured (chunk-recurrent), for `kv_residency`
+    # Seconds a copy takes beyond its bytes over the bandwidth (its launch and completion), measured
+    # on a small copy: `kv_residency` charges it per page-set copy.
+    copy_latency_s: float = 0.0
 
     def __post_init__(self):
         assert self.layers and self.micro_batches >= 1 and self.chunks >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
@@ -277,3 +323,72 @@ def _optimizer_slices(costs: CostTable, side: str) -> int:
     """The update's ring on the GPU (UPDATE_SLOTS slots of the largest layer's master, gradient,
     states and staging casts), held from the backward (the first slots load there) to the update."""
     return UPDATE_SLOTS * max(x.update_in_bytes + x.staging_bytes for x in costs.layers) if side == "gpu" else 0
+
+
+# --- where the key/value pages live ---------------------------------------------------------------
+
+
+def kv_options(kv: KVPages) -> list[tuple[bool, int]]:
+    """The residencies the planner prices, (kv_offload, offload_pages): every page on the GPU, and
+    on a GPU the pages offloaded with page sets of all of a layer's pages, a quarter, a sixteenth,
+    a sixty-fourth of them and the run's offload_pages (the smaller the set, the less the GPU holds
+    and the more copies each attention call makes)."""
+    options = [(False, kv.offload_pages)]
+    if kv.offloadable:
+        sizes = {-(-kv.num_pages // 4**k) for k in range(4)} | {min(kv.offload_pages, kv.num_pages)}
+        options += [(True, size) for size in sorted(sizes)]
+    return options
+
+
+def kv_residency(costs: CostTable, kv_offload: bool, offload_pages: int) -> CostTable:
+    """`costs` (a chunk-recurrent table, measured with the store `costs.kv`) with the pages resident
+    or offloaded in sets of `offload_pages`: the store's device and host bytes are those of
+    `KVPages.bytes`, and its page copies that the compute does not hide (`_page_copy_s`) change
+    pass 1's seconds and the layers' backward seconds by what they add beyond the measured
+    residency's (the measured times hold that one's copies already)."""
+    old = costs.kv
+    assert old is not None, "a chunk-recurrent cost table (profile with --chunk-tokens)"
+    new = replace(old, kv_offload=kv_offload, offload_pages=offload_pages)
+    (forward_old, backward_old), (forward_new, backward_new) = _page_copy_s(old, costs), _page_copy_s(new, costs)
+    per_step = costs.micro_batches // costs.chunks  # grad_accum
+    layers = tuple(replace(x, backward_s=max(x.backward_s + b_new - b_old, 0.0))
+                   for x, b_old, b_new in zip(costs.layers, backward_old, backward_new))
+    (gpu_old, host_old, _), (gpu_new, host_new, resident) = old.bytes(), new.bytes()
+    return replace(costs, layers=layers, pass1_s=max(costs.pass1_s + per_step * (forward_new - forward_old), 0.0),
+                   kv_gpu_bytes=costs.kv_gpu_bytes - gpu_old + gpu_new,
+                   static_host_bytes=costs.static_host_bytes - host_old + host_new, resident_pages=resident, kv=new)
+
+
+def _page_copy_s(kv: KVPages, costs: CostTable) -> tuple[float, list[float]]:
+    """(seconds a micro-batch's forwards wait for pages, per layer the seconds a chunk's backward
+    waits for them on average) with the pages offloaded; nothing when they are resident.
+
+    The model, per chunk j that reads pages 0 .. p_j (of every row), in sets of S pages, each copy
+    taking copy_latency_s plus its bytes over the measured bandwidth of its direction:
+    - forward (pass 1, and the last chunk's in pass 2): each layer copies in p_j pages of keys and
+      values while it computes (the next set while one is read): it waits max(0, copies - its
+      forward); the first layer's first set is not prefetched and is waited for whole;
+    - backward: each layer copies in the pages and their gradient pages (zeros made on the device
+      for the last chunk, whose backward comes first) and sends the gradient pages back while it
+      computes: it waits for max(0, the longer direction - its backward), and for its last set's
+      gradients to be home; the top layer's first set is waited for whole.
+    Not modelled: the bus shared with the runtime's other copies, the set split at the chunk's
+    first page, page-attention's cost per set beyond its copies."""
+    if not kv.offloaded:
+        return 0.0, [0.0] * len(costs.layers)
+    h2d, d2h, latency = costs.h2d_bytes_per_s, costs.d2h_bytes_per_s, costs.copy_latency_s
+    starts = range(0, kv.seq_tokens, kv.chunk_tokens)
+    forward, backward = 0.0, [0.0] * len(costs.layers)
+    for j, start in enumerate(starts):
+        pages = -(-min(start + kv.chunk_tokens, kv.seq_tokens) // kv.page_tokens)
+        sets, first = -(-pages // kv.offload_pages), min(kv.offload_pages, pages)
+        fresh = j == len(starts) - 1
+        read = sets * 2 * latency + pages * kv.kv_page_bytes / h2d
+        grads_in = 0.0 if fresh else sets * 2 * latency + pages * kv.grad_page_bytes / h2d
+        grads_out = sets * 2 * latency + pages * kv.grad_page_bytes / d2h
+        forward += 2 * latency + first * kv.kv_page_bytes / h2d + sum(max(0.0, read - x.forward_s) for x in costs.layers)
+        for i, x in enumerate(costs.layers):
+            backward[i] += (max(0.0, read + grads_in - x.backward_s, grads_out - x.backward_s)
+                            + 2 * latency + first * kv.grad_page_bytes / d2h)
+        backward[-1] += 2 * latency + first * (kv.kv_page_bytes + (not fresh) * kv.grad_page_bytes) / h2d
+    return forward, [b / len(starts) for b in backward]

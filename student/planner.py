@@ -23,12 +23,13 @@ import math
 from dataclasses import dataclass, field, replace
 
 from distill.configs import ConfigError
-from student.offload_cost import PHASES, CostTable, LayerCosts, _fixed_gpu_bytes, _optimizer_slices, _peaks, predict
-from student.offload_plan import UPDATE_SLOTS, LayerPlan, OffloadPlan
+from student.offload_cost import (PHASES, CostTable, LayerCosts, _fixed_gpu_bytes, _optimizer_slices, _peaks, kv_options,
+                                  kv_residency, predict)
+from student.offload_plan import UPDATE_SLOTS, ChunkChoice, LayerPlan, OffloadPlan
 from student.step_profile import ProfileSettings, profile
 
 __all__ = ["PHASES", "LayerCosts", "CostTable", "SolverSettings", "BudgetError", "ProfileSettings", "predict", "solve",
-           "smallest_budget", "program_step_s", "profile", "make_plan", "plan_for_training", "plan_table"]
+           "smallest_budget", "program_step_s", "profile", "choose_chunks", "make_plan", "plan_for_training", "plan_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -361,7 +362,7 @@ def solve(costs: CostTable, gpu_memory: int, host_memory: int, *, time_limit_s: 
     """The plan of least predicted step time whose peaks fit `gpu_memory` and `host_memory` (bytes),
     over every per-layer choice, the prefetch depths of `settings` and both optimizer sides (with
     chunk-recurrent costs, resident weights only). The plan carries `predict`'s figures, the
-    budgets and the chunk engine's chunk size and resident pages as measured. A budget no plan meets raises BudgetError
+    budgets and the chunk engine's chunk size and key/value residency as in `costs`. A budget no plan meets raises BudgetError
     naming the option and the smallest budget that one plan meets (under the other budget)."""
     runs = [(d, side) for d in settings.depths for side in OPTIMIZER_SIDES]
     best = None
@@ -375,8 +376,10 @@ def solve(costs: CostTable, gpu_memory: int, host_memory: int, *, time_limit_s: 
     if not best.optimal:
         logger.warning("the planner's solver hit its time limit; using the best plan it found (predicted step "
                        "%.4g s)", best.step_s)
+    kv = costs.kv
     return replace(best.plan, gpu_memory=gpu_memory, host_memory=host_memory, predicted=predict(costs, best.plan),
-                   chunk_tokens=costs.chunk_tokens, resident_pages=costs.resident_pages)
+                   chunk_tokens=costs.chunk_tokens, resident_pages=costs.resident_pages,
+                   kv_offload=kv.kv_offload if kv else None, offload_pages=kv.offload_pages if kv else None)
 
 
 def _raise_budget_error(costs, gpu_memory, host_memory, time_limit_s, settings):
@@ -400,13 +403,76 @@ def _rounded_up(n: int) -> int:
     return parse_bytes(format_bytes(n).replace(" ", ""))
 
 
+# --- the chunk size and the key/value pages ------------------------------------------------------
+
+
+def choose_chunks(tables: dict[int, CostTable], gpu_memory: int, host_memory: int, *, time_limit_s: float = 60.0,
+                  settings: SolverSettings = SolverSettings()) -> tuple[OffloadPlan, CostTable]:
+    """The fastest plan over chunk sizes and key/value residencies: `tables` holds, per candidate
+    chunk size, its measured chunk-recurrent CostTable (a size the micro-batch fits in whole: its
+    whole-sequence table). Each table is priced with every residency of `kv_options` (`kv_residency`)
+    and solved under the budgets (`solve`, the time limit shared evenly). Returns the plan of least
+    predicted step time that fits, every pair considered in its chunk_choices, and its costs. When
+    none fits, the BudgetError of the pair that comes closest (the least smallest GPU budget, else
+    host budget)."""
+    priced = []
+    for size, costs in tables.items():
+        if costs.kv is None:
+            priced.append(replace(costs, chunk_tokens=size))
+        else:
+            priced += [kv_residency(costs, *option) for option in kv_options(costs.kv)]
+    choices, best, errors = [], None, []
+    for costs in priced:
+        try:
+            plan = solve(costs, gpu_memory, host_memory, time_limit_s=time_limit_s / len(priced), settings=settings)
+        except ConfigError as e:
+            plan = None
+            errors.append(e)
+        kv, p = costs.kv, plan.predicted if plan is not None else None
+        figures = dict(step_s=p.step_s, gpu_peak_bytes=p.gpu_peak_bytes, host_peak_bytes=p.host_peak_bytes) if p else {}
+        choices.append(ChunkChoice(chunk_tokens=costs.chunk_tokens, kv_offload=kv.kv_offload if kv else False,
+                                   offload_pages=kv.offload_pages if kv else None, resident_pages=costs.resident_pages,
+                                   **figures))
+        if p is not None and (best is None or p.step_s < best[0].predicted.step_s):
+            best = plan, costs
+    if best is None:
+        budget_errors = [e for e in errors if isinstance(e, BudgetError)]
+        if not budget_errors:
+            raise errors[0]
+        raise min(budget_errors, key=lambda e: (e.field != "gpu_memory", e.smallest_bytes))
+    return replace(best[0], chunk_choices=tuple(choices)), best[1]
+
+
+def _chunk_candidates(config) -> tuple[int, ...] | None:
+    """config's --chunk-candidates, checked against its --chunk-tokens and sequence length."""
+    offload = getattr(config, "offload", None)
+    candidates = offload.candidates if offload is not None else None
+    if candidates is None:
+        return None
+    text, chunk = offload.chunk_candidates, config.long.chunk_tokens
+    if chunk is not None and chunk not in candidates:
+        raise ConfigError("chunk_candidates", f"is {text!r}, without the run's --chunk-tokens {chunk}; add it to the "
+                                              "candidates, or drop --chunk-tokens to let the planner choose")
+    from teacher_cache.reader import CacheReader
+
+    length = CacheReader(config.cache).manifest.spec.data.seq_len
+    length = min(length, config.seq_len) if config.seq_len is not None else length
+    if candidates[-1] > length:
+        raise ConfigError("chunk_candidates", f"is {text!r}: {candidates[-1]} is longer than the sequences trained "
+                                              f"({length} tokens: --seq-len, else the cache's); give chunk sizes up "
+                                              f"to {length}")
+    return candidates
+
+
 # --- planning a training run ---------------------------------------------------------------------
 
 
 def make_plan(config, gpu_memory: int | None = None, host_memory: int | None = None, *,
               time_limit_s: float = 60.0) -> tuple[OffloadPlan, CostTable]:
     """Profile `config`'s step and solve for its plan under the budgets (bytes; None: config.offload's
-    when TrainConfig has that part and it sets one, else `default_budgets`). Returns (plan, costs)."""
+    when TrainConfig has that part and it sets one, else `default_budgets`). With chunk_candidates
+    (OffloadConfig) the step is profiled at each candidate chunk size and `choose_chunks` chooses
+    the chunk size and key/value residency too. Returns (plan, costs)."""
     from distill.devices import resolve_device
     from student.offload_plan import parse_bytes
     from student.step_profile import default_budgets, profile
@@ -417,8 +483,13 @@ def make_plan(config, gpu_memory: int | None = None, host_memory: int | None = N
     if host_memory is None and offload is not None and offload.host_memory is not None:
         host_memory = parse_bytes(offload.host_memory, "host_memory")
     default_gpu, default_host = default_budgets(resolve_device(config.device))
+    gpu_memory, host_memory = gpu_memory or default_gpu, host_memory or default_host
+    candidates = _chunk_candidates(config)
+    if candidates is not None:
+        tables = {size: profile(config.with_flat(chunk_tokens=size)) for size in candidates}
+        return choose_chunks(tables, gpu_memory, host_memory, time_limit_s=time_limit_s)
     costs = profile(config)
-    plan = solve(costs, gpu_memory or default_gpu, host_memory or default_host, time_limit_s=time_limit_s)
+    plan = solve(costs, gpu_memory, host_memory, time_limit_s=time_limit_s)
     return plan, costs
 
 
@@ -448,13 +519,17 @@ def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
                       size(kept), seconds)
     console = Console(file=io.StringIO(), width=110, color_system=None, force_terminal=False)
     console.print(table)
+    if plan.chunk_choices:
+        console.print(_choices_table(plan))
     budget = lambda n: f" of {format_bytes(n)}" if n is not None else ""
+    pages = (f"offloaded to the host, page sets of {plan.offload_pages} on the GPU" if plan.kv_offload
+             else "every page on the GPU")
     lines = [f"predicted step time {predicted.step_s * 1e3:.2f} ms (compute, recompute and the transfers it "
              "cannot hide; per layer: all micro-batches)",
              "phases: " + ", ".join(f"{name} {predicted.phase_s.get(name, 0.0) * 1e3:.2f} ms" for name in PHASES),
              *([f"chunk-recurrent: {plan.chunk_tokens} tokens a chunk, {costs.chunks} chunks a micro-batch "
                 f"(each a micro-batch above; pass 1 {costs.pass1_s * 1e3:.2f} ms a step); {plan.resident_pages} "
-                f"key/value pages resident on the GPU ({format_bytes(costs.kv_gpu_bytes)}), "
+                f"key/value pages resident on the GPU ({format_bytes(costs.kv_gpu_bytes)}; {pages}), "
                 f"{format_bytes(costs.static_host_bytes)} on the host"] if plan.chunk_tokens is not None else []),
              f"peak GPU memory {format_bytes(predicted.gpu_peak_bytes)}{budget(plan.gpu_memory)}; "
              f"peak host memory {format_bytes(predicted.host_peak_bytes)}{budget(plan.host_memory)}",
@@ -462,3 +537,23 @@ def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
              f"{costs.d2h_bytes_per_s / 1e9:.1f} GB/s, host passes over gradients "
              f"{costs.host_bytes_per_s / 1e9:.1f} GB/s; static GPU bytes {format_bytes(costs.static_gpu_bytes)}"]
     return console.file.getvalue() + "\n".join(lines)
+
+
+def _choices_table(plan: OffloadPlan):
+    """The chunk sizes and key/value residencies `choose_chunks` considered, the chosen one marked."""
+    from rich.table import Table
+
+    table = Table(title="chunk sizes and key/value pages considered (--chunk-candidates)")
+    for column in ("chunk tokens", "key/value pages", "pages on GPU", "predicted step", "peak GPU", "peak host", ""):
+        table.add_column(column, justify="left" if column in ("key/value pages", "") else "right")
+    key = (plan.chunk_tokens, bool(plan.kv_offload), plan.offload_pages, plan.resident_pages)
+    chosen = next((c for c in plan.chunk_choices
+                   if (c.chunk_tokens, c.kv_offload, c.offload_pages, c.resident_pages) == key), None)
+    for c in plan.chunk_choices:
+        fits = c.step_s is not None
+        table.add_row(str(c.chunk_tokens), f"offloaded, sets of {c.offload_pages}" if c.kv_offload else "resident",
+                      "-" if c.resident_pages is None else str(c.resident_pages),
+                      f"{c.step_s * 1e3:.2f} ms" if fits else "-", format_bytes(c.gpu_peak_bytes) if fits else "-",
+                      format_bytes(c.host_peak_bytes) if fits else "-",
+                      "chosen" if c is chosen else ("" if fits else "does not fit"))
+    return table
