@@ -397,7 +397,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
     check_shards(config.cache)  # every shard's size and checksum, before anything is written
     train_idx, held_idx = split_indices(reader.num_sequences, config.heldout)
     offloading = config.offload.offload != "none"
-    plan = _offload_plan(config) if offloading else None
+    plan = _offload_plan(config)
     if plan is not None and plan.chunk_choices:  # the planner chose the chunk size and where the pages live
         config = config.with_flat(chunk_tokens=plan.chunk_tokens, **{
             name: getattr(plan, name) for name in ("kv_offload", "offload_pages") if getattr(plan, name) is not None})
@@ -610,7 +610,7 @@ def _save_gathered_student(model, folder: Path, tokenizer_dir: str, dist) -> Non
 
 
 def _offload_plan(config: TrainConfig):
-    """The plan the run trains with: a saved one, or the planner's (auto). A plan made for another
+    """The plan the run trains with: a saved one, the planner's (auto), or None. A plan made for another
     chunk size is refused, unless the planner chose it (its chunk_choices) among candidates that
     held the run's chunk size (or the run gives none): train() then takes the plan's chunk settings."""
     from student.offload_plan import OffloadPlan
@@ -620,6 +620,8 @@ def _offload_plan(config: TrainConfig):
         raise ConfigError("chunk_candidates", f"is {candidates!r} with --offload {config.offload.offload}: the planner "
                                               "chooses among them with --offload auto (a saved plan holds its choice); "
                                               "add --offload auto or drop --chunk-candidates")
+    if config.offload.offload == "none":
+        return None
     if config.offload.offload == "auto":
         try:
             from student.planner import plan_for_training
