@@ -3,7 +3,9 @@
 Run directory (`out`):
   run.json            the resolved config (flat names: TrainConfig.to_flat()), the cache's id and
                       temperature, the student's identity and tokenizer hash, and with offload the
-                      plan the run trains with (offload_plan: OffloadPlan.to_dict(), its predictions)
+                      plan the run trains with (offload_plan: OffloadPlan.to_dict(), its predictions;
+                      with --chunk-candidates the config's chunk_tokens, kv_offload and offload_pages
+                      are the plan's choice, and its chunk_choices every candidate considered)
   metrics.jsonl       {"kind": "train", step, loss, kl, lr, grad_norm, tokens, tok_per_s,
                       optimizer_state_bytes, epoch, and on a GPU peak_gpu_bytes: the most
                       allocated since the previous row}; with offload also offload_step_s (mean
