@@ -276,6 +276,7 @@ def train_student(
     offload: str = typer.Option(_TRAIN["offload"], "--offload", help="Train a student bigger than the GPU: none (everything on the GPU), auto (profile a step, plan under --gpu-memory / --host-memory, train with that plan) or PLAN.json (a plan `distill plan` saved). Decoder layers' fp32 weights, gradients and optimizer states then live in host memory; the results are those of --offload none."),
     gpu_memory: Optional[str] = typer.Option(_TRAIN["gpu_memory"], "--gpu-memory", help="With --offload auto: GPU memory budget, e.g. 40GiB (default: the device's total)."),
     host_memory: Optional[str] = typer.Option(_TRAIN["host_memory"], "--host-memory", help="With --offload auto: host memory budget, e.g. 120GiB (default: the host's available memory)."),
+    chunk_candidates: Optional[str] = typer.Option(_TRAIN["chunk_candidates"], "--chunk-candidates", help="With --offload auto (and in distill plan): chunk sizes the planner chooses among, e.g. 4096,8192,16384; it chooses where the key/value pages live too (--kv-offload, --offload-pages) and the run trains with its choice. Default: --chunk-tokens and the pages as given."),
     resume_from: Optional[int] = typer.Option(None, "--resume-from", help="Continue from the kept checkpoint of this step instead of the latest (newer ones are deleted)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -296,6 +297,8 @@ def train_student(
       distill train-student --cache caches/long-1m --student ./qwen-0.5b --batch-size 1 --chunk-tokens 16384 --kv-offload --out runs/long
 
       distill train-student --cache caches/qwen --student ./qwen-14b --offload auto --gpu-memory 40GiB --out runs/big
+
+      distill train-student --cache caches/long-1m --student ./qwen-3b --batch-size 1 --offload auto --chunk-candidates 8192,16384,32768 --out runs/long-planned
 
       torchrun --nproc-per-node 8 -m distill train-student --cache caches/qwen --student ./qwen-3b --batch-size 8 --out runs/fsdp
 
@@ -373,7 +376,9 @@ def plan(**values) -> None:
 
       distill plan --cache caches/qwen --student ./qwen-14b --optimizer foam --json
 
-    Train with a saved plan: distill train-student ... --offload plan.json (or --offload auto to plan and train in one go). A budget no plan meets is refused with the smallest one that works. With --chunk-tokens the step measured is chunk-recurrent (a chunk's layers, pass 1, the key/value pages; weights resident) and the plan holds the chunk size and the pages resident on the GPU.
+      distill plan --cache caches/long-1m --student ./qwen-3b --batch-size 1 --chunk-candidates 8192,16384,32768 --gpu-memory 80GiB
+
+    Train with a saved plan: distill train-student ... --offload plan.json (or --offload auto to plan and train in one go). A budget no plan meets is refused with the smallest one that works. With --chunk-tokens the step measured is chunk-recurrent (a chunk's layers, pass 1, the key/value pages; weights resident) and the plan holds the chunk size and the pages resident on the GPU. With --chunk-candidates the step is measured at each chunk size, each is priced with its pages resident and (on a GPU) offloaded in page sets of a few sizes, and the table lists every pair with its predicted step time and peaks, the chosen one marked; train-student --offload PLAN.json then trains with the plan's chunk size and pages.
     """
     from distill.configs import ConfigError
     from student.offload_plan import parse_bytes

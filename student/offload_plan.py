@@ -36,7 +36,8 @@ from typing import Literal
 from distill.configs import ConfigError, check_types
 from distill.files import atomic_write_json
 
-__all__ = ["PLAN_VERSION", "UPDATE_SLOTS", "READABLE_VERSIONS", "LayerPlan", "OffloadConfig", "OffloadPlan", "Predicted", "parse_bytes"]
+__all__ = ["PLAN_VERSION", "UPDATE_SLOTS", "READABLE_VERSIONS", "ChunkChoice", "LayerPlan", "OffloadConfig", "OffloadPlan",
+           "Predicted", "parse_bytes", "parse_chunk_candidates"]
 
 PLAN_VERSION = 2
 # Host layers updated on the GPU pass through a ring of this many device slots (master, gradient,
@@ -57,12 +58,23 @@ class OffloadConfig:
     offload: str = "none"
     gpu_memory: str | None = None  # GPU memory budget, e.g. "40GiB" (None: the device's total)
     host_memory: str | None = None  # host memory budget, e.g. "120GiB" (None: the host's available memory)
+    # Chunk sizes the planner chooses among with chunk-recurrent training, comma-separated, e.g.
+    # "4096,8192,16384"; it chooses where the key/value pages live too (kv_offload, offload_pages).
+    # None: the run's chunk_tokens and pages as set (the planner decides the layers only).
+    chunk_candidates: str | None = None
 
     def __post_init__(self):
         check_types(self)
         for name in ("gpu_memory", "host_memory"):
             if getattr(self, name) is not None:
                 parse_bytes(getattr(self, name), name)
+        if self.chunk_candidates is not None:
+            parse_chunk_candidates(self.chunk_candidates)
+
+    @property
+    def candidates(self) -> tuple[int, ...] | None:
+        """chunk_candidates as chunk sizes, ascending (None when not given)."""
+        return None if self.chunk_candidates is None else parse_chunk_candidates(self.chunk_candidates)
 
 
 def parse_bytes(text: str, field_name: str = "memory") -> int:
@@ -79,6 +91,18 @@ def parse_bytes(text: str, field_name: str = "memory") -> int:
     if unit not in units or value <= 0:
         raise ConfigError(field_name, f"is {text!r}; give a size such as 40GiB, 512MiB or 1.5TB")
     return int(value * units[unit])
+
+
+def parse_chunk_candidates(text: str) -> tuple[int, ...]:
+    """'4096,8192, 16384' -> (4096, 8192, 16384): distinct chunk sizes >= 1, ascending."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise ConfigError("chunk_candidates", f"is {text!r}; give distinct chunk sizes in tokens separated by commas, "
+                                              "e.g. 4096,8192,16384")
+    return tuple(sorted(sizes))
 
 
 @dataclass(frozen=True)
@@ -108,16 +132,38 @@ class Predicted:
 
 
 @dataclass(frozen=True)
+class ChunkChoice:
+    """One chunk size and key/value residency the planner considered (`OffloadPlan.chunk_choices`)."""
+
+    chunk_tokens: int
+    kv_offload: bool  # the pages in pinned host memory, a page set of offload_pages at a time on the GPU
+    offload_pages: int | None  # None: the micro-batch is one chunk (no pages were measured)
+    resident_pages: int | None  # key/value pages (of every row) on the GPU at once, over all layers
+    # The best plan's predictions under the budgets; None where no plan fits them.
+    step_s: float | None = None
+    gpu_peak_bytes: int | None = None
+    host_peak_bytes: int | None = None
+
+    def __post_init__(self):
+        check_types(self)
+
+
+@dataclass(frozen=True)
 class OffloadPlan:
     layers: tuple[LayerPlan, ...]
     prefetch_depth: int = 1
     optimizer: Literal["gpu", "cpu"] = "cpu"
     # Long-context engine (student/long_context.py), when it is on: the chunk size the plan was
-    # made for (a run with another is refused) and how many key/value pages (of every row) the GPU
-    # holds at once over all layers: every page without kv_offload, two page sets of one layer with
-    # it (the rest in host memory). None: whole sequences.
+    # made for and how many key/value pages (of every row) the GPU holds at once over all layers:
+    # every page without kv_offload, three page sets of offload_pages with it (the rest in host
+    # memory). None: whole sequences. A run with another chunk size is refused, unless the planner
+    # chose these settings (chunk_choices) and the run's chunk size was among its candidates (or
+    # the run gives none): the run then trains with the plan's chunk size, kv_offload and offload_pages.
     chunk_tokens: int | None = None
     resident_pages: int | None = None
+    kv_offload: bool | None = None
+    offload_pages: int | None = None
+    chunk_choices: tuple[ChunkChoice, ...] = ()  # what the planner chose among (--chunk-candidates), in order
     gpu_memory: int | None = None  # the budgets the plan was solved for, bytes
     host_memory: int | None = None
     predicted: Predicted = field(default_factory=Predicted)
@@ -149,6 +195,7 @@ class OffloadPlan:
             raise ConfigError(min(unknown), "is not a field of an offload plan; make the plan again with "
                                                   "`distill plan`")
         d["layers"] = tuple(LayerPlan(**layer) for layer in d.get("layers", ()))
+        d["chunk_choices"] = tuple(ChunkChoice(**choice) for choice in d.get("chunk_choices", ()))
         if "predicted" in d:
             p = dict(d["predicted"])
             p["layer_s"] = tuple(p.get("layer_s", ()))

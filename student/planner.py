@@ -1,8 +1,8 @@
 """The offload planner (LazyTrain, arXiv 2608.11919 §3.2): measure a step, solve for the fastest plan.
 
 `profile` (student/step_profile.py) times one real micro-batch of the student layer by layer and
-measures bytes and copy bandwidths into a `CostTable`; `predict` is the cost model of a plan (student/offload_plan.py says
-what each decision means); `solve` finds the plan of least predicted step time under a GPU and a
+measures bytes and copy bandwidths into a `CostTable`; `predict` (student/offload_cost.py) is the cost
+model of a plan (student/offload_plan.py says what each decision means); `solve` finds the plan of least predicted step time under a GPU and a
 host memory budget with a mixed-integer program (scipy.optimize.milp, HiGHS) that encodes `predict`
 exactly, so the program's optimum is `predict`'s step time of the plan it returns.
 `plan_for_training` does all three for a TrainConfig (`distill plan`, `train-student --offload auto`).
@@ -23,11 +23,13 @@ import math
 from dataclasses import dataclass, field, replace
 
 from distill.configs import ConfigError
-from student.offload_plan import UPDATE_SLOTS, LayerPlan, OffloadPlan, Predicted
+from student.offload_cost import (PHASES, CostTable, LayerCosts, _fixed_gpu_bytes, _optimizer_slices, _peaks, kv_options,
+                                  kv_residency, predict)
+from student.offload_plan import UPDATE_SLOTS, ChunkChoice, LayerPlan, OffloadPlan
 from student.step_profile import ProfileSettings, profile
 
 __all__ = ["PHASES", "LayerCosts", "CostTable", "SolverSettings", "BudgetError", "ProfileSettings", "predict", "solve",
-           "smallest_budget", "program_step_s", "profile", "make_plan", "plan_for_training", "plan_table"]
+           "smallest_budget", "program_step_s", "profile", "choose_chunks", "make_plan", "plan_for_training", "plan_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,85 +37,7 @@ ACTIVATIONS = ("keep", "recompute", "offload")
 HOMES = (("resident", "host"), ("stream", "host"), ("resident", "gpu"))  # (params, states) a layer may take
 CHOICES = tuple((a, p, st) for a in ACTIVATIONS for p, st in HOMES)  # one binary per layer and choice in the program
 OPTIMIZER_SIDES = ("cpu", "gpu")
-# The phases of a step, in order, as `predict` returns them and OffloadRuntime.phase_s measures them:
-#   forward   the decoder layers' forwards (every micro-batch), with their waits for copies in
-#   head      the embeddings, final norm, head and loss, forward and backward
-#   backward  the decoder layers' backwards, recomputation and waits for copies in
-#   grads     after the backward until the host has the gradients it reads (the update on the CPU:
-#             the copies out the backward did not hide; on the GPU: none)
-#   clip      the trainer's clipping by the global norm (the norms were taken on the device in the
-#             backward: the total and the coefficient)
-#   optimizer the update (on the CPU: the host layers one after another; on the GPU: the ring of
-#             slots until the compute stream is through, the device parameters after)
-#   refresh   after the update until the resident working weights are on the GPU again (the update
-#             on the CPU), or until what the next step waits for is there (on the GPU: gradients
-#             still on their way out, a streamed layer's write-back)
-PHASES = ("forward", "head", "backward", "grads", "clip", "optimizer", "refresh")
 GiB = 2**30
-
-
-@dataclass(frozen=True)
-class LayerCosts:
-    """What one decoder layer costs, for one micro-batch (seconds, bytes)."""
-
-    forward_s: float  # the layer's forward
-    backward_s: float  # its backward from kept activations (a recompute adds forward_s)
-    weight_bytes: int  # working weights in the compute dtype; also its weight gradient on the device
-    boundary_bytes: int  # the layer's input (what "recompute" keeps and "offload" moves)
-    keep_bytes: int  # every tensor the forward saves for the backward when kept, the input included
-    workspace_bytes: int  # transient memory of its forward + backward beyond the saved tensors
-    master_bytes: int  # fp32 master weights on the host (the fp32 gradient accumulator is as large)
-    state_bytes: int  # the optimizer's states of the layer, on the host
-    update_gpu_s: float  # one optimizer update of the layer on the GPU (its slice is there)
-    update_cpu_s: float  # the same on the CPU, with the cast of its staging copy
-
-    @property
-    def staging_bytes(self) -> int:
-        """The host copy of the working weights that copies to the device read, when their dtype is
-        not the masters' fp32 (else the masters are read)."""
-        return self.weight_bytes if self.weight_bytes < self.master_bytes else 0
-
-    @property
-    def host_bytes(self) -> int:
-        """Master weights, gradient accumulator, optimizer states and the staging copy."""
-        return 2 * self.master_bytes + self.state_bytes + self.staging_bytes
-
-    @property
-    def update_in_bytes(self) -> int:
-        """What a GPU update brings to the device: master, gradient accumulator, states; also what a
-        layer whose states live on the GPU holds there beside its working weights."""
-        return 2 * self.master_bytes + self.state_bytes
-
-
-@dataclass(frozen=True)
-class CostTable:
-    """Measured costs of a student's training step (`profile`), the input of `predict` and `solve`."""
-
-    layers: tuple[LayerCosts, ...]
-    h2d_bytes_per_s: float  # host->device copy bandwidth (pinned host memory)
-    d2h_bytes_per_s: float  # device->host
-    # Always on the GPU: embeddings, final norm and head with their gradients and optimizer states,
-    # the loss's workspace and a runtime reserve (allocator slack).
-    static_gpu_bytes: int
-    static_host_bytes: int = 0  # on the host beside the layers' bytes
-    head_s: float = 0.0  # embeddings, final norm, head and loss, forward and backward, one micro-batch
-    static_update_s: float = 0.0  # the optimizer update of the static parameters (on the GPU)
-    # Micro-batches per optimizer step (grad_accum); with chunk-recurrent training each chunk's
-    # forward and backward (pass 2) counts as one: grad_accum x chunks.
-    micro_batches: int = 1
-    # Host memory streaming rate (bytes read plus written a second) of a host pass over fp32
-    # gradients: the update on the CPU scales each host layer's gradient by the clip coefficient.
-    host_bytes_per_s: float = math.inf
-    # Chunk-recurrent training (student/long_context.py; the layers' costs are then a chunk's):
-    chunks: int = 1  # chunks per micro-batch (1: whole sequences)
-    pass1_s: float = 0.0  # pass 1 of the step's micro-batches: the no-grad forwards of all chunks but the last
-    kv_gpu_bytes: int = 0  # the key/value store's pages (and gradient pages) on the GPU; its host bytes are static_host_bytes
-    chunk_tokens: int | None = None  # the chunk size measured (None: whole sequences)
-    resident_pages: int | None = None  # key/value pages (of every row) on the GPU at once, over all layers
-
-    def __post_init__(self):
-        assert self.layers and self.micro_batches >= 1 and self.chunks >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
-        assert self.host_bytes_per_s > 0
 
 
 @dataclass(frozen=True)
@@ -146,189 +70,6 @@ def format_bytes(n: int) -> str:
         if n >= size or unit == "KiB":
             return f"{math.ceil(n / size * 10 - 1e-9) / 10:.1f} {unit}"
     raise AssertionError("unreachable")
-
-
-# --- the cost model -----------------------------------------------------------------------------
-
-
-def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
-    """Step time, its phases (PHASES) and peak memory of `plan`, by running the runtime's queues in order.
-
-    Assumptions (student/offload.py carries the plan out; this is what it is modelled as):
-    - Three device queues, each in order: compute, host->device copies (H2D), device->host copies
-      (D2H); and the host. A copy takes bytes / measured bandwidth; the two directions run at once;
-      compute does not slow copies down nor copies compute (no contention is modelled). A host
-      pass over gradients takes the bytes it reads and writes / host_bytes_per_s.
-    - Forward, layer i: its weights (params "stream") are copied when layer i-d-1's forward ends
-      (d = prefetch_depth; at the start for the first d+1 layers), and its forward waits for them.
-      An "offload" layer's input is copied out after its forward; the forward of layer i+d+1 waits
-      until that copy is done (at most d+1 offloaded inputs are on the GPU at once).
-    - Then the head (embeddings, norm, head, loss; `head_s`), then the backward, layers in reverse:
-      layer i's weights (stream, unless kept since the forward: "keep") and its input (offload) are
-      copied in when the backward of layer i+d+1 ends (at the end of the forward for the top d+1
-      layers); its backward waits for them and runs the forward again first unless "keep". A
-      layer whose states are on the host sends its weight gradient sum out in fp32 after its
-      backward (the backward of layer i-d-1 waits until that copy is done); with more than one
-      micro-batch its accumulator comes in with its other copies first (the sum is formed on the
-      device; so in every micro-batch, the first's too: a little pessimistic). The gradients'
-      norms are taken on the device meanwhile (not timed); a "gpu" layer accumulates there.
-    - Micro-batches run one after another, each starting on empty queues; the step is
-      (micro_batches - 1) x one micro-batch + the last one. Clipping takes no time of its own (the
-      norms are known; the coefficient is applied inside the update). Then the optimizer:
-      "cpu": once every gradient is on the host, the host layers update on the CPU one after
-      another (each scaling its gradient by the coefficient first: a pass of 2 x its fp32 bytes;
-      then the cast of its staging copy), each resident one's working weights going to the GPU
-      after its update; the static parameters and the "gpu" layers update on the GPU meanwhile.
-      "gpu": the host layers, last to first, through a ring of UPDATE_SLOTS slots, on three
-      queues of their own (copies in, compute, copies out; `_ring`): the layer in position k of
-      that order loads its master, gradient and states once the copies out of position
-      k - UPDATE_SLOTS are done and its gradient is on the host; the first UPDATE_SLOTS positions
-      load master and states right after their backward (their gradient is on the device); each
-      updates once loaded, then master, states and staging copy go out. Then the static
-      parameters and the "gpu" layers update. The copies out overlap the next step: the step ends
-      when the compute queue is through, unless the next step's forward of a streamed host layer
-      would wait for its copy out (its weights come in after it, and the layers before it take at
-      least their forward time), which delays that step as much.
-    - Chunk-recurrent training: pass 1 (`pass1_s`, no-grad forwards, the weights resident) runs
-      before the chunks' forwards and backwards, which are the micro-batches above; the key/value
-      store's device bytes are held at the turnaround.
-    - GPU peak: the larger of the turnaround (end of the forward) and the optimizer phase.
-      Turnaround: static + weights of resident and kept layers + master, gradient and states of
-      "gpu" layers + (d+1) buffers of the largest streamed layer + kept activations (keep:
-      everything saved; recompute: the input) + 2 (d+1) of the largest offloaded input (copies
-      out and back in flight) + (d+1) fp32 gradients (2 (d+1) with more than one micro-batch:
-      accumulators coming in) and one compute-dtype gradient of the largest layer + the largest
-      layer's workspace and recomputed activations + with the update on the GPU its ring (the
-      first slots fill in the backward). Optimizer phase: static + resident weights + "gpu"
-      layers' state + the ring.
-    - Host peak: static + the host layers' master, gradient accumulator, states and staging copy +
-      the offloaded inputs of one micro-batch.
-    - Not modelled: the copy back of an offloaded input waiting for its copy out (the forward and
-      backward between them hide it); the update's copies in sharing the bus with the backward's
-      (the first slots' loads); the ring waiting on a "gpu" layer's position as if it had a slot.
-    """
-    L, d, m = len(costs.layers), plan.prefetch_depth, costs.micro_batches
-    assert len(plan.layers) == L, f"the plan has {len(plan.layers)} layers, the cost table {L}"
-    h2d = lambda n: n / costs.h2d_bytes_per_s
-    d2h = lambda n: n / costs.d2h_bytes_per_s
-    host_pass = lambda n: n / costs.host_bytes_per_s
-    c, p = costs.layers, plan.layers
-    keep = [lp.activation == "keep" for lp in p]
-    offload = [lp.activation == "offload" for lp in p]
-    stream = [lp.params == "stream" for lp in p]
-    on_host = [lp.states == "host" for lp in p]
-    backward = [c[i].backward_s + (0.0 if keep[i] else c[i].forward_s) for i in range(L)]
-
-    # Forward: copy_in / copy_out are the ends of the H2D and D2H queues, so far.
-    copy_in = copy_out = 0.0
-    fwd_end, out_end, stall = [0.0] * L, [0.0] * L, [0.0] * L
-    for i in range(L):
-        issue = fwd_end[i - d - 1] if i - d - 1 >= 0 else 0.0
-        copy_in = max(copy_in, issue) + stream[i] * h2d(c[i].weight_bytes)
-        ready = fwd_end[i - 1] if i else 0.0
-        start = max(ready, copy_in, out_end[i - d - 1] if i - d - 1 >= 0 else 0.0)
-        stall[i] += start - ready
-        fwd_end[i] = start + c[i].forward_s
-        copy_out = max(copy_out, fwd_end[i]) + offload[i] * d2h(c[i].boundary_bytes)
-        out_end[i] = copy_out
-
-    # Backward, top layer first.
-    compute = fwd_end[-1] + costs.head_s
-    accumulated = costs.micro_batches > 1  # a host layer's sum so far comes in before its gradient is added
-    bwd_end, grad_end = [0.0] * L, [0.0] * L
-    for i in reversed(range(L)):
-        issue = bwd_end[i + d + 1] if i + d + 1 < L else fwd_end[-1]
-        copy_in = max(copy_in, issue) + h2d(stream[i] * (not keep[i]) * c[i].weight_bytes
-                                            + offload[i] * c[i].boundary_bytes + accumulated * on_host[i] * c[i].master_bytes)
-        start = max(compute, copy_in, grad_end[i + d + 1] if i + d + 1 < L else 0.0)
-        stall[i] += start - compute
-        bwd_end[i] = compute = start + backward[i]
-        copy_out = max(copy_out, compute) + on_host[i] * d2h(c[i].master_bytes)
-        grad_end[i] = copy_out
-    micro_batch = max(compute, copy_in, copy_out)
-
-    # The optimizer, after the clipping (the norms were taken in the backward: no time of its own).
-    device_update = costs.static_update_s + sum(x.update_gpu_s for x, h in zip(c, on_host) if not h)
-    if plan.optimizer == "cpu":  # once every gradient is on the host
-        cpu = start = max(compute, copy_out)
-        for i in range(L):
-            cpu += on_host[i] * (c[i].update_cpu_s + host_pass(2 * c[i].master_bytes))
-            copy_in = max(copy_in, cpu) + (on_host[i] and not stream[i]) * h2d(c[i].weight_bytes)
-        updated = max(cpu, start + device_update)
-        last = max(micro_batch, updated, copy_in)
-    else:
-        start = compute
-        updated, wb_end = _ring(costs, plan, start, bwd_end, grad_end)
-        updated += device_update
-        last = max(micro_batch, updated, *[wb_end[i] + h2d(c[i].weight_bytes) - sum(x.forward_s for x in c[:i])
-                                           for i in range(L) if on_host[i] and stream[i]])
-    step_s = (m - 1) * micro_batch + last + costs.pass1_s
-    phase_s = dict(forward=m * fwd_end[-1] + costs.pass1_s, head=m * costs.head_s, backward=m * (compute - fwd_end[-1] - costs.head_s),
-                   grads=(m - 1) * (micro_batch - compute) + start - compute, clip=0.0, optimizer=updated - start,
-                   refresh=last - updated)
-
-    gpu_peak, host_peak = _peaks(costs, plan)
-    layer_s = tuple(m * (c[i].forward_s + backward[i] + stall[i]) for i in range(L))
-    return Predicted(step_s=step_s, gpu_peak_bytes=gpu_peak, host_peak_bytes=host_peak, layer_s=layer_s,
-                     phase_s=phase_s)
-
-
-def _ring(costs: CostTable, plan: OffloadPlan, start: float, bwd_end: list[float], grad_end: list[float]
-          ) -> tuple[float, list[float]]:
-    """The update on the GPU through the ring of UPDATE_SLOTS slots (predict's docstring): (end of
-    the host layers' updates on the compute queue, per layer the end of the copies-out queue after
-    it). Three queues, layers last to first; a layer that stays on the GPU passes through in no
-    time (but the queues' ends carry over it)."""
-    c, L, R = costs.layers, len(costs.layers), UPDATE_SLOTS
-    h2d = lambda n: n / costs.h2d_bytes_per_s
-    d2h = lambda n: n / costs.d2h_bytes_per_s
-    load, update, written, wb_end = 0.0, start, [], [0.0] * L
-    for k, i in enumerate(reversed(range(L))):
-        host = plan.layers[i].states == "host"
-        if k < R:  # loads in the backward: master and states; the gradient is on the device
-            load = max(load, bwd_end[i]) + host * h2d(c[i].master_bytes + c[i].state_bytes)
-        else:
-            load = max(load, grad_end[i], written[k - R]) + host * h2d(c[i].update_in_bytes)
-        update = max(update, load) + host * c[i].update_gpu_s
-        wb = max(written[-1] if written else 0.0, update) + host * d2h(c[i].master_bytes + c[i].state_bytes
-                                                                        + c[i].staging_bytes)
-        written.append(wb)
-        wb_end[i] = wb
-    return update, wb_end
-
-
-def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
-    """(GPU peak, host peak) bytes of `plan` (predict's docstring says what they hold)."""
-    c, p, d = costs.layers, plan.layers, plan.prefetch_depth
-    most = lambda values: max(values, default=0)
-    held = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident" or lp.activation == "keep")
-    ring = (d + 1) * most(x.weight_bytes for x, lp in zip(c, p) if lp.params == "stream" and lp.activation != "keep")
-    acts = sum(x.keep_bytes if lp.activation == "keep" else x.boundary_bytes
-               for x, lp in zip(c, p) if lp.activation != "offload")
-    in_flight = 2 * (d + 1) * most(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload")
-    states = sum(x.update_in_bytes for x, lp in zip(c, p) if lp.states == "gpu")
-    turnaround = (costs.static_gpu_bytes + held + ring + acts + in_flight + states + _fixed_gpu_bytes(costs, d)
-                  + _optimizer_slices(costs, plan.optimizer))
-    resident = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident")
-    optimizer_phase = costs.static_gpu_bytes + resident + states + _optimizer_slices(costs, plan.optimizer)
-    host = (costs.static_host_bytes + sum(x.host_bytes for x, lp in zip(c, p) if lp.states == "host")
-            + sum(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload"))
-    return max(turnaround, optimizer_phase), host
-
-
-def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
-    """What every plan of this depth holds at the turnaround: the key/value store's device pages, gradients (d+1 fp32 sums on their way
-    out, the one being widened in the compute dtype; after the first micro-batch d+1 accumulators
-    more on their way in) and one layer's backward (its workspace and recomputed activations)."""
-    sums = (depth + 1) * (2 if costs.micro_batches > 1 else 1)
-    return (sums * max(x.master_bytes for x in costs.layers) + max(x.weight_bytes for x in costs.layers)
-            + max(x.workspace_bytes + x.keep_bytes for x in costs.layers) + costs.kv_gpu_bytes)
-
-
-def _optimizer_slices(costs: CostTable, side: str) -> int:
-    """The update's ring on the GPU (UPDATE_SLOTS slots of the largest layer's master, gradient,
-    states and staging casts), held from the backward (the first slots load there) to the update."""
-    return UPDATE_SLOTS * max(x.update_in_bytes + x.staging_bytes for x in costs.layers) if side == "gpu" else 0
 
 
 # --- the mixed-integer program ------------------------------------------------------------------
@@ -621,7 +362,7 @@ def solve(costs: CostTable, gpu_memory: int, host_memory: int, *, time_limit_s: 
     """The plan of least predicted step time whose peaks fit `gpu_memory` and `host_memory` (bytes),
     over every per-layer choice, the prefetch depths of `settings` and both optimizer sides (with
     chunk-recurrent costs, resident weights only). The plan carries `predict`'s figures, the
-    budgets and the chunk engine's chunk size and resident pages as measured. A budget no plan meets raises BudgetError
+    budgets and the chunk engine's chunk size and key/value residency as in `costs`. A budget no plan meets raises BudgetError
     naming the option and the smallest budget that one plan meets (under the other budget)."""
     runs = [(d, side) for d in settings.depths for side in OPTIMIZER_SIDES]
     best = None
@@ -635,8 +376,10 @@ def solve(costs: CostTable, gpu_memory: int, host_memory: int, *, time_limit_s: 
     if not best.optimal:
         logger.warning("the planner's solver hit its time limit; using the best plan it found (predicted step "
                        "%.4g s)", best.step_s)
+    kv = costs.kv
     return replace(best.plan, gpu_memory=gpu_memory, host_memory=host_memory, predicted=predict(costs, best.plan),
-                   chunk_tokens=costs.chunk_tokens, resident_pages=costs.resident_pages)
+                   chunk_tokens=costs.chunk_tokens, resident_pages=costs.resident_pages,
+                   kv_offload=kv.kv_offload if kv else None, offload_pages=kv.offload_pages if kv else None)
 
 
 def _raise_budget_error(costs, gpu_memory, host_memory, time_limit_s, settings):
@@ -660,13 +403,76 @@ def _rounded_up(n: int) -> int:
     return parse_bytes(format_bytes(n).replace(" ", ""))
 
 
+# --- the chunk size and the key/value pages ------------------------------------------------------
+
+
+def choose_chunks(tables: dict[int, CostTable], gpu_memory: int, host_memory: int, *, time_limit_s: float = 60.0,
+                  settings: SolverSettings = SolverSettings()) -> tuple[OffloadPlan, CostTable]:
+    """The fastest plan over chunk sizes and key/value residencies: `tables` holds, per candidate
+    chunk size, its measured chunk-recurrent CostTable (a size the micro-batch fits in whole: its
+    whole-sequence table). Each table is priced with every residency of `kv_options` (`kv_residency`)
+    and solved under the budgets (`solve`, the time limit shared evenly). Returns the plan of least
+    predicted step time that fits, every pair considered in its chunk_choices, and its costs. When
+    none fits, the BudgetError of the pair that comes closest (the least smallest GPU budget, else
+    host budget)."""
+    priced = []
+    for size, costs in tables.items():
+        if costs.kv is None:
+            priced.append(replace(costs, chunk_tokens=size))
+        else:
+            priced += [kv_residency(costs, *option) for option in kv_options(costs.kv)]
+    choices, best, errors = [], None, []
+    for costs in priced:
+        try:
+            plan = solve(costs, gpu_memory, host_memory, time_limit_s=time_limit_s / len(priced), settings=settings)
+        except ConfigError as e:
+            plan = None
+            errors.append(e)
+        kv, p = costs.kv, plan.predicted if plan is not None else None
+        figures = dict(step_s=p.step_s, gpu_peak_bytes=p.gpu_peak_bytes, host_peak_bytes=p.host_peak_bytes) if p else {}
+        choices.append(ChunkChoice(chunk_tokens=costs.chunk_tokens, kv_offload=kv.kv_offload if kv else False,
+                                   offload_pages=kv.offload_pages if kv else None, resident_pages=costs.resident_pages,
+                                   **figures))
+        if p is not None and (best is None or p.step_s < best[0].predicted.step_s):
+            best = plan, costs
+    if best is None:
+        budget_errors = [e for e in errors if isinstance(e, BudgetError)]
+        if not budget_errors:
+            raise errors[0]
+        raise min(budget_errors, key=lambda e: (e.field != "gpu_memory", e.smallest_bytes))
+    return replace(best[0], chunk_choices=tuple(choices)), best[1]
+
+
+def _chunk_candidates(config) -> tuple[int, ...] | None:
+    """config's --chunk-candidates, checked against its --chunk-tokens and sequence length."""
+    offload = getattr(config, "offload", None)
+    candidates = offload.candidates if offload is not None else None
+    if candidates is None:
+        return None
+    text, chunk = offload.chunk_candidates, config.long.chunk_tokens
+    if chunk is not None and chunk not in candidates:
+        raise ConfigError("chunk_candidates", f"is {text!r}, without the run's --chunk-tokens {chunk}; add it to the "
+                                              "candidates, or drop --chunk-tokens to let the planner choose")
+    from teacher_cache.reader import CacheReader
+
+    length = CacheReader(config.cache).manifest.spec.data.seq_len
+    length = min(length, config.seq_len) if config.seq_len is not None else length
+    if candidates[-1] > length:
+        raise ConfigError("chunk_candidates", f"is {text!r}: {candidates[-1]} is longer than the sequences trained "
+                                              f"({length} tokens: --seq-len, else the cache's); give chunk sizes up "
+                                              f"to {length}")
+    return candidates
+
+
 # --- planning a training run ---------------------------------------------------------------------
 
 
 def make_plan(config, gpu_memory: int | None = None, host_memory: int | None = None, *,
               time_limit_s: float = 60.0) -> tuple[OffloadPlan, CostTable]:
     """Profile `config`'s step and solve for its plan under the budgets (bytes; None: config.offload's
-    when TrainConfig has that part and it sets one, else `default_budgets`). Returns (plan, costs)."""
+    when TrainConfig has that part and it sets one, else `default_budgets`). With chunk_candidates
+    (OffloadConfig) the step is profiled at each candidate chunk size and `choose_chunks` chooses
+    the chunk size and key/value residency too. Returns (plan, costs)."""
     from distill.devices import resolve_device
     from student.offload_plan import parse_bytes
     from student.step_profile import default_budgets, profile
@@ -677,8 +483,13 @@ def make_plan(config, gpu_memory: int | None = None, host_memory: int | None = N
     if host_memory is None and offload is not None and offload.host_memory is not None:
         host_memory = parse_bytes(offload.host_memory, "host_memory")
     default_gpu, default_host = default_budgets(resolve_device(config.device))
+    gpu_memory, host_memory = gpu_memory or default_gpu, host_memory or default_host
+    candidates = _chunk_candidates(config)
+    if candidates is not None:
+        tables = {size: profile(config.with_flat(chunk_tokens=size)) for size in candidates}
+        return choose_chunks(tables, gpu_memory, host_memory, time_limit_s=time_limit_s)
     costs = profile(config)
-    plan = solve(costs, gpu_memory or default_gpu, host_memory or default_host, time_limit_s=time_limit_s)
+    plan = solve(costs, gpu_memory, host_memory, time_limit_s=time_limit_s)
     return plan, costs
 
 
@@ -708,13 +519,17 @@ def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
                       size(kept), seconds)
     console = Console(file=io.StringIO(), width=110, color_system=None, force_terminal=False)
     console.print(table)
+    if plan.chunk_choices:
+        console.print(_choices_table(plan))
     budget = lambda n: f" of {format_bytes(n)}" if n is not None else ""
+    pages = (f"offloaded to the host, page sets of {plan.offload_pages} on the GPU" if plan.kv_offload
+             else "every page on the GPU")
     lines = [f"predicted step time {predicted.step_s * 1e3:.2f} ms (compute, recompute and the transfers it "
              "cannot hide; per layer: all micro-batches)",
              "phases: " + ", ".join(f"{name} {predicted.phase_s.get(name, 0.0) * 1e3:.2f} ms" for name in PHASES),
              *([f"chunk-recurrent: {plan.chunk_tokens} tokens a chunk, {costs.chunks} chunks a micro-batch "
                 f"(each a micro-batch above; pass 1 {costs.pass1_s * 1e3:.2f} ms a step); {plan.resident_pages} "
-                f"key/value pages resident on the GPU ({format_bytes(costs.kv_gpu_bytes)}), "
+                f"key/value pages resident on the GPU ({format_bytes(costs.kv_gpu_bytes)}; {pages}), "
                 f"{format_bytes(costs.static_host_bytes)} on the host"] if plan.chunk_tokens is not None else []),
              f"peak GPU memory {format_bytes(predicted.gpu_peak_bytes)}{budget(plan.gpu_memory)}; "
              f"peak host memory {format_bytes(predicted.host_peak_bytes)}{budget(plan.host_memory)}",
@@ -722,3 +537,23 @@ def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
              f"{costs.d2h_bytes_per_s / 1e9:.1f} GB/s, host passes over gradients "
              f"{costs.host_bytes_per_s / 1e9:.1f} GB/s; static GPU bytes {format_bytes(costs.static_gpu_bytes)}"]
     return console.file.getvalue() + "\n".join(lines)
+
+
+def _choices_table(plan: OffloadPlan):
+    """The chunk sizes and key/value residencies `choose_chunks` considered, the chosen one marked."""
+    from rich.table import Table
+
+    table = Table(title="chunk sizes and key/value pages considered (--chunk-candidates)")
+    for column in ("chunk tokens", "key/value pages", "pages on GPU", "predicted step", "peak GPU", "peak host", ""):
+        table.add_column(column, justify="left" if column in ("key/value pages", "") else "right")
+    key = (plan.chunk_tokens, bool(plan.kv_offload), plan.offload_pages, plan.resident_pages)
+    chosen = next((c for c in plan.chunk_choices
+                   if (c.chunk_tokens, c.kv_offload, c.offload_pages, c.resident_pages) == key), None)
+    for c in plan.chunk_choices:
+        fits = c.step_s is not None
+        table.add_row(str(c.chunk_tokens), f"offloaded, sets of {c.offload_pages}" if c.kv_offload else "resident",
+                      "-" if c.resident_pages is None else str(c.resident_pages),
+                      f"{c.step_s * 1e3:.2f} ms" if fits else "-", format_bytes(c.gpu_peak_bytes) if fits else "-",
+                      format_bytes(c.host_peak_bytes) if fits else "-",
+                      "chosen" if c is chosen else ("" if fits else "does not fit"))
+    return table

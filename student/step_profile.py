@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from student.planner import CostTable
+    from student.offload_cost import CostTable, KVPages
 
 __all__ = ["ProfileSettings", "profile", "default_budgets", "available_host_bytes"]
 
@@ -24,6 +24,7 @@ class ProfileSettings:
 
     repeats: int = 3  # timed runs of each measurement after one warm-up run; the median is kept
     copy_bytes: int = 64 * 2**20  # bytes of each bandwidth measurement (one copy each way)
+    small_copy_bytes: int = 64 * 2**10  # bytes of the copy whose time beyond its bandwidth's is a copy's latency
     # fp32 bytes of each operand of the host pass measured (an add, as the gradient accumulation
     # runs): larger than a host's last-level cache, so that it measures memory, as on a layer.
     host_pass_bytes: int = 256 * 2**20
@@ -49,7 +50,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     import torch
 
     from student.data import CacheBatches, split_indices, tokenizer_info_of
-    from student.planner import CostTable, LayerCosts
+    from student.offload_cost import CostTable, LayerCosts
     from student.optim import build_optimizer
     from student.trainer import _initial_student, _resolve
     from teacher_cache.reader import CacheReader
@@ -98,16 +99,17 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     static_update_s, static_states = _update_seconds(static, config.optim, device, settings, build_optimizer,
                                                      copy_first=False)
     static_params = sum(p.numel() * p.element_size() for p in static.parameters())
-    h2d, d2h = _bandwidths(device, settings)
-    kv_gpu, kv_host, resident_pages = (_kv_bytes(model, config, batches[0].input_ids.shape, amp) if chunks > 1
-                                       else (0, 0, None))
+    h2d, d2h, latency = _bandwidths(device, settings)
+    kv = _kv_pages(model, config, batches[0].input_ids.shape, amp) if chunks > 1 else None
+    kv_gpu, kv_host, resident_pages = kv.bytes() if kv is not None else (0, 0, None)
     return CostTable(layers=tuple(layers), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
                      static_gpu_bytes=2 * static_params + static_states + loss_workspace
                      + (settings.reserve_bytes if cuda else 0),
                      static_host_bytes=kv_host, head_s=head_s, static_update_s=static_update_s,
                      micro_batches=config.grad_accum * chunks, host_bytes_per_s=_host_pass_rate(settings),
                      chunks=chunks, pass1_s=pass1_s, kv_gpu_bytes=kv_gpu,
-                     chunk_tokens=config.long.chunk_tokens if chunks > 1 else None, resident_pages=resident_pages)
+                     chunk_tokens=config.long.chunk_tokens if chunks > 1 else None, resident_pages=resident_pages,
+                     kv=kv, copy_latency_s=latency)
 
 
 def _timed(device: str, fn):
@@ -192,28 +194,23 @@ def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_
             "loss_workspace": max(first["loss_workspace"], last["loss_workspace"]), "chunks": n, "pass1_s": pass1_s}
 
 
-def _kv_bytes(model, config, shape, amp) -> tuple[int, int, int]:
-    """(device bytes, host bytes, resident pages) of the chunk-recurrent engine's key/value store
-    for micro-batches of `shape` [B, L] (student/long_context.py's PagedKVStore): per layer its key
-    and value pages in the attention dtype and their fp32 gradient pages, every layer's at once by
-    the end of the last chunk's backward; with kv_offload on a GPU all of them in pinned host
-    memory, the device holding three page sets of offload_pages pages (one read, the next copied,
-    and the next layer's first, prefetched across the layer boundary). Pass 1's kept attention outputs (and their fp32 lse) of every chunk but the last
-    go to pinned host memory on a GPU (stay on the device elsewhere). Resident pages: the pages (of
-    every row) the device holds at once, over all layers."""
+def _kv_pages(model, config, shape, amp) -> KVPages:
+    """The chunk-recurrent engine's key/value store for micro-batches of `shape` [B, L]
+    (student/long_context.py's PagedKVStore), as config.long places it: per layer its key and value
+    pages in the attention dtype and their fp32 gradient pages (`KVPages.bytes` says where they
+    live), and pass 1's kept attention outputs (and their fp32 lse) of every chunk but the last."""
+    from student.offload_cost import KVPages
+
     c, long = model.config, config.long
     B, L = shape
-    cuda = config.device.startswith("cuda")
     size = (amp or model.embed_tokens.weight.dtype).itemsize
-    num_pages = -(-L // long.page_tokens)
-    page_bytes = B * c.num_kv_heads * long.page_tokens * c.head_dim * (2 * size + 2 * 4)  # k, v and their gradients
+    page = B * c.num_kv_heads * long.page_tokens * c.head_dim
     last_start = (len(range(0, L, long.chunk_tokens)) - 1) * long.chunk_tokens
-    kept = c.num_layers * B * c.num_heads * last_start * (c.head_dim * size + 4)
-    if long.kv_offload and cuda:
-        resident = 3 * min(long.offload_pages, num_pages)
-        return resident * page_bytes, c.num_layers * num_pages * page_bytes + kept, resident
-    resident = c.num_layers * num_pages
-    return resident * page_bytes + (0 if cuda else kept), kept if cuda else 0, resident
+    return KVPages(num_layers=c.num_layers, seq_tokens=L, chunk_tokens=long.chunk_tokens, page_tokens=long.page_tokens,
+                   kv_page_bytes=2 * size * page, grad_page_bytes=2 * 4 * page,
+                   kept_bytes=c.num_layers * B * c.num_heads * last_start * (c.head_dim * size + 4),
+                   offloadable=config.device.startswith("cuda"), kv_offload=long.kv_offload,
+                   offload_pages=long.offload_pages)
 
 
 def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_temperature: float,
@@ -326,20 +323,26 @@ def _update_seconds(module, optim_config, device: str, settings: ProfileSettings
     return sorted(seconds)[len(seconds) // 2], states
 
 
-def _bandwidths(device: str, settings: ProfileSettings) -> tuple[float, float]:
-    """(host->device, device->host) bytes per second: pinned host memory on a GPU, plain copies
-    between two host buffers on the CPU."""
+def _bandwidths(device: str, settings: ProfileSettings) -> tuple[float, float, float]:
+    """(host->device, device->host bytes per second, seconds a copy takes beyond its bytes): pinned
+    host memory on a GPU, plain copies between two host buffers on the CPU. The latency is a small
+    copy's time (each way, the larger) less its bytes over the bandwidth."""
     import torch
 
-    n = settings.copy_bytes
     cuda = device.startswith("cuda")
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
-    dev = torch.empty(n, dtype=torch.uint8, device=device)
-    rate = []
-    for dst, src in ((dev, host), (host, dev)):
-        seconds = [_timed(device, lambda: dst.copy_(src, non_blocking=cuda))[0] for _ in range(settings.repeats + 1)]
-        rate.append(n / max(sorted(seconds[1:])[len(seconds[1:]) // 2], 1e-9))
-    return rate[0], rate[1]
+    median = lambda dst, src: sorted([_timed(device, lambda: dst.copy_(src, non_blocking=cuda))[0]
+                                      for _ in range(settings.repeats + 1)][1:])[settings.repeats // 2]
+    rate, latency = [], 0.0
+    for n in (settings.copy_bytes, settings.small_copy_bytes):
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
+        dev = torch.empty(n, dtype=torch.uint8, device=device)
+        for k, (dst, src) in enumerate(((dev, host), (host, dev))):
+            seconds = median(dst, src)
+            if n == settings.copy_bytes:
+                rate.append(n / max(seconds, 1e-9))
+            else:
+                latency = max(latency, seconds - n / rate[k])
+    return rate[0], rate[1], max(latency, 0.0)
 
 
 def _host_pass_rate(settings: ProfileSettings) -> float:

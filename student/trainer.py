@@ -3,7 +3,9 @@
 Run directory (`out`):
   run.json            the resolved config (flat names: TrainConfig.to_flat()), the cache's id and
                       temperature, the student's identity and tokenizer hash, and with offload the
-                      plan the run trains with (offload_plan: OffloadPlan.to_dict(), its predictions)
+                      plan the run trains with (offload_plan: OffloadPlan.to_dict(), its predictions;
+                      with --chunk-candidates the config's chunk_tokens, kv_offload and offload_pages
+                      are the plan's choice, and its chunk_choices every candidate considered)
   metrics.jsonl       {"kind": "train", step, loss, kl, lr, grad_norm, tokens, tok_per_s,
                       optimizer_state_bytes, epoch, and on a GPU peak_gpu_bytes: the most
                       allocated since the previous row}; with offload also offload_step_s (mean
@@ -78,7 +80,8 @@ __all__ = ["TrainConfig", "TrainReport", "train", "RunDirError", "NonFiniteLossE
 # (it is identified by its id), never the model or the data.
 CHANGEABLE = ("cache", "steps", "warmup_steps", "min_lr_ratio", "lr", "weight_decay", "clip_grad", "foam_scale",
               "l1", "sparse_kernel", "dead_reinit", "dead_window", "chunk_tokens", "page_tokens", "kv_offload",
-              "offload_pages", "checkpoint_layers", "sparse_pages", "offload", "gpu_memory", "host_memory")
+              "offload_pages", "checkpoint_layers", "sparse_pages", "offload", "gpu_memory", "host_memory",
+              "chunk_candidates")
 # Settings of how often things are logged, evaluated or saved, and where: free to change, not recorded.
 _FREE = ("out", "eval_every", "eval_sequences", "save_every", "log_every")
 PID_FILE = "run.pid"  # the live trainer's {"pid", "host"}; see the module docstring
@@ -396,6 +399,10 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
     check_shards(config.cache)  # every shard's size and checksum, before anything is written
     train_idx, held_idx = split_indices(reader.num_sequences, config.heldout)
     offloading = config.offload.offload != "none"
+    plan = _offload_plan(config)
+    if plan is not None and plan.chunk_choices:  # the planner chose the chunk size and where the pages live
+        config = config.with_flat(chunk_tokens=plan.chunk_tokens, **{
+            name: getattr(plan, name) for name in ("kv_offload", "offload_pages") if getattr(plan, name) is not None})
     # Offloaded, the model is built in host memory: its decoder layers stay there (student/offload.py).
     model, identity = _initial_student(config, "cpu" if offloading else device)
     if model.config.vocab_size < tok["vocab_size"]:
@@ -419,7 +426,11 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
 
     eval_idx = held_idx[:config.eval_sequences] if config.eval_sequences else held_idx
     amp_dtype = torch.bfloat16 if config.dtype == "bfloat16" else None
-    runtime = _offload_runtime(config, model, amp_dtype) if offloading else None  # before the optimizer sees the params
+    runtime = None
+    if offloading:  # before the optimizer sees the params
+        from student.offload import OffloadRuntime
+
+        runtime = OffloadRuntime(model, plan, device, amp_dtype)
     if runtime is not None:
         run["offload_plan"] = runtime.plan.to_dict()
 
@@ -600,11 +611,19 @@ def _save_gathered_student(model, folder: Path, tokenizer_dir: str, dist) -> Non
     tdist.barrier()
 
 
-def _offload_runtime(config: TrainConfig, model, amp_dtype):
-    """The offload runtime carrying out the run's plan: a saved one, or the planner's (auto)."""
-    from student.offload import OffloadRuntime
+def _offload_plan(config: TrainConfig):
+    """The plan the run trains with: a saved one, the planner's (auto), or None. A plan made for another
+    chunk size is refused, unless the planner chose it (its chunk_choices) among candidates that
+    held the run's chunk size (or the run gives none): train() then takes the plan's chunk settings."""
     from student.offload_plan import OffloadPlan
 
+    candidates = config.offload.chunk_candidates
+    if candidates is not None and config.offload.offload != "auto":
+        raise ConfigError("chunk_candidates", f"is {candidates!r} with --offload {config.offload.offload}: the planner "
+                                              "chooses among them with --offload auto (a saved plan holds its choice); "
+                                              "add --offload auto or drop --chunk-candidates")
+    if config.offload.offload == "none":
+        return None
     if config.offload.offload == "auto":
         try:
             from student.planner import plan_for_training
@@ -614,13 +633,18 @@ def _offload_runtime(config: TrainConfig, model, amp_dtype):
         plan = plan_for_training(config)
     else:
         plan = OffloadPlan.load(config.offload.offload)
-    if plan.chunk_tokens is not None and plan.chunk_tokens != config.long.chunk_tokens:
-        ran = (f"--chunk-tokens {config.long.chunk_tokens}" if config.long.chunk_tokens is not None
-               else "whole sequences")
+    chunk = config.long.chunk_tokens
+    chosen_among = {c.chunk_tokens for c in plan.chunk_choices}
+    adopted = chosen_among and (chunk is None or chunk in chosen_among)
+    if plan.chunk_tokens is not None and plan.chunk_tokens != chunk and not adopted:
+        ran = f"--chunk-tokens {chunk}" if chunk is not None else "whole sequences"
         raise ConfigError("offload", f"holds a plan made for --chunk-tokens {plan.chunk_tokens} but this run has "
                                      f"{ran}; train with the plan's --chunk-tokens, make the plan for this run "
                                      "(`distill plan`) or use --offload auto")
-    return OffloadRuntime(model, plan, config.device, amp_dtype)
+    if plan.chunk_choices:
+        logger.info("the plan chose --chunk-tokens %s, %s", plan.chunk_tokens,
+                    f"--kv-offload with --offload-pages {plan.offload_pages}" if plan.kv_offload else "the pages resident")
+    return plan
 
 
 def _offload_figures(runtime, optimizer, step_s: float) -> dict:

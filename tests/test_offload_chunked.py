@@ -2,7 +2,8 @@
 chunk-recurrent training gives the losses, gradient norms, evaluations and final weights of
 chunk-recurrent training without offload, bit for bit on the CPU (a chunk size that does not divide
 the sequences, two micro-batches a step, the states on either side, the update on either side,
-AdamW and FOAM); a plan made for another chunk size is refused in one line."""
+AdamW and FOAM); a plan made for another chunk size is refused in one line, unless the planner chose
+it among candidates (--chunk-candidates) that held the run's: the run then trains with the plan's."""
 
 from __future__ import annotations
 
@@ -33,13 +34,14 @@ PLANS = {  # (layers, prefetch depth, optimizer side): test_offload.plan_file's 
 _REFERENCE: dict[str, Path] = {}
 
 
-def reference(small, tmp_path_factory, optimizer: str) -> Path:  # noqa: F811 (small: the fixture)
-    """Chunk-recurrent training without offload (once per optimizer in this module)."""
-    if optimizer not in _REFERENCE:
-        out = tmp_path_factory.mktemp(f"chunked-{optimizer}") / "run"
-        train(config(small, out, optimizer=optimizer, **CHUNKED), progress=False)
-        _REFERENCE[optimizer] = out
-    return _REFERENCE[optimizer]
+def reference(small, tmp_path_factory, optimizer: str, chunk_tokens: int = CHUNK) -> Path:  # noqa: F811 (small: the fixture)
+    """Chunk-recurrent training without offload (once per optimizer and chunk size in this module)."""
+    key = f"{optimizer}-{chunk_tokens}"
+    if key not in _REFERENCE:
+        out = tmp_path_factory.mktemp(f"chunked-{key}") / "run"
+        train(config(small, out, optimizer=optimizer, **{**CHUNKED, "chunk_tokens": chunk_tokens}), progress=False)
+        _REFERENCE[key] = out
+    return _REFERENCE[key]
 
 
 @pytest.mark.parametrize("optimizer, plan", [("adamw", "host-cpu"), ("adamw", "host-gpu"), ("foam", "states-cpu"),
@@ -84,6 +86,48 @@ def test_a_plan_for_another_chunk_size_is_refused(small, tmp_path):  # noqa: F81
             train(config(small, tmp_path / "run", offload=str(path), **overrides), progress=False)
         assert e.value.field == "offload" and seen in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not rows(tmp_path / "run")
+
+
+def test_offload_auto_with_chunk_candidates_trains_with_the_chosen_chunk_size(small, tmp_path, tmp_path_factory):  # noqa: F811
+    """--offload auto --chunk-candidates 7,12 and no --chunk-tokens: the planner profiles both, the
+    run trains with the one it chose (run.json's config and plan say which; on the CPU the pages
+    stay resident) and gives exactly the results of chunk-recurrent training without offload at
+    that chunk size."""
+    out = tmp_path / "run"
+    train(config(small, out, offload="auto", gpu_memory="1GiB", host_memory="4GiB", chunk_candidates="7,12",
+                 page_tokens=16), progress=False)
+    run = json.loads((out / "run.json").read_text())
+    plan = OffloadPlan.from_dict(run["offload_plan"])
+    assert plan.chunk_tokens in (7, 12) and [c.chunk_tokens for c in plan.chunk_choices] == [7, 12]
+    assert (run["config"]["chunk_tokens"], run["config"]["kv_offload"]) == (plan.chunk_tokens, False)
+    want = reference(small, tmp_path_factory, "adamw", plan.chunk_tokens)
+    assert results(out) == results(want)
+    assert same_weights(out / "student", want / "student")
+
+
+def test_a_plan_that_chose_its_chunk_size_trains_with_it_unless_the_run_gives_another(small, tmp_path):  # noqa: F811
+    """A saved plan whose chunk size the planner chose among 5 and 7: a run with --chunk-tokens 5
+    (a candidate) or none trains with 7 and the plan's pages; one with 9 is refused in one line, as
+    are --chunk-candidates beside a plan file or without offload."""
+    path = tmp_path / "plan.json"
+    plan_file(path, *PLANS["host-cpu"])
+    choices = [dict(chunk_tokens=n, kv_offload=False, offload_pages=4, resident_pages=8) for n in (5, 7)]
+    OffloadPlan.from_dict({**OffloadPlan.load(path).to_dict(), "chunk_tokens": CHUNK, "kv_offload": False,
+                           "offload_pages": 4, "chunk_choices": choices}).save(path)
+    short = dict(steps=1, warmup_steps=1, eval_every=0, save_every=0, page_tokens=16)
+    for given in (5, None):
+        out = tmp_path / f"run-{given}"
+        train(config(small, out, offload=str(path), chunk_tokens=given, **short), progress=False)
+        flat = json.loads((out / "run.json").read_text())["config"]
+        assert (flat["chunk_tokens"], flat["offload_pages"]) == (CHUNK, 4) and len(rows(out)) == 1
+    refused = [(dict(chunk_tokens=9, offload=str(path)), "offload", "--chunk-tokens 9"),
+               (dict(chunk_tokens=CHUNK, offload=str(path), chunk_candidates="5,7"), "chunk_candidates", "a saved plan"),
+               (dict(chunk_tokens=CHUNK, chunk_candidates="5,7"), "chunk_candidates", "--offload none")]
+    for overrides, field, says in refused:
+        with pytest.raises(ConfigError) as e:
+            train(config(small, tmp_path / "refused", **{**short, **overrides}), progress=False)
+        assert e.value.field == field and says in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "refused" / "run.json").exists()
 
 
 @pytest.mark.gpu

@@ -1,0 +1,394 @@
+"""The offload planner's cost model (LazyTrain, arXiv 2608.11919 §3.2): what a plan's step costs.
+
+`LayerCosts` and `CostTable` hold a student's measured step (student/step_profile.py fills them);
+`predict` runs the runtime's queues in order (student/offload.py carries a plan out,
+student/offload_plan.py says what each decision means) and gives the step time, its phases and
+the peak memory on each side. student/planner.py's mixed-integer program encodes `predict`
+exactly; `_peaks`' parts (`_fixed_gpu_bytes`, `_optimizer_slices`) are shared with it.
+A leaf beside offload_plan: no torch, no solver.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from student.offload_plan import UPDATE_SLOTS, OffloadPlan, Predicted
+
+__all__ = ["PHASES", "LayerCosts", "KVPages", "CostTable", "predict", "kv_options", "kv_residency"]
+
+
+# The phases of a step, in order, as `predict` returns them and OffloadRuntime.phase_s measures them:
+#   forward   the decoder layers' forwards (every micro-batch), with their waits for copies in
+#   head      the embeddings, final norm, head and loss, forward and backward
+#   backward  the decoder layers' backwards, recomputation and waits for copies in
+#   grads     after the backward until the host has the gradients it reads (the update on the CPU:
+#             the copies out the backward did not hide; on the GPU: none)
+#   clip      the trainer's clipping by the global norm (the norms were taken on the device in the
+#             backward: the total and the coefficient)
+#   optimizer the update (on the CPU: the host layers one after another; on the GPU: the ring of
+#             slots until the compute stream is through, the device parameters after)
+#   refresh   after the update until the resident working weights are on the GPU again (the update
+#             on the CPU), or until what the next step waits for is there (on the GPU: gradients
+#             still on their way out, a streamed layer's write-back)
+PHASES = ("forward", "head", "backward", "grads", "clip", "optimizer", "refresh")
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """What one decoder layer costs, for one micro-batch (seconds, bytes)."""
+
+    forward_s: float  # the layer's forward
+    backward_s: float  # its backward from kept activations (a recompute adds forward_s)
+    weight_bytes: int  # working weights in the compute dtype; also its weight gradient on the device
+    boundary_bytes: int  # the layer's input (what "recompute" keeps and "offload" moves)
+    keep_bytes: int  # every tensor the forward saves for the backward when kept, the input included
+    workspace_bytes: int  # transient memory of its forward + backward beyond the saved tensors
+    master_bytes: int  # fp32 master weights on the host (the fp32 gradient accumulator is as large)
+    state_bytes: int  # the optimizer's states of the layer, on the host
+    update_gpu_s: float  # one optimizer update of the layer on the GPU (its slice is there)
+    update_cpu_s: float  # the same on the CPU, with the cast of its staging copy
+
+    @property
+    def staging_bytes(self) -> int:
+        """The host copy of the working weights that copies to the device read, when their dtype is
+        not the masters' fp32 (else the masters are read)."""
+        return self.weight_bytes if self.weight_bytes < self.master_bytes else 0
+
+    @property
+    def host_bytes(self) -> int:
+        """Master weights, gradient accumulator, optimizer states and the staging copy."""
+        return 2 * self.master_bytes + self.state_bytes + self.staging_bytes
+
+    @property
+    def update_in_bytes(self) -> int:
+        """What a GPU update brings to the device: master, gradient accumulator, states; also what a
+        layer whose states live on the GPU holds there beside its working weights."""
+        return 2 * self.master_bytes + self.state_bytes
+
+
+@dataclass(frozen=True)
+class KVPages:
+    """The chunk-recurrent engine's key/value store of one micro-batch (student/long_context.py's
+    PagedKVStore) and where its pages live: what `kv_residency` prices the other residencies with."""
+
+    num_layers: int
+    seq_tokens: int  # positions of a micro-batch
+    chunk_tokens: int
+    page_tokens: int
+    kv_page_bytes: int  # one page of every row: its keys and values in the attention dtype
+    grad_page_bytes: int  # their fp32 gradient pages
+    kept_bytes: int  # pass 1's kept attention outputs and lse (every chunk's but the last, all layers)
+    offloadable: bool  # on a GPU: the pages may live in pinned host memory (elsewhere they stay put)
+    kv_offload: bool = False
+    offload_pages: int = 1024  # pages (of every row) of a page set, with kv_offload
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of every row, per layer."""
+        return -(-self.seq_tokens // self.page_tokens)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.kv_offload and self.offloadable
+
+    def bytes(self) -> tuple[int, int, int]:
+        """(device bytes, host bytes, resident pages): per layer its key and value pages and their
+        gradient pages, every layer's at once by the end of the last chunk's backward; offloaded,
+        all of them in pinned host memory, the device holding three page sets (one read, the next
+        copied, and the next layer's first, prefetched across the layer boundary). Pass 1's kept
+        attention outputs go to pinned host memory on a GPU (stay on the device elsewhere).
+        Resident pages: the pages (of every row) the device holds at once, over all layers."""
+        page = self.kv_page_bytes + self.grad_page_bytes
+        if self.offloaded:
+            resident = 3 * min(self.offload_pages, self.num_pages)
+            return resident * page, self.num_layers * self.num_pages * page + self.kept_bytes, resident
+        resident = self.num_layers * self.num_pages
+        if self.offloadable:
+            return resident * page, self.kept_bytes, resident
+        return resident * page + self.kept_bytes, 0, resident
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Measured costs of a student's training step (`profile`), the input of `predict` and `solve`."""
+
+    layers: tuple[LayerCosts, ...]
+    h2d_bytes_per_s: float  # host->device copy bandwidth (pinned host memory)
+    d2h_bytes_per_s: float  # device->host
+    # Always on the GPU: embeddings, final norm and head with their gradients and optimizer states,
+    # the loss's workspace and a runtime reserve (allocator slack).
+    static_gpu_bytes: int
+    static_host_bytes: int = 0  # on the host beside the layers' bytes
+    head_s: float = 0.0  # embeddings, final norm, head and loss, forward and backward, one micro-batch
+    static_update_s: float = 0.0  # the optimizer update of the static parameters (on the GPU)
+    # Micro-batches per optimizer step (grad_accum); with chunk-recurrent training each chunk's
+    # forward and backward (pass 2) counts as one: grad_accum x chunks.
+    micro_batches: int = 1
+    # Host memory streaming rate (bytes read plus written a second) of a host pass over fp32
+    # gradients: the update on the CPU scales each host layer's gradient by the clip coefficient.
+    host_bytes_per_s: float = math.inf
+    # Chunk-recurrent training (student/long_context.py; the layers' costs are then a chunk's):
+    chunks: int = 1  # chunks per micro-batch (1: whole sequences)
+    pass1_s: float = 0.0  # pass 1 of the step's micro-batches: the no-grad forwards of all chunks but the last
+    kv_gpu_bytes: int = 0  # the key/value store's pages (and gradient pages) on the GPU; its host bytes are static_host_bytes
+    chunk_tokens: int | None = None  # the chunk size measured (None: whole sequences)
+    resident_pages: int | None = None  # key/value pages (of every row) on the GPU at once, over all layers
+    kv: KVPages | None = None  # the key/value store as measured (chunk-recurrent), for `kv_residency`
+    # Seconds a copy takes beyond its bytes over the bandwidth (its launch and completion), measured
+    # on a small copy: `kv_residency` charges it per page-set copy.
+    copy_latency_s: float = 0.0
+
+    def __post_init__(self):
+        assert self.layers and self.micro_batches >= 1 and self.chunks >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
+        assert self.host_bytes_per_s > 0
+
+
+
+def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
+    """Step time, its phases (PHASES) and peak memory of `plan`, by running the runtime's queues in order.
+
+    Assumptions (student/offload.py carries the plan out; this is what it is modelled as):
+    - Three device queues, each in order: compute, host->device copies (H2D), device->host copies
+      (D2H); and the host. A copy takes bytes / measured bandwidth; the two directions run at once;
+      compute does not slow copies down nor copies compute (no contention is modelled). A host
+      pass over gradients takes the bytes it reads and writes / host_bytes_per_s.
+    - Forward, layer i: its weights (params "stream") are copied when layer i-d-1's forward ends
+      (d = prefetch_depth; at the start for the first d+1 layers), and its forward waits for them.
+      An "offload" layer's input is copied out after its forward; the forward of layer i+d+1 waits
+      until that copy is done (at most d+1 offloaded inputs are on the GPU at once).
+    - Then the head (embeddings, norm, head, loss; `head_s`), then the backward, layers in reverse:
+      layer i's weights (stream, unless kept since the forward: "keep") and its input (offload) are
+      copied in when the backward of layer i+d+1 ends (at the end of the forward for the top d+1
+      layers); its backward waits for them and runs the forward again first unless "keep". A
+      layer whose states are on the host sends its weight gradient sum out in fp32 after its
+      backward (the backward of layer i-d-1 waits until that copy is done); with more than one
+      micro-batch its accumulator comes in with its other copies first (the sum is formed on the
+      device; so in every micro-batch, the first's too: a little pessimistic). The gradients'
+      norms are taken on the device meanwhile (not timed); a "gpu" layer accumulates there.
+    - Micro-batches run one after another, each starting on empty queues; the step is
+      (micro_batches - 1) x one micro-batch + the last one. Clipping takes no time of its own (the
+      norms are known; the coefficient is applied inside the update). Then the optimizer:
+      "cpu": once every gradient is on the host, the host layers update on the CPU one after
+      another (each scaling its gradient by the coefficient first: a pass of 2 x its fp32 bytes;
+      then the cast of its staging copy), each resident one's working weights going to the GPU
+      after its update; the static parameters and the "gpu" layers update on the GPU meanwhile.
+      "gpu": the host layers, last to first, through a ring of UPDATE_SLOTS slots, on three
+      queues of their own (copies in, compute, copies out; `_ring`): the layer in position k of
+      that order loads its master, gradient and states once the copies out of position
+      k - UPDATE_SLOTS are done and its gradient is on the host; the first UPDATE_SLOTS positions
+      load master and states right after their backward (their gradient is on the device); each
+      updates once loaded, then master, states and staging copy go out. Then the static
+      parameters and the "gpu" layers update. The copies out overlap the next step: the step ends
+      when the compute queue is through, unless the next step's forward of a streamed host layer
+      would wait for its copy out (its weights come in after it, and the layers before it take at
+      least their forward time), which delays that step as much.
+    - Chunk-recurrent training: pass 1 (`pass1_s`, no-grad forwards, the weights resident) runs
+      before the chunks' forwards and backwards, which are the micro-batches above; the key/value
+      store's device bytes are held at the turnaround.
+    - GPU peak: the larger of the turnaround (end of the forward) and the optimizer phase.
+      Turnaround: static + weights of resident and kept layers + master, gradient and states of
+      "gpu" layers + (d+1) buffers of the largest streamed layer + kept activations (keep:
+      everything saved; recompute: the input) + 2 (d+1) of the largest offloaded input (copies
+      out and back in flight) + (d+1) fp32 gradients (2 (d+1) with more than one micro-batch:
+      accumulators coming in) and one compute-dtype gradient of the largest layer + the largest
+      layer's workspace and recomputed activations + with the update on the GPU its ring (the
+      first slots fill in the backward). Optimizer phase: static + resident weights + "gpu"
+      layers' state + the ring.
+    - Host peak: static + the host layers' master, gradient accumulator, states and staging copy +
+      the offloaded inputs of one micro-batch.
+    - Not modelled: the copy back of an offloaded input waiting for its copy out (the forward and
+      backward between them hide it); the update's copies in sharing the bus with the backward's
+      (the first slots' loads); the ring waiting on a "gpu" layer's position as if it had a slot.
+    """
+    L, d, m = len(costs.layers), plan.prefetch_depth, costs.micro_batches
+    assert len(plan.layers) == L, f"the plan has {len(plan.layers)} layers, the cost table {L}"
+    h2d = lambda n: n / costs.h2d_bytes_per_s
+    d2h = lambda n: n / costs.d2h_bytes_per_s
+    host_pass = lambda n: n / costs.host_bytes_per_s
+    c, p = costs.layers, plan.layers
+    keep = [lp.activation == "keep" for lp in p]
+    offload = [lp.activation == "offload" for lp in p]
+    stream = [lp.params == "stream" for lp in p]
+    on_host = [lp.states == "host" for lp in p]
+    backward = [c[i].backward_s + (0.0 if keep[i] else c[i].forward_s) for i in range(L)]
+
+    # Forward: copy_in / copy_out are the ends of the H2D and D2H queues, so far.
+    copy_in = copy_out = 0.0
+    fwd_end, out_end, stall = [0.0] * L, [0.0] * L, [0.0] * L
+    for i in range(L):
+        issue = fwd_end[i - d - 1] if i - d - 1 >= 0 else 0.0
+        copy_in = max(copy_in, issue) + stream[i] * h2d(c[i].weight_bytes)
+        ready = fwd_end[i - 1] if i else 0.0
+        start = max(ready, copy_in, out_end[i - d - 1] if i - d - 1 >= 0 else 0.0)
+        stall[i] += start - ready
+        fwd_end[i] = start + c[i].forward_s
+        copy_out = max(copy_out, fwd_end[i]) + offload[i] * d2h(c[i].boundary_bytes)
+        out_end[i] = copy_out
+
+    # Backward, top layer first.
+    compute = fwd_end[-1] + costs.head_s
+    accumulated = costs.micro_batches > 1  # a host layer's sum so far comes in before its gradient is added
+    bwd_end, grad_end = [0.0] * L, [0.0] * L
+    for i in reversed(range(L)):
+        issue = bwd_end[i + d + 1] if i + d + 1 < L else fwd_end[-1]
+        copy_in = max(copy_in, issue) + h2d(stream[i] * (not keep[i]) * c[i].weight_bytes
+                                            + offload[i] * c[i].boundary_bytes + accumulated * on_host[i] * c[i].master_bytes)
+        start = max(compute, copy_in, grad_end[i + d + 1] if i + d + 1 < L else 0.0)
+        stall[i] += start - compute
+        bwd_end[i] = compute = start + backward[i]
+        copy_out = max(copy_out, compute) + on_host[i] * d2h(c[i].master_bytes)
+        grad_end[i] = copy_out
+    micro_batch = max(compute, copy_in, copy_out)
+
+    # The optimizer, after the clipping (the norms were taken in the backward: no time of its own).
+    device_update = costs.static_update_s + sum(x.update_gpu_s for x, h in zip(c, on_host) if not h)
+    if plan.optimizer == "cpu":  # once every gradient is on the host
+        cpu = start = max(compute, copy_out)
+        for i in range(L):
+            cpu += on_host[i] * (c[i].update_cpu_s + host_pass(2 * c[i].master_bytes))
+            copy_in = max(copy_in, cpu) + (on_host[i] and not stream[i]) * h2d(c[i].weight_bytes)
+        updated = max(cpu, start + device_update)
+        last = max(micro_batch, updated, copy_in)
+    else:
+        start = compute
+        updated, wb_end = _ring(costs, plan, start, bwd_end, grad_end)
+        updated += device_update
+        last = max(micro_batch, updated, *[wb_end[i] + h2d(c[i].weight_bytes) - sum(x.forward_s for x in c[:i])
+                                           for i in range(L) if on_host[i] and stream[i]])
+    step_s = (m - 1) * micro_batch + last + costs.pass1_s
+    phase_s = dict(forward=m * fwd_end[-1] + costs.pass1_s, head=m * costs.head_s, backward=m * (compute - fwd_end[-1] - costs.head_s),
+                   grads=(m - 1) * (micro_batch - compute) + start - compute, clip=0.0, optimizer=updated - start,
+                   refresh=last - updated)
+
+    gpu_peak, host_peak = _peaks(costs, plan)
+    layer_s = tuple(m * (c[i].forward_s + backward[i] + stall[i]) for i in range(L))
+    return Predicted(step_s=step_s, gpu_peak_bytes=gpu_peak, host_peak_bytes=host_peak, layer_s=layer_s,
+                     phase_s=phase_s)
+
+
+def _ring(costs: CostTable, plan: OffloadPlan, start: float, bwd_end: list[float], grad_end: list[float]
+          ) -> tuple[float, list[float]]:
+    """The update on the GPU through the ring of UPDATE_SLOTS slots (predict's docstring): (end of
+    the host layers' updates on the compute queue, per layer the end of the copies-out queue after
+    it). Three queues, layers last to first; a layer that stays on the GPU passes through in no
+    time (but the queues' ends carry over it)."""
+    c, L, R = costs.layers, len(costs.layers), UPDATE_SLOTS
+    h2d = lambda n: n / costs.h2d_bytes_per_s
+    d2h = lambda n: n / costs.d2h_bytes_per_s
+    load, update, written, wb_end = 0.0, start, [], [0.0] * L
+    for k, i in enumerate(reversed(range(L))):
+        host = plan.layers[i].states == "host"
+        if k < R:  # loads in the backward: master and states; the gradient is on the device
+            load = max(load, bwd_end[i]) + host * h2d(c[i].master_bytes + c[i].state_bytes)
+        else:
+            load = max(load, grad_end[i], written[k - R]) + host * h2d(c[i].update_in_bytes)
+        update = max(update, load) + host * c[i].update_gpu_s
+        wb = max(written[-1] if written else 0.0, update) + host * d2h(c[i].master_bytes + c[i].state_bytes
+                                                                        + c[i].staging_bytes)
+        written.append(wb)
+        wb_end[i] = wb
+    return update, wb_end
+
+
+def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
+    """(GPU peak, host peak) bytes of `plan` (predict's docstring says what they hold)."""
+    c, p, d = costs.layers, plan.layers, plan.prefetch_depth
+    most = lambda values: max(values, default=0)
+    held = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident" or lp.activation == "keep")
+    ring = (d + 1) * most(x.weight_bytes for x, lp in zip(c, p) if lp.params == "stream" and lp.activation != "keep")
+    acts = sum(x.keep_bytes if lp.activation == "keep" else x.boundary_bytes
+               for x, lp in zip(c, p) if lp.activation != "offload")
+    in_flight = 2 * (d + 1) * most(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload")
+    states = sum(x.update_in_bytes for x, lp in zip(c, p) if lp.states == "gpu")
+    turnaround = (costs.static_gpu_bytes + held + ring + acts + in_flight + states + _fixed_gpu_bytes(costs, d)
+                  + _optimizer_slices(costs, plan.optimizer))
+    resident = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident")
+    optimizer_phase = costs.static_gpu_bytes + resident + states + _optimizer_slices(costs, plan.optimizer)
+    host = (costs.static_host_bytes + sum(x.host_bytes for x, lp in zip(c, p) if lp.states == "host")
+            + sum(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload"))
+    return max(turnaround, optimizer_phase), host
+
+
+def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
+    """What every plan of this depth holds at the turnaround: the key/value store's device pages, gradients (d+1 fp32 sums on their way
+    out, the one being widened in the compute dtype; after the first micro-batch d+1 accumulators
+    more on their way in) and one layer's backward (its workspace and recomputed activations)."""
+    sums = (depth + 1) * (2 if costs.micro_batches > 1 else 1)
+    return (sums * max(x.master_bytes for x in costs.layers) + max(x.weight_bytes for x in costs.layers)
+            + max(x.workspace_bytes + x.keep_bytes for x in costs.layers) + costs.kv_gpu_bytes)
+
+
+def _optimizer_slices(costs: CostTable, side: str) -> int:
+    """The update's ring on the GPU (UPDATE_SLOTS slots of the largest layer's master, gradient,
+    states and staging casts), held from the backward (the first slots load there) to the update."""
+    return UPDATE_SLOTS * max(x.update_in_bytes + x.staging_bytes for x in costs.layers) if side == "gpu" else 0
+
+
+# --- where the key/value pages live ---------------------------------------------------------------
+
+
+def kv_options(kv: KVPages) -> list[tuple[bool, int]]:
+    """The residencies the planner prices, (kv_offload, offload_pages): every page on the GPU, and
+    on a GPU the pages offloaded with page sets of all of a layer's pages, a quarter, a sixteenth,
+    a sixty-fourth of them and the run's offload_pages (the smaller the set, the less the GPU holds
+    and the more copies each attention call makes)."""
+    options = [(False, kv.offload_pages)]
+    if kv.offloadable:
+        sizes = {-(-kv.num_pages // 4**k) for k in range(4)} | {min(kv.offload_pages, kv.num_pages)}
+        options += [(True, size) for size in sorted(sizes)]
+    return options
+
+
+def kv_residency(costs: CostTable, kv_offload: bool, offload_pages: int) -> CostTable:
+    """`costs` (a chunk-recurrent table, measured with the store `costs.kv`) with the pages resident
+    or offloaded in sets of `offload_pages`: the store's device and host bytes are those of
+    `KVPages.bytes`, and its page copies that the compute does not hide (`_page_copy_s`) change
+    pass 1's seconds and the layers' backward seconds by what they add beyond the measured
+    residency's (the measured times hold that one's copies already)."""
+    old = costs.kv
+    assert old is not None, "a chunk-recurrent cost table (profile with --chunk-tokens)"
+    new = replace(old, kv_offload=kv_offload, offload_pages=offload_pages)
+    (forward_old, backward_old), (forward_new, backward_new) = _page_copy_s(old, costs), _page_copy_s(new, costs)
+    per_step = costs.micro_batches // costs.chunks  # grad_accum
+    layers = tuple(replace(x, backward_s=max(x.backward_s + b_new - b_old, 0.0))
+                   for x, b_old, b_new in zip(costs.layers, backward_old, backward_new))
+    (gpu_old, host_old, _), (gpu_new, host_new, resident) = old.bytes(), new.bytes()
+    return replace(costs, layers=layers, pass1_s=max(costs.pass1_s + per_step * (forward_new - forward_old), 0.0),
+                   kv_gpu_bytes=costs.kv_gpu_bytes - gpu_old + gpu_new,
+                   static_host_bytes=costs.static_host_bytes - host_old + host_new, resident_pages=resident, kv=new)
+
+
+def _page_copy_s(kv: KVPages, costs: CostTable) -> tuple[float, list[float]]:
+    """(seconds a micro-batch's forwards wait for pages, per layer the seconds a chunk's backward
+    waits for them on average) with the pages offloaded; nothing when they are resident.
+
+    The model, per chunk j that reads pages 0 .. p_j (of every row), in sets of S pages, each copy
+    taking copy_latency_s plus its bytes over the measured bandwidth of its direction:
+    - forward (pass 1, and the last chunk's in pass 2): each layer copies in p_j pages of keys and
+      values while it computes (the next set while one is read): it waits max(0, copies - its
+      forward); the first layer's first set is not prefetched and is waited for whole;
+    - backward: each layer copies in the pages and their gradient pages (zeros made on the device
+      for the last chunk, whose backward comes first) and sends the gradient pages back while it
+      computes: it waits for max(0, the longer direction - its backward), and for its last set's
+      gradients to be home; the top layer's first set is waited for whole.
+    Not modelled: the bus shared with the runtime's other copies, the set split at the chunk's
+    first page, page-attention's cost per set beyond its copies."""
+    if not kv.offloaded:
+        return 0.0, [0.0] * len(costs.layers)
+    h2d, d2h, latency = costs.h2d_bytes_per_s, costs.d2h_bytes_per_s, costs.copy_latency_s
+    starts = range(0, kv.seq_tokens, kv.chunk_tokens)
+    forward, backward = 0.0, [0.0] * len(costs.layers)
+    for j, start in enumerate(starts):
+        pages = -(-min(start + kv.chunk_tokens, kv.seq_tokens) // kv.page_tokens)
+        sets, first = -(-pages // kv.offload_pages), min(kv.offload_pages, pages)
+        fresh = j == len(starts) - 1
+        read = sets * 2 * latency + pages * kv.kv_page_bytes / h2d
+        grads_in = 0.0 if fresh else sets * 2 * latency + pages * kv.grad_page_bytes / h2d
+        grads_out = sets * 2 * latency + pages * kv.grad_page_bytes / d2h
+        forward += 2 * latency + first * kv.kv_page_bytes / h2d + sum(max(0.0, read - x.forward_s) for x in costs.layers)
+        for i, x in enumerate(costs.layers):
+            backward[i] += (max(0.0, read + grads_in - x.backward_s, grads_out - x.backward_s)
+                            + 2 * latency + first * kv.grad_page_bytes / d2h)
+        backward[-1] += 2 * latency + first * (kv.kv_page_bytes + (not fresh) * kv.grad_page_bytes) / h2d
+    return forward, [b / len(starts) for b in backward]
