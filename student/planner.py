@@ -445,11 +445,10 @@ def choose_chunks(tables: dict[int, CostTable], gpu_memory: int, host_memory: in
 
 def _chunk_candidates(config) -> tuple[int, ...] | None:
     """config's --chunk-candidates, checked against its --chunk-tokens and sequence length."""
-    offload = getattr(config, "offload", None)
-    candidates = offload.candidates if offload is not None else None
+    candidates = config.offload.candidates
     if candidates is None:
         return None
-    text, chunk = offload.chunk_candidates, config.long.chunk_tokens
+    text, chunk = config.offload.chunk_candidates, config.long.chunk_tokens
     if chunk is not None and chunk not in candidates:
         raise ConfigError("chunk_candidates", f"is {text!r}, without the run's --chunk-tokens {chunk}; add it to the "
                                               "candidates, or drop --chunk-tokens to let the planner choose")
