@@ -178,6 +178,8 @@ def check_plan(name: str, plan: OffloadPlan, config: StudentConfig, args, work: 
         del model, step, runtime
         free(args.device)
     (want, got) = results
+    print(f"{name} check, {layers} layers: (loss, gradient norm) by step: offloaded {got.tolist()}, "
+          f"without offload {want.tolist()}", flush=True)
     loss_err = check_close(f"{name} check: losses of 2 steps, {layers} layers", got[:, 0], want[:, 0], atol=0.0,
                            rtol=LOSS_RTOL)
     norm_err = check_close(f"{name} check: gradient norms", got[:, 1], want[:, 1], atol=0.0, rtol=GRAD_NORM_RTOL)
@@ -207,7 +209,8 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
                 "error": str(error).splitlines()[0]}
     seconds = timing.median_ms / 1e3
     if not all(torch.isfinite(loss) for loss, _ in losses):
-        raise RuntimeError("a non-finite loss in the timed steps")
+        steps = ", ".join(f"{loss.item():.4g} (norm {norm.item():.4g})" for loss, norm in losses)
+        raise RuntimeError(f"a non-finite loss in the timed steps; losses step by step: {steps}")
     phases = {}
     if runtime is not None:  # one more step, its phases read after it (a host sync the timed steps do not have)
         step()
