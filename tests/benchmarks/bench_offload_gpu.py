@@ -281,6 +281,8 @@ def main():
                 "planned": lambda: planner_plan(config, args, work / "planner"),
                 "file": lambda: OffloadPlan.load(args.plan)}[variant]
         plan = plan() if plan is not None else None
+        if plan is not None and args.work is not None:  # kept with the work folder, to train or plan from again
+            plan.save(args.work / f"{variant}-plan.json")
         checks = check_plan(variant, plan, config, args, work) if plan is not None else {}
         figures = {**measure(plan, config, params, args, work), **checks}
         free(args.device)  # also after an out-of-memory error
