@@ -192,6 +192,7 @@ class UpdateRing:
         """Layer `index`'s slot of the ring (allocated at first use; the states' buffer once every
         host layer's states have a layout, as large as the largest)."""
         host = [h for h in self.host if not h.on_device]
+        allocated = False
         if not self._slots:
             numel = max(h.numel for h in host)
             staged = [[g for g, _ in h.separate_staging()] for h in host]
@@ -200,11 +201,18 @@ class UpdateRing:
             self._slots = [_Slot(empty(numel, torch.float32), empty(numel, torch.float32),
                                  [empty(max(g.numel for g in gs), gs[0].dtype) for gs in groups])
                            for _ in range(UPDATE_SLOTS)]
+            allocated = True
         if self._slots[0].states is None and all(h.state_flats is not None for h in host):
             dtypes = {dtype for h in host for dtype in h.state_flats}
             for slot in self._slots:
                 slot.states = {dtype: torch.empty(max(h.state_flats[dtype].numel() for h in host if dtype in h.state_flats),
                                                   dtype=dtype, device=self.device) for dtype in dtypes}
+            allocated = True
+        if allocated and self.cuda:
+            # The new buffers come from the compute stream's pool: memory its queued kernels may still
+            # read or write (the host frees tensors as soon as it has queued their last use). The
+            # upload stream writes them without waiting for the compute stream otherwise.
+            self.upload.wait_stream(torch.cuda.current_stream(self.device))
         return self._slots[self._slot_of[index]]
 
     def preload(self, index: int, total: torch.Tensor) -> None:
