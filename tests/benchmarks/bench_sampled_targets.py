@@ -208,6 +208,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for kind, marker in zip(KINDS, ("o", "s")):
@@ -232,6 +233,9 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[1].set(xscale="log", xlabel="cache bytes per token", ylabel="expected calibration error (top-1)",
                 title="Calibration of the student")
     for ax in axes:
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 20, 50, 100, not 2 x 10^1
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks([10, 20, 50, 100, 200])
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize="small")
     fig.tight_layout()
