@@ -3,6 +3,8 @@ policy and the planner's plan, side by side in one run.
 
 Shapes (random init, seeded; fp32 master weights, bf16 autocast, the trainer's loss on k = 32
 random valid teacher targets, one sequence of --seq-len tokens a step):
+  qwen2.5-3b    bench_long_context_gpu's (hidden 2048, 36 layers, 16 / 2 heads, d_ff 11008, vocab
+                151,936, untied): with --chunk-tokens, the long-context issue's shape
   llama-3.1-8b  hidden 4096, 32 layers, 32 / 8 heads, d_ff 14336, vocab 128,256, untied, llama3 RoPE
   qwen2.5-14b   hidden 5120, 48 layers, 40 / 8 heads, d_ff 13824, vocab 152,064, untied, qkv bias
   qwen2.5-32b   hidden 5120, 64 layers, 40 / 8 heads, d_ff 27648, vocab 152,064, untied, qkv bias
@@ -32,9 +34,17 @@ them (predicted / measured), so a row says which term of the cost model is off. 
 first --check-layers layers) is checked on a student of that many layers: two steps' losses and
 gradient norms against the same student trained without offload, to bf16 tolerance.
 
+With --chunk-tokens every variant's step is chunk-recurrent (student/long_context.py), its pages
+resident or, with --kv-offload, in pinned host memory; `planned` plans together with the chunk
+engine (with --chunk-candidates the planner chooses the chunk size and where the pages live, and
+the step takes its choice, as train-student does). Such rows also give model TFLOP/s counting
+causal attention (bench_long_context_gpu's measure), comparable with the long_context rows.
+
     PYTHONPATH=. python tests/benchmarks/bench_offload_gpu.py --shape llama-3.1-8b --results $OUT/results.jsonl
     PYTHONPATH=. python tests/benchmarks/bench_offload_gpu.py --shape llama-3.1-8b --gpu-memory 40GiB --variants planned,none
     PYTHONPATH=. python tests/benchmarks/bench_offload_gpu.py --shape qwen2.5-14b --variants zero_offload,planned --optimizer foam
+    PYTHONPATH=. python tests/benchmarks/bench_offload_gpu.py --shape qwen2.5-3b --seq-len 262144 --chunk-tokens 16384 \\
+        --kv-offload --variants planned --gpu-memory 27GiB --check-layers 2
 
 On a CPU, `--device cpu --shape tiny --seq-len 64` runs every variant at a toy size (a smoke test,
 not a figure).
@@ -65,11 +75,15 @@ VARIANTS = ("none", "zero_offload", "planned", "file")
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-2, 5e-2
 
 
-def shape_config(shape: str) -> StudentConfig:
+def shape_config(shape: str, max_len: int = 32768) -> StudentConfig:
     qwen = dict(model_type="qwen2", rope_theta=1_000_000.0, max_position_embeddings=32768,
                 tie_word_embeddings=False, attention_bias=True, extra={"bos_token_id": 1, "eos_token_id": 2})
     if shape == "tiny":
         return student_config("tiny").replace(num_layers=4)
+    if shape == "qwen2.5-3b":
+        from bench_long_context_gpu import shape_config as long_shape
+
+        return long_shape(shape, max_len)
     if shape == "llama-3.1-8b":
         return StudentConfig(model_type="llama", vocab_size=128_256, hidden_size=4096, intermediate_size=14336,
                              num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500_000.0,
@@ -113,7 +127,19 @@ def train_config(args, work: Path, *, offload: str = "none", batch_size: int = 1
                                  device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
                                  optimizer=args.optimizer, clip_grad=1.0, batch_size=batch_size,
                                  seq_len=args.seq_len, offload=offload, gpu_memory=args.gpu_memory,
-                                 host_memory=args.host_memory, heldout=1)
+                                 host_memory=args.host_memory, heldout=1, chunk_tokens=args.chunk_tokens,
+                                 kv_offload=args.kv_offload, page_tokens=args.page_tokens,
+                                 offload_pages=args.offload_pages,
+                                 chunk_candidates=args.chunk_candidates if offload == "auto" else None)
+
+
+def with_plan(cfg, plan: OffloadPlan | None):
+    """The config the step runs with: the plan's chunk size and page residency where the planner
+    chose them (student.trainer.train does the same)."""
+    if plan is None or not plan.chunk_choices:
+        return cfg
+    return cfg.with_flat(chunk_tokens=plan.chunk_tokens, **{
+        name: getattr(plan, name) for name in ("kv_offload", "offload_pages") if getattr(plan, name) is not None})
 
 
 def fixed_plan(num_layers: int) -> OffloadPlan:
@@ -136,14 +162,15 @@ def planner_plan(config: StudentConfig, args, work: Path) -> OffloadPlan:
     return plan_for_training(cfg, **budgets)
 
 
-def step_fn(model: Student, plan: OffloadPlan | None, args, work: Path, batch):
-    """The trainer's step (module docstring); returns (step, runtime, optimizer)."""
+def step_fn(model: Student, plan: OffloadPlan | None, args, work: Path, batch, chunks_of: OffloadPlan | None = None):
+    """The trainer's step (module docstring); returns (step, runtime, optimizer). chunks_of: the plan
+    whose chunk settings a step without offload takes (default `plan`'s)."""
     from student.offload import OffloadRuntime
     from student.optim import build_optimizer
     from student.optim.clip import clip_grad_norm_foreach
     from student.trainer import _micro_batch_backward
 
-    cfg = train_config(args, work)
+    cfg = with_plan(train_config(args, work), chunks_of or plan)
     amp = torch.bfloat16 if args.device == "cuda" else None
     runtime = OffloadRuntime(model, plan, args.device, amp) if plan is not None else None
     optimizer = build_optimizer(model, cfg.optim, args.device)
@@ -170,7 +197,7 @@ def check_plan(name: str, plan: OffloadPlan, config: StudentConfig, args, work: 
     results = []
     for use in (None, plan):
         model = build_student(small, args.seed, args.device, layers_on_host=use is not None)
-        step, runtime, _, losses = step_fn(model, use, args, work, batch)
+        step, runtime, _, losses = step_fn(model, use, args, work, batch, chunks_of=plan)
         step(), step()
         results.append(torch.stack([torch.stack(pair) for pair in losses]).cpu())
         if runtime is not None:
@@ -217,6 +244,10 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
         phases = runtime.phase_s()
     figures = {"oom": False, "step_s": seconds, "min_step_s": timing.min_ms / 1e3, "repeats": len(timing.times_ms),
                "tok_s": args.seq_len / seconds, "model_tflops": tflops(6 * params * args.seq_len, timing.median_ms)}
+    if args.chunk_tokens is not None:
+        from bench_long_context_gpu import model_flops
+
+        figures["model_tflops_with_attention"] = tflops(model_flops(config, params, args.seq_len), timing.median_ms)
     if runtime is not None:
         figures["host_bytes_of_layers"] = runtime.host_bytes(optimizer)
         figures["phase_s"] = phases
@@ -240,9 +271,10 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
     return figures
 
 
-def main():
+def main(argv=None) -> list[dict]:
+    """Run the benchmark; returns the rows it appended."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="llama-3.1-8b", choices=("llama-3.1-8b", "qwen2.5-14b", "qwen2.5-32b", "tiny"))
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=("llama-3.1-8b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-3b", "tiny"))
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens a step (one sequence)")
     parser.add_argument("--variants", default="none,zero_offload,planned", help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--plan", type=Path, default=None, help="a saved plan, for the variant `file`")
@@ -250,32 +282,42 @@ def main():
     parser.add_argument("--gpu-memory", default=None, help="the planner's GPU budget, e.g. 40GiB (default: the device's)")
     parser.add_argument("--host-memory", default=None, help="the planner's host budget (default: the host's available)")
     parser.add_argument("--check-layers", type=int, default=2, help="layers of the student each plan is checked on")
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="chunk-recurrent steps of this many tokens")
+    parser.add_argument("--kv-offload", action="store_true", help="with --chunk-tokens: the pages in pinned host memory")
+    parser.add_argument("--page-tokens", type=int, default=64, help="positions per page of the key/value store")
+    parser.add_argument("--offload-pages", type=int, default=1024, help="pages brought to the GPU at once (--kv-offload)")
+    parser.add_argument("--chunk-candidates", default=None,
+                        help="planned: chunk sizes the planner chooses among, e.g. 8192,16384 (needs --chunk-tokens)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--work", type=Path, default=None, help="folder for the planner's student and cache (default: a temp dir)")
     add_results_arg(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
         raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     if "file" in variants and args.plan is None:
         raise SystemExit("--variants file needs --plan PLAN.json")
+    if args.chunk_tokens is None and (args.kv_offload or args.chunk_candidates):
+        raise SystemExit("--kv-offload and --chunk-candidates need --chunk-tokens")
     if "planned" in variants:
         try:
             import student.planner  # noqa: F401
         except ImportError:
             print("planned skipped: student.planner does not import here", flush=True)
             variants.remove("planned")
-    config = shape_config(args.shape)
+    config = shape_config(args.shape, args.seq_len)
     with torch.device("meta"):
         params = sum(p.numel() for p in Student(config).parameters())
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_offload_"))
     results = Results(bench=BENCH, path=args.results)
     base = {"shape": {**config.to_hf_dict(), "parameters": params}, "seq_len": args.seq_len,
             "optimizer": args.optimizer, "gpu_memory": args.gpu_memory, "host_memory": args.host_memory,
-            "torch": torch.__version__, "ceilings": ceilings() if args.device == "cuda" else None}
+            "torch": torch.__version__, "ceilings": ceilings() if args.device == "cuda" else None,
+            "chunk_tokens": args.chunk_tokens, "kv_offload": args.kv_offload, "page_tokens": args.page_tokens,
+            "offload_pages": args.offload_pages, "chunk_candidates": args.chunk_candidates}
     for variant in variants:
         plan = {"none": None, "zero_offload": lambda: fixed_plan(config.num_layers),
                 "planned": lambda: planner_plan(config, args, work / "planner"),
@@ -287,12 +329,15 @@ def main():
         figures = {**measure(plan, config, params, args, work), **checks}
         free(args.device)  # also after an out-of-memory error
         budget = f"-gpu{args.gpu_memory}" if args.gpu_memory else ""  # a budgeted run is another case
+        if args.chunk_tokens is not None:  # and so is a chunk-recurrent one
+            budget += f"-chunks{args.chunk_tokens}" + ("-kvoffload" if args.kv_offload else "")
         results.add(f"{args.shape}-T{args.seq_len}{budget}/{variant}", figures,
                     {**base, "variant": variant, "plan": plan.to_dict() if plan is not None else None})
     if args.work is None:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
+    return results.rows
 
 
 if __name__ == "__main__":

@@ -1,0 +1,33 @@
+"""The offload benchmark (tests/benchmarks/bench_offload_gpu.py) on the CPU: its rows, its check of a
+plan against the student without offload, and its chunk-recurrent mode, where the planner may
+choose the chunk size. No figures are claimed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent / "benchmarks"))
+import bench_offload_gpu as bench  # noqa: E402
+
+SMOKE = ["--device", "cpu", "--shape", "tiny", "--warmup", "0", "--repeats", "1"]
+
+
+def test_planned_chunk_recurrent_step_takes_the_planners_chunk_size_and_passes_its_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
+    results, work = tmp_path / "results.jsonl", tmp_path / "work"
+    rows = bench.main([*SMOKE, "--seq-len", "256", "--chunk-tokens", "64", "--chunk-candidates", "64,128",
+                       "--variants", "none,planned", "--work", str(work), "--results", str(results)])
+    assert [json.loads(line) for line in results.read_text().splitlines()] == rows
+    assert [row["id"] for row in rows] == ["offload/tiny-T256-chunks64/none@abc1234",
+                                           "offload/tiny-T256-chunks64/planned@abc1234"]
+    none, planned = (row["figures"] for row in rows)
+    assert none["oom"] is False and none["model_tflops_with_attention"] > none["model_tflops"] > 0
+    plan = rows[1]["config"]["plan"]
+    assert plan["chunk_tokens"] in (64, 128) and {c["chunk_tokens"] for c in plan["chunk_choices"]} == {64, 128}
+    # fp32 on the CPU: chunk-recurrent training is exact at any chunk size, offloaded or not.
+    assert planned["check_loss_error"] == 0 and planned["check_grad_norm_error"] == 0
+    assert planned["predicted_step_s"] > 0 and set(planned["phase_s"]) == set(planned["predicted_phase_s"])
+    assert (work / "planned-plan.json").exists()  # kept with --work, to train or plan from again
+    assert rows[1]["config"]["chunk_tokens"] == 64 and rows[1]["config"]["chunk_candidates"] == "64,128"
