@@ -27,13 +27,12 @@ p ~ 1e-16 (float32 would lose ids below ~6e-8 to rounding near the top of the CD
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from distill.configs import check_types, require
-from kernels.topk_logprobs import _TAIL_MIN_MASS, tail_logmass, target_logprobs
+from kernels.topk_logprobs import floor_tail_logmass, tail_logmass, target_logprobs
 
 
 @dataclass(frozen=True)
@@ -98,14 +97,15 @@ def sample_targets_torch(hidden, weight, uniforms, next_ids, temperature, propos
         if K:
             head_lp_CK, head_CK = torch.topk(scaled_CV, K, dim=-1, sorted=True)
             head_lp_CK = head_lp_CK - lse_C[:, None]
+            # log(1 - P_K) as the log of the mass outside the top-K, not from 1 - P_K, which cancels
+            # (first, so that its [C, V] temporary is gone before the CDF's buffers exist)
+            outside_lse_C = torch.logsumexp(scaled_CV.scatter(1, head_CK, float("-inf")), dim=-1) if differs else None
             # Draw from the proposal outside the top-K, renormalised in log space (so a tail far
             # below the top-K's mass keeps its relative precision).
             prob_CV = proposal_CV.scatter(1, head_CK, float("-inf"))
             drawn_lse_C = torch.logsumexp(prob_CV, dim=-1)
-            # log(1 - P_K) as the log of the mass outside the top-K, not from 1 - P_K, which cancels
-            outside_lse_C = drawn_lse_C if not differs else torch.logsumexp(
-                scaled_CV.scatter(1, head_CK, float("-inf")), dim=-1)
-            tail[start:stop] = (outside_lse_C - lse_C).clamp_min(math.log(_TAIL_MIN_MASS))
+            outside_lse_C = drawn_lse_C if outside_lse_C is None else outside_lse_C
+            tail[start:stop] = floor_tail_logmass(outside_lse_C - lse_C)
             prob_CV = prob_CV.sub_(drawn_lse_C[:, None]).exp_()
         else:
             prob_CV = torch.exp(proposal_CV - proposal_lse_C[:, None])

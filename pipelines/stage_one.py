@@ -32,8 +32,8 @@ from distill.devices import resolve_device, resolve_dtype
 from pipelines.corpus import CorpusConfig, prepare_corpus
 from teacher_cache.backends import PREFILL_TOKENS, canonical_dtype, open_teacher_folder, weights_hash
 from teacher_cache.build import (
-    BuildReport, CacheConfig, build_cache, cache_identity, check_backend_can_sample, check_targets_fit, complete_cache_id,
-    other_cache_diff,
+    BuildReport, CacheConfig, build_cache, cache_identity, check_backend_can_sample, check_targets_fit,
+    complete_cache_id, other_cache_diff,
 )
 from teacher_cache.errors import CacheMismatchError
 from teacher_cache.identity import tokenizer_info

@@ -8,10 +8,10 @@ targets.temperature); `LossConfig.temperature` is the temperature of the distill
 which cannot be re-tempered (it is one number for many tokens), so they train only at the
 cache's temperature, where the loss's optimum is the teacher itself.
 
-A sampled or hybrid cache (manifest targets.kind "sampled" or "topk+sampled") carries per-slot weights instead of a top-k
-(`Batch.target_weights`): the loss is then the unbiased estimate of the full-vocabulary KL, the
-"unnormalized" formulas with the weights as the teacher's mass, whatever `LossConfig.tail` says,
-and only at the temperature the cache was sampled at.
+A sampled or hybrid cache (manifest targets.kind "sampled" or "topk+sampled") carries per-slot
+weights instead of a top-k (`Batch.target_weights`): the loss is then the unbiased estimate of
+the full-vocabulary KL, the "unnormalized" formulas with the weights as the teacher's mass,
+whatever `LossConfig.tail` says, and only at the temperature the cache was sampled at.
 
 torch and the kernel are imported inside `distill_loss`: the CLI imports `LossConfig` for its
 option defaults without loading torch.

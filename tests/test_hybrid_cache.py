@@ -42,26 +42,28 @@ def hybrid_cache(tmp_path_factory, tiny_teacher):
 def _check_rows(ids, lp, tail, counts, prop, full, proposal_full, head):
     """A hybrid row block against the dense teacher ``full`` [N, V] (log-probs at T) and the dense
     proposal ``proposal_full`` (None: the teacher)."""
-    ids, counts = torch.as_tensor(np.array(ids)).long(), torch.as_tensor(np.array(counts)).long()
+    ids, lp, tail, counts, prop = (None if a is None else torch.as_tensor(np.array(a))
+                                   for a in (ids, lp, tail, counts, prop))
+    ids, counts = ids.long(), counts.long()
     n, slots = ids.shape
     samples = slots - head
     top_lp, top_ids = full.topk(head, dim=-1)
     assert torch.equal(ids[:, :head], top_ids)  # the exact head is the teacher's top-K, in order
-    torch.testing.assert_close(torch.as_tensor(lp)[:, :head].double(), top_lp.double(), atol=2e-4, rtol=0)
+    torch.testing.assert_close(lp[:, :head].double(), top_lp.double(), atol=2e-4, rtol=0)
     assert (counts[:, :head] == 0).all() and (counts.sum(1) == samples).all()
     assert all(len(set(row.tolist())) == slots for row in ids)  # distinct: no drawn or padding id is in the head
     drawn = counts[:, head:] > 0
     assert (drawn[:, :-1] >= drawn[:, 1:]).all()
     key = (samples - counts[:, head:]) * full.shape[1] + ids[:, head:]
     assert (key[:, :-1] < key[:, 1:]).all()  # count descending, then id ascending; padding likewise
-    torch.testing.assert_close(torch.as_tensor(lp).double(), full.gather(1, ids).double(), atol=2e-4, rtol=0)
+    torch.testing.assert_close(lp.double(), full.gather(1, ids).double(), atol=2e-4, rtol=0)
     outside = full.double().scatter(1, top_ids, float("-inf")).logsumexp(-1)  # log(1 - P_K), without cancelling
-    torch.testing.assert_close(torch.as_tensor(tail).double(), outside, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(tail.double(), outside, atol=1e-4, rtol=1e-4)
     if proposal_full is None:
         assert prop is None
     else:
         restricted = proposal_full.scatter(1, top_ids, float("-inf")).log_softmax(-1)
-        prop = torch.as_tensor(prop).double()
+        prop = prop.double()
         assert torch.isneginf(prop[:, :head]).all()
         torch.testing.assert_close(prop[:, head:], restricted.gather(1, ids[:, head:]).double(), atol=2e-4, rtol=0)
 
@@ -284,7 +286,7 @@ def test_batch_weights_and_loss_against_the_dense_reference(hybrid_cache, tiny_t
     dense = _dense_teacher(tiny_teacher, reader, T)
     p = torch.cat([dense[1], dense[4]]).exp()  # [64, V], the rows of the two real sequences
     # the top-K weigh p exactly; the drawn slots (c / S)(1 - P_K); a row sums to 1; padding 0
-    batch_counts = torch.cat([torch.from_numpy(reader.sequence(i).sample_counts) for i in (1, 4)]).double()
+    batch_counts = torch.cat([torch.from_numpy(np.array(reader.sequence(i).sample_counts)) for i in (1, 4)]).double()
     p_head = p.gather(1, batch.topk_ids[real][:, :K])
     torch.testing.assert_close(w[real][:, :K].double(), p_head, rtol=1e-3, atol=1e-7)
     torch.testing.assert_close(w[real][:, K:].double(), batch_counts[:, K:] / S * (1 - p_head.sum(1, keepdim=True)),

@@ -176,7 +176,8 @@ def evaluate_run(run_dir: Path, cache: dict, teacher_dir, device: str) -> tuple[
     evaluation = evaluate_run_or_folder(run_dir, device=device, teacher=EvalTeacher(teacher_dir))
     after, teacher = evaluation["after"], evaluation["teacher"]
     stats = cache_stats(cache["dir"], max_shards=4)  # its sizes cover every shard
-    unique = stats.get("unique_ids_per_position")  # sampled caches: distinct ids the S draws gave (hybrid: outside the top-K)
+    # sampled caches: the distinct ids the S draws gave (hybrid: outside the top-K)
+    unique = stats.get("unique_ids_per_position")
     label = {"topk": f"top-{cache['count']}", "sampled": f"sampled, S = {cache['count']}",
              "topk+sampled": f"top-k + sampled, {count_tag(cache['kind'], cache['count'])}"}[cache["kind"]]
     bytes_per_token = stats["bytes_per_token"]
@@ -248,8 +249,8 @@ def plot(rows: list[dict], path: Path) -> None:
             spread = [f[key + "_sd"] for f in points] if any(f["seeds"] > 1 for f in points) else None
             ax.errorbar(x, [f[key] for f in points], yerr=spread, marker=marker, capsize=3, label=name)
             for f in points:
-                ax.annotate(count_tag(kind, f["count"]), (f["bytes_per_token"], f[key]), textcoords="offset points", xytext=(4, 4),
-                            fontsize="small")
+                ax.annotate(count_tag(kind, f["count"]), (f["bytes_per_token"], f[key]), textcoords="offset points",
+                            xytext=(4, 4), fontsize="small")
     teacher_ece = [r["figures"]["teacher_calibration_error"] for r in rows]
     if teacher_ece:
         axes[1].axhline(teacher_ece[-1], color="gray", linestyle="--", label="the teacher's own")
