@@ -58,12 +58,13 @@ class CacheConfig:
     # topk+sampled: the exact top-k, then `samples` ids drawn from the teacher outside them
     targets: Literal["topk", "sampled", "topk+sampled"] = "topk"
     k: int = 100  # top-k entries stored per position (targets topk; topk+sampled: the exact head)
-    # ids drawn per position (targets sampled); the RS-KD paper's choice, about a dozen
+    # ids drawn per position (targets sampled, topk+sampled); the RS-KD paper's choice, about a dozen
     samples: int = 12
-    # temperature of the distribution the ids are drawn from (targets sampled); None: the cache
-    # temperature, so the stored counts alone weight the ids (no proposal log-probs stored)
+    # temperature of the distribution the ids are drawn from (targets sampled; topk+sampled: restricted
+    # to the ids outside the top-k); None: the cache temperature, so the stored counts alone weight
+    # the ids (no proposal log-probs stored)
     proposal_temperature: float | None = None
-    seed: int = 0  # seed of the draws (targets sampled); a sequence's draws depend on it and its index only
+    seed: int = 0  # seed of the draws (sampled, topk+sampled); a sequence's draws depend on it and its index only
     value_codec: str = "sqrt8"  # fp32 | bf16 | fp16 | sqrt8 (see teacher_cache/codecs.py)
     # parquet | zarr (Zarr v3); parquet is the default because it writes cheaper at the same size
     # (tests/benchmarks/notes/LOG.md, "Stage one end to end on the H200")
