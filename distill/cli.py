@@ -63,11 +63,11 @@ def cache_teacher(
     encoding_errors: str = typer.Option(_stage_one_default("corpus", "encoding_errors"), help="Text files that are not UTF-8 text (binary files, other encodings): skip (and count them), strict (refuse), replace or ignore (decode the bad bytes lossily; binary files are still skipped)."),
     seq_len: int = typer.Option(_stage_one_default("corpus", "seq_len"), help="Tokens per packed sequence (>= 2)."),
     max_sequences: Optional[int] = typer.Option(None, help="Stop after this many sequences (default: the whole corpus)."),
-    targets: str = typer.Option(_stage_one_default("cache", "targets"), help="topk: the teacher's k likeliest ids per position; sampled: RS-KD, --samples ids drawn per position from the teacher (unique ids with counts: an unbiased estimate of the full-vocabulary KL; hf backend only)."),
-    k: int = typer.Option(_stage_one_default("cache", "k"), "-k", "--k", help="Top-k entries cached per position (--targets topk)."),
-    samples: int = typer.Option(_stage_one_default("cache", "samples"), help="Ids drawn per position, with replacement (--targets sampled; at most 255)."),
-    proposal_temperature: Optional[float] = typer.Option(_stage_one_default("cache", "proposal_temperature"), help="Draw from softmax(logits / this) instead of the cached teacher (--targets sampled); the cache then also stores the proposal's log-probs, for importance weights. Default: the cache --temperature."),
-    seed: int = typer.Option(_stage_one_default("cache", "seed"), help="Seed of the draws (--targets sampled); a sequence's draws depend only on it and the sequence's index, not on batching, shards or workers."),
+    targets: str = typer.Option(_stage_one_default("cache", "targets"), help="topk: the teacher's k likeliest ids per position; sampled: RS-KD, --samples ids drawn per position from the teacher (unique ids with counts: an unbiased estimate of the full-vocabulary KL; hf backend only); topk+sampled: the exact top --k, then --samples ids drawn from the teacher outside them (hf backend only)."),
+    k: int = typer.Option(_stage_one_default("cache", "k"), "-k", "--k", help="Top-k entries cached per position (--targets topk; topk+sampled: the exact head before the draws)."),
+    samples: int = typer.Option(_stage_one_default("cache", "samples"), help="Ids drawn per position, with replacement (--targets sampled or topk+sampled; at most 255)."),
+    proposal_temperature: Optional[float] = typer.Option(_stage_one_default("cache", "proposal_temperature"), help="Draw from softmax(logits / this) instead of the cached teacher (--targets sampled; topk+sampled: restricted to the ids outside the top --k and renormalised); the cache then also stores the proposal's log-probs, for importance weights. Default: the cache --temperature."),
+    seed: int = typer.Option(_stage_one_default("cache", "seed"), help="Seed of the draws (--targets sampled or topk+sampled); a sequence's draws depend only on it and the sequence's index, not on batching, shards or workers."),
     codec: str = typer.Option(_stage_one_default("cache", "value_codec"), help="Value codec: fp32, bf16, fp16 or sqrt8 (compressed)."),
     storage: str = typer.Option(_stage_one_default("cache", "storage"), help="parquet or zarr (Zarr v3)."),
     shard_size: int = typer.Option(_stage_one_default("cache", "shard_size"), help="Sequences per shard."),
@@ -90,6 +90,8 @@ def cache_teacher(
       distill cache-teacher --backend vllm --max-sequences 16 --out caches/vllm
 
       distill cache-teacher --targets sampled --samples 12 --max-sequences 64 --out caches/sampled
+
+      distill cache-teacher --targets topk+sampled --k 8 --samples 12 --max-sequences 64 --out caches/hybrid
 
       torchrun --nproc-per-node 8 -m distill cache-teacher --model ./Qwen2.5-7B --out caches/qwen   # one rank per GPU
 
@@ -169,7 +171,7 @@ def cache_stats(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     plot: Optional[Path] = typer.Option(None, help="Also write an image of the distributions (needs matplotlib; .png, .pdf, .svg, ...; no suffix: .png)."),
 ) -> None:
-    """Inspect a cache: size, compression, teacher perplexity, top-k mass, entropy, rank histogram (sampled caches: unique ids per position).
+    """Inspect a cache: size, compression, teacher perplexity, top-k mass, entropy, rank histogram (sampled caches: unique ids per position; topk+sampled: unique ids drawn outside the top-k).
 
     Examples:
 

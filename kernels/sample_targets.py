@@ -8,6 +8,13 @@ other and from the drawn ids, as the fused loss's Triton path needs). Every slot
 teacher's full-vocabulary log-probability at the cache temperature, and, when the proposal
 differs from the teacher, the proposal's.
 
+With ``head`` = K > 0 (a hybrid cache, ``--targets topk+sampled``) each row first holds the
+teacher's exact top-K ids (descending probability), and the S draws come from the proposal
+restricted to the ids outside that top-K and renormalised; the padding avoids the top-K too, so a
+row's K + S ids stay distinct. ``tail_logmass`` is then log(1 - P_K), the mass outside the top-K,
+and the proposal's log-probs (stored only when the proposal differs from the teacher) are those of
+the restricted, renormalised proposal: the distribution the ids were drawn from.
+
 The draws are a pure function of the logits and the uniforms: the caller owns the randomness
 (teacher_cache.targets.Sampling gives each sequence its own uniforms), so the cache does not
 depend on batching or on the device's random number generator. Torch only: per row this costs a
@@ -25,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from distill.configs import check_types, require
-from kernels.topk_logprobs import tail_logmass, target_logprobs
+from kernels.topk_logprobs import floor_tail_logmass, tail_logmass, target_logprobs
 
 
 @dataclass(frozen=True)
@@ -41,16 +48,19 @@ class SampleSettings:
         require("chunk_bytes", self.chunk_bytes, self.chunk_bytes >= 1, "a positive number of bytes")
 
 
-def _slots(draws_CS: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids int64 [C, S], counts int64 [C, S]) in slot order from the draws int64 [C, S]."""
+def _slots(draws_CS: torch.Tensor, vocab_size: int,
+           head_CK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int64 [C, S], counts int64 [C, S]) in slot order from the draws int64 [C, S]; the
+    padding ids avoid the drawn ids and head_CK int64 [C, K] (a hybrid row's exact top-K), if any."""
     C, S = draws_CS.shape
     same_CSS = draws_CS[:, :, None] == draws_CS[:, None, :]
     count_CS = same_CSS.sum(-1)
     earlier = torch.ones(S, S, dtype=torch.bool, device=draws_CS.device).tril(-1)
     first_CS = ~(same_CSS & earlier).any(-1)  # the first draw of each id
-    # Padding candidates 0..S-1: at most u of them were drawn, so at least S - u remain.
-    cand_S = torch.arange(S, device=draws_CS.device)
-    free_CS = ~(cand_S[None, :, None] == draws_CS[:, None, :]).any(-1)
+    # Padding candidates 0..S+K-1: at most u + K of them are taken, so at least S - u remain.
+    taken_CT = draws_CS if head_CK is None else torch.cat([draws_CS, head_CK], 1)
+    cand_S = torch.arange(taken_CT.shape[1], device=draws_CS.device)
+    free_CS = ~(cand_S[None, :, None] == taken_CT[:, None, :]).any(-1)
     # One sort key: count descending, then id ascending; padding has count 0; dropped entries last.
     drop = (S + 2) * vocab_size
     key_drawn = torch.where(first_CS, (S - count_CS) * vocab_size + draws_CS, drop)
@@ -59,14 +69,18 @@ def _slots(draws_CS: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch
     return key_CS % vocab_size, S - key_CS // vocab_size
 
 
-def sample_targets_torch(hidden, weight, uniforms, next_ids, temperature, proposal_temperature, chunk_size):
+def sample_targets_torch(hidden, weight, uniforms, next_ids, temperature, proposal_temperature, chunk_size,
+                         head: int = 0):
     """The implementation; inputs are assumed valid (see ``sample_targets``)."""
     N, S, V, device = hidden.shape[0], uniforms.shape[1], weight.shape[0], hidden.device
-    ids = torch.empty(N, S, dtype=torch.int32, device=device)
-    logprobs = torch.empty(N, S, dtype=torch.float32, device=device)
-    counts = torch.empty(N, S, dtype=torch.uint8, device=device)
+    K = head
+    ids = torch.empty(N, K + S, dtype=torch.int32, device=device)
+    logprobs = torch.empty(N, K + S, dtype=torch.float32, device=device)
+    counts = torch.zeros(N, K + S, dtype=torch.uint8, device=device)  # the exact head's slots stay 0
     differs = proposal_temperature != temperature
-    proposal = torch.empty(N, S, dtype=torch.float32, device=device) if differs else None
+    proposal = torch.empty(N, K + S, dtype=torch.float32, device=device) if differs else None
+    if differs and K:
+        proposal[:, :K] = float("-inf")  # the restricted proposal never draws a top-K id
     tail = torch.empty(N, dtype=torch.float32, device=device)
     target = torch.empty(N, dtype=torch.float32, device=device)
     for start in range(0, N, chunk_size):
@@ -79,19 +93,41 @@ def sample_targets_torch(hidden, weight, uniforms, next_ids, temperature, propos
             proposal_lse_C = torch.logsumexp(proposal_CV, dim=-1)
         else:
             proposal_CV, proposal_lse_C = scaled_CV, lse_C
-        cdf_CV = torch.cumsum(torch.exp(proposal_CV - proposal_lse_C[:, None]), dim=-1, dtype=torch.float64)
+        head_CK, drawn_lse_C = None, proposal_lse_C
+        if K:
+            head_lp_CK, head_CK = torch.topk(scaled_CV, K, dim=-1, sorted=True)
+            head_lp_CK = head_lp_CK - lse_C[:, None]
+            # log(1 - P_K) as the log of the mass outside the top-K, not from 1 - P_K, which cancels
+            # (first, so that its [C, V] temporary is gone before the CDF's buffers exist)
+            outside_lse_C = torch.logsumexp(scaled_CV.scatter(1, head_CK, float("-inf")), dim=-1) if differs else None
+            # Draw from the proposal outside the top-K, renormalised in log space (so a tail far
+            # below the top-K's mass keeps its relative precision).
+            prob_CV = proposal_CV.scatter(1, head_CK, float("-inf"))
+            drawn_lse_C = torch.logsumexp(prob_CV, dim=-1)
+            outside_lse_C = drawn_lse_C if outside_lse_C is None else outside_lse_C
+            tail[start:stop] = floor_tail_logmass(outside_lse_C - lse_C)
+            prob_CV = prob_CV.sub_(drawn_lse_C[:, None]).exp_()
+        else:
+            prob_CV = torch.exp(proposal_CV - proposal_lse_C[:, None])
+        cdf_CV = torch.cumsum(prob_CV, dim=-1, dtype=torch.float64)
+        del prob_CV
         # u * total, not u: the probabilities sum to 1 only up to rounding.
         points_CS = uniforms[start:stop] * cdf_CV[:, -1:]
         draws_CS = torch.searchsorted(cdf_CV, points_CS, right=True).clamp_max(V - 1)
         del cdf_CV
-        ids_CS, count_CS = _slots(draws_CS, V)
+        ids_CS, count_CS = _slots(draws_CS, V, head_CK)
         lp_CS = scaled_CV.gather(1, ids_CS) - lse_C[:, None]
-        ids[start:stop] = ids_CS.to(torch.int32)
-        counts[start:stop] = count_CS.to(torch.uint8)
-        logprobs[start:stop] = lp_CS
+        ids[start:stop, K:] = ids_CS.to(torch.int32)
+        counts[start:stop, K:] = count_CS.to(torch.uint8)
+        logprobs[start:stop, K:] = lp_CS
         if differs:
-            proposal[start:stop] = proposal_CV.gather(1, ids_CS) - proposal_lse_C[:, None]
-        tail[start:stop] = tail_logmass(torch.logsumexp(lp_CS.masked_fill(count_CS == 0, float("-inf")), dim=-1))
+            # the distribution drawn from (with K > 0 renormalised over the ids outside the top-K)
+            proposal[start:stop, K:] = proposal_CV.gather(1, ids_CS) - drawn_lse_C[:, None]
+        if K:
+            ids[start:stop, :K] = head_CK.to(torch.int32)
+            logprobs[start:stop, :K] = head_lp_CK
+        else:
+            tail[start:stop] = tail_logmass(torch.logsumexp(lp_CS.masked_fill(count_CS == 0, float("-inf")), dim=-1))
         target[start:stop] = target_logprobs(scaled_CV, lse_C, None if next_ids is None else next_ids[start:stop])
     return ids, logprobs, tail, target, counts, proposal
 
@@ -106,6 +142,7 @@ def sample_targets(
     proposal_temperature: float | None = None,
     chunk_size: int | None = None,
     *,
+    head: int = 0,
     settings: SampleSettings | None = None,
 ):
     """S ids per row drawn from softmax(hidden @ weight.T / proposal_temperature), as cache slots.
@@ -115,25 +152,32 @@ def sample_targets(
     next_ids: int32/int64 [N], the actual next token per row, -1 where there is none (or None).
     temperature: the cache temperature T of the stored log-probs. proposal_temperature: the
     temperature of the distribution drawn from (None: T, the teacher itself). chunk_size: rows
-    per chunk (None: from ``settings.chunk_bytes``).
+    per chunk (None: from ``settings.chunk_bytes``). head: K exact top ids per row before the
+    draws (a hybrid cache; 0: none), the draws then from the proposal outside them (module doc).
 
-    Returns, on hidden's device (the fields of teacher_cache.targets.TeacherTargets, in order):
-      ids int32 [N, S]: the unique drawn ids by count descending, then id ascending; then padding;
-      logprobs float32 [N, S]: log_softmax(logits / T) at those ids (padding included);
-      tail_logmass float32 [N]: log(1 - the drawn ids' teacher mass), floored at log(1e-12);
+    Returns, on hidden's device (the fields of teacher_cache.targets.TeacherTargets, in order),
+    with K + S slots per row (K = head):
+      ids int32 [N, K + S]: the exact top-K by descending probability; then the unique drawn ids by
+        count descending, then id ascending; then padding;
+      logprobs float32 [N, K + S]: log_softmax(logits / T) at those ids (padding included);
+      tail_logmass float32 [N]: log(1 - the mass of the top-K, or with K = 0 of the drawn ids),
+        floored at log(1e-12);
       target_logprob float32 [N]: log-prob at T of next_ids, NaN where next_ids is -1 or None;
-      counts uint8 [N, S]: draws of each slot's id (sum S per row; 0 on padding);
-      proposal_logprobs float32 [N, S] at the proposal temperature, or None when it equals T.
+      counts uint8 [N, K + S]: draws of each slot's id (sum S per row; 0 on the top-K and padding);
+      proposal_logprobs float32 [N, K + S] of the distribution drawn from (with K > 0 restricted
+        to the ids outside the top-K and renormalised; -inf on the top-K), or None when the
+        proposal temperature equals T.
     """
     proposal_temperature = temperature if proposal_temperature is None else proposal_temperature
-    _validate(hidden, weight, uniforms, next_ids, temperature, proposal_temperature, chunk_size, settings)
+    _validate(hidden, weight, uniforms, next_ids, temperature, proposal_temperature, chunk_size, settings, head)
     settings = settings if settings is not None else SampleSettings()
     rows = chunk_size or max(1, settings.chunk_bytes // (16 * weight.shape[0]))
     return sample_targets_torch(hidden, weight, uniforms, next_ids, float(temperature), float(proposal_temperature),
-                                rows)
+                                rows, head)
 
 
-def _validate(hidden, weight, uniforms, next_ids, temperature, proposal_temperature, chunk_size, settings) -> None:
+def _validate(hidden, weight, uniforms, next_ids, temperature, proposal_temperature, chunk_size, settings,
+              head=0) -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden must be [N, d] and weight [V, d], got shapes {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -150,6 +194,8 @@ def _validate(hidden, weight, uniforms, next_ids, temperature, proposal_temperat
     if not 1 <= S <= min(255, V):
         raise ValueError(f"the number of samples S (uniforms' second dim) must be in [1, min(255, vocab_size={V})], "
                          f"got {S}")
+    if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head <= V - S:
+        raise ValueError(f"head (exact top ids per row) must be an int in [0, vocab_size - S = {V - S}], got {head!r}")
     for name, t in (("temperature", temperature), ("proposal_temperature", proposal_temperature)):
         if not (t > 0 and t != float("inf")):
             raise ValueError(f"{name} must be a positive finite number, got {t}")

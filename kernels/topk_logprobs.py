@@ -14,6 +14,7 @@ each path runs is set by ``TopkSettings``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,12 @@ def tail_logmass(mass_log_C: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(mass_log)) per row, floored at log(1e-12): the log of the mass outside a row's
     stored ids, from the log of their mass (via expm1: accurate when that mass is near 1)."""
     return torch.log((-torch.expm1(mass_log_C)).clamp_min(_TAIL_MIN_MASS))
+
+
+def floor_tail_logmass(logmass_C: torch.Tensor) -> torch.Tensor:
+    """A log tail mass computed directly (the log of the mass outside a row's stored ids), floored
+    at log(1e-12) as ``tail_logmass`` floors it."""
+    return logmass_C.clamp_min(math.log(_TAIL_MIN_MASS))
 
 
 def target_logprobs(logits_CV: torch.Tensor, lse_C: torch.Tensor, next_C: torch.Tensor | None) -> torch.Tensor:

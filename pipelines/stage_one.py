@@ -32,8 +32,8 @@ from distill.devices import resolve_device, resolve_dtype
 from pipelines.corpus import CorpusConfig, prepare_corpus
 from teacher_cache.backends import PREFILL_TOKENS, canonical_dtype, open_teacher_folder, weights_hash
 from teacher_cache.build import (
-    BuildReport, CacheConfig, build_cache, cache_identity, check_backend_can_sample, check_k_fits, complete_cache_id,
-    other_cache_diff,
+    BuildReport, CacheConfig, build_cache, cache_identity, check_backend_can_sample, check_targets_fit,
+    complete_cache_id, other_cache_diff,
 )
 from teacher_cache.errors import CacheMismatchError
 from teacher_cache.identity import tokenizer_info
@@ -145,7 +145,7 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
 
     model_dir = config.teacher.model or default_teacher_dir()
     teacher_folder = open_teacher_folder(model_dir)
-    check_k_fits(config.cache.slots, teacher_folder.vocab_size, "samples" if config.cache.targets == "sampled" else "k")
+    check_targets_fit(config.cache, teacher_folder.vocab_size)
     dtype = resolve_dtype(config.teacher.dtype, device if ray is not None else resolve_device(device))
     out = config.cache.out
     # held from here, so a second writer is refused before any work (workers share it)

@@ -9,6 +9,11 @@ From a sampled cache (RS-KD; ``reader.manifest.spec.targets.kind == "sampled"``)
 carries ``target_weights``, the weight of each slot in the unbiased estimate of the full KL:
 w_j = (c_j / S) * exp(l_j - log r(u_j)), which is c_j / S when the proposal r is the teacher p
 (CONTRACT: E[w at id v] = p(v)). Padding slots (count 0) and padding rows weigh 0.
+
+A hybrid cache (targets.kind "topk+sampled") weighs its exact top-K slots p_j = exp(l_j) and its
+drawn slots as above, r being the proposal restricted to the ids outside the top-K and
+renormalised: (c_j / S) (1 - P_K) when r is the teacher (1 - P_K = exp(tail_logmass)). The top-K
+part sums to P_K, the drawn part to 1 - P_K (exactly when r is the teacher, else in expectation).
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ class Batch:
     target_ids: torch.Tensor  # int64 [N], the next input id; -1 on each sequence's last row and padding
     target_logprob: torch.Tensor  # float32 [N], teacher log-prob of target_ids (NaN where none)
     mask: torch.Tensor  # bool [N], False on padding rows
-    # float32 [N, k], a sampled cache's slot weights (module doc; 0 on padding); None: a top-k cache
+    # float32 [N, k], a sampled or hybrid cache's slot weights (module doc; 0 on padding); None: a top-k cache
     target_weights: torch.Tensor | None = None
 
     @property
@@ -104,14 +109,22 @@ class Batch:
         return self._map(lambda v: v.pin_memory())
 
 
-def target_weights(targets) -> np.ndarray:
+def target_weights(targets, head: int = 0) -> np.ndarray:
     """float32 [N, k]: the slot weights of sampled targets (``TeacherTargets`` with sample_counts),
-    w_j = (c_j / S) * exp(l_j - log r(u_j)), or c_j / S when no proposal log-probs are stored."""
+    w_j = (c_j / S) * exp(l_j - log r(u_j)), or c_j / S when no proposal log-probs are stored.
+    head: a hybrid cache's exact top-K slots at the front of each row (targets.head), weighted
+    exp(l_j); the drawn slots' c_j / S is then scaled by 1 - P_K = exp(tail_logmass) when no
+    proposal log-probs are stored (module doc)."""
     counts = targets.sample_counts.astype(np.float64)
     weights = counts / counts.sum(axis=1, keepdims=True)
+    logprobs = targets.topk_logprobs.astype(np.float64)
     if targets.proposal_logprobs is not None:
-        ratio = targets.topk_logprobs.astype(np.float64) - targets.proposal_logprobs.astype(np.float64)
+        ratio = logprobs - targets.proposal_logprobs.astype(np.float64)
         weights *= np.exp(np.where(counts > 0, ratio, 0.0))  # padding: weight 0, whatever its log-probs
+    elif head:
+        weights *= np.exp(targets.tail_logmass.astype(np.float64))[:, None]
+    if head:
+        weights[:, :head] = np.exp(logprobs[:, :head])
     return weights.astype(np.float32)
 
 
@@ -174,6 +187,7 @@ class CacheBatches:
         self.seed, self.shuffle, self.pin = seed, shuffle, pin_memory
         self.k = reader.manifest.spec.targets.k
         self.sampled = reader.manifest.spec.targets.sampled
+        self.head = reader.manifest.spec.targets.head  # a hybrid cache's exact top-K slots per row
         self._lru = _ShardLRU(reader, lru_shards)
         self.epoch, self.offset = 0, 0
         self._order_epoch, self._order = None, None
@@ -250,7 +264,7 @@ class CacheBatches:
             topk_ids[b, :n] = t.topk_ids[lo:hi]
             topk_lp[b, :n] = t.topk_logprobs[lo:hi]
             if weights is not None:
-                weights[b, :n] = target_weights(t.slice(lo, hi))
+                weights[b, :n] = target_weights(t.slice(lo, hi), self.head)
             tail[b, :n] = t.tail_logmass[lo:hi]
             target_lp[b, :n] = t.target_logprob[lo:hi]
             # The window's last row still has a next token unless the sequence ends there.

@@ -41,6 +41,9 @@ KL_NOTE = ("kl is a lower bound of the full-vocabulary KL(teacher || student): i
 SAMPLED_KL_NOTE = ("kl is the cache's estimate of the full-vocabulary KL(teacher || student) from its sampled ids "
                    "(RS-KD's importance weights, at the cache's temperature): unbiased but noisy, neither a lower nor "
                    "an upper bound; top1 compares with the most-sampled id, not always the teacher's top-1")
+HYBRID_KL_NOTE = ("kl is the cache's estimate of the full-vocabulary KL(teacher || student): exact over the teacher's "
+                  "top-k ids, RS-KD's importance-weighted estimate over the ids drawn outside them (at the cache's "
+                  "temperature): unbiased, neither a lower nor an upper bound")
 FULL_VOCAB_NOTE = ("full_vocab_kl is the exact KL(teacher || student) over the whole vocabulary at the cache's "
                    "temperature, the teacher run on the held-out rows; calibration_error is the expected calibration "
                    f"error of the top-1 at temperature 1 against the actual next token ({CALIBRATION_BINS} "
@@ -83,13 +86,13 @@ class EvalResult:
 
 
 def target_kind(reader: CacheReader) -> str:
-    """"topk" or "sampled": the kind of the cache's targets (a manifest without one is top-k)."""
+    """"topk", "sampled" or "topk+sampled": the kind of the cache's targets (a manifest without one is top-k)."""
     return getattr(reader.manifest.spec.targets, "kind", "topk")  # the field comes with sampled caches
 
 
 def kl_note(reader: CacheReader) -> str:
     """What the cache-based `kl` of an evaluation on `reader` measures."""
-    return SAMPLED_KL_NOTE if target_kind(reader) == "sampled" else KL_NOTE
+    return {"sampled": SAMPLED_KL_NOTE, "topk+sampled": HYBRID_KL_NOTE}.get(target_kind(reader), KL_NOTE)
 
 
 def rows_per_block(vocab_size: int, block_bytes: int = LOGITS_BLOCK_BYTES) -> int:

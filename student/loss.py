@@ -8,10 +8,10 @@ targets.temperature); `LossConfig.temperature` is the temperature of the distill
 which cannot be re-tempered (it is one number for many tokens), so they train only at the
 cache's temperature, where the loss's optimum is the teacher itself.
 
-A sampled cache (manifest targets.kind "sampled") carries per-slot weights instead of a top-k
-(`Batch.target_weights`): the loss is then the unbiased estimate of the full-vocabulary KL, the
-"unnormalized" formulas with the weights as the teacher's mass, whatever `LossConfig.tail` says,
-and only at the temperature the cache was sampled at.
+A sampled or hybrid cache (manifest targets.kind "sampled" or "topk+sampled") carries per-slot
+weights instead of a top-k (`Batch.target_weights`): the loss is then the unbiased estimate of
+the full-vocabulary KL, the "unnormalized" formulas with the weights as the teacher's mass,
+whatever `LossConfig.tail` says, and only at the temperature the cache was sampled at.
 
 torch and the kernel are imported inside `distill_loss`: the CLI imports `LossConfig` for its
 option defaults without loading torch.
@@ -53,15 +53,15 @@ class LossConfig:
         return cache_temperature if self.temperature is None else self.temperature
 
     def check_cache_temperature(self, cache_temperature: float, kind: str = "topk") -> None:
-        """Refuse a temperature this tail, or a cache of targets `kind` ("topk" | "sampled", the
-        manifest's targets.kind), cannot compose with a cache at `cache_temperature`."""
+        """Refuse a temperature this tail, or a cache of targets `kind` ("topk" | "sampled" |
+        "topk+sampled", the manifest's targets.kind), cannot compose with a cache at `cache_temperature`."""
         temperature = self.distillation_temperature(cache_temperature)
-        if kind == "sampled" and temperature != cache_temperature:
+        if kind != "topk" and temperature != cache_temperature:
             raise ConfigError("temperature", (
                 f"is {temperature:g} but the cache holds ids sampled from the teacher at temperature "
                 f"{cache_temperature:g}, and sampled targets estimate the teacher only at the temperature they were "
                 f"drawn at; leave out --temperature (the cache's), or sample a cache at temperature {temperature:g} "
-                f"(distill cache-teacher --targets sampled --temperature {temperature:g})"))
+                f"(distill cache-teacher --targets {kind} --temperature {temperature:g})"))
         if self.tail != "renorm" and temperature != cache_temperature:
             raise ConfigError("temperature", (
                 f"is {temperature:g} but the cache holds the teacher at temperature {cache_temperature:g}, and the "

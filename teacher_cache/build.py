@@ -54,15 +54,17 @@ class CacheConfig:
     # an fsspec URL of an object store prefix (s3://, gs://; teacher_cache/location.py)
     out: Path | RemotePath
     # topk: the teacher's k most probable ids per position; sampled: RS-KD, `samples` ids drawn
-    # per position with replacement (unique ids with counts; an unbiased estimate of the full KL)
-    targets: Literal["topk", "sampled"] = "topk"
-    k: int = 100  # top-k entries stored per position (targets topk)
-    # ids drawn per position (targets sampled); the RS-KD paper's choice, about a dozen
+    # per position with replacement (unique ids with counts; an unbiased estimate of the full KL);
+    # topk+sampled: the exact top-k, then `samples` ids drawn from the teacher outside them
+    targets: Literal["topk", "sampled", "topk+sampled"] = "topk"
+    k: int = 100  # top-k entries stored per position (targets topk; topk+sampled: the exact head)
+    # ids drawn per position (targets sampled, topk+sampled); the RS-KD paper's choice, about a dozen
     samples: int = 12
-    # temperature of the distribution the ids are drawn from (targets sampled); None: the cache
-    # temperature, so the stored counts alone weight the ids (no proposal log-probs stored)
+    # temperature of the distribution the ids are drawn from (targets sampled; topk+sampled: restricted
+    # to the ids outside the top-k); None: the cache temperature, so the stored counts alone weight
+    # the ids (no proposal log-probs stored)
     proposal_temperature: float | None = None
-    seed: int = 0  # seed of the draws (targets sampled); a sequence's draws depend on it and its index only
+    seed: int = 0  # seed of the draws (sampled, topk+sampled); a sequence's draws depend on it and its index only
     value_codec: str = "sqrt8"  # fp32 | bf16 | fp16 | sqrt8 (see teacher_cache/codecs.py)
     # parquet | zarr (Zarr v3); parquet is the default because it writes cheaper at the same size
     # (tests/benchmarks/notes/LOG.md, "Stage one end to end on the H200")
@@ -107,15 +109,16 @@ class CacheConfig:
 
     @property
     def slots(self) -> int:
-        """Entries stored per position: k, or the samples of a sampled cache."""
-        return self.samples if self.targets == "sampled" else self.k
+        """Entries stored per position: k, the samples of a sampled cache, or k + samples (hybrid)."""
+        return {"topk": self.k, "sampled": self.samples, "topk+sampled": self.k + self.samples}[self.targets]
 
     @property
     def sampling(self) -> Sampling | None:
-        if self.targets != "sampled":
+        if self.targets == "topk":
             return None
         proposal = self.temperature if self.proposal_temperature is None else self.proposal_temperature
-        return Sampling(samples=self.samples, proposal_temperature=float(proposal), seed=self.seed)
+        return Sampling(samples=self.samples, proposal_temperature=float(proposal), seed=self.seed,
+                        topk=self.k if self.targets == "topk+sampled" else 0)
 
 
 def check_k_fits(k: int, vocab_size: int | None, name: str = "k") -> None:
@@ -124,12 +127,23 @@ def check_k_fits(k: int, vocab_size: int | None, name: str = "k") -> None:
         raise ConfigError(name, f"must be in [1, vocab_size={vocab_size}] (the teacher's vocabulary), got {k}")
 
 
+def check_targets_fit(config: CacheConfig, vocab_size: int | None) -> None:
+    """A cache's slots per position against the teacher's vocabulary, before any work (ConfigError
+    naming the option); a hybrid row's k + samples ids are distinct, so they must fit together."""
+    if config.targets != "topk+sampled":
+        check_k_fits(config.slots, vocab_size, "samples" if config.targets == "sampled" else "k")
+    elif vocab_size is not None and config.slots > vocab_size:
+        raise ConfigError("samples", f"plus --k={config.k} must be at most vocab_size={vocab_size} with --targets "
+                                     f"topk+sampled (a row's ids are distinct), got {config.samples}; lower "
+                                     "--samples or --k")
+
+
 def check_backend_can_sample(backend: TeacherBackend | str, config: CacheConfig) -> None:
     """A sampled cache needs a backend that sees the teacher's whole distribution (ConfigError naming `backend`)."""
     name = backend if isinstance(backend, str) else backend.name
     can = name == "hf" if isinstance(backend, str) else getattr(backend, "can_sample", False)
-    if config.targets == "sampled" and not can:
-        raise ConfigError("backend", f"must be hf with --targets sampled (vLLM returns only the top-k prompt "
+    if config.targets != "topk" and not can:
+        raise ConfigError("backend", f"must be hf with --targets {config.targets} (vLLM returns only the top-k prompt "
                                      f"log-probs, not the whole distribution to sample from), got {name!r}")
 
 
@@ -181,7 +195,7 @@ def build_cache(
     """
     if not sequences:
         raise DistillUserError("the corpus produced no sequences; give more text or a shorter --seq-len")
-    check_k_fits(config.slots, backend.vocab_size, "samples" if config.targets == "sampled" else "k")
+    check_targets_fit(config, backend.vocab_size)
     check_backend_can_sample(backend, config)
     lengths = np.array([len(s) for s in sequences], dtype=np.int64)
     if lengths.min() < 2:
@@ -316,6 +330,8 @@ def _settings_identity(config: CacheConfig) -> dict:
     targets = {"k": config.slots, "value_codec": config.value_codec, "temperature": float(config.temperature),
                "kind": config.targets}
     if (sampling := config.sampling) is not None:
+        if sampling.topk:
+            targets["topk"] = sampling.topk
         targets |= {"samples": sampling.samples, "proposal_temperature": sampling.proposal_temperature,
                     "seed": sampling.seed}
     return {"targets": targets, "storage": {"format": config.storage, "shard_size": config.shard_size}}
@@ -424,7 +440,7 @@ def _row_blocks(backend: TeacherBackend, batch: list[np.ndarray], config: CacheC
     """The batch's rows as the backend produces them: its ``score_blocks`` where it has one (rows
     of a long sequence chunk by chunk), else its ``score`` (one block per sequence). indices: the
     sequences' indices in the cache (a sampled cache's draws depend on them)."""
-    if config.targets == "sampled":
+    if config.targets != "topk":
         return (block for _, block in backend.score_blocks(batch, config.slots, sampling=config.sampling,
                                                            indices=indices))
     score_blocks = getattr(backend, "score_blocks", None)

@@ -1,10 +1,12 @@
-"""manifest.json of a teacher cache (format "distill-teacher-cache", version 1 or 2).
+"""manifest.json of a teacher cache (format "distill-teacher-cache", version 1, 2 or 3).
 
 Version 1 is a top-k cache; its targets section has no ``kind``. Version 2 is a cache whose
 targets section names its ``kind`` ("sampled": RS-KD sampled targets, with ``samples``,
-``proposal_temperature`` and ``seed``). A top-k cache is still written as version 1, byte for
-byte as before (same ``cache_id``), so every distill reads it; an older distill refuses a
-version 2 cache by its version, which it cannot read.
+``proposal_temperature`` and ``seed``). Version 3 is a hybrid cache ("topk+sampled": the exact
+``topk`` ids per position, then ``samples`` draws from outside them; ``k`` = topk + samples
+slots). A top-k cache is still written as version 1 and a sampled one as version 2, byte for
+byte as before (same ``cache_id``), so every distill that read them reads them; an older distill
+refuses a newer version by its number, which it cannot read.
 
 The manifest is the contract between stage one and stage two: readers check it before they
 touch a shard. Loading is strict: an unknown format version, a missing or unknown key, or a value
@@ -31,10 +33,14 @@ from teacher_cache.errors import CacheError
 FORMAT_NAME = "distill-teacher-cache"
 FORMAT_VERSION = 1  # of a top-k cache
 SAMPLED_FORMAT_VERSION = 2  # of a cache whose targets name their kind
-FORMAT_VERSIONS = (FORMAT_VERSION, SAMPLED_FORMAT_VERSION)
-TARGET_KINDS = ("topk", "sampled")
+HYBRID_FORMAT_VERSION = 3  # of a top-k + sampled cache (targets.topk)
+FORMAT_VERSIONS = (FORMAT_VERSION, SAMPLED_FORMAT_VERSION, HYBRID_FORMAT_VERSION)
+TARGET_KINDS = ("topk", "sampled", "topk+sampled")
+_VERSION_OF_KIND = {"topk": FORMAT_VERSION, "sampled": SAMPLED_FORMAT_VERSION, "topk+sampled": HYBRID_FORMAT_VERSION}
 # targets fields a top-k cache leaves out of its manifest and identity (version 1 has none of them)
 _SAMPLED_FIELDS = ("kind", "samples", "proposal_temperature", "seed")
+# the one a sampled cache leaves out too (version 2 has no exact head)
+_HYBRID_FIELDS = ("topk",)
 MANIFEST_NAME = "manifest.json"
 STORAGE_FORMATS = ("zarr", "parquet")
 STATUSES = ("incomplete", "complete")
@@ -110,13 +116,14 @@ def _positive_float(value: Any, name: str) -> float:
 
 @dataclass(frozen=True)
 class TargetsInfo:
-    k: int  # entries stored per position (top-k; sampled: the slots, = samples)
+    k: int  # entries stored per position (top-k; sampled: the slots, = samples; topk+sampled: topk + samples)
     value_codec: str  # how top-k log-probs are stored: fp32 | bf16 | fp16 | a quantised codec
     temperature: float  # stored log-probs are log_softmax(logits / temperature)
-    kind: str = "topk"  # "topk" | "sampled" (RS-KD: ids drawn from the proposal, with counts)
+    kind: str = "topk"  # "topk" | "sampled" (RS-KD: ids drawn from the proposal, with counts) | "topk+sampled"
     samples: int | None = None  # sampled: ids drawn per position (with replacement)
     proposal_temperature: float | None = None  # sampled: drawn from softmax(logits / this)
     seed: int | None = None  # sampled: seed of the draws (teacher_cache.targets.Sampling)
+    topk: int | None = None  # topk+sampled: exact top ids per position, before the draws from outside them
 
     def __post_init__(self) -> None:
         _int_at_least(self.k, 1, "targets.k")
@@ -125,20 +132,35 @@ class TargetsInfo:
         _require(self.kind in TARGET_KINDS, f"targets.kind must be one of {', '.join(TARGET_KINDS)}, "
                                             f"got {self.kind!r}")
         if self.kind == "topk":
-            extra = [name for name in _SAMPLED_FIELDS[1:] if getattr(self, name) is not None]
+            extra = [name for name in (*_SAMPLED_FIELDS[1:], *_HYBRID_FIELDS) if getattr(self, name) is not None]
             _require(not extra, f"a top-k cache has no targets.{', targets.'.join(extra)}")
             return
         _int_at_least(self.samples, 1, "targets.samples")
         _require(self.samples <= 255, f"targets.samples must be at most 255 (uint8 counts), got {self.samples}")
-        _require(self.k == self.samples, f"targets.k must equal targets.samples in a sampled cache, got k={self.k} "
-                                         f"and samples={self.samples}")
+        if self.kind == "sampled":
+            _require(self.topk is None, "a sampled cache has no targets.topk (a topk+sampled cache has)")
+        else:
+            _int_at_least(self.topk, 1, "targets.topk")
+        _require(self.k == self.head + self.samples,
+                 f"targets.k must equal targets.{'topk + targets.' if self.hybrid else ''}samples in a {self.kind} "
+                 f"cache, got k={self.k}, samples={self.samples}" + (f", topk={self.topk}" if self.hybrid else ""))
         object.__setattr__(self, "proposal_temperature",
                            _positive_float(self.proposal_temperature, "targets.proposal_temperature"))
         _int_at_least(self.seed, 0, "targets.seed")
 
     @property
     def sampled(self) -> bool:
-        return self.kind == "sampled"
+        """Whether the rows hold drawn ids with counts (a sampled or a topk+sampled cache)."""
+        return self.kind != "topk"
+
+    @property
+    def hybrid(self) -> bool:
+        return self.kind == "topk+sampled"
+
+    @property
+    def head(self) -> int:
+        """Exact top ids at the front of every row before the drawn ones (0 unless hybrid)."""
+        return self.topk if self.hybrid else 0
 
     @property
     def proposal_is_teacher(self) -> bool:
@@ -147,7 +169,17 @@ class TargetsInfo:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        return d if self.sampled else {key: value for key, value in d.items() if key not in _SAMPLED_FIELDS}
+        return {key: value for key, value in d.items() if key in _targets_keys(self.kind)}
+
+
+def _targets_keys(kind: str) -> tuple[str, ...]:
+    """The targets keys a cache of ``kind`` writes (and hashes into its identity)."""
+    keys = ("k", "value_codec", "temperature")
+    if kind != "topk":
+        keys += _SAMPLED_FIELDS
+    if kind == "topk+sampled":
+        keys += _HYBRID_FIELDS
+    return keys
 
 
 @dataclass(frozen=True)
@@ -192,7 +224,7 @@ IDENTITY_FIELDS = {
     "teacher": ("weights_hash", "backend", "dtype"),
     "tokenizer": ("hash",),
     "data": ("fingerprint", "seq_len"),
-    "targets": ("k", "value_codec", "temperature", *_SAMPLED_FIELDS),
+    "targets": ("k", "value_codec", "temperature", *_SAMPLED_FIELDS, *_HYBRID_FIELDS),
     "storage": ("format", "shard_size"),
 }
 
@@ -229,13 +261,13 @@ class CacheSpec:
 
     @property
     def format_version(self) -> int:
-        return SAMPLED_FORMAT_VERSION if self.targets.sampled else FORMAT_VERSION
+        return _VERSION_OF_KIND[self.targets.kind]
 
     def identity(self) -> dict:
         ident: dict[str, Any] = {"format": FORMAT_NAME, "version": self.format_version}
         for section, keys in IDENTITY_FIELDS.items():
-            if section == "targets" and not self.targets.sampled:
-                keys = tuple(key for key in keys if key not in _SAMPLED_FIELDS)
+            if section == "targets":
+                keys = tuple(key for key in keys if key in _targets_keys(self.targets.kind))
             ident[section] = {key: getattr(getattr(self, section), key) for key in keys}
         return ident
 
@@ -317,9 +349,9 @@ class Manifest:
         _require(not unknown, f"manifest has unknown key(s) {unknown}; written by a newer distill?")
         _require(not missing, f"manifest is missing key(s) {missing}")
         spec = CacheSpec.from_dict({name: d[name] for name in _SECTIONS})
-        if d["version"] == SAMPLED_FORMAT_VERSION:
+        if d["version"] != FORMAT_VERSION:
             _require(isinstance(d["targets"], dict) and "kind" in d["targets"],
-                     f"a version {SAMPLED_FORMAT_VERSION} manifest names its targets.kind; this one does not")
+                     f"a version {d['version']} manifest names its targets.kind; this one does not")
         _require(d["version"] == spec.format_version,
                  f"manifest version {d['version']} does not match its {spec.targets.kind} targets (version "
                  f"{spec.format_version}); the manifest was edited by hand: restore it or rebuild the cache")

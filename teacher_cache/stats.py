@@ -7,7 +7,9 @@ no more memory than one shard.
 For a sampled cache (RS-KD) the "top-k" figures are those of the drawn ids (slots with count > 0;
 padding slots are left out), ranks are positions among the drawn ids by count, and
 ``unique_ids_per_position`` says how many distinct ids the S draws gave (mean, percentiles and
-a histogram over 1..S).
+a histogram over 1..S). For a hybrid cache (topk+sampled) the "top-k" figures are those of the
+exact top-K and the drawn ids together (ranks: the top-K first, then the drawn ids by count), and
+``unique_ids_per_position`` counts the distinct drawn ids outside the top-K.
 """
 
 from __future__ import annotations
@@ -63,11 +65,12 @@ class _Accumulator:
     entropy_tail_low: float = 0.0
     entropy_tail_high: float = 0.0
     rank_counts: np.ndarray = None  # int64 [buckets + 1], the last for ranks > k
-    unique_counts: np.ndarray = None  # int64 [k + 1]: positions by number of distinct drawn ids (sampled)
+    unique_counts: np.ndarray = None  # int64 [k - head + 1]: positions by number of distinct drawn ids (sampled)
+    head: int = 0  # a hybrid cache's exact top-K slots per row
 
     def __post_init__(self) -> None:
         self.rank_counts = np.zeros(len(rank_buckets(self.k)) + 1, dtype=np.int64)
-        self.unique_counts = np.zeros(self.k + 1, dtype=np.int64)
+        self.unique_counts = np.zeros(self.k - self.head + 1, dtype=np.int64)
 
     def add(self, input_ids: np.ndarray, seq_offsets: np.ndarray, targets) -> None:
         self.shards += 1
@@ -84,9 +87,13 @@ class _Accumulator:
         if targets.sample_counts is not None:
             drawn = targets.sample_counts > 0
             unique = drawn.sum(axis=1)
-            self.unique_counts += np.bincount(unique, minlength=self.k + 1)
-            p, logp, ids = np.where(drawn, p, 0.0), np.where(drawn, logp, 0.0), np.where(drawn, ids, -1)
-            others = self.vocab_size - unique
+            self.unique_counts += np.bincount(unique, minlength=self.k - self.head + 1)
+            kept = drawn
+            if self.head:
+                kept = drawn.copy()
+                kept[:, :self.head] = True
+            p, logp, ids = np.where(kept, p, 0.0), np.where(kept, logp, 0.0), np.where(kept, ids, -1)
+            others = self.vocab_size - self.head - unique
         mass = p.sum(axis=1)
         bins = np.clip((mass * _MASS_BINS).astype(np.int64), 0, _MASS_BINS - 1)
         self.mass_counts += np.bincount(bins, minlength=_MASS_BINS)
@@ -98,6 +105,9 @@ class _Accumulator:
         # in which case only the second cap is known (so too for drawn ids, which are no top-k).
         p_min = p.min(axis=1)
         cap = np.where((p_min > 0) & (targets.sample_counts is None), np.minimum(p_min, tail), tail)
+        if self.head:  # every id outside the exact top-K is no likelier than its last one
+            p_k = p[:, self.head - 1]
+            cap = np.where(p_k > 0, np.minimum(p_k, tail), tail)
         low = np.where(cap > 0, tail * -np.log(np.maximum(cap, 1e-300)), 0.0)
         high = np.where(tail > 0, tail * (np.log(np.maximum(others, 1)) - np.log(np.maximum(tail, 1e-300))), 0.0)
         self.entropy_tail_low += float(low.sum())
@@ -151,7 +161,7 @@ def cache_stats(path: str | os.PathLike, max_shards: int | None = None) -> dict:
     reader = CacheReader(path, verify_checksums=False)
     spec = reader.manifest.spec
     sampled = spec.targets.sampled
-    acc = _Accumulator(k=spec.targets.k, vocab_size=spec.tokenizer.vocab_size)
+    acc = _Accumulator(k=spec.targets.k, vocab_size=spec.tokenizer.vocab_size, head=spec.targets.head)
     for index, input_ids, seq_offsets, targets in reader.iter_shards():
         if max_shards is not None and index >= max_shards:
             break
@@ -160,8 +170,8 @@ def cache_stats(path: str | os.PathLike, max_shards: int | None = None) -> dict:
     k = spec.targets.k
     bytes_on_disk = sum(s.bytes for s in reader.manifest.shards)
     fp32_bytes = 8 * k + 8  # int32 id + fp32 log-prob per entry, fp32 tail and target per position
-    if sampled:  # + a uint8 count per slot, and an fp32 proposal log-prob when stored
-        fp32_bytes += k * (1 if spec.targets.proposal_is_teacher else 5)
+    if sampled:  # + a uint8 count per drawn slot, and an fp32 proposal log-prob when stored
+        fp32_bytes += spec.targets.samples * (1 if spec.targets.proposal_is_teacher else 5)
     per_token = bytes_on_disk / spec.data.tokens
     ce = acc.ce_sum / acc.ce_rows if acc.ce_rows else float("nan")
     rows = max(acc.tokens, 1)
@@ -203,6 +213,8 @@ def cache_stats(path: str | os.PathLike, max_shards: int | None = None) -> dict:
     if sampled:
         stats["sampling"] = {"samples": spec.targets.samples, "proposal_temperature": spec.targets.proposal_temperature,
                              "seed": spec.targets.seed}
+        if spec.targets.hybrid:
+            stats["sampling"]["topk"] = spec.targets.topk
         stats["unique_ids_per_position"] = _unique_stats(acc.unique_counts)
     return stats
 
@@ -235,14 +247,17 @@ def render_table(stats: dict) -> str:
     table.add_column("statistic", style="bold")
     table.add_column("value")
     table.add_row("teacher", str(stats["teacher"]))
-    sampled = stats.get("targets_kind") == "sampled"
+    sampled = stats.get("targets_kind") in ("sampled", "topk+sampled")
+    hybrid = stats.get("targets_kind") == "topk+sampled"
     table.add_row("storage / codec / k / T", f"{stats['storage_format']} / {stats['value_codec']} / {stats['k']} / "
                                              f"{stats['temperature']:g}")
     if sampled:
         sampling, unique = stats["sampling"], stats["unique_ids_per_position"]
-        table.add_row("sampled targets", f"{sampling['samples']} draws per position from T = "
+        outside = f" outside the exact top-{sampling['topk']}" if hybrid else ""
+        table.add_row("sampled targets", f"{sampling['samples']} draws per position{outside} from T = "
                                          f"{sampling['proposal_temperature']:g}, seed {sampling['seed']}")
-        table.add_row("unique ids per position", f"mean {unique['mean']:.2f}; p1/p10/p50/p90/p99 "
+        table.add_row("unique " + ("tail " if hybrid else "") + "ids per position",
+                      f"mean {unique['mean']:.2f}; p1/p10/p50/p90/p99 "
                       + " / ".join(str(unique["percentiles"][f"p{q}"]) for q in PERCENTILES))
     table.add_row("sequences / tokens / shards", f"{stats['sequences']:,} / {stats['tokens']:,} / {stats['shards']:,}")
     if stats["scanned_shards"] != stats["shards"]:
@@ -253,7 +268,7 @@ def render_table(stats: dict) -> str:
     table.add_row("teacher cross-entropy", f"{_fmt(stats['teacher_cross_entropy_nats'])} nats "
                                            f"(perplexity {_fmt(stats['teacher_perplexity'], '.2f')})")
     pct = stats["topk_mass_percentiles"]
-    part = "drawn ids" if sampled else "top-k"
+    part = "top-k + drawn ids" if hybrid else "drawn ids" if sampled else "top-k"
     table.add_row(f"{part} mass p1/p10/p50/p90/p99", " / ".join(_fmt(pct[f"p{q}"]) for q in PERCENTILES))
     ent = stats["entropy_nats"]
     table.add_row("entropy (nats)", f"{part} part {ent['topk_part']:.3f}; with tail in "

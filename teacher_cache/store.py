@@ -12,6 +12,12 @@ the teacher, ``proposal_logprobs`` float32 [N, S]. Its rows are stored with the 
 ascending in every [N, S] array (so the counts stay aligned with the ids whatever order a codec
 stores them in); decoding puts the slots back in cache order (count descending, then id).
 
+A hybrid (topk+sampled) cache's shard holds the exact top-K as a top-k cache's codec arrays
+([N, K], rank order), and its drawn slots as a sampled shard's arrays ([N, S], ascending ids)
+with the codec's array names prefixed ``drawn_``; ``sample_counts`` and ``proposal_logprobs``
+are [N, S], aligned with the drawn slots. Decoding joins them into K + S slots per row (the
+top-K's counts 0, their proposal log-probs -inf: the draws never come from them).
+
 The codec's arrays are treated generically (any names, dtypes and trailing shape), so a codec
 that adds per-row scales needs no change here. A ``ShardStore`` (Zarr or Parquet) turns that dict
 into files and back, losslessly; where each store keeps ``seq_offsets`` is in its module doc and
@@ -41,6 +47,7 @@ from teacher_cache.targets import TeacherTargets, canonical_slots
 SHARDS_DIR = "shards"
 FIXED_ARRAYS = ("input_ids", "seq_offsets", "tail_logmass", "target_logprob")
 SAMPLED_ARRAYS = ("sample_counts", "proposal_logprobs")  # a sampled cache's, beside the codec's
+DRAWN_PREFIX = "drawn_"  # a hybrid shard's codec arrays of the drawn slots (the top-K's are unprefixed)
 
 
 class ShardStore(Protocol):
@@ -92,10 +99,12 @@ def shard_name(index: int, store: ShardStore) -> str:
     return f"{index:05d}{store.suffix}"
 
 
-def encode_shard(input_ids: list[np.ndarray], targets: TeacherTargets, codec: ValueCodec) -> dict[str, np.ndarray]:
-    """input_ids: one int array [L_i] per sequence; targets: sum(L_i) rows. Returns the shard's arrays."""
+def encode_shard(input_ids: list[np.ndarray], targets: TeacherTargets, codec: ValueCodec,
+                 head: int = 0) -> dict[str, np.ndarray]:
+    """input_ids: one int array [L_i] per sequence; targets: sum(L_i) rows; head: a hybrid cache's
+    exact top-K slots at the front of each row (0: none). Returns the shard's arrays."""
     seq_offsets, all_ids = shard_offsets(input_ids)
-    blocks = list(encode_blocks(all_ids, [targets], codec))
+    blocks = list(encode_blocks(all_ids, [targets], codec, head))
     return {"seq_offsets": seq_offsets, **blocks[0]}
 
 
@@ -108,11 +117,12 @@ def shard_offsets(input_ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def encode_blocks(input_ids: np.ndarray, targets: Iterable[TeacherTargets],
-                  codec: ValueCodec) -> Iterator[dict[str, np.ndarray]]:
+                  codec: ValueCodec, head: int = 0) -> Iterator[dict[str, np.ndarray]]:
     """The row blocks of a shard for ``ShardStore.write_stream``, one per block of ``targets``.
 
     input_ids: int32 [N], the shard's tokens; targets: consecutive row blocks, N rows in all (a
-    CacheError, raised into the store's write, when they are more or fewer).
+    CacheError, raised into the store's write, when they are more or fewer). head: the exact
+    top-K slots at the front of each row of a hybrid cache's sampled targets (0: none).
     """
     n, start = len(input_ids), 0
     for block in targets:
@@ -125,24 +135,36 @@ def encode_blocks(input_ids: np.ndarray, targets: Iterable[TeacherTargets],
             "tail_logmass": np.ascontiguousarray(block.tail_logmass, dtype=np.float32),
             "target_logprob": np.ascontiguousarray(block.target_logprob, dtype=np.float32),
         }
-        ids, logprobs = block.topk_ids, block.topk_logprobs
+        ids, logprobs, prefix = block.topk_ids, block.topk_logprobs, ""
+        counts, proposal = block.sample_counts, block.proposal_logprobs
+        if head:
+            assert block.sampled, "a hybrid cache's targets carry sample counts"
+            _put_codec_arrays(rows, codec, ids[:, :head], logprobs[:, :head], "", stop - start)
+            ids, logprobs, counts = ids[:, head:], logprobs[:, head:], counts[:, head:]
+            proposal = None if proposal is None else proposal[:, head:]
+            prefix = DRAWN_PREFIX
         if block.sampled:
             by_id = np.argsort(ids, axis=1, kind="stable")
             ids, logprobs = np.take_along_axis(ids, by_id, 1), np.take_along_axis(logprobs, by_id, 1)
-            rows["sample_counts"] = np.ascontiguousarray(np.take_along_axis(block.sample_counts, by_id, 1),
-                                                         dtype=np.uint8)
-            if block.proposal_logprobs is not None:
-                rows["proposal_logprobs"] = np.ascontiguousarray(
-                    np.take_along_axis(block.proposal_logprobs, by_id, 1), dtype=np.float32)
-        for key, value in codec.encode(ids, logprobs).items():
-            assert key not in FIXED_ARRAYS + SAMPLED_ARRAYS, f"codec {codec.name} array name {key!r} clashes"
-            assert value.shape[0] == stop - start, f"codec {codec.name} array {key} has {value.shape[0]} rows"
-            rows[key] = np.ascontiguousarray(value)
+            rows["sample_counts"] = np.ascontiguousarray(np.take_along_axis(counts, by_id, 1), dtype=np.uint8)
+            if proposal is not None:
+                rows["proposal_logprobs"] = np.ascontiguousarray(np.take_along_axis(proposal, by_id, 1),
+                                                                 dtype=np.float32)
+        _put_codec_arrays(rows, codec, ids, logprobs, prefix, stop - start)
         yield rows
         start = stop
     if start != n:
         raise CacheError(f"shard has {n} tokens in its sequences but {start} target rows; "
                          "the backend returned targets for other sequences")
+
+
+def _put_codec_arrays(rows: dict, codec: ValueCodec, ids: np.ndarray, logprobs: np.ndarray, prefix: str,
+                      num_rows: int) -> None:
+    for key, value in codec.encode(ids, logprobs).items():
+        assert key not in FIXED_ARRAYS + SAMPLED_ARRAYS and not key.startswith(DRAWN_PREFIX), \
+            f"codec {codec.name} array name {key!r} clashes"
+        assert value.shape[0] == num_rows, f"codec {codec.name} array {key} has {value.shape[0]} rows"
+        rows[prefix + key] = np.ascontiguousarray(value)
 
 
 class RowBuffer:
@@ -205,13 +227,22 @@ def decode_shard(arrays: dict[str, np.ndarray], codec: ValueCodec,
     if not (ok and sizes_ok):
         raise CorruptShardError(f"shard {name} has inconsistent array lengths or sequence offsets; "
                                 f"the cache is damaged: {REPAIR_HINT}")
+    drawn = {k[len(DRAWN_PREFIX):]: v for k, v in arrays.items() if k.startswith(DRAWN_PREFIX)}
+    head_ids = head_logprobs = None
     try:
         topk_ids, topk_logprobs = codec.decode({k: v for k, v in arrays.items()
-                                                if k not in FIXED_ARRAYS + SAMPLED_ARRAYS})
+                                                if k not in FIXED_ARRAYS + SAMPLED_ARRAYS
+                                                and not k.startswith(DRAWN_PREFIX)})
+        if drawn:  # a hybrid shard: the unprefixed arrays are its exact top-K
+            head_ids, head_logprobs = topk_ids, topk_logprobs
+            topk_ids, topk_logprobs = codec.decode(drawn)
     except KeyError as e:
         raise CorruptShardError(f"shard {name} lacks array {e} that value codec {codec.name!r} needs; "
                                 f"the cache is damaged: {REPAIR_HINT}") from e
     counts, proposal = arrays.get("sample_counts"), arrays.get("proposal_logprobs")
+    if drawn and counts is None:
+        raise CorruptShardError(f"shard {name} has drawn slots but no sample_counts; the cache is damaged: "
+                                f"{REPAIR_HINT}")
     if counts is not None:
         # The stored rows are in ascending-id order; the codec may have returned another.
         by_id = np.argsort(topk_ids, axis=1, kind="stable")
@@ -224,6 +255,13 @@ def decode_shard(arrays: dict[str, np.ndarray], codec: ValueCodec,
     elif proposal is not None:
         raise CorruptShardError(f"shard {name} has proposal_logprobs but no sample_counts; the cache is damaged: "
                                 f"{REPAIR_HINT}")
+    if head_ids is not None:
+        n_head = head_ids.shape[1]
+        topk_ids = np.concatenate([head_ids, topk_ids], 1)
+        topk_logprobs = np.concatenate([head_logprobs, topk_logprobs], 1)
+        counts = np.concatenate([np.zeros((n, n_head), counts.dtype), counts], 1)
+        if proposal is not None:
+            proposal = np.concatenate([np.full((n, n_head), -np.inf, proposal.dtype), proposal], 1)
     targets = TeacherTargets(topk_ids, topk_logprobs, arrays["tail_logmass"], arrays["target_logprob"], counts,
                              proposal)
     return input_ids, seq_offsets, targets

@@ -9,6 +9,10 @@ the unique ids drawn from the proposal, by count descending then id ascending, t
 of count 0 (see kernels/sample_targets.py); ``sample_counts`` says how often each was drawn.
 ``Sampling`` gives every sequence its own uniforms, so the draws depend on the seed and the
 sequence's index in the cache only, never on batching, shards or workers.
+
+A hybrid cache (``targets.kind == "topk+sampled"``) has K + S slots per row: the teacher's exact
+top-K (count 0, descending probability), then S draws from the teacher outside that top-K as a
+sampled row's slots; ``tail_logmass`` is log(1 - the top-K's mass), as in a top-k cache.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ class TeacherTargets:
 
     topk_ids: np.ndarray  # int32 [N, k], descending teacher probability (sampled: slot order)
     topk_logprobs: np.ndarray  # float32 [N, k]
-    tail_logmass: np.ndarray  # float32 [N] = log(1 - sum(exp(topk_logprobs))) (sampled: over count > 0)
+    # float32 [N] = log(1 - sum(exp(topk_logprobs))) (sampled: over count > 0; hybrid: over the top-K)
+    tail_logmass: np.ndarray
     target_logprob: np.ndarray  # float32 [N], NaN on the last row of each sequence
-    sample_counts: np.ndarray | None = None  # uint8 [N, k], draws per slot (sum k); None: top-k
+    sample_counts: np.ndarray | None = None  # uint8 [N, k], draws per slot (sum samples); None: top-k
     proposal_logprobs: np.ndarray | None = None  # float32 [N, k]; None: the proposal is the teacher
 
     def __post_init__(self) -> None:
@@ -92,6 +97,14 @@ class Sampling:
     samples: int
     proposal_temperature: float
     seed: int
+    # exact top ids kept per position before the draws, which then come from outside them (a
+    # topk+sampled cache); 0: none. The uniforms do not depend on it.
+    topk: int = 0
+
+    @property
+    def slots(self) -> int:
+        """Entries per position: topk + samples."""
+        return self.topk + self.samples
 
     def uniforms(self, sequence: int, start: int, stop: int) -> np.ndarray:
         """float64 [stop - start, samples] in [0, 1): rows start..stop of sequence ``sequence``."""

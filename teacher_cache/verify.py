@@ -2,8 +2,9 @@
 
 ``check_shards`` is the cheap check a consumer runs before it relies on a cache (every shard's
 size and checksum; no decoding); ``damaged_shards`` is what a rerun of stage one repairs. On a
-sampled cache ``verify_cache`` also decodes every shard by default and checks the rows' own rules
-(``check_sampled_rows``).
+sampled or hybrid (topk+sampled) cache ``verify_cache`` also decodes every shard by default and
+checks the rows' own rules (``check_sampled_rows``; a hybrid row's drawn ids are none of its
+exact top-K, which the distinct ids imply).
 """
 
 from __future__ import annotations

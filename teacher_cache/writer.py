@@ -314,7 +314,7 @@ class CacheWriter:
             raise CacheError(f"shard {name} is already written in {self.path}; skip the indices in done_shards()")
         seq_offsets, all_ids = shard_offsets(input_ids)
         blocks = [targets] if isinstance(targets, TeacherTargets) else targets
-        rows = encode_blocks(all_ids, self._checked_k(index, blocks), self._codec)
+        rows = encode_blocks(all_ids, self._checked_k(index, blocks), self._codec, self.spec.targets.head)
         if self._remote:
             checksum, nbytes = self._upload_shard(final, seq_offsets, rows)
         else:

@@ -83,6 +83,9 @@ def test_tiny_cpu_run_appends_a_row_per_cache_and_plots(tiny_recipe, tmp_path, m
     (["--targets", "topk:8,beam:4"], "--targets"),
     (["--targets", "topk:0"], "--targets"),
     (["--targets", "topk:8,topk:8"], "--targets"),
+    (["--targets", "hybrid:8"], "--targets"),
+    (["--targets", "hybrid:0+12"], "--targets"),
+    (["--targets", "hybrid:8+x"], "--targets"),
     (["--tokens", "1024", "--seq-len", "512", "--heldout", "2"], "--heldout"),
     (["--steps", "0"], "--steps"),
     (["--seeds", "0,x"], "--seeds"),
@@ -97,6 +100,31 @@ def test_bad_options_are_refused_naming_the_option(argv, needle, capsys):
 def test_specs_name_their_runs():
     assert bench.parse_target("topk:100") == ("topk100", "topk", 100)
     assert bench.parse_target("sampled:12") == ("sampled12", "sampled", 12)
+    assert bench.parse_target("hybrid:8+12") == ("hybrid8+12", "topk+sampled", "8+12")
+
+
+def test_a_hybrid_spec_builds_a_hybrid_cache_and_plots_as_its_own_series(tmp_path):
+    from run_helpers import load_bench_recipe
+
+    args = bench.parse_args(["--targets", "hybrid:8+12", "--out", str(tmp_path)])
+    name, kind, count = args.specs[0]
+    cache = bench.stage_one_config(load_bench_recipe(None), args, name, kind, count).cache
+    assert (cache.targets, cache.k, cache.samples, cache.slots) == ("topk+sampled", 8, 12, 20)
+    assert cache.out == tmp_path / "caches" / "hybrid8+12"
+
+    def row(kind, count, seed, kl):
+        return {"figures": {"targets": kind, "count": count, "seed": seed, "bytes_per_token": 10.0 + kl,
+                            "full_vocab_kl": kl, "calibration_error": 0.01, "teacher_calibration_error": 0.011}}
+    rows = [row("topk", 8, 0, 1.0), row("sampled", 12, 0, 0.9), row("topk+sampled", "8+12", 0, 0.8),
+            row("topk+sampled", "8+12", 1, 0.6)]
+    series = {kind: (name, marker, points) for kind, name, marker, points in bench.plot_series(rows)}
+    assert list(series) == ["topk", "sampled", "topk+sampled"]
+    name, marker, points = series["topk+sampled"]
+    assert name == "top-k + sampled" and marker not in (series["topk"][1], series["sampled"][1])
+    assert len(points) == 1 and points[0]["seeds"] == 2 and points[0]["full_vocab_kl"] == pytest.approx(0.7)
+    assert bench.count_tag("topk+sampled", "8+12") == "k=8+S=12"
+    bench.plot(rows, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
 
 
 def test_seed_means_average_each_cache_over_its_seeds():

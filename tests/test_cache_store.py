@@ -55,7 +55,7 @@ def test_manifest_round_trips_through_json(tmp_path, corpus):
 
 
 @pytest.mark.parametrize("edit, expected", [
-    (lambda d: d.update(version=3), "version 3 is not supported"),  # 2 is a sampled cache (test_sampled_cache)
+    (lambda d: d.update(version=4), "version 4 is not supported"),  # 2: a sampled cache, 3: a hybrid one
     (lambda d: d.update(format="other"), "not a distill teacher cache"),
     (lambda d: d["targets"].update(k=0), "targets.k must be an integer >= 1, got 0"),
     (lambda d: d["teacher"].update(colour="red"), "unknown key(s) ['colour']"),

@@ -205,8 +205,8 @@ def test_reader_refuses_incomplete_foreign_or_newer_caches(tmp_path, corpus):
     with pytest.raises(CacheMismatchError, match="tokenizer hash t0, the student's is t1"):
         CacheReader(tmp_path / "d", expect_tokenizer_hash="t1")
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
-    (tmp_path / "d" / "manifest.json").write_text(json.dumps({**manifest, "version": 3}))  # 2: a sampled cache
-    with pytest.raises(CacheError, match="version 3 is not supported"):
+    (tmp_path / "d" / "manifest.json").write_text(json.dumps({**manifest, "version": 4}))  # 2, 3: sampled, hybrid
+    with pytest.raises(CacheError, match="version 4 is not supported"):
         CacheReader(tmp_path / "d")
 
 

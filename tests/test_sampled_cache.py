@@ -298,8 +298,8 @@ def test_manifest_refuses_a_kind_its_version_does_not_allow():
         Manifest.from_dict({**raw, "version": 2})
     with pytest.raises(CacheError, match="a top-k cache has no targets.seed"):
         Manifest.from_dict({**raw, "targets": {**raw["targets"], "seed": 0}})
-    with pytest.raises(CacheError, match="version 3 is not supported"):
-        Manifest.from_dict({**raw, "version": 3})
+    with pytest.raises(CacheError, match="version 4 is not supported"):
+        Manifest.from_dict({**raw, "version": 4})
 
 
 # --- determinism ---

@@ -372,3 +372,71 @@ def test_triton_forward_takes_the_weights():
                          target_weights=w)
     assert out.row_kernel == "forward"
     torch.testing.assert_close(out.loss_N.sum(), want, rtol=TOL[torch.float32]["loss"][0], atol=1e-6)
+
+
+# --- hybrid targets (--targets topk+sampled): the exact top-K, then draws from outside it ----------
+
+
+def hybrid_targets(logp_NV, head, samples, gen, logr_NV=None):
+    """A hybrid cache's targets, built here from the dense teacher log p [N, V] (float64): the exact
+    top-`head` ids, then `samples` draws from the proposal log r (None: the teacher) restricted to
+    the ids outside the top-K and renormalised, as a sampled row's slots (unique ids by count
+    descending then id, then padding ids outside the top-K). Returns (ids int64 [N, K + S], log p
+    at the ids, weights: p on the top-K, (count / S) p / r' on the draws, tail_logmass [N] = log(1 - P_K))."""
+    logr_NV = logp_NV if logr_NV is None else logr_NV
+    n, v = logp_NV.shape
+    top_lp_NK, top_ids_NK = logp_NV.topk(head, dim=-1)
+    outside_NV = logr_NV.scatter(1, top_ids_NK, float("-inf")).log_softmax(-1)  # r'
+    draws_NS = torch.multinomial(outside_NV.exp(), samples, replacement=True, generator=gen)
+    counts_NV = torch.zeros(n, v, dtype=torch.int64).scatter_add_(1, draws_NS, torch.ones_like(draws_NS))
+    key_NV = (-v * counts_NV + torch.arange(v)).scatter(1, top_ids_NK, 2 * v)  # the top-K never pads
+    ids_NS = key_NV.argsort(dim=1)[:, :samples]
+    counts_NS = counts_NV.gather(1, ids_NS)
+    lp_NS = logp_NV.gather(1, ids_NS)
+    w_NS = counts_NS / samples * (lp_NS - outside_NV.gather(1, ids_NS)).exp()
+    tail_N = logp_NV.scatter(1, top_ids_NK, float("-inf")).logsumexp(-1)
+    return (torch.cat([top_ids_NK, ids_NS], 1), torch.cat([top_lp_NK, lp_NS], 1),
+            torch.cat([top_lp_NK.exp(), w_NS], 1), tail_N)
+
+
+def _hybrid_inputs(dtype=torch.float32, head=5, device="cpu"):
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(N, D, generator=gen, dtype=torch.float64) / math.sqrt(D)
+    weight = torch.randn(V, D, generator=gen, dtype=torch.float64) * 1.5
+    teacher_z = torch.randn(N, V, generator=gen, dtype=torch.float64) * 4.0
+    ids, lp, w, tail = hybrid_targets(torch.log_softmax(teacher_z, -1), head, SAMPLES, gen)
+    torch.testing.assert_close(w.sum(1), torch.ones(N, dtype=torch.float64))  # P_K + (1 - P_K), the proposal p
+    target = torch.randint(0, V, (N,), generator=gen)
+    mask = torch.rand(N, generator=gen) > 0.2
+    out = (hidden.to(dtype), weight.to(dtype), ids.int(), lp.float(), tail.float(), target, mask, w.float())
+    return tuple(t.to(device) for t in out)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hybrid_targets_each_path_matches_dense(impl, dtype):
+    """The loss takes a hybrid row's weights as they are (exact p on the top-K, estimates after it)."""
+    inputs = _hybrid_inputs(dtype, device=TRITON_DEVICE if impl == "triton" else "cpu")
+    got, want = _pair(dict(impl=impl), dtype, inputs=inputs, ce_weight=0.3)
+    _assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("fn", [topk_kl_dense, fused_topk_kl], ids=["dense", "torch"])
+@pytest.mark.parametrize("proposal_temperature", [1.0, 2.0], ids=["r=p", "flatter"])
+def test_mean_gradient_over_hybrid_draws_converges_to_the_full_kl_gradient(fn, proposal_temperature):
+    """As for sampled targets: E[d KL_est / dz] = q - p and E[KL_est] = KL(p || q) over the whole
+    vocabulary, with the top-K exact and the draws from outside it."""
+    teacher_z, z, gen = _teacher_student()
+    logp_V = torch.log_softmax(teacher_z, -1)
+    logr_V = torch.log_softmax(teacher_z / proposal_temperature, -1)
+    ids, lp, w, tail = hybrid_targets(logp_V.expand(DRAWS, -1), 3, STAT_S, gen, logr_V.expand(DRAWS, -1))
+    grads, kls = _per_draw(fn, z, ids, lp, tail, w)
+    logq_V = torch.log_softmax(z, -1)
+    want_grad, want_kl = logq_V.exp() - logp_V.exp(), (logp_V.exp() * (logp_V - logq_V)).sum()
+    se_V = grads.std(dim=0) / math.sqrt(DRAWS)
+    # With r = p a row's weights sum to 1, so at a top-K id the gradient q - p is exact on every draw.
+    exact = se_V < 1e-12
+    assert int(exact.sum()) == (3 if proposal_temperature == 1.0 else 0)
+    torch.testing.assert_close(grads[:, exact], want_grad[exact].expand(DRAWS, -1), rtol=0, atol=1e-12)
+    assert ((grads.mean(dim=0) - want_grad)[~exact] / se_V[~exact]).abs().max() < BOUND
+    assert abs(kls.mean() - want_kl) < BOUND * kls.std() / math.sqrt(DRAWS), (kls.mean(), want_kl)

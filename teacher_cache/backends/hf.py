@@ -4,7 +4,8 @@ The model body gives the final hidden states; ``kernels.topk_logprobs`` then app
 log-softmax, top-k and the target gather in row chunks, so the [tokens, vocab] fp32 logits never
 exist in full (the model's own forward would build them for the whole batch). For a sampled cache
 ``kernels.sample_targets`` does the same with S draws per row in place of the top-k, from the
-uniforms that ``teacher_cache.targets.Sampling`` gives each sequence.
+uniforms that ``teacher_cache.targets.Sampling`` gives each sequence (after the exact top-K in a
+hybrid cache).
 
 Sequences of at most ``prefill_tokens`` tokens run whole, several to a forward. A longer one runs
 alone, chunk by chunk, through the teacher's own KV cache (chunked prefill): memory is its keys
@@ -126,8 +127,9 @@ class HFBackend:
               indices: list[int] | None = None) -> list[TeacherTargets]:
         """sequences: int [L_i] token ids each (L_i >= 2); one TeacherTargets of L_i rows each.
 
-        sampling: draw ``sampling.samples`` ids per row (k must equal it) instead of the top-k;
-        indices: then the sequences' indices in the cache, which choose their uniforms.
+        sampling: draw ``sampling.samples`` ids per row instead of the top-k (after the exact top
+        ``sampling.topk``, from outside them; k must equal ``sampling.slots``); indices: then the
+        sequences' indices in the cache, which choose their uniforms.
         """
         rows: list[list[TeacherTargets]] = [[] for _ in sequences]
         for i, block in self.score_blocks(sequences, k, sampling=sampling, indices=indices):
@@ -141,8 +143,8 @@ class HFBackend:
         seqs = check_sequences(sequences, self.vocab_size)
         check_k(k, self.vocab_size)
         if sampling is not None:
-            if k != sampling.samples or indices is None or len(indices) != len(seqs):
-                raise ValueError(f"sampling needs k == sampling.samples ({k} vs {sampling.samples}) and one cache "
+            if k != sampling.slots or indices is None or len(indices) != len(seqs):
+                raise ValueError(f"sampling needs k == sampling.slots ({k} vs {sampling.slots}) and one cache "
                                  f"index per sequence, got {None if indices is None else len(indices)} for {len(seqs)}")
             draw = _Draw(sampling, self.temperature, self._logit_scale, self.chunk_size)
             ids = list(indices)
@@ -325,7 +327,7 @@ class _Draw:
         proposal = None if self.proposal_is_teacher else self.proposal_temperature
         return sample_targets(hidden_ND, weight_VD, torch.from_numpy(uniforms).to(hidden_ND.device), next_ids_N,
                               temperature=self.temperature, proposal_temperature=proposal,
-                              chunk_size=self.chunk_size)
+                              chunk_size=self.chunk_size, head=self.sampling.topk)
 
 
 def _chunk_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

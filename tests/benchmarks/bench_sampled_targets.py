@@ -14,6 +14,8 @@ README.
     python tests/benchmarks/bench_sampled_targets.py --device cuda --targets topk:8,topk:32,topk:100
     python tests/benchmarks/bench_sampled_targets.py --device cuda --targets sampled:4,sampled:12,sampled:32
     python tests/benchmarks/bench_sampled_targets.py --plot-only
+    # the hybrid (exact top-K, then S draws outside it; its own series in the plot):
+    python tests/benchmarks/bench_sampled_targets.py --device cuda --targets hybrid:8+12,hybrid:32+12
     # more seeds for the caches already built (ECE moves between seeds):
     python tests/benchmarks/bench_sampled_targets.py --device cuda --targets topk:100,sampled:12 --seeds 1,2
     # one pass over a corpus as large as the training (no sequence seen twice), three seeds:
@@ -43,17 +45,31 @@ from harness import HERE, OUTPUT_DIR, add_results_arg, commit, load_rows
 from run_helpers import load_bench_recipe, run_variants
 
 BENCH = "sampled_targets"
-KINDS = ("topk", "sampled")
+KINDS = ("topk", "sampled", "topk+sampled")  # the caches' targets kinds, one plot series each
+SERIES = {"topk": ("top-k", "o"), "sampled": ("sampled (RS-KD)", "s"), "topk+sampled": ("top-k + sampled", "^")}
 TARGETS = "topk:8,topk:32,topk:100,sampled:4,sampled:12,sampled:32"
 PLOT = HERE / "sampled_targets.png"
 
 
-def parse_target(spec: str) -> tuple[str, str, int]:
-    """"topk:K" | "sampled:S" -> (run name, kind, K or S); ValueError otherwise."""
+def parse_target(spec: str) -> tuple[str, str, int | str]:
+    """"topk:K" | "sampled:S" | "hybrid:K+S" -> (run name, cache targets kind, K or S, or "K+S" for
+    the hybrid); ValueError otherwise."""
     kind, _, count = spec.partition(":")
-    if kind not in KINDS or not count.isdigit() or int(count) < 1:
-        raise ValueError(f"each --targets entry must be topk:K or sampled:S with a count >= 1, got {spec!r}")
-    return f"{kind}{int(count)}", kind, int(count)
+    if kind == "hybrid":
+        head, plus, samples = count.partition("+")
+        if plus and head.isdigit() and samples.isdigit() and int(head) >= 1 and int(samples) >= 1:
+            return f"hybrid{int(head)}+{int(samples)}", "topk+sampled", f"{int(head)}+{int(samples)}"
+    elif kind in ("topk", "sampled") and count.isdigit() and int(count) >= 1:
+        return f"{kind}{int(count)}", kind, int(count)
+    raise ValueError(f"each --targets entry must be topk:K, sampled:S or hybrid:K+S with counts >= 1, got {spec!r}")
+
+
+def count_tag(kind: str, count: int | str) -> str:
+    """How a cache's count reads on the plot and in its label's tail: k=8, S=12, k=8+S=12."""
+    if kind == "topk+sampled":
+        head, samples = str(count).split("+")
+        return f"k={head}+S={samples}"
+    return f"k={count}" if kind == "topk" else f"S={count}"
 
 
 def corpus_path(name: str) -> Path:
@@ -126,8 +142,11 @@ def stage_one_config(recipe, args, name: str, kind: str, count: int):
     cache = dataclasses.replace(s1.cache, out=args.out / "caches" / name, batch_size=args.cache_batch_size)
     if kind == "topk":
         cache = dataclasses.replace(cache, k=count)
-    else:
+    elif kind == "sampled":
         cache = dataclasses.replace(cache, targets="sampled", samples=count)
+    else:
+        head, samples = map(int, count.split("+"))
+        cache = dataclasses.replace(cache, targets="topk+sampled", k=head, samples=samples)
     return dataclasses.replace(s1, teacher=teacher, corpus=corpus, cache=cache)
 
 
@@ -157,8 +176,10 @@ def evaluate_run(run_dir: Path, cache: dict, teacher_dir, device: str) -> tuple[
     evaluation = evaluate_run_or_folder(run_dir, device=device, teacher=EvalTeacher(teacher_dir))
     after, teacher = evaluation["after"], evaluation["teacher"]
     stats = cache_stats(cache["dir"], max_shards=4)  # its sizes cover every shard
-    unique = stats.get("unique_ids_per_position")  # sampled caches: distinct ids the S draws gave
-    label = f"top-{cache['count']}" if cache["kind"] == "topk" else f"sampled, S = {cache['count']}"
+    # sampled caches: the distinct ids the S draws gave (hybrid: outside the top-K)
+    unique = stats.get("unique_ids_per_position")
+    label = {"topk": f"top-{cache['count']}", "sampled": f"sampled, S = {cache['count']}",
+             "topk+sampled": f"top-k + sampled, {count_tag(cache['kind'], cache['count'])}"}[cache["kind"]]
     bytes_per_token = stats["bytes_per_token"]
     fields = {"label": label, "targets": cache["kind"], "count": cache["count"], "bytes_per_token": bytes_per_token,
               "unique_ids_per_position": unique["mean"] if unique else None,
@@ -201,6 +222,18 @@ def seed_means(figures: list[dict]) -> list[dict]:
     return means
 
 
+def plot_series(rows: list[dict]) -> list[tuple[str, str, str, list[dict]]]:
+    """(kind, legend name, marker, seed-mean points by bytes/token) per target kind with rows: one
+    series each for top-k, sampled and the hybrid."""
+    series = []
+    for kind in KINDS:
+        points = sorted(seed_means([r["figures"] for r in rows if r["figures"].get("targets") == kind]),
+                        key=lambda f: f["bytes_per_token"])
+        if points:
+            series.append((kind, *SERIES[kind], points))
+    return series
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Full-vocabulary KL and ECE against bytes/token (log x), one line per target kind, the teacher's
     own ECE as a dashed line."""
@@ -211,20 +244,14 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for kind, marker in zip(KINDS, ("o", "s")):
-        points = sorted(seed_means([r["figures"] for r in rows if r["figures"].get("targets") == kind]),
-                        key=lambda f: f["bytes_per_token"])
-        if not points:
-            continue
+    for kind, name, marker, points in plot_series(rows):
         x = [f["bytes_per_token"] for f in points]
-        name = "top-k" if kind == "topk" else "sampled (RS-KD)"
         for ax, key in zip(axes, ("full_vocab_kl", "calibration_error")):
             spread = [f[key + "_sd"] for f in points] if any(f["seeds"] > 1 for f in points) else None
             ax.errorbar(x, [f[key] for f in points], yerr=spread, marker=marker, capsize=3, label=name)
             for f in points:
-                tag = f"k={f['count']}" if kind == "topk" else f"S={f['count']}"
-                ax.annotate(tag, (f["bytes_per_token"], f[key]), textcoords="offset points", xytext=(4, 4),
-                            fontsize="small")
+                ax.annotate(count_tag(kind, f["count"]), (f["bytes_per_token"], f[key]), textcoords="offset points",
+                            xytext=(4, 4), fontsize="small")
     teacher_ece = [r["figures"]["teacher_calibration_error"] for r in rows]
     if teacher_ece:
         axes[1].axhline(teacher_ece[-1], color="gray", linestyle="--", label="the teacher's own")
