@@ -15,9 +15,11 @@ becomes a row with "oom": true):
                 states on the device
   zero_offload  a fixed plan (the ZeRO-Offload / MegaTrain recipe): every layer's weights streamed
                 (prefetch 1), every layer's input offloaded, the update on the CPU
-  planned       student.planner.plan_for_training's plan under --gpu-memory / --host-memory (when
+  planned       student.planner.make_plan's plan under --gpu-memory / --host-memory (when
                 the planner is there; it profiles and plans against a synthetic cache this script
-                writes, as `distill train-student --offload auto` would)
+                writes, as `distill train-student --offload auto` would); its row adds the
+                profile's copy bandwidths each way (h2d_gb_s, d2h_gb_s), what a budgeted step's
+                floor rests on
   file          the plan in --plan (e.g. one `distill plan --json` saved)
 Each offloaded step is the trainer's: student.trainer._micro_batch_backward through the
 student.offload.OffloadRuntime, finish_grads, the runtime's clip_grad_norm at 1.0 (the trainer's
@@ -146,10 +148,11 @@ def fixed_plan(num_layers: int) -> OffloadPlan:
     return OffloadPlan.uniform(num_layers, activation="offload", params="stream", prefetch_depth=1, optimizer="cpu")
 
 
-def planner_plan(config: StudentConfig, args, work: Path) -> OffloadPlan:
+def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, dict]:
     """What `train-student --offload auto` would train with: a config-only student folder and a
-    synthetic cache of --seq-len rows for the planner to profile."""
-    from student.planner import plan_for_training
+    synthetic cache of --seq-len rows for the planner to profile. Returns (plan, figures of the
+    profile the floor of a budgeted step rests on: the measured copy bandwidths each way)."""
+    from student.planner import make_plan
 
     folder = work / "student"
     folder.mkdir(parents=True, exist_ok=True)
@@ -159,7 +162,9 @@ def planner_plan(config: StudentConfig, args, work: Path) -> OffloadPlan:
     cfg = train_config(args, work, offload="auto")
     budgets = {k: parse_bytes(v, k) if v else None for k, v in (("gpu_memory", args.gpu_memory),
                                                                   ("host_memory", args.host_memory))}
-    return plan_for_training(cfg, **budgets)
+    plan, costs = make_plan(cfg, **budgets)
+    return plan, {"h2d_gb_s": costs.h2d_bytes_per_s / 1e9, "d2h_gb_s": costs.d2h_bytes_per_s / 1e9,
+                  "copy_latency_s": costs.copy_latency_s}
 
 
 def step_fn(model: Student, plan: OffloadPlan | None, args, work: Path, batch, chunks_of: OffloadPlan | None = None):
@@ -319,14 +324,16 @@ def main(argv=None) -> list[dict]:
             "chunk_tokens": args.chunk_tokens, "kv_offload": args.kv_offload, "page_tokens": args.page_tokens,
             "offload_pages": args.offload_pages, "chunk_candidates": args.chunk_candidates}
     for variant in variants:
-        plan = {"none": None, "zero_offload": lambda: fixed_plan(config.num_layers),
-                "planned": lambda: planner_plan(config, args, work / "planner"),
-                "file": lambda: OffloadPlan.load(args.plan)}[variant]
-        plan = plan() if plan is not None else None
+        profiled = {}
+        if variant == "planned":
+            plan, profiled = planner_plan(config, args, work / "planner")
+        else:
+            plan = {"none": lambda: None, "zero_offload": lambda: fixed_plan(config.num_layers),
+                    "file": lambda: OffloadPlan.load(args.plan)}[variant]()
         if plan is not None and args.work is not None:  # kept with the work folder, to train or plan from again
             plan.save(args.work / f"{variant}-plan.json")
         checks = check_plan(variant, plan, config, args, work) if plan is not None else {}
-        figures = {**measure(plan, config, params, args, work), **checks}
+        figures = {**measure(plan, config, params, args, work), **checks, **profiled}
         free(args.device)  # also after an out-of-memory error
         budget = f"-gpu{args.gpu_memory}" if args.gpu_memory else ""  # a budgeted run is another case
         if args.chunk_tokens is not None:  # and so is a chunk-recurrent one
