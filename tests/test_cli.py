@@ -208,7 +208,9 @@ def test_eval_labels_its_kl_a_lower_bound(tiny, tmp_path, capsys):  # noqa: F811
 
 def test_ctrl_c_exits_130_and_says_how_to_resume(tiny, tmp_path):  # noqa: F811
     """A real SIGINT to a training process: exit status 130 and the one line saying how to resume
-    (typer turns KeyboardInterrupt into a silent exit unless main() carries it past)."""
+    (typer turns KeyboardInterrupt into a silent exit unless main() carries it past). The child gets
+    SIGINT's default disposition: started from a shell's background job (`cmd &` without job
+    control) it would inherit SIGINT ignored, and Python then installs no handler."""
     import os
     import signal
     import subprocess
@@ -221,13 +223,17 @@ def test_ctrl_c_exits_130_and_says_how_to_resume(tiny, tmp_path):  # noqa: F811
         [sys.executable, "-m", "distill", "train-student", "--cache", str(cache), "--student", str(student),
          "--out", str(out), "--steps", "100000", "--batch-size", "2", "--heldout", "2", "--device", "cpu",
          "--eval-every", "0", "--save-every", "0", "--log-every", "1", "-q"],
-        env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not ((out / "metrics.jsonl").exists() and '"train"' in (out / "metrics.jsonl").read_text()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+        env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "metrics.jsonl").exists() and '"train"' in (out / "metrics.jsonl").read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()  # a no-op once it has exited; never leave a 100,000-step run behind
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "interrupted; run the same command again to resume"
     assert "Traceback" not in err
