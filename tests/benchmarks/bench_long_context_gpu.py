@@ -257,30 +257,32 @@ def measure(variant: str, config: StudentConfig, length: int, args, device: str,
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Peak GPU memory and tokens/s against length, one line per (shape, variant); OOM rows left out."""
+    """Peak GPU memory and tokens/s against length: a row of two panels per shape, one line per
+    variant (and chunk size); OOM rows left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines: dict[str, list] = {}
+    shapes: dict[str, dict[str, list]] = {}
     for row in rows:
         if not row["figures"].get("oom"):
             chunk = row["config"].get("chunk_tokens")
-            label = f"{row['config']['shape']} {row['config']['variant']}" + (f" (chunks of {chunk})" if chunk else "")
-            lines.setdefault(label, []).append(row)
-    fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, line in sorted(lines.items()):
-        line.sort(key=lambda r: r["config"]["length"])
-        lengths = [r["config"]["length"] for r in line]
-        mem.plot(lengths, [r["figures"].get("peak_gib", 0.0) for r in line], marker="o", label=label)
-        speed.plot(lengths, [r["figures"]["tok_s"] for r in line], marker="o", label=label)
-    for ax, title in ((mem, "peak GPU memory (GiB)"), (speed, "tokens / s")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length (tokens)")
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-    speed.legend(fontsize=8)
+            label = row["config"]["variant"] + (f" (chunks of {chunk})" if chunk else "")
+            shapes.setdefault(row["config"]["shape"], {}).setdefault(label, []).append(row)
+    fig, axes = plt.subplots(max(len(shapes), 1), 2, figsize=(11, 3.8 * max(len(shapes), 1)), squeeze=False)
+    for (shape, lines), (mem, speed) in zip(sorted(shapes.items()), axes):
+        for label, line in sorted(lines.items()):
+            line.sort(key=lambda r: r["config"]["length"])
+            lengths = [r["config"]["length"] for r in line]
+            mem.plot(lengths, [r["figures"].get("peak_gib", 0.0) for r in line], marker="o", label=label)
+            speed.plot(lengths, [r["figures"]["tok_s"] for r in line], marker="o", label=label)
+        for ax, title in ((mem, "peak GPU memory (GiB)"), (speed, "tokens / s")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("sequence length (tokens)")
+            ax.set_title(f"{shape}: {title}")
+            ax.grid(True, alpha=0.3)
+        speed.legend(fontsize=8)
     commits = sorted({row["commit"] for row in rows})
     fig.suptitle(f"one training step, batch 1 ({rows[0]['device'] if rows else ''}; commit {', '.join(commits)})",
                  fontsize=9)
