@@ -287,7 +287,12 @@ def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_
         with _SavedBytes(static_params) as counted:
             seconds.append(_timed(device, head)[0])
         if run == 0:
-            workspace = (torch.cuda.max_memory_allocated(device) - base if cuda
+            # The allocator's peak includes the fp32 gradients the head's backward creates for the
+            # static parameters, which static_gpu_bytes counts already (2 x their bytes): they leave
+            # the workspace here. The peak is at least those gradients (they are alive at the end),
+            # so the static part stays an upper bound: its parameters, states and this peak.
+            grads = sum(p.grad.numel() * p.grad.element_size() for p in static_params if p.grad is not None)
+            workspace = (torch.cuda.max_memory_allocated(device) - base - grads if cuda
                          else counted.total + 2 * leaf.numel() * leaf.element_size())
         for p in static_params:
             p.grad = None

@@ -13,7 +13,8 @@ Where each figure comes from:
                plain Adam for embed_tokens and lm_head, as student/optim/foam.py groups them), the
                static part (fp32 embeddings, norm and head, their fp32 gradients, their states,
                the loss's workspace, the 512 MiB reserve)
-  8B checks    the 8B table built the same way reproduces, to the byte, both predicted GPU peaks
+  8B checks    the 8B table built the same way, under the profile those rows were made with (what_if
+               double_count, below), reproduces, to the byte, both predicted GPU peaks
                recorded for the 8B shape (rows offload/llama-3.1-8b-T8192/planned@a2bce95 under
                the current cost model and ...-gpu40GiB/planned@7e71169 under that commit's):
                tests/test_plan_big_shapes.py holds it. The two peaks fix the sum of the layer's
@@ -28,10 +29,10 @@ Where each figure comes from:
   assumed      the host: a CPU update streams its bytes at `--cpu-gb-s` (default 20 GB/s), the
                clip pass over host gradients at `--host-gb-s` (30 GB/s). Not measured on this host.
 
-  what-ifs     --what-ifs as_is,no_double_count,bf16_grads: `cost_table` says what each changes.
+  what-ifs     --what-ifs double_count,as_is,bf16_grads: `cost_table` says what each changes.
 
     PYTHONPATH=. python tests/benchmarks/plan_big_shapes.py [--time-limit 60] [--json OUT.json]
-    PYTHONPATH=. python tests/benchmarks/plan_big_shapes.py --loss-shares 0 --what-ifs as_is,no_double_count,bf16_grads
+    PYTHONPATH=. python tests/benchmarks/plan_big_shapes.py --loss-shares 0 --what-ifs double_count,as_is,bf16_grads
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class _Bf16Grads(LayerCosts):
         return self.master_bytes + self.grad_bytes + self.state_bytes
 
 
-WHAT_IFS = ("as_is", "no_double_count", "bf16_grads")
+WHAT_IFS = ("double_count", "as_is", "bf16_grads")
 
 
 def cost_table(s: Shape, optimizer: str, loss_share: float, cpu_bytes_per_s: float = 20e9,
@@ -168,10 +169,11 @@ def cost_table(s: Shape, optimizer: str, loss_share: float, cpu_bytes_per_s: flo
     """`s`'s CostTable as step_profile would measure it on the H200 (the module docstring says
     where each figure comes from). loss_share in [0, 1]: where the 8B's workspace split lies
     (0: the loss holds only the head's fp32 gradients; 1: those and the bf16 lm-head cast).
-    what_if (WHAT_IFS, each adding to the one before): "no_double_count": the static part without
-    the head's fp32 gradients counted a second time (step_profile's loss workspace is the head's
-    allocator peak, which includes the gradients of embed_tokens and lm_head it creates, and the
-    static bytes add 2 x the static parameters' bytes besides); "bf16_grads": `_Bf16Grads`."""
+    what_if (WHAT_IFS): "as_is": step_profile as it is (its loss workspace is the head's allocator
+    peak less the static parameters' fp32 gradients the head's backward creates, which the static
+    bytes count, 2 x the static parameters' bytes); "double_count": step_profile before it took
+    those gradients out of the workspace, so they counted twice (the 8B rows' predicted peaks were
+    made so: tests/test_plan_big_shapes.py); "bf16_grads": as_is with `_Bf16Grads`."""
     layer_state, static_state = state_bytes(s, optimizer)
     base = LLAMA_8B
     loss_8b = 8 * base.vocab * base.hidden + loss_share * 2 * base.vocab * base.hidden
@@ -190,8 +192,8 @@ def cost_table(s: Shape, optimizer: str, loss_share: float, cpu_bytes_per_s: flo
         master_bytes=4 * s.layer_params, state_bytes=layer_state,
         update_gpu_s=upd / GPU_UPDATE_BYTES_PER_S,
         update_cpu_s=(upd + 6 * s.matrix_params) / cpu_bytes_per_s)  # + the cast of the staging copy
-    if what_if in ("no_double_count", "bf16_grads"):
-        loss_ws -= 2 * 4 * s.vocab * s.hidden
+    if what_if != "double_count":
+        loss_ws -= 4 * s.static_params
     if what_if == "bf16_grads":
         layer = _Bf16Grads(**vars(layer), grad_bytes=2 * s.matrix_params + 4 * s.vector_params)
     static_upd = update_bytes(s.static_params - s.hidden, s.hidden, "adamw")
