@@ -55,19 +55,19 @@ class LayerCosts:
         not the masters' fp32 (else the masters are read)."""
         return self.weight_bytes if self.weight_bytes < self.master_bytes else 0
 
-    def grad_bytes(self, micro_batches: int) -> int:
+    def grad_bytes(self, accumulates: bool) -> int:
         """A host layer's gradient on the host and on the bus: with one micro-batch a step in the
         working dtypes (its matrices' gradients are compute-dtype values; the runtime keeps them so),
         else the fp32 sum."""
-        return self.weight_bytes if micro_batches == 1 else self.master_bytes
+        return self.master_bytes if accumulates else self.weight_bytes
 
-    def host_bytes(self, micro_batches: int) -> int:
+    def host_bytes(self, accumulates: bool) -> int:
         """Master weights, gradient, optimizer states and the staging copy."""
-        return self.master_bytes + self.grad_bytes(micro_batches) + self.state_bytes + self.staging_bytes
+        return self.master_bytes + self.grad_bytes(accumulates) + self.state_bytes + self.staging_bytes
 
-    def update_in_bytes(self, micro_batches: int) -> int:
+    def update_in_bytes(self, accumulates: bool) -> int:
         """What a GPU update of a host layer brings to the device: master, gradient, states."""
-        return self.master_bytes + self.grad_bytes(micro_batches) + self.state_bytes
+        return self.master_bytes + self.grad_bytes(accumulates) + self.state_bytes
 
     @property
     def gpu_state_bytes(self) -> int:
@@ -147,10 +147,17 @@ class CostTable:
     # Seconds a copy takes beyond its bytes over the bandwidth (its launch and completion), measured
     # on a small copy: `kv_residency` charges it per page-set copy.
     copy_latency_s: float = 0.0
+    # Whether a step's gradient sums several backwards, as the runtime decides it
+    # (student.trainer.steps_accumulate: grad_accum > 1 or chunk-recurrent, even at one chunk):
+    # then host layers' gradients are fp32 sums, else the working dtypes. None: micro_batches > 1.
+    accumulates: bool | None = None
 
     def __post_init__(self):
         assert self.layers and self.micro_batches >= 1 and self.chunks >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
         assert self.host_bytes_per_s > 0
+        if self.accumulates is None:
+            object.__setattr__(self, "accumulates", self.micro_batches > 1)
+        assert self.accumulates or self.micro_batches == 1, "several micro-batches a step accumulate"
 
 
 
@@ -249,7 +256,7 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
         start = max(compute, copy_in, grad_end[i + d + 1] if i + d + 1 < L else 0.0)
         stall[i] += start - compute
         bwd_end[i] = compute = start + backward[i]
-        copy_out = max(copy_out, compute) + on_host[i] * d2h(c[i].grad_bytes(m))
+        copy_out = max(copy_out, compute) + on_host[i] * d2h(c[i].grad_bytes(costs.accumulates))
         grad_end[i] = copy_out
     micro_batch = max(compute, copy_in, copy_out)
 
@@ -258,7 +265,7 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
     if plan.optimizer == "cpu":  # once every gradient is on the host
         cpu = start = max(compute, copy_out)
         for i in range(L):
-            cpu += on_host[i] * (c[i].update_cpu_s + host_pass(c[i].grad_bytes(m) + c[i].master_bytes))
+            cpu += on_host[i] * (c[i].update_cpu_s + host_pass(c[i].grad_bytes(costs.accumulates) + c[i].master_bytes))
             copy_in = max(copy_in, cpu) + (on_host[i] and not stream[i]) * h2d(c[i].weight_bytes)
         updated = max(cpu, start + device_update)
         last = max(micro_batch, updated, copy_in)
@@ -294,7 +301,7 @@ def _ring(costs: CostTable, plan: OffloadPlan, start: float, bwd_end: list[float
         if k < R:  # loads in the backward: master and states; the gradient is on the device
             load = max(load, bwd_end[i]) + host * h2d(c[i].master_bytes + c[i].state_bytes)
         else:
-            load = max(load, grad_end[i], written[k - R]) + host * h2d(c[i].update_in_bytes(costs.micro_batches))
+            load = max(load, grad_end[i], written[k - R]) + host * h2d(c[i].update_in_bytes(costs.accumulates))
         update = max(update, load) + host * c[i].update_gpu_s
         wb = max(written[-1] if written else 0.0, update) + host * d2h(c[i].master_bytes + c[i].state_bytes
                                                                         + c[i].staging_bytes)
@@ -317,7 +324,7 @@ def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
                   + _optimizer_slices(costs, plan.optimizer))
     resident = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident")
     optimizer_phase = costs.static_gpu_bytes + resident + states + _optimizer_slices(costs, plan.optimizer)
-    host = (costs.static_host_bytes + sum(x.host_bytes(costs.micro_batches) for x, lp in zip(c, p) if lp.states == "host")
+    host = (costs.static_host_bytes + sum(x.host_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "host")
             + sum(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload")
             + _widened_host_bytes(costs, plan.optimizer, [lp.states == "host" for lp in p]))
     return max(turnaround, optimizer_phase), host
@@ -328,7 +335,7 @@ def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
     out, the one being widened in the compute dtype; after the first micro-batch d+1 accumulators
     more on their way in) and one layer's backward (its workspace and recomputed activations)."""
     master, weights = max(x.master_bytes for x in costs.layers), max(x.weight_bytes for x in costs.layers)
-    if costs.micro_batches == 1:  # the sums go out in the working dtypes; the one being formed is fp32
+    if not costs.accumulates:  # the sums go out in the working dtypes; the one being formed is fp32
         grads = (depth + 1) * weights + master
     else:
         grads = 2 * (depth + 1) * master + weights
@@ -338,7 +345,7 @@ def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
 def _widened_host_bytes(costs: CostTable, side: str, on_host: list[bool]) -> int:
     """With one micro-batch and the update on the CPU: the fp32 buffer the host layers' gradients
     are widened into for their updates, as large as the largest host layer's master."""
-    if side != "cpu" or costs.micro_batches != 1:
+    if side != "cpu" or costs.accumulates:
         return 0
     return max((x.master_bytes for x, h in zip(costs.layers, on_host) if h), default=0)
 

@@ -206,7 +206,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         prog.at_least(BE[i], XB[i], bwd)
         if i + d + 1 < L:
             prog.at_least(BE[i], GB[i + d + 1], bwd)
-        grad = pick(i, d2h(c[i].grad_bytes(costs.micro_batches)), st="host")
+        grad = pick(i, d2h(c[i].grad_bytes(costs.accumulates)), st="host")
         prog.at_least(GB[i], GB[i + 1] if i + 1 < L else OF[-1], grad)
         prog.at_least(GB[i], BE[i], grad)
     T, T2 = prog.var(cost=(costs.micro_batches - 1)), prog.var(cost=1.0)
@@ -222,7 +222,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         U, R = [prog.var() for _ in range(L)], [prog.var() for _ in range(L)]
         for i in range(L):
             prog.at_least(U[i], U[i - 1] if i else start,
-                          pick(i, c[i].update_cpu_s * ms + host_pass(c[i].grad_bytes(costs.micro_batches)
+                          pick(i, c[i].update_cpu_s * ms + host_pass(c[i].grad_bytes(costs.accumulates)
                                                                       + c[i].master_bytes), st="host"))
             refresh = pick(i, h2d(c[i].weight_bytes), par="resident", st="host")
             prog.at_least(R[i], R[i - 1] if i else XB[0], refresh)
@@ -239,7 +239,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
                 load = pick(i, h2d(c[i].master_bytes + c[i].state_bytes), st="host")
                 waits = (BE[i],)
             else:
-                load = pick(i, h2d(c[i].update_in_bytes(costs.micro_batches)), st="host")
+                load = pick(i, h2d(c[i].update_in_bytes(costs.accumulates)), st="host")
                 waits = (GB[i], WB[k - UPDATE_SLOTS])
             for before in (LD[k - 1] if k else None, *waits):
                 prog.at_least(LD[k], before, load)
@@ -277,7 +277,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         for i in range(L):
             prog.at_least(MH, None, pick(i, c[i].master_bytes * per_byte, st="host"))
     host = _add(const(costs.static_host_bytes * per_byte), {MH: 1.0},
-                *[pick(i, c[i].host_bytes(costs.micro_batches) * per_byte, st="host") for i in range(L)],
+                *[pick(i, c[i].host_bytes(costs.accumulates) * per_byte, st="host") for i in range(L)],
                 *[pick(i, c[i].boundary_bytes * per_byte, act="offload") for i in range(L)])
     return prog, y, step, (turnaround, optimizer_phase), host
 
@@ -292,7 +292,7 @@ def _memory_unit(costs: CostTable) -> float:
     the solver's tolerance is a small share of any budget."""
     return float(costs.static_gpu_bytes + costs.static_host_bytes
                  + sum(x.weight_bytes + x.keep_bytes + x.boundary_bytes + x.workspace_bytes
-                       + x.host_bytes(costs.micro_batches) for x in costs.layers))
+                       + x.host_bytes(costs.accumulates) for x in costs.layers))
 
 
 def solve_fixed(costs: CostTable, gpu_memory: int | None, host_memory: int | None, *, depth: int, optimizer: str,
