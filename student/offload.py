@@ -249,7 +249,8 @@ class OffloadRuntime:
     model, `synchronize()` before reading host weights or states (a checkpoint). Build the
     optimizer after this runtime (it must see the parameters where they live)."""
 
-    def __init__(self, model, plan: OffloadPlan, device, compute_dtype: torch.dtype | None = None):
+    def __init__(self, model, plan: OffloadPlan, device, compute_dtype: torch.dtype | None = None, *,
+                 accumulates: bool = True):
         num_layers = model.config.num_layers
         if len(plan.layers) != num_layers:
             raise ConfigError("offload", f"holds a plan for {len(plan.layers)} decoder layers but the student has "
@@ -262,11 +263,13 @@ class OffloadRuntime:
             if module is not None:
                 module.to(self.device)
         model.inv_freq = model.inv_freq.to(self.device)
-        self.host = [HostLayer(layer, compute_dtype, pin=self.cuda,
-                                device=self.device if lp.states == "gpu" else None)
+        self.host = [HostLayer(layer, compute_dtype, pin=self.cuda, device=self.device if lp.states == "gpu" else None,
+                               narrow_grads=not accumulates)
                      for layer, lp in zip(model.layers, plan.layers)]
+        self._widened: torch.Tensor | None = None  # the update on the CPU: a narrow layer's fp32 gradient
         self._pinned = self.cuda  # the host buffers are page-locked until `close`
         self._host_params = {p for h in self.host if not h.on_device for p in h.params}
+        self._narrow_params = {p for h in self.host if h.narrow for p in h.params}
         # The working weights of resident layers; a layer with its states on the device reads its staging copies.
         self.resident = {i: h.staging if h.on_device else
                          [torch.empty(g.numel, dtype=g.dtype, device=self.device) for g in h.groups]
@@ -334,6 +337,7 @@ class OffloadRuntime:
             return [target], self._to_device([host], [target])
         h = self.host[index]
         if kind == "g":  # the gradient sum of the step's earlier micro-batches, once it is out
+            assert not h.narrow, "a narrow layer's step has one backward"
             target = torch.empty(h.numel, dtype=torch.float32, device=self.device)
             return [target], self._to_device([h.grad], [target], after=h.grad_out)
         if k in schedule.slot:
@@ -403,6 +407,10 @@ class OffloadRuntime:
         stream. A layer whose update loads during the backward (`UpdateRing.preload`) gets it in its slot too."""
         h = self.host[index]
         first, h.has_grad = not h.has_grad, True
+        if h.narrow and not first:
+            raise RuntimeError(f"layer {index} has a second backward in one step, but the offload runtime was built "
+                               "with accumulates=False (its host gradients are kept in the compute dtype); build it "
+                               "with accumulates=True for grad_accum > 1 or chunk-recurrent training")
         with torch.no_grad():
             if h.on_device:
                 for g, grad in zip(h.groups, grads):
@@ -420,14 +428,21 @@ class OffloadRuntime:
             self._grad_norms.update(zip(h.params, torch._foreach_norm(views, 2.0, dtype=torch.float32)))
             if self.plan.optimizer == "gpu" and index in self._update_ring.preloaded:
                 self._update_ring.preload(index, total)
+            # Out: the fp32 sum; narrow, each group's gradient as the backward made it (the compute
+            # dtype's values: the same as the sum's) and the fp32 groups' part of the sum.
+            sources = [grad if target.dtype != torch.float32 else total[g.span]
+                       for g, grad, target in zip(h.groups, grads, h.grads)] if h.narrow else [total]
+            targets = h.grads if h.narrow else [h.grad]
             if self.cuda:
                 self.d2h.wait_stream(torch.cuda.current_stream(self.device))
                 with self._side(self.d2h):
-                    h.grad.copy_(total, non_blocking=True)
-                    total.record_stream(self.d2h)
+                    for target, source in zip(targets, sources):
+                        target.copy_(source, non_blocking=True)
+                        source.record_stream(self.d2h)
                 h.grad_out = self._record(self.d2h)
             else:
-                h.grad.copy_(total)
+                for target, source in zip(targets, sources):
+                    target.copy_(source)
 
     def finish_grads(self) -> None:
         """Make the accumulators the parameters' .grad once every micro-batch's backward is queued.
@@ -444,7 +459,13 @@ class OffloadRuntime:
         for h in self.host:
             if h.has_grad:
                 for p, view in zip(h.params, h.grad_views):
-                    p.grad = view
+                    if view.dtype == p.dtype:  # a narrow gradient is widened where an update reads it
+                        p.grad = view
+
+    def _has_grads(self, h: HostLayer, held: dict) -> bool:
+        """Whether host layer `h` has gradients to update with (`held`: each parameter's .grad):
+        a narrow layer's matrices have no .grad (`finish_grads`), its flag says."""
+        return h.has_grad if h.narrow else any(held.get(p) is not None for p in h.params)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """student.optim.clip.clip_grad_norm_foreach over the model's parameters, with no host pass
@@ -453,7 +474,8 @@ class OffloadRuntime:
         on the GPU scales each slice there; on the CPU the host reads the coefficient once). Returns
         the total norm (a 0-dim fp32 tensor on the device); max_norm inf only measures."""
         max_norm = check_max_norm(max_norm)
-        known = {p: norm for p, norm in self._grad_norms.items() if p.grad is not None}
+        known = {p: norm for p, norm in self._grad_norms.items()
+                 if p.grad is not None or p in self._narrow_params}
         total, grads = total_grad_norm(self.model.parameters(), known)
         self._clip_coef = None
         if not math.isinf(max_norm):
@@ -494,17 +516,25 @@ class OffloadRuntime:
         self._refresh_device_layers()
         coef = self._clip_coef.to("cpu") if self._clip_coef is not None else None  # after the device's work is queued
         for index, h in enumerate(self.host):
-            if h.on_device or not any(held.get(p) is not None for p in h.params):
+            if h.on_device or not self._has_grads(h, held):
                 continue
-            if coef is not None:
+            grads = dict(zip(h.params, h.widen_grads(self._widened_buffer(), coef))) if h.narrow else \
+                {p: held[p] for p in h.params}
+            if coef is not None and not h.narrow:
                 h.grad.mul_(coef)
-            members = set(h.params)
             for p in held:
-                p.grad = held[p] if p in members else None
+                p.grad = grads.get(p)
             optimizer.step()
             self._refresh_layer(index)
         for p in held:
             p.grad = held[p]
+
+    def _widened_buffer(self) -> torch.Tensor:
+        """The update on the CPU: one fp32 buffer as large as the largest host layer, which each narrow
+        layer's gradient is widened into for its optimizer step (the optimizer reads fp32 .grad)."""
+        if self._widened is None:
+            self._widened = torch.empty(max(h.numel for h in self.host if not h.on_device), dtype=torch.float32)
+        return self._widened
 
     def _step_on_device(self, optimizer) -> None:
         """The host layers, last to first, through the update ring's slots (`UpdateRing.update`),
@@ -579,8 +609,9 @@ class OffloadRuntime:
     def host_bytes(self, optimizer=None) -> int:
         """Bytes the offloaded layers hold in host memory: masters, gradients, separate staging copies
         and (given the optimizer) their optimizer states."""
-        total = sum(h.master.nbytes + h.grad.nbytes + sum(s.nbytes for _, s in h.separate_staging())
+        total = sum(h.master.nbytes + sum(g.nbytes for g in h.grads) + sum(s.nbytes for _, s in h.separate_staging())
                     for h in self.host if not h.on_device)
+        total += self._widened.nbytes if self._widened is not None else 0
         if optimizer is not None:
             total += sum(v.nbytes for p in self._host_params for v in optimizer.state.get(p, {}).values()
                          if isinstance(v, torch.Tensor))
@@ -596,7 +627,8 @@ class OffloadRuntime:
                 if h.on_device:
                     continue
                 flats = list(h.state_flats.values()) if h.state_flats is not None else []
-                for tensor in (h.master, h.grad, *(s for _, s in h.separate_staging()), *flats):
+                grads = h.grads if h.narrow else [h.grad]
+                for tensor in (h.master, *grads, *(s for _, s in h.separate_staging()), *flats):
                     if tensor.numel():
                         unpin(tensor)
             self._pinned = False

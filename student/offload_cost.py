@@ -55,15 +55,24 @@ class LayerCosts:
         not the masters' fp32 (else the masters are read)."""
         return self.weight_bytes if self.weight_bytes < self.master_bytes else 0
 
-    @property
-    def host_bytes(self) -> int:
-        """Master weights, gradient accumulator, optimizer states and the staging copy."""
-        return 2 * self.master_bytes + self.state_bytes + self.staging_bytes
+    def grad_bytes(self, accumulates: bool) -> int:
+        """A host layer's gradient on the host and on the bus: with one micro-batch a step in the
+        working dtypes (its matrices' gradients are compute-dtype values; the runtime keeps them so),
+        else the fp32 sum."""
+        return self.master_bytes if accumulates else self.weight_bytes
+
+    def host_bytes(self, accumulates: bool) -> int:
+        """Master weights, gradient, optimizer states and the staging copy."""
+        return self.master_bytes + self.grad_bytes(accumulates) + self.state_bytes + self.staging_bytes
+
+    def update_in_bytes(self, accumulates: bool) -> int:
+        """What a GPU update of a host layer brings to the device: master, gradient, states."""
+        return self.master_bytes + self.grad_bytes(accumulates) + self.state_bytes
 
     @property
-    def update_in_bytes(self) -> int:
-        """What a GPU update brings to the device: master, gradient accumulator, states; also what a
-        layer whose states live on the GPU holds there beside its working weights."""
+    def gpu_state_bytes(self) -> int:
+        """Master, fp32 gradient and states on the device: what a layer whose states live on the GPU
+        holds there beside its working weights, and one slot of the update's ring less its casts."""
         return 2 * self.master_bytes + self.state_bytes
 
 
@@ -138,10 +147,17 @@ class CostTable:
     # Seconds a copy takes beyond its bytes over the bandwidth (its launch and completion), measured
     # on a small copy: `kv_residency` charges it per page-set copy.
     copy_latency_s: float = 0.0
+    # Whether a step's gradient sums several backwards, as the runtime decides it
+    # (student.trainer.steps_accumulate: grad_accum > 1 or chunk-recurrent, even at one chunk):
+    # then host layers' gradients are fp32 sums, else the working dtypes. None: micro_batches > 1.
+    accumulates: bool | None = None
 
     def __post_init__(self):
         assert self.layers and self.micro_batches >= 1 and self.chunks >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
         assert self.host_bytes_per_s > 0
+        if self.accumulates is None:
+            object.__setattr__(self, "accumulates", self.micro_batches > 1)
+        assert self.accumulates or self.micro_batches == 1, "several micro-batches a step accumulate"
 
 
 
@@ -161,8 +177,8 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       layer i's weights (stream, unless kept since the forward: "keep") and its input (offload) are
       copied in when the backward of layer i+d+1 ends (at the end of the forward for the top d+1
       layers); its backward waits for them and runs the forward again first unless "keep". A
-      layer whose states are on the host sends its weight gradient sum out in fp32 after its
-      backward (the backward of layer i-d-1 waits until that copy is done); with more than one
+      layer whose states are on the host sends its weight gradient sum out after its backward (fp32;
+      with one micro-batch in the working dtypes: `LayerCosts.grad_bytes`) (the backward of layer i-d-1 waits until that copy is done); with more than one
       micro-batch its accumulator comes in with its other copies first (the sum is formed on the
       device; so in every micro-batch, the first's too: a little pessimistic). The gradients'
       norms are taken on the device meanwhile (not timed); a "gpu" layer accumulates there.
@@ -170,8 +186,9 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       (micro_batches - 1) x one micro-batch + the last one. Clipping takes no time of its own (the
       norms are known; the coefficient is applied inside the update). Then the optimizer:
       "cpu": once every gradient is on the host, the host layers update on the CPU one after
-      another (each scaling its gradient by the coefficient first: a pass of 2 x its fp32 bytes;
-      then the cast of its staging copy), each resident one's working weights going to the GPU
+      another (each scaling its gradient by the coefficient first: a pass reading the gradient and
+      writing it in fp32, widened in the same pass with one micro-batch; then the cast of its
+      staging copy), each resident one's working weights going to the GPU
       after its update; the static parameters and the "gpu" layers update on the GPU meanwhile.
       "gpu": the host layers, last to first, through a ring of UPDATE_SLOTS slots, on three
       queues of their own (copies in, compute, copies out; `_ring`): the layer in position k of
@@ -191,12 +208,14 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       "gpu" layers + (d+1) buffers of the largest streamed layer + kept activations (keep:
       everything saved; recompute: the input) + 2 (d+1) of the largest offloaded input (copies
       out and back in flight) + (d+1) fp32 gradients (2 (d+1) with more than one micro-batch:
-      accumulators coming in) and one compute-dtype gradient of the largest layer + the largest
+      accumulators coming in) and one compute-dtype gradient of the largest layer (with one
+      micro-batch: (d+1) compute-dtype gradients on their way out and one fp32 sum) + the largest
       layer's workspace and recomputed activations + with the update on the GPU its ring (the
       first slots fill in the backward). Optimizer phase: static + resident weights + "gpu"
       layers' state + the ring.
-    - Host peak: static + the host layers' master, gradient accumulator, states and staging copy +
-      the offloaded inputs of one micro-batch.
+    - Host peak: static + the host layers' master, gradient, states and staging copy + the
+      offloaded inputs of one micro-batch + with one micro-batch and the update on the CPU the fp32
+      buffer the largest host layer's gradient is widened into.
     - Not modelled: the copy back of an offloaded input waiting for its copy out (the forward and
       backward between them hide it); the update's copies in sharing the bus with the backward's
       (the first slots' loads); the ring waiting on a "gpu" layer's position as if it had a slot.
@@ -237,7 +256,7 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
         start = max(compute, copy_in, grad_end[i + d + 1] if i + d + 1 < L else 0.0)
         stall[i] += start - compute
         bwd_end[i] = compute = start + backward[i]
-        copy_out = max(copy_out, compute) + on_host[i] * d2h(c[i].master_bytes)
+        copy_out = max(copy_out, compute) + on_host[i] * d2h(c[i].grad_bytes(costs.accumulates))
         grad_end[i] = copy_out
     micro_batch = max(compute, copy_in, copy_out)
 
@@ -246,7 +265,7 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
     if plan.optimizer == "cpu":  # once every gradient is on the host
         cpu = start = max(compute, copy_out)
         for i in range(L):
-            cpu += on_host[i] * (c[i].update_cpu_s + host_pass(2 * c[i].master_bytes))
+            cpu += on_host[i] * (c[i].update_cpu_s + host_pass(c[i].grad_bytes(costs.accumulates) + c[i].master_bytes))
             copy_in = max(copy_in, cpu) + (on_host[i] and not stream[i]) * h2d(c[i].weight_bytes)
         updated = max(cpu, start + device_update)
         last = max(micro_batch, updated, copy_in)
@@ -282,7 +301,7 @@ def _ring(costs: CostTable, plan: OffloadPlan, start: float, bwd_end: list[float
         if k < R:  # loads in the backward: master and states; the gradient is on the device
             load = max(load, bwd_end[i]) + host * h2d(c[i].master_bytes + c[i].state_bytes)
         else:
-            load = max(load, grad_end[i], written[k - R]) + host * h2d(c[i].update_in_bytes)
+            load = max(load, grad_end[i], written[k - R]) + host * h2d(c[i].update_in_bytes(costs.accumulates))
         update = max(update, load) + host * c[i].update_gpu_s
         wb = max(written[-1] if written else 0.0, update) + host * d2h(c[i].master_bytes + c[i].state_bytes
                                                                         + c[i].staging_bytes)
@@ -300,13 +319,14 @@ def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
     acts = sum(x.keep_bytes if lp.activation == "keep" else x.boundary_bytes
                for x, lp in zip(c, p) if lp.activation != "offload")
     in_flight = 2 * (d + 1) * most(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload")
-    states = sum(x.update_in_bytes for x, lp in zip(c, p) if lp.states == "gpu")
+    states = sum(x.gpu_state_bytes for x, lp in zip(c, p) if lp.states == "gpu")
     turnaround = (costs.static_gpu_bytes + held + ring + acts + in_flight + states + _fixed_gpu_bytes(costs, d)
                   + _optimizer_slices(costs, plan.optimizer))
     resident = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident")
     optimizer_phase = costs.static_gpu_bytes + resident + states + _optimizer_slices(costs, plan.optimizer)
-    host = (costs.static_host_bytes + sum(x.host_bytes for x, lp in zip(c, p) if lp.states == "host")
-            + sum(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload"))
+    host = (costs.static_host_bytes + sum(x.host_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "host")
+            + sum(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload")
+            + _widened_host_bytes(costs, plan.optimizer, [lp.states == "host" for lp in p]))
     return max(turnaround, optimizer_phase), host
 
 
@@ -314,15 +334,26 @@ def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
     """What every plan of this depth holds at the turnaround: the key/value store's device pages, gradients (d+1 fp32 sums on their way
     out, the one being widened in the compute dtype; after the first micro-batch d+1 accumulators
     more on their way in) and one layer's backward (its workspace and recomputed activations)."""
-    sums = (depth + 1) * (2 if costs.micro_batches > 1 else 1)
-    return (sums * max(x.master_bytes for x in costs.layers) + max(x.weight_bytes for x in costs.layers)
-            + max(x.workspace_bytes + x.keep_bytes for x in costs.layers) + costs.kv_gpu_bytes)
+    master, weights = max(x.master_bytes for x in costs.layers), max(x.weight_bytes for x in costs.layers)
+    if not costs.accumulates:  # the sums go out in the working dtypes; the one being formed is fp32
+        grads = (depth + 1) * weights + master
+    else:
+        grads = 2 * (depth + 1) * master + weights
+    return grads + max(x.workspace_bytes + x.keep_bytes for x in costs.layers) + costs.kv_gpu_bytes
+
+
+def _widened_host_bytes(costs: CostTable, side: str, on_host: list[bool]) -> int:
+    """With one micro-batch and the update on the CPU: the fp32 buffer the host layers' gradients
+    are widened into for their updates, as large as the largest host layer's master."""
+    if side != "cpu" or costs.accumulates:
+        return 0
+    return max((x.master_bytes for x, h in zip(costs.layers, on_host) if h), default=0)
 
 
 def _optimizer_slices(costs: CostTable, side: str) -> int:
     """The update's ring on the GPU (UPDATE_SLOTS slots of the largest layer's master, gradient,
     states and staging casts), held from the backward (the first slots load there) to the update."""
-    return UPDATE_SLOTS * max(x.update_in_bytes + x.staging_bytes for x in costs.layers) if side == "gpu" else 0
+    return UPDATE_SLOTS * max(x.gpu_state_bytes + x.staging_bytes for x in costs.layers) if side == "gpu" else 0
 
 
 # --- where the key/value pages live ---------------------------------------------------------------

@@ -74,8 +74,12 @@ class HostLayer:
     memory (pinned when `pin`), or on `device` for a layer whose plan puts its states on the GPU
     (its staging copies are then its resident working weights)."""
 
-    def __init__(self, layer: torch.nn.Module, compute_dtype: torch.dtype, pin: bool, device=None):
+    def __init__(self, layer: torch.nn.Module, compute_dtype: torch.dtype, pin: bool, device=None,
+                 narrow_grads: bool = False):
         self.on_device = device is not None
+        # The step's gradient is one backward's (no sum of micro-batches): a host layer keeps its
+        # compute-dtype groups' gradients in that dtype (the values are that dtype's: widening is exact).
+        self.narrow = narrow_grads and not self.on_device
         empty = (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=device)) if self.on_device else \
             (lambda numel, dtype: _host_empty(numel, dtype, pin))
         named = list(layer.named_parameters())
@@ -89,7 +93,11 @@ class HostLayer:
                 start += sum(sizes)
         self.numel = start
         self.master = empty(start, torch.float32)
-        self.grad = empty(start, torch.float32)
+        # The gradient: one flat fp32 buffer (`grad`; `grads` its groups' spans), or with `narrow`
+        # one buffer per group in the group's dtype (`grad` None).
+        self.grad = None if self.narrow else empty(start, torch.float32)
+        self.grads = ([empty(g.numel, g.dtype) for g in self.groups] if self.narrow
+                      else [self.grad[g.span] for g in self.groups])
         self.params, self.grad_views, self.spans = [], [], []
         offset = 0
         with torch.no_grad():
@@ -99,7 +107,9 @@ class HostLayer:
                 view.copy_(p.detach())
                 p.data = view
                 self.params.append(p)
-                self.grad_views.append(self.grad[span].view(p.shape))
+                group = next(k for k, g in enumerate(self.groups) if g.start <= offset < g.start + g.numel)
+                local = offset - self.groups[group].start
+                self.grad_views.append(self.grads[group][local:local + p.numel()].view(p.shape))
                 self.spans.append((span, p.shape))
                 offset += p.numel()
         self.staging = [self.master[g.span] if g.dtype == torch.float32 else empty(g.numel, g.dtype)
@@ -120,6 +130,19 @@ class HostLayer:
         """(group, staging) of the groups whose staging is not the master itself."""
         return [(g, s) for g, s in zip(self.groups, self.staging) if g.dtype != torch.float32]
 
+    def widen_grads(self, out: torch.Tensor, coef: torch.Tensor | None) -> list[torch.Tensor]:
+        """A narrow layer's gradient in fp32 in `out` (host, at least `numel` fp32 elements), scaled
+        by `coef` (a 0-dim fp32 tensor; None: not scaled) in the same pass: fp32(grad) * coef, the
+        product of the fp32 path's scaling. Returns the parameters' fp32 gradient views of `out`."""
+        assert self.narrow, "a layer with fp32 gradients reads its own buffer"
+        with torch.no_grad():
+            for g, grad in zip(self.groups, self.grads):
+                if coef is None:
+                    out[g.span].copy_(grad)
+                else:  # expanded, coef takes part in type promotion: fp32 products, whatever grad's dtype
+                    torch.mul(grad, coef.expand(g.numel), out=out[g.span])
+        return [out[span].view(shape) for span, shape in self.spans]
+
 
 @dataclass
 class _Slot:
@@ -133,6 +156,7 @@ class _Slot:
     states: dict[torch.dtype, torch.Tensor] | None = None  # allocated once every host layer's states have a layout
     layer: int | None = None  # the layer whose master (and states) came in this step
     states_in: bool = False  # its states came in (else the update copies them in itself)
+    narrow_in: bool = False  # its gradient came in narrow: the compute-dtype groups' in `staged`, to widen
     loaded: object = None  # event: the copies in are done
     free: object = None  # event: the last copies out of this slot are done (it may be written)
 
@@ -167,7 +191,7 @@ class UpdateRing:
         written = []  # per position in the order: the last copies out so far (an event, or None)
         for k, index in enumerate(reversed(range(len(self.host)))):
             h = self.host[index]
-            if not h.on_device and any(held.get(p) is not None for p in h.params):
+            if not h.on_device and self.runtime._has_grads(h, held):
                 slot = self._slot(index)
                 if slot.layer != index:
                     self._load(index, slot, gradient=True,
@@ -236,9 +260,15 @@ class UpdateRing:
         if self.cuda:
             for event in (slot.free, h.written, h.grad_out if gradient else None, after):
                 self._wait(event, self.upload)
+        slot.narrow_in = gradient and h.narrow
         with self._side(self.upload):
             slot.master[:h.numel].copy_(h.master, non_blocking=True)
-            if gradient:
+            if slot.narrow_in:  # the compute-dtype groups land in the staging casts' buffers (free until the update's casts)
+                narrow = iter(slot.staged)
+                for g, grad in zip(h.groups, h.grads):
+                    target = slot.grad[g.span] if g.dtype == torch.float32 else next(narrow)[:g.numel]
+                    target.copy_(grad, non_blocking=True)
+            elif gradient:
                 slot.grad[:h.numel].copy_(h.grad, non_blocking=True)
             if slot.states_in:
                 for dtype, flat in h.state_flats.items():
@@ -263,6 +293,10 @@ class UpdateRing:
         h = self.host[index]
         self._wait(slot.loaded)
         master, grad = slot.master[:h.numel], slot.grad[:h.numel]
+        if slot.narrow_in:
+            with torch.no_grad():
+                for (g, _), narrow in zip(h.separate_staging(), slot.staged):
+                    grad[g.span].copy_(narrow[:g.numel])  # exact: the widening
         if self.runtime._clip_coef is not None:
             grad.mul_(self.runtime._clip_coef)
         for p, (span, shape) in zip(h.params, h.spans):

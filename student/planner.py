@@ -23,7 +23,8 @@ import math
 from dataclasses import dataclass, field, replace
 
 from distill.configs import ConfigError
-from student.offload_cost import (PHASES, CostTable, LayerCosts, _fixed_gpu_bytes, _optimizer_slices, _peaks, kv_options,
+from student.offload_cost import (PHASES, CostTable, LayerCosts, _fixed_gpu_bytes, _optimizer_slices, _peaks,
+                                  _widened_host_bytes, kv_options,
                                   kv_residency, predict)
 from student.offload_plan import UPDATE_SLOTS, ChunkChoice, LayerPlan, OffloadPlan
 from student.step_profile import ProfileSettings, profile
@@ -146,7 +147,7 @@ def _horizon_ms(costs: CostTable) -> float:
     of the program added up, twice."""
     total = costs.head_s + costs.static_update_s
     for x in costs.layers:
-        moved = 2 * (x.weight_bytes + x.boundary_bytes + x.master_bytes) + x.update_in_bytes + x.staging_bytes + x.state_bytes
+        moved = 2 * (x.weight_bytes + x.boundary_bytes + x.master_bytes) + x.gpu_state_bytes + x.staging_bytes + x.state_bytes
         total += (2 * x.forward_s + x.backward_s + x.update_gpu_s + x.update_cpu_s
                   + moved / min(costs.h2d_bytes_per_s, costs.d2h_bytes_per_s) + 2 * x.master_bytes / costs.host_bytes_per_s)
     return 2e3 * total + 1.0
@@ -205,7 +206,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         prog.at_least(BE[i], XB[i], bwd)
         if i + d + 1 < L:
             prog.at_least(BE[i], GB[i + d + 1], bwd)
-        grad = pick(i, d2h(c[i].master_bytes), st="host")
+        grad = pick(i, d2h(c[i].grad_bytes(costs.accumulates)), st="host")
         prog.at_least(GB[i], GB[i + 1] if i + 1 < L else OF[-1], grad)
         prog.at_least(GB[i], BE[i], grad)
     T, T2 = prog.var(cost=(costs.micro_batches - 1)), prog.var(cost=1.0)
@@ -221,7 +222,8 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         U, R = [prog.var() for _ in range(L)], [prog.var() for _ in range(L)]
         for i in range(L):
             prog.at_least(U[i], U[i - 1] if i else start,
-                          pick(i, c[i].update_cpu_s * ms + host_pass(2 * c[i].master_bytes), st="host"))
+                          pick(i, c[i].update_cpu_s * ms + host_pass(c[i].grad_bytes(costs.accumulates)
+                                                                      + c[i].master_bytes), st="host"))
             refresh = pick(i, h2d(c[i].weight_bytes), par="resident", st="host")
             prog.at_least(R[i], R[i - 1] if i else XB[0], refresh)
             prog.at_least(R[i], U[i], refresh)
@@ -237,7 +239,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
                 load = pick(i, h2d(c[i].master_bytes + c[i].state_bytes), st="host")
                 waits = (BE[i],)
             else:
-                load = pick(i, h2d(c[i].update_in_bytes), st="host")
+                load = pick(i, h2d(c[i].update_in_bytes(costs.accumulates)), st="host")
                 waits = (GB[i], WB[k - UPDATE_SLOTS])
             for before in (LD[k - 1] if k else None, *waits):
                 prog.at_least(LD[k], before, load)
@@ -260,7 +262,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
                                      pick(i, c[i].weight_bytes * per_byte, "offload", "stream")))
         prog.at_least(MA, None, pick(i, c[i].boundary_bytes * per_byte, act="offload"))
     resident = [pick(i, c[i].weight_bytes * per_byte, par="resident") for i in range(L)]
-    states = [pick(i, c[i].update_in_bytes * per_byte, st="gpu") for i in range(L)]
+    states = [pick(i, c[i].gpu_state_bytes * per_byte, st="gpu") for i in range(L)]
     turnaround = _add(const((costs.static_gpu_bytes + _fixed_gpu_bytes(costs, d) + _optimizer_slices(costs, optimizer))
                             * per_byte),
                       {MW: d + 1.0, MA: 2.0 * (d + 1)}, *resident, *states,
@@ -269,8 +271,13 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
                       *[pick(i, c[i].boundary_bytes * per_byte, act="recompute") for i in range(L)])
     optimizer_phase = _add(const((costs.static_gpu_bytes + _optimizer_slices(costs, optimizer)) * per_byte),
                            *resident, *states)
-    host = _add(const(costs.static_host_bytes * per_byte),
-                *[pick(i, c[i].host_bytes * per_byte, st="host") for i in range(L)],
+    # The fp32 buffer the update on the CPU widens gradients into: the largest host layer's master.
+    MH = prog.var()
+    if _widened_host_bytes(costs, optimizer, [True] * L):
+        for i in range(L):
+            prog.at_least(MH, None, pick(i, c[i].master_bytes * per_byte, st="host"))
+    host = _add(const(costs.static_host_bytes * per_byte), {MH: 1.0},
+                *[pick(i, c[i].host_bytes(costs.accumulates) * per_byte, st="host") for i in range(L)],
                 *[pick(i, c[i].boundary_bytes * per_byte, act="offload") for i in range(L)])
     return prog, y, step, (turnaround, optimizer_phase), host
 
@@ -284,8 +291,8 @@ def _memory_unit(costs: CostTable) -> float:
     """Bytes per unit of memory in the program: all the bytes a step could hold, so one unit of
     the solver's tolerance is a small share of any budget."""
     return float(costs.static_gpu_bytes + costs.static_host_bytes
-                 + sum(x.weight_bytes + x.keep_bytes + x.boundary_bytes + x.workspace_bytes + x.host_bytes
-                       for x in costs.layers))
+                 + sum(x.weight_bytes + x.keep_bytes + x.boundary_bytes + x.workspace_bytes
+                       + x.host_bytes(costs.accumulates) for x in costs.layers))
 
 
 def solve_fixed(costs: CostTable, gpu_memory: int | None, host_memory: int | None, *, depth: int, optimizer: str,

@@ -52,7 +52,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     from student.data import CacheBatches, split_indices, tokenizer_info_of
     from student.offload_cost import CostTable, LayerCosts
     from student.optim import build_optimizer
-    from student.trainer import _initial_student, _resolve
+    from student.trainer import _initial_student, _resolve, steps_accumulate
     from teacher_cache.reader import CacheReader
 
     config = _resolve(config)
@@ -109,7 +109,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
                      micro_batches=config.grad_accum * chunks, host_bytes_per_s=_host_pass_rate(settings),
                      chunks=chunks, pass1_s=pass1_s, kv_gpu_bytes=kv_gpu,
                      chunk_tokens=config.long.chunk_tokens if chunks > 1 else None, resident_pages=resident_pages,
-                     kv=kv, copy_latency_s=latency)
+                     kv=kv, copy_latency_s=latency, accumulates=steps_accumulate(config))
 
 
 def _timed(device: str, fn):

@@ -430,7 +430,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
     if offloading:  # before the optimizer sees the params
         from student.offload import OffloadRuntime
 
-        runtime = OffloadRuntime(model, plan, device, amp_dtype)
+        runtime = OffloadRuntime(model, plan, device, amp_dtype, accumulates=steps_accumulate(config))
     if runtime is not None:
         run["offload_plan"] = runtime.plan.to_dict()
 
@@ -645,6 +645,14 @@ def _offload_plan(config: TrainConfig):
         logger.info("the plan chose --chunk-tokens %s, %s", plan.chunk_tokens,
                     f"--kv-offload with --offload-pages {plan.offload_pages}" if plan.kv_offload else "the pages resident")
     return plan
+
+
+def steps_accumulate(config: TrainConfig) -> bool:
+    """Whether a step's gradient sums several backwards (grad_accum > 1, or chunk-recurrent training,
+    whose chunks add up like micro-batches): OffloadRuntime's `accumulates`. Else its host layers
+    keep the matrices' gradients in the compute dtype. A chunked run counts as accumulating even
+    when its sequences fit one chunk (the chunks a batch has are known only once it runs)."""
+    return config.grad_accum > 1 or config.long.chunk_tokens is not None
 
 
 def _offload_figures(runtime, optimizer, step_s: float) -> dict:

@@ -353,3 +353,32 @@ def test_resuming_an_offloaded_run_loads_the_layers_in_place_on_the_host(small, 
     assert all(torch.equal(p, runtime.host[0].master[span].view(shape))
                for p, (span, shape) in zip(runtime.host[0].params, runtime.host[0].spans))
     runtime.close()
+
+
+@pytest.mark.parametrize("optimizer, plan", [("adamw", "mixed-cpu"), ("foam", "mixed-gpu"), ("adamw8bit", "states-gpu")])
+def test_bf16_offloaded_training_at_one_micro_batch_keeps_bf16_host_gradients_and_equals_training_without_offload(
+        small, tmp_path, optimizer, plan):
+    """bf16 autocast on the CPU, grad_accum 1, every step clipped: the host layers' matrices'
+    gradients go to the host and (the update on the GPU) into the ring in bf16, the vectors' in fp32,
+    and the run's losses, gradient norms, evaluations and weights are those of training without
+    offload, bit for bit (the widening is exact). At grad_accum 2 the host gradients are fp32."""
+    from student.offload import OffloadRuntime
+    from student.trainer import steps_accumulate
+
+    bf16 = dict(optimizer=optimizer, dtype="bfloat16", grad_accum=1, clip_grad=1e-2, save_every=0, eval_every=3)
+    want, out = tmp_path / "plain", tmp_path / "run"
+    train(config(small, want, **bf16), progress=False)
+    cfg = config(small, out, offload=plan_file(tmp_path / "plan.json", *PLANS[plan]), **bf16)
+    train(cfg, progress=False)
+    assert all(r["grad_norm"] > 1e-2 for r in rows(want))  # the clipping bites
+    assert results(out) == results(want)
+    assert same_weights(out / "student", want / "student")
+
+    for grad_accum, narrow in ((1, torch.bfloat16), (2, torch.float32)):
+        model = Student.from_pretrained(small[0])
+        runtime = OffloadRuntime(model, OffloadPlan.load(tmp_path / "plan.json"), "cpu", torch.bfloat16,
+                                 accumulates=steps_accumulate(cfg.with_flat(grad_accum=grad_accum)))
+        for h in runtime.host:
+            want_dtypes = [torch.float32] * len(h.groups) if h.on_device else [narrow, torch.float32]
+            assert [g.dtype for g in h.grads] == want_dtypes
+        runtime.close()

@@ -143,3 +143,17 @@ def test_gpu_offloaded_chunk_recurrent_training_matches_within_bf16(small, tmp_p
         plan_file(path, *spec)
         train(config(small, out, offload=str(path), **gpu), progress=False)
         assert [r["loss"] for r in rows(out)] == pytest.approx(want, rel=2e-2), name
+
+
+def test_the_cost_table_accumulates_as_the_runtime_does_even_at_one_chunk(small, tmp_path):  # noqa: F811
+    """The runtime keeps a host layer's gradient in fp32 whenever chunks are on (a batch's chunk
+    count is known only when it runs), so the profile's table says so even when every sequence
+    fits one chunk; without chunks and at one micro-batch the gradients are the working dtypes'."""
+    from student.step_profile import profile
+    from student.trainer import steps_accumulate
+
+    one_chunk = config(small, tmp_path / "a", grad_accum=1, chunk_tokens=32, page_tokens=16)  # sequences of 24
+    costs = profile(one_chunk)
+    assert costs.micro_batches == 1 and costs.accumulates and steps_accumulate(one_chunk)
+    whole = config(small, tmp_path / "b", grad_accum=1)
+    assert not profile(whole).accumulates and not steps_accumulate(whole)

@@ -43,7 +43,7 @@ def test_the_8b_table_gives_the_40gib_peak_under_that_plans_cost_model():
     ring = (d + 1) * c.weight_bytes * any(x.params == "stream" and x.activation != "keep" for x in lp)
     acts = sum(c.keep_bytes if x.activation == "keep" else c.boundary_bytes for x in lp if x.activation != "offload")
     in_flight = 2 * (d + 1) * c.boundary_bytes * any(x.activation == "offload" for x in lp)
-    states = sum(c.update_in_bytes for x in lp if x.states == "gpu")
+    states = sum(c.gpu_state_bytes for x in lp if x.states == "gpu")
     fixed = (d + 1) * c.master_bytes + c.weight_bytes + c.workspace_bytes + c.keep_bytes
     assert costs.static_gpu_bytes + held + ring + acts + in_flight + states + fixed == 42_655_361_024
 

@@ -116,9 +116,15 @@ def test_predict_phases_add_up_and_charge_the_hosts_passes_over_gradients():
     kept = OffloadPlan.uniform(2, "keep", "resident", optimizer="cpu")
     base = predict(table([layer(), layer()], **fast), kept)
     slow_host = predict(table([layer(), layer()], host_bytes_per_s=GiB, **fast), kept)
-    # The CPU update reads and writes each layer's 2 GiB of fp32 gradients once (the clip coefficient).
-    assert slow_host.step_s == pytest.approx(base.step_s + 2 * 2 * 2.0)
-    assert slow_host.phase_s["optimizer"] == pytest.approx(base.phase_s["optimizer"] + 8.0)
+    # One micro-batch: the CPU update reads each layer's 1 GiB bf16 gradient and writes it widened
+    # to 2 GiB of fp32 (scaled by the clip coefficient in the same pass); with two, it reads and
+    # writes the 2 GiB fp32 sums.
+    assert slow_host.step_s == pytest.approx(base.step_s + 2 * (1.0 + 2.0))
+    assert slow_host.phase_s["optimizer"] == pytest.approx(base.phase_s["optimizer"] + 6.0)
+    accumulated = {**fast, "micro_batches": 2}
+    base2 = predict(table([layer(), layer()], **accumulated), kept)
+    slow2 = predict(table([layer(), layer()], host_bytes_per_s=GiB, **accumulated), kept)
+    assert slow2.phase_s["optimizer"] == pytest.approx(base2.phase_s["optimizer"] + 2 * 2 * 2.0)
     assert slow_host.phase_s["clip"] == 0.0 and base.phase_s["clip"] == 0.0
     # Two micro-batches, 2 GiB accumulators in at 1 GiB/s: the backward of each layer waits for its own.
     slow_in = {**fast, "h2d_bytes_per_s": GiB}
@@ -136,25 +142,25 @@ def test_predict_phases_add_up_and_charge_the_hosts_passes_over_gradients():
     host = OffloadPlan.uniform(2, "keep", "resident", optimizer="gpu")
     gpu = OffloadPlan(layers=(LayerPlan("keep", "resident", "gpu"), LayerPlan("keep", "resident")), optimizer="gpu")
     h, g = predict(costs, host), predict(costs, gpu)
-    assert h.host_peak_bytes - g.host_peak_bytes == (2 * 2 + 4 + 1) * GiB  # master, gradient, states, staging
+    assert h.host_peak_bytes - g.host_peak_bytes == (2 + 1 + 4 + 1) * GiB  # master, bf16 gradient, states, staging
     assert g.gpu_peak_bytes - h.gpu_peak_bytes <= (2 * 2 + 4) * GiB  # (the optimizer's slices were already there)
-    # No fp32 gradient of 2 GiB out at 1 GiB/s (the last layer's, which the step waits for): the
-    # layer updates where it is. The update slices' copies out (master, states, staging) overlap
-    # the next step here (no layer streams its weights).
-    assert h.step_s - g.step_s == pytest.approx(2.0, rel=1e-6)
+    # No bf16 gradient of 1 GiB out at 1 GiB/s (the last layer's, which the step waits for; one
+    # micro-batch): the layer updates where it is. The update slices' copies out (master, states,
+    # staging) overlap the next step here (no layer streams its weights).
+    assert h.step_s - g.step_s == pytest.approx(1.0, rel=1e-6)
 
 
 def test_the_update_on_the_gpu_loads_its_first_slots_in_the_backward_and_pipelines_the_rest():
     """Four host layers, 1 GiB masters, no states, copies in at 1 GiB/s, copies out free, no update
     time: the top two layers' masters come in during the backward (their gradients are on the
-    device); the next two bring master and gradient (2 GiB each) once the backward is through, one
-    after the other; the serial update of before took 2 GiB in for every layer."""
+    device); the next two bring master and gradient (1 GiB and, one micro-batch a step, its 0.5 GiB
+    bf16 gradient) once the backward is through, one after the other."""
     ring = table([layer(master_bytes=GiB, state_bytes=0, weight_bytes=GiB // 2, update_gpu_s=0.0) for _ in range(4)],
                  h2d_bytes_per_s=GiB, d2h_bytes_per_s=1e30, micro_batches=1, static_update_s=0.0)
     plan = OffloadPlan.uniform(4, "keep", "resident", optimizer="gpu")
     p = predict(ring, plan)
-    # Loads end 1, 2, 4 and 6 s after the top layer's backward; three layers' backwards (20 ms) come after it.
-    assert p.phase_s["optimizer"] == pytest.approx(6.0 - 3 * 20 * MS)
+    # Loads end 1, 2, 3.5 and 5 s after the top layer's backward; three layers' backwards (20 ms) come after it.
+    assert p.phase_s["optimizer"] == pytest.approx(5.0 - 3 * 20 * MS)
     assert program_step_s(ring, plan) == pytest.approx(p.step_s, rel=1e-9)
     # Slow copies out: a streamed bottom layer's next forward waits for its write-back (master and
     # staging copy, 1.5 GiB at 1 GiB/s after its update) and its weights' copy in (0.5 GiB).
@@ -298,7 +304,7 @@ def test_the_smallest_gpu_budget_respects_the_host_budget():
     # With little host memory nothing can be offloaded, so the least GPU peak is higher.
     costs = random_table(3, seed=12)
     _, free = smallest_budget(costs, "gpu", None)
-    everything_on_host = costs.static_host_bytes + sum(x.host_bytes for x in costs.layers)
+    everything_on_host = costs.static_host_bytes + sum(x.host_bytes(costs.micro_batches) for x in costs.layers)
     plan, bounded = smallest_budget(costs, "gpu", everything_on_host + 2**24)
     assert bounded > free and all(lp.activation != "offload" for lp in plan.layers)
 
@@ -427,3 +433,22 @@ def test_distill_plan_with_chunk_tokens_plans_the_chunked_step(tiny, tmp_path, c
     whole = OffloadPlan.from_dict(json.loads(out))
     assert whole.chunk_tokens is None and whole.resident_pages is None
     assert whole.predicted.gpu_peak_bytes != plan.predicted.gpu_peak_bytes
+
+
+def test_one_micro_batch_keeps_host_gradients_in_bf16_which_makes_a_host_budget_feasible():
+    """Two layers (2 GiB masters, 1 GiB bf16 working weights): with one micro-batch a step a host
+    layer holds its gradient in the working dtypes (1 GiB, not 2), and the update on the CPU one fp32
+    buffer of the largest host layer's gradient to widen it into. A host budget that holds both
+    layers' states with bf16 gradients but not with fp32 sums is met at one micro-batch only."""
+    fast = dict(h2d_bytes_per_s=1e30, d2h_bytes_per_s=1e30, static_update_s=0.0)
+    one, two = (table([layer(), layer()], micro_batches=m, **fast) for m in (1, 2))
+    on_host = OffloadPlan.uniform(2, "keep", "resident", optimizer="gpu")
+    assert predict(two, on_host).host_peak_bytes - predict(one, on_host).host_peak_bytes == 2 * GiB
+    cpu = OffloadPlan.uniform(2, "keep", "resident", optimizer="cpu")
+    assert predict(one, cpu).host_peak_bytes - predict(one, on_host).host_peak_bytes == 2 * GiB  # the widening buffer
+    budget = predict(one, on_host).host_peak_bytes  # GiB static + 2 x (2 + 1 + 4 + 1) GiB
+    gpu_budget = 100 * GiB
+    assert predict(one, solve(one, gpu_budget, budget)).host_peak_bytes <= budget
+    fp32 = solve(two, gpu_budget, budget)  # fp32 sums: a layer's states must move to the GPU
+    assert sum(lp.states == "gpu" for lp in fp32.layers) >= 1
+    assert predict(two, on_host).host_peak_bytes > budget

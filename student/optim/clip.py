@@ -45,13 +45,14 @@ def total_grad_norm(params: Iterable[torch.Tensor], known: Mapping[torch.Tensor,
     """(global L2 norm of the grads of `params`, the grads whose norm was computed here).
 
     known: param -> the 0-dim fp32 L2 norm of its grad, measured elsewhere (its grad is then neither
-    read nor returned). The norm is a 0-dim fp32 tensor on the first grad's device (0.0 on the CPU
+    read nor returned, and may be None: the offload runtime's compute-dtype host gradients). The norm is a 0-dim fp32 tensor on the first grad's device (0.0 on the CPU
     when no param has a grad); the per-tensor norms enter it in the order of `params`."""
     known = known or {}
-    with_grad = [p for p in params if p.grad is not None]
+    with_grad = [p for p in params if p.grad is not None or p in known]
     if not with_grad:
         return torch.tensor(0.0), []
-    first_device = with_grad[0].grad.device
+    first = with_grad[0]
+    first_device = first.grad.device if first.grad is not None else known[first].device
     norms: list = [known.get(p) for p in with_grad]
     unknown: dict[tuple, list[int]] = defaultdict(list)  # (device, dtype) -> positions in with_grad
     for k, p in enumerate(with_grad):

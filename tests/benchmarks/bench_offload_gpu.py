@@ -173,11 +173,12 @@ def step_fn(model: Student, plan: OffloadPlan | None, args, work: Path, batch, c
     from student.offload import OffloadRuntime
     from student.optim import build_optimizer
     from student.optim.clip import clip_grad_norm_foreach
-    from student.trainer import _micro_batch_backward
+    from student.trainer import _micro_batch_backward, steps_accumulate
 
     cfg = with_plan(train_config(args, work), chunks_of or plan)
     amp = torch.bfloat16 if args.device == "cuda" else None
-    runtime = OffloadRuntime(model, plan, args.device, amp) if plan is not None else None
+    runtime = (OffloadRuntime(model, plan, args.device, amp, accumulates=steps_accumulate(cfg))
+               if plan is not None else None)
     optimizer = build_optimizer(model, cfg.optim, args.device)
     losses = []
 

@@ -29,10 +29,13 @@ Where each figure comes from:
   assumed      the host: a CPU update streams its bytes at `--cpu-gb-s` (default 20 GB/s), the
                clip pass over host gradients at `--host-gb-s` (30 GB/s). Not measured on this host.
 
-  what-ifs     --what-ifs double_count,as_is,bf16_grads: `cost_table` says what each changes.
+  gradients    one micro-batch a step: a host layer's gradient is held and moved in the working
+               dtypes (bf16 matrices, fp32 vectors), as the runtime does since the bf16grad18
+               branch (the former what-if bf16_grads); before it, in fp32
+  what-ifs     --what-ifs double_count,as_is: `cost_table` says what each changes.
 
     PYTHONPATH=. python tests/benchmarks/plan_big_shapes.py [--time-limit 60] [--json OUT.json]
-    PYTHONPATH=. python tests/benchmarks/plan_big_shapes.py --loss-shares 0 --what-ifs double_count,as_is,bf16_grads
+    PYTHONPATH=. python tests/benchmarks/plan_big_shapes.py --loss-shares 0 --what-ifs double_count,as_is
 """
 
 from __future__ import annotations
@@ -142,26 +145,7 @@ def update_bytes(matrix: int, vector: int, optimizer: str) -> int:
     return per_matrix * matrix + 28 * vector
 
 
-@dataclass(frozen=True)
-class _Bf16Grads(LayerCosts):
-    """What-if: with one micro-batch a layer's gradient sum holds bf16 values (the matrices' weight
-    gradients are bf16; the widening is exact), so its buffers on the host and on the GPU, and the
-    ring's copy of it, could be bf16 for the matrices. `grad_bytes` replaces the fp32 accumulator's
-    bytes (master_bytes) where the cost model holds or moves it (not in the backward's copy out,
-    which the backward hides)."""
-
-    grad_bytes: int = 0
-
-    @property
-    def host_bytes(self) -> int:
-        return self.master_bytes + self.grad_bytes + self.state_bytes + self.staging_bytes
-
-    @property
-    def update_in_bytes(self) -> int:
-        return self.master_bytes + self.grad_bytes + self.state_bytes
-
-
-WHAT_IFS = ("double_count", "as_is", "bf16_grads")
+WHAT_IFS = ("double_count", "as_is")
 
 
 def cost_table(s: Shape, optimizer: str, loss_share: float, cpu_bytes_per_s: float = 20e9,
@@ -173,7 +157,7 @@ def cost_table(s: Shape, optimizer: str, loss_share: float, cpu_bytes_per_s: flo
     peak less the static parameters' fp32 gradients the head's backward creates, which the static
     bytes count, 2 x the static parameters' bytes); "double_count": step_profile before it took
     those gradients out of the workspace, so they counted twice (the 8B rows' predicted peaks were
-    made so: tests/test_plan_big_shapes.py); "bf16_grads": as_is with `_Bf16Grads`."""
+    made so: tests/test_plan_big_shapes.py)."""
     layer_state, static_state = state_bytes(s, optimizer)
     base = LLAMA_8B
     loss_8b = 8 * base.vocab * base.hidden + loss_share * 2 * base.vocab * base.hidden
@@ -194,8 +178,6 @@ def cost_table(s: Shape, optimizer: str, loss_share: float, cpu_bytes_per_s: flo
         update_cpu_s=(upd + 6 * s.matrix_params) / cpu_bytes_per_s)  # + the cast of the staging copy
     if what_if != "double_count":
         loss_ws -= 4 * s.static_params
-    if what_if == "bf16_grads":
-        layer = _Bf16Grads(**vars(layer), grad_bytes=2 * s.matrix_params + 4 * s.vector_params)
     static_upd = update_bytes(s.static_params - s.hidden, s.hidden, "adamw")
     return CostTable(layers=(layer,) * s.layers, h2d_bytes_per_s=H2D, d2h_bytes_per_s=D2H,
                      static_gpu_bytes=2 * 4 * s.static_params + static_state + loss_ws + RESERVE,
@@ -217,9 +199,10 @@ def summarize(s: Shape, optimizer: str, host_gib: float, costs: CostTable, time_
     host_layers = sum(lp.states == "host" for lp in plan.layers)
     count = lambda **kw: sum(all(getattr(lp, k) == v for k, v in kw.items()) for lp in plan.layers)
     compute = sum(2 * x.forward_s + x.backward_s for x in costs.layers) + costs.head_s
-    d2h = host_layers * (c.master_bytes + (plan.optimizer == "gpu") * (c.master_bytes + c.state_bytes + c.staging_bytes))
+    m = costs.micro_batches
+    d2h = host_layers * (c.grad_bytes(m) + (plan.optimizer == "gpu") * (c.master_bytes + c.state_bytes + c.staging_bytes))
     h2d = (count(params="stream") * 2 * c.weight_bytes + count(activation="offload") * c.boundary_bytes
-           + host_layers * (c.update_in_bytes if plan.optimizer == "gpu" else 0))
+           + host_layers * (c.update_in_bytes(m) if plan.optimizer == "gpu" else 0))
     return {**row, "feasible": True, "step_s": p.step_s, "tflops": 6 * s.params * TOKENS / p.step_s / 1e12,
             "gpu_peak": p.gpu_peak_bytes, "host_peak": p.host_peak_bytes, "optimizer_side": plan.optimizer,
             "depth": plan.prefetch_depth, "host_layers": host_layers, "stream": count(params="stream"),
