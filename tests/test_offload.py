@@ -267,17 +267,19 @@ def test_gpu_offloaded_training_matches_within_bf16_and_its_peak_is_predicted(sm
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("optimizer", ["adamw", "foam"])
-def test_gpu_host_layers_of_real_size_train_as_without_offload(tmp_path, optimizer):
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_gpu_host_layers_of_real_size_train_as_without_offload(tmp_path, optimizer, grad_accum):
     """Eight host layers of about 12M parameters (each copy tens of MB, so a wait missing between
     streams shows; the 4-layer student's copies finish before any race can), the update on the GPU
     through the ring, most layers loaded during the step (not preloaded in the backward): six
-    steps' losses are finite and follow training without offload to bf16 tolerance."""
+    steps' losses are finite and follow training without offload to bf16 tolerance. At one
+    micro-batch the host gradients are bf16 (landing in the slots' cast buffers); at two, fp32 sums."""
     student = make_student(tmp_path / "student", num_layers=8, hidden_size=1024, intermediate_size=2816,
                            num_heads=16, num_kv_heads=8, head_dim=64)
     corpus = make_corpus(num_seqs=24, seq_len=24, k=8, vocab=VOCAB, seed=1)
     write_cache(tmp_path / "cache", corpus, tokenizer__hash=tokenizer_hash(student), shard_size=4, fmt="parquet")
     big = (student, tmp_path / "cache")
-    gpu = dict(device="cuda", save_every=0, eval_every=0, optimizer=optimizer, lr=1e-3)
+    gpu = dict(device="cuda", save_every=0, eval_every=0, optimizer=optimizer, lr=1e-3, grad_accum=grad_accum)
     train(config(big, tmp_path / "plain", **gpu), progress=False)
     want = [r["loss"] for r in rows(tmp_path / "plain")]
     for name, spec in {"streamed": ("rs rs rs rs rs rs rs rs", 1, "gpu"),
