@@ -9,8 +9,10 @@ student/offload_update.py owns the layers' fp32 buffers (HostLayer) and the upda
 Where things live:
   host (pinned when the device is CUDA), per decoder layer whose plan says states "host": its fp32
       master weights (the model's own parameters, made views of one flat buffer, so the optimizer,
-      clipping and checkpoints see them as without offload), its fp32 gradient accumulators (the
-      parameters' .grad after `finish_grads`, views of a second flat buffer), its optimizer states
+      clipping and checkpoints see them as without offload), its gradients (fp32 accumulators,
+      the parameters' .grad after `finish_grads`, views of a second flat buffer; when a step is one
+      backward (`accumulates=False`) one buffer per group in the group's dtype instead, the
+      matrices' bf16 values widened only where an update reads them), its optimizer states
       (the optimizer creates them on the parameters' device) and, when the compute dtype is not
       fp32, a staging copy of its matrices in that dtype (what the device reads: half the bytes of
       the masters).
