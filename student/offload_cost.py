@@ -151,6 +151,12 @@ class CostTable:
     # (student.trainer.steps_accumulate: grad_accum > 1 or chunk-recurrent, even at one chunk):
     # then host layers' gradients are fp32 sums, else the working dtypes. None: micro_batches > 1.
     accumulates: bool | None = None
+    # Copy bandwidth each way while the other direction copies at the same time (`profile` starts
+    # one copy each way together): what `predict` charges where both directions are busy. None:
+    # the direction's rate alone (the two directions independent; tables made without a duplex
+    # measurement, and the CPU's, whose copies never run both ways at once).
+    h2d_duplex_bytes_per_s: float | None = None
+    d2h_duplex_bytes_per_s: float | None = None
 
     def __post_init__(self):
         assert self.layers and self.micro_batches >= 1 and self.chunks >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
@@ -158,6 +164,21 @@ class CostTable:
         if self.accumulates is None:
             object.__setattr__(self, "accumulates", self.micro_batches > 1)
         assert self.accumulates or self.micro_batches == 1, "several micro-batches a step accumulate"
+        for name, simplex in (("h2d_duplex_bytes_per_s", self.h2d_bytes_per_s),
+                              ("d2h_duplex_bytes_per_s", self.d2h_bytes_per_s)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, simplex)
+            assert getattr(self, name) > 0
+
+    def duplex_delays(self) -> tuple[float, float]:
+        """(seconds the copies in lose per byte copied out meanwhile, seconds the copies out lose per
+        byte copied in meanwhile): (1 - h2d_duplex / h2d) / d2h_duplex and its mirror (`predict`'s
+        docstring, "the bus"). Zero when a direction keeps its rate alone beside the other; at most
+        the other direction's seconds a byte alone (duplex rates below taking turns count as taking
+        turns, so that the bound holds when one direction copies alone)."""
+        h2d, d2h = (self.h2d_bytes_per_s, self.h2d_duplex_bytes_per_s), (self.d2h_bytes_per_s, self.d2h_duplex_bytes_per_s)
+        delay = lambda own, other: min(max(1.0 - own[1] / own[0], 0.0) / other[1], 1.0 / other[0])
+        return delay(h2d, d2h), delay(d2h, h2d)
 
 
 
@@ -166,9 +187,29 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
 
     Assumptions (student/offload.py carries the plan out; this is what it is modelled as):
     - Three device queues, each in order: compute, host->device copies (H2D), device->host copies
-      (D2H); and the host. A copy takes bytes / measured bandwidth; the two directions run at once;
-      compute does not slow copies down nor copies compute (no contention is modelled). A host
-      pass over gradients takes the bytes it reads and writes / host_bytes_per_s.
+      (D2H); and the host. A copy takes bytes / measured bandwidth of its direction alone; the two
+      directions run at once, sharing the bus (below); compute does not slow copies down nor
+      copies compute. A host pass over gradients takes the bytes it reads and writes / host_bytes_per_s.
+    - The bus. While both directions copy, each moves at its duplex rate (h2d_duplex_bytes_per_s,
+      d2h_duplex_bytes_per_s; below the rates alone on the H200: row
+      offload/llama-3.1-8b-T8192-gpu40GiB/planned@6a52d40's update). The rule: x bytes in and y
+      out copied together, overlapping while both have bytes left, take max(x/h2d + y delay_in,
+      y/d2h + x delay_out), delay_in = (1 - h2d_duplex/h2d)/d2h_duplex and delay_out its mirror
+      (`CostTable.duplex_delays`): the overlapped part at the duplex rates, the rest at the rate
+      alone; with duplex rates equal to the rates alone, max(x/h2d, y/d2h), which the two queues
+      give already. Each term bounds the bus over any time window (bytes in over h2d plus bytes
+      out times delay_in fill the window while copies in run, and no more otherwise), so each
+      copy's end is also at least its window's start plus its direction's bytes in the window at
+      the rate alone plus, at their delay, the other direction's bytes whose copies the model's
+      own waits end before it. The windows: the forward, from its start (layer i's weights wait
+      for layer i-d-1's forward, which waited for the inputs out of layers up to i-2d-2); the
+      backward, from the end of the forward (layer i's copies in wait for layer i+d+1's backward,
+      which waited for the gradients out of layers from i+2d+2 up); the update's ring, from the
+      end of the backward (the load of position k >= UPDATE_SLOTS waits for the copies out of
+      positions up to k - UPDATE_SLOTS); a copy out comes after the copies in of its own and
+      earlier layers or positions (its compute waited for them). Copies outside a window (the
+      ring's first loads, in the backward; gradients still going out after it) are left out of
+      it: there the bound is below the bus's.
     - Forward, layer i: its weights (params "stream") are copied when layer i-d-1's forward ends
       (d = prefetch_depth; at the start for the first d+1 layers), and its forward waits for them.
       An "offload" layer's input is copied out after its forward; the forward of layer i+d+1 waits
@@ -218,7 +259,8 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       buffer the largest host layer's gradient is widened into.
     - Not modelled: the copy back of an offloaded input waiting for its copy out (the forward and
       backward between them hide it); the update's copies in sharing the bus with the backward's
-      (the first slots' loads); the ring waiting on a "gpu" layer's position as if it had a slot.
+      (the first slots' loads); the ring waiting on a "gpu" layer's position as if it had a slot;
+      the ring's copies out sharing the bus with the next step's.
     """
     L, d, m = len(costs.layers), plan.prefetch_depth, costs.micro_batches
     assert len(plan.layers) == L, f"the plan has {len(plan.layers)} layers, the cost table {L}"
@@ -231,32 +273,43 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
     stream = [lp.params == "stream" for lp in p]
     on_host = [lp.states == "host" for lp in p]
     backward = [c[i].backward_s + (0.0 if keep[i] else c[i].forward_s) for i in range(L)]
+    delay_in, delay_out = costs.duplex_delays()
 
-    # Forward: copy_in / copy_out are the ends of the H2D and D2H queues, so far.
-    copy_in = copy_out = 0.0
+    # Forward: copy_in / copy_out are the ends of the H2D and D2H queues, so far; bus_in / bus_out
+    # the bus's bounds on them (the docstring's windows).
+    copy_in = copy_out = bus_in = bus_out = 0.0
     fwd_end, out_end, stall = [0.0] * L, [0.0] * L, [0.0] * L
     for i in range(L):
         issue = fwd_end[i - d - 1] if i - d - 1 >= 0 else 0.0
-        copy_in = max(copy_in, issue) + stream[i] * h2d(c[i].weight_bytes)
+        j = i - 2 * d - 2  # the inputs of layers up to j are out before layer i's weights are in
+        bus_in += stream[i] * h2d(c[i].weight_bytes) + (offload[j] * c[j].boundary_bytes * delay_in if j >= 0 else 0.0)
+        copy_in = max(max(copy_in, issue) + stream[i] * h2d(c[i].weight_bytes), bus_in)
         ready = fwd_end[i - 1] if i else 0.0
         start = max(ready, copy_in, out_end[i - d - 1] if i - d - 1 >= 0 else 0.0)
         stall[i] += start - ready
         fwd_end[i] = start + c[i].forward_s
-        copy_out = max(copy_out, fwd_end[i]) + offload[i] * d2h(c[i].boundary_bytes)
+        bus_out += offload[i] * d2h(c[i].boundary_bytes) + stream[i] * c[i].weight_bytes * delay_out
+        copy_out = max(max(copy_out, fwd_end[i]) + offload[i] * d2h(c[i].boundary_bytes), bus_out)
         out_end[i] = copy_out
 
     # Backward, top layer first.
     compute = fwd_end[-1] + costs.head_s
     accumulated = costs.micro_batches > 1  # a host layer's sum so far comes in before its gradient is added
     bwd_end, grad_end = [0.0] * L, [0.0] * L
+    bus_in = bus_out = fwd_end[-1]
+    grad_bytes = [on_host[i] * c[i].grad_bytes(costs.accumulates) for i in range(L)]
     for i in reversed(range(L)):
         issue = bwd_end[i + d + 1] if i + d + 1 < L else fwd_end[-1]
-        copy_in = max(copy_in, issue) + h2d(stream[i] * (not keep[i]) * c[i].weight_bytes
-                                            + offload[i] * c[i].boundary_bytes + accumulated * on_host[i] * c[i].master_bytes)
+        moved_in = (stream[i] * (not keep[i]) * c[i].weight_bytes + offload[i] * c[i].boundary_bytes
+                    + accumulated * on_host[i] * c[i].master_bytes)
+        j = i + 2 * d + 2  # the gradients of layers from j up are out before layer i's copies in are
+        bus_in += h2d(moved_in) + (grad_bytes[j] * delay_in if j < L else 0.0)
+        copy_in = max(max(copy_in, issue) + h2d(moved_in), bus_in)
         start = max(compute, copy_in, grad_end[i + d + 1] if i + d + 1 < L else 0.0)
         stall[i] += start - compute
         bwd_end[i] = compute = start + backward[i]
-        copy_out = max(copy_out, compute) + on_host[i] * d2h(c[i].grad_bytes(costs.accumulates))
+        bus_out += d2h(grad_bytes[i]) + moved_in * delay_out
+        copy_out = max(max(copy_out, compute) + d2h(grad_bytes[i]), bus_out)
         grad_end[i] = copy_out
     micro_batch = max(compute, copy_in, copy_out)
 
@@ -291,20 +344,27 @@ def _ring(costs: CostTable, plan: OffloadPlan, start: float, bwd_end: list[float
     """The update on the GPU through the ring of UPDATE_SLOTS slots (predict's docstring): (end of
     the host layers' updates on the compute queue, per layer the end of the copies-out queue after
     it). Three queues, layers last to first; a layer that stays on the GPU passes through in no
-    time (but the queues' ends carry over it)."""
+    time (but the queues' ends carry over it). From `start` on, the loads and the copies out share
+    the bus (predict's docstring)."""
     c, L, R = costs.layers, len(costs.layers), UPDATE_SLOTS
     h2d = lambda n: n / costs.h2d_bytes_per_s
     d2h = lambda n: n / costs.d2h_bytes_per_s
+    delay_in, delay_out = costs.duplex_delays()
+    host = [lp.states == "host" for lp in plan.layers]
+    out_bytes = [host[i] * (c[i].master_bytes + c[i].state_bytes + c[i].staging_bytes) for i in range(L)]
     load, update, written, wb_end = 0.0, start, [], [0.0] * L
+    bus_in = bus_out = start
     for k, i in enumerate(reversed(range(L))):
-        host = plan.layers[i].states == "host"
+        in_bytes = 0
         if k < R:  # loads in the backward: master and states; the gradient is on the device
-            load = max(load, bwd_end[i]) + host * h2d(c[i].master_bytes + c[i].state_bytes)
-        else:
-            load = max(load, grad_end[i], written[k - R]) + host * h2d(c[i].update_in_bytes(costs.accumulates))
-        update = max(update, load) + host * c[i].update_gpu_s
-        wb = max(written[-1] if written else 0.0, update) + host * d2h(c[i].master_bytes + c[i].state_bytes
-                                                                        + c[i].staging_bytes)
+            load = max(load, bwd_end[i]) + host[i] * h2d(c[i].master_bytes + c[i].state_bytes)
+        else:  # positions up to k - R (the last: layer i + R) are written back before this load ends
+            in_bytes = host[i] * c[i].update_in_bytes(costs.accumulates)
+            bus_in += h2d(in_bytes) + out_bytes[i + R] * delay_in
+            load = max(max(load, grad_end[i], written[k - R]) + h2d(in_bytes), bus_in)
+        update = max(update, load) + host[i] * c[i].update_gpu_s
+        bus_out += d2h(out_bytes[i]) + in_bytes * delay_out
+        wb = max(max(written[-1] if written else 0.0, update) + d2h(out_bytes[i]), bus_out)
         written.append(wb)
         wb_end[i] = wb
     return update, wb_end
@@ -401,13 +461,15 @@ def _page_copy_s(kv: KVPages, costs: CostTable) -> tuple[float, list[float]]:
       forward); the first layer's first set is not prefetched and is waited for whole;
     - backward: each layer copies in the pages and their gradient pages (zeros made on the device
       for the last chunk, whose backward comes first) and sends the gradient pages back while it
-      computes: it waits for max(0, the longer direction - its backward), and for its last set's
-      gradients to be home; the top layer's first set is waited for whole.
+      computes: it waits for max(0, the longer direction - its backward), each direction's time
+      with the other's bytes at their delay (predict's bus rule: both directions run together),
+      and for its last set's gradients to be home; the top layer's first set is waited for whole.
     Not modelled: the bus shared with the runtime's other copies, the set split at the chunk's
     first page, page-attention's cost per set beyond its copies."""
     if not kv.offloaded:
         return 0.0, [0.0] * len(costs.layers)
     h2d, d2h, latency = costs.h2d_bytes_per_s, costs.d2h_bytes_per_s, costs.copy_latency_s
+    delay_in, delay_out = costs.duplex_delays()
     starts = range(0, kv.seq_tokens, kv.chunk_tokens)
     forward, backward = 0.0, [0.0] * len(costs.layers)
     for j, start in enumerate(starts):
@@ -418,8 +480,10 @@ def _page_copy_s(kv: KVPages, costs: CostTable) -> tuple[float, list[float]]:
         grads_in = 0.0 if fresh else sets * 2 * latency + pages * kv.grad_page_bytes / h2d
         grads_out = sets * 2 * latency + pages * kv.grad_page_bytes / d2h
         forward += 2 * latency + first * kv.kv_page_bytes / h2d + sum(max(0.0, read - x.forward_s) for x in costs.layers)
+        bytes_in, bytes_out = pages * (kv.kv_page_bytes + (not fresh) * kv.grad_page_bytes), pages * kv.grad_page_bytes
+        copies_in, copies_out = read + grads_in + bytes_out * delay_in, grads_out + bytes_in * delay_out
         for i, x in enumerate(costs.layers):
-            backward[i] += (max(0.0, read + grads_in - x.backward_s, grads_out - x.backward_s)
+            backward[i] += (max(0.0, copies_in - x.backward_s, copies_out - x.backward_s)
                             + 2 * latency + first * kv.grad_page_bytes / d2h)
         backward[-1] += 2 * latency + first * (kv.kv_page_bytes + (not fresh) * kv.grad_page_bytes) / h2d
     return forward, [b / len(starts) for b in backward]

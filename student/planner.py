@@ -176,6 +176,18 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         y[i][j]: scale for j, (a, p, s) in enumerate(CHOICES) if act in (None, a) and par in (None, p) and st in (None, s)}
     const = lambda v: {None: v}
     prev = lambda seq, j: seq[j] if 0 <= j < L else None
+    delay_in, delay_out = (x * ms for x in costs.duplex_delays())  # ms a byte of the other direction
+
+    def bus(ends: list[int], order, start: int | None, step) -> None:
+        """predict's bus: ends[k] >= start + step(k') summed over the positions k' of `order` up to k.
+        No rows where the delays are zero (the queues' own constraints imply them)."""
+        if delay_in == 0.0 and delay_out == 0.0:
+            return
+        for k in order:
+            total = prog.var()
+            prog.at_least(total, start, step(k))
+            prog.at_least(ends[k], total, {})
+            start = total
 
     FE, XF, OF = [prog.var() for _ in range(L)], [prog.var() for _ in range(L)], [prog.var() for _ in range(L)]
     for i in range(L):
@@ -188,14 +200,20 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         out = pick(i, d2h(c[i].boundary_bytes), act="offload")
         prog.at_least(OF[i], prev(OF, i - 1), out)
         prog.at_least(OF[i], FE[i], out)
+    input_out = lambda j: pick(j, c[j].boundary_bytes * delay_in, act="offload") if j >= 0 else {}
+    bus(XF, range(L), None, lambda i: _add(pick(i, h2d(c[i].weight_bytes), par="stream"), input_out(i - 2 * d - 2)))
+    bus(OF, range(L), None, lambda i: _add(pick(i, d2h(c[i].boundary_bytes), act="offload"),
+                                           pick(i, c[i].weight_bytes * delay_out, par="stream")))
 
     BE, XB, GB = ([prog.var() for _ in range(L)] for _ in range(3))
     accumulated = costs.micro_batches > 1
+    moved_in = lambda i, per_byte: _add(pick(i, c[i].weight_bytes * per_byte, act="recompute", par="stream"),
+                                        pick(i, c[i].weight_bytes * per_byte, act="offload", par="stream"),
+                                        pick(i, c[i].boundary_bytes * per_byte, act="offload"),
+                                        pick(i, accumulated * c[i].master_bytes * per_byte, st="host"))
+    grad_out = lambda i, per_byte: pick(i, c[i].grad_bytes(costs.accumulates) * per_byte, st="host") if i < L else {}
     for i in reversed(range(L)):
-        copy = _add(pick(i, h2d(c[i].weight_bytes), act="recompute", par="stream"),
-                    pick(i, h2d(c[i].weight_bytes), act="offload", par="stream"),
-                    pick(i, h2d(c[i].boundary_bytes), act="offload"),
-                    pick(i, accumulated * h2d(c[i].master_bytes), st="host"))
+        copy = moved_in(i, ms / costs.h2d_bytes_per_s)
         prog.at_least(XB[i], XB[i + 1] if i + 1 < L else XF[-1], copy)
         prog.at_least(XB[i], BE[i + d + 1] if i + d + 1 < L else FE[-1], copy)
         bwd = _add(const((c[i].backward_s + c[i].forward_s) * ms), pick(i, -c[i].forward_s * ms, act="keep"))
@@ -209,6 +227,9 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         grad = pick(i, d2h(c[i].grad_bytes(costs.accumulates)), st="host")
         prog.at_least(GB[i], GB[i + 1] if i + 1 < L else OF[-1], grad)
         prog.at_least(GB[i], BE[i], grad)
+    bus(XB, reversed(range(L)), FE[-1], lambda i: _add(moved_in(i, ms / costs.h2d_bytes_per_s),
+                                                       grad_out(i + 2 * d + 2, delay_in)))
+    bus(GB, reversed(range(L)), FE[-1], lambda i: _add(grad_out(i, ms / costs.d2h_bytes_per_s), moved_in(i, delay_out)))
     T, T2 = prog.var(cost=(costs.micro_batches - 1)), prog.var(cost=1.0)
     for end in (BE[0], XB[0], GB[0]):
         prog.at_least(T, end, {})
@@ -253,6 +274,14 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
             ahead = h2d(c[i].weight_bytes) - sum(x.forward_s for x in c[:i]) * ms
             prog.at_least(T2, WB[k], _add({None: ahead - big}, pick(i, big, par="stream", st="host")))
         prog.at_least(T2, UP[-1], device_update)
+        ring_in = lambda i, per_byte: pick(i, c[i].update_in_bytes(costs.accumulates) * per_byte, st="host")
+        ring_out = lambda i, per_byte: pick(i, (c[i].master_bytes + c[i].state_bytes + c[i].staging_bytes) * per_byte,
+                                            st="host")
+        R = UPDATE_SLOTS
+        bus(LD, range(R, L), BE[0], lambda k: _add(ring_in(L - 1 - k, ms / costs.h2d_bytes_per_s),
+                                                   ring_out(L - 1 - k + R, delay_in)))
+        bus(WB, range(L), BE[0], lambda k: _add(ring_out(L - 1 - k, ms / costs.d2h_bytes_per_s),
+                                                ring_in(L - 1 - k, delay_out) if k >= R else {}))
     step = {T: (costs.micro_batches - 1) / ms, T2: 1.0 / ms}  # seconds
 
     # Memory (in units): the two GPU peaks of `_peaks` and the host's.
@@ -540,7 +569,8 @@ def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
              f"peak GPU memory {format_bytes(predicted.gpu_peak_bytes)}{budget(plan.gpu_memory)}; "
              f"peak host memory {format_bytes(predicted.host_peak_bytes)}{budget(plan.host_memory)}",
              f"measured: host->device {costs.h2d_bytes_per_s / 1e9:.1f} GB/s, device->host "
-             f"{costs.d2h_bytes_per_s / 1e9:.1f} GB/s, host passes over gradients "
+             f"{costs.d2h_bytes_per_s / 1e9:.1f} GB/s (both at once {costs.h2d_duplex_bytes_per_s / 1e9:.1f} and "
+             f"{costs.d2h_duplex_bytes_per_s / 1e9:.1f}), host passes over gradients "
              f"{costs.host_bytes_per_s / 1e9:.1f} GB/s; static GPU bytes {format_bytes(costs.static_gpu_bytes)}"]
     return console.file.getvalue() + "\n".join(lines)
 

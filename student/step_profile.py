@@ -38,7 +38,8 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     student/trainer.py builds them; each decoder layer run forward and backward on the device in
     the compute dtype (its working weights), timed with CUDA events on a GPU and perf_counter on
     the CPU; copy bandwidth each way (pinned host memory on a GPU); one layer's optimizer update on
-    the GPU and on the CPU (the same measurement on a CPU-only machine). `micro_batches` real
+    the GPU and on the CPU (the same measurement on a CPU-only machine); copy bandwidth each way while
+the other direction copies too (`_bandwidths`). `micro_batches` real
     micro-batches are timed (medians); the table's `micro_batches` is config.grad_accum.
 
     Bytes are counted from tensors: a layer's working weights, its input, what its forward saves
@@ -99,10 +100,11 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     static_update_s, static_states = _update_seconds(static, config.optim, device, settings, build_optimizer,
                                                      copy_first=False)
     static_params = sum(p.numel() * p.element_size() for p in static.parameters())
-    h2d, d2h, latency = _bandwidths(device, settings)
+    h2d, d2h, h2d_duplex, d2h_duplex, latency = _bandwidths(device, settings)
     kv = _kv_pages(model, config, batches[0].input_ids.shape, amp) if chunks > 1 else None
     kv_gpu, kv_host, resident_pages = kv.bytes() if kv is not None else (0, 0, None)
     return CostTable(layers=tuple(layers), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
+                     h2d_duplex_bytes_per_s=h2d_duplex, d2h_duplex_bytes_per_s=d2h_duplex,
                      static_gpu_bytes=2 * static_params + static_states + loss_workspace
                      + (settings.reserve_bytes if cuda else 0),
                      static_host_bytes=kv_host, head_s=head_s, static_update_s=static_update_s,
@@ -328,10 +330,13 @@ def _update_seconds(module, optim_config, device: str, settings: ProfileSettings
     return sorted(seconds)[len(seconds) // 2], states
 
 
-def _bandwidths(device: str, settings: ProfileSettings) -> tuple[float, float, float]:
-    """(host->device, device->host bytes per second, seconds a copy takes beyond its bytes): pinned
-    host memory on a GPU, plain copies between two host buffers on the CPU. The latency is a small
-    copy's time (each way, the larger) less its bytes over the bandwidth."""
+def _bandwidths(device: str, settings: ProfileSettings) -> tuple[float, float, float, float, float]:
+    """(host->device, device->host bytes per second each alone, the same while both copy at once,
+    seconds a copy takes beyond its bytes): pinned host memory on a GPU, plain copies between two
+    host buffers on the CPU. The latency is a small copy's time (each way, the larger) less its
+    bytes over the bandwidth. Both at once: `_duplex` on a GPU; on the CPU the rates alone, since
+    the runtime copies there on the calling thread, one copy after another, never both ways at
+    once (and the cost model then charges nothing for it: offload_cost.predict's bus)."""
     import torch
 
     cuda = device.startswith("cuda")
@@ -347,7 +352,60 @@ def _bandwidths(device: str, settings: ProfileSettings) -> tuple[float, float, f
                 rate.append(n / max(seconds, 1e-9))
             else:
                 latency = max(latency, seconds - n / rate[k])
-    return rate[0], rate[1], max(latency, 0.0)
+    duplex = _duplex(device, settings, rate[0], rate[1]) if cuda else (rate[0], rate[1])
+    return rate[0], rate[1], *duplex, max(latency, 0.0)
+
+
+def _duplex(device: str, settings: ProfileSettings, h2d: float, d2h: float) -> tuple[float, float]:
+    """(host->device, device->host bytes per second while both directions copy): one copy of
+    settings.copy_bytes each way on two side streams, started together after one event, each
+    timed to its own end with CUDA events (medians of settings.repeats after a warm-up), then
+    `_duplex_rates` with the rates alone `h2d`, `d2h`."""
+    import torch
+
+    n = settings.copy_bytes
+    host_in, host_out = (torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+    dev_in, dev_out = (torch.empty(n, dtype=torch.uint8, device=device) for _ in range(2))
+    streams = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    times = []
+    for _ in range(settings.repeats + 1):
+        start = torch.cuda.Event(enable_timing=True)
+        ends = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for stream, end, (dst, src) in zip(streams, ends, ((dev_in, host_in), (host_out, dev_out))):
+            stream.wait_event(start)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+                end.record()
+        for end in ends:
+            end.synchronize()
+        times.append([start.elapsed_time(end) / 1e3 for end in ends])
+    median = lambda k: sorted(t[k] for t in times[1:])[settings.repeats // 2]
+    return _duplex_rates(n, median(0), median(1), h2d, d2h)
+
+
+def _duplex_rates(n: int, t_in: float, t_out: float, h2d: float, d2h: float) -> tuple[float, float]:
+    """(host->device, device->host duplex bytes per second) from one copy of `n` bytes each way
+    started together, ending after `t_in` and `t_out` seconds, with the rates alone `h2d`, `d2h`.
+    The copy that ends first ran beside the other all along: n over its time. The other ran its
+    last part alone at its rate alone: its duplex rate is what it moved while both ran,
+    n - rate_alone x (t_long - t_short), over t_short. Where timing noise makes that not
+    positive (its tail alone took longer than a whole copy alone), n over its own time, with a
+    warning."""
+    import logging
+
+    t, alone = (max(t_in, 1e-9), max(t_out, 1e-9)), (h2d, d2h)
+    short = 0 if t[0] <= t[1] else 1
+    long_ = 1 - short
+    rates = [0.0, 0.0]
+    rates[short] = n / t[short]
+    rates[long_] = (n - alone[long_] * (t[long_] - t[short])) / t[short]
+    if rates[long_] <= 0:
+        logging.getLogger(__name__).warning(
+            "the duplex copy measurement was inconsistent (%.3g s and %.3g s each way for %d bytes, %.3g s alone); "
+            "taking the later copy's bytes over its own time", t_in, t_out, n, n / alone[long_])
+        rates[long_] = n / t[long_]
+    return rates[0], rates[1]
 
 
 def _host_pass_rate(settings: ProfileSettings) -> float:

@@ -30,5 +30,7 @@ def test_planned_chunk_recurrent_step_takes_the_planners_chunk_size_and_passes_i
     assert planned["check_loss_error"] == 0 and planned["check_grad_norm_error"] == 0
     assert planned["predicted_step_s"] > 0 and set(planned["phase_s"]) == set(planned["predicted_phase_s"])
     assert planned["h2d_gb_s"] > 0 and planned["d2h_gb_s"] > 0 and "h2d_gb_s" not in none  # the profile's
+    # On the CPU nothing copies both ways at once: the duplex figures are the rates alone.
+    assert (planned["h2d_duplex_gb_s"], planned["d2h_duplex_gb_s"]) == (planned["h2d_gb_s"], planned["d2h_gb_s"])
     assert (work / "planned-plan.json").exists()  # kept with --work, to train or plan from again
     assert rows[1]["config"]["chunk_tokens"] == 64 and rows[1]["config"]["chunk_candidates"] == "64,128"

@@ -172,6 +172,68 @@ def test_the_update_on_the_gpu_loads_its_first_slots_in_the_backward_and_pipelin
     assert s.step_s == pytest.approx(program_step_s(slow_out, streamed), rel=1e-9)
 
 
+def test_copies_both_ways_at_once_take_the_duplex_rate_where_both_directions_are_busy():
+    """The forward of six streamed, offloaded layers, prefetch depth 0, no compute: layer i's 1 GiB
+    of weights come in while layer i-1's 0.5 GiB input goes out, at 1 GiB/s each way alone. At
+    0.75 GiB/s each way both at once (predict's bus), a copy in with 0.5 GiB going out beside it
+    takes 1 + 0.5 (1 - 0.75) / 0.75 s: the overlapped part at 0.75, the rest at 1; the bus counts
+    the inputs out of layers up to i-2 before layer i's weights are in, so 6 + 4/6 s in all, where
+    the two directions independent take 6 s. Duplex rates equal to the rates alone change nothing."""
+    alone = table([layer(forward_s=0.0, weight_bytes=GiB, boundary_bytes=GiB // 2) for _ in range(6)],
+                  h2d_bytes_per_s=GiB, d2h_bytes_per_s=GiB, micro_batches=1)
+    duplex = dataclasses.replace(alone, h2d_duplex_bytes_per_s=0.75 * GiB, d2h_duplex_bytes_per_s=0.75 * GiB)
+    equal = dataclasses.replace(alone, h2d_duplex_bytes_per_s=GiB, d2h_duplex_bytes_per_s=GiB)
+    plan = OffloadPlan.uniform(6, "offload", "stream", prefetch_depth=0, optimizer="cpu")
+    assert predict(alone, plan).phase_s["forward"] == pytest.approx(6.0)
+    assert predict(duplex, plan).phase_s["forward"] == pytest.approx(6.0 + 4 / 6)
+    assert predict(equal, plan) == predict(alone, plan)
+    assert program_step_s(duplex, plan) == pytest.approx(predict(duplex, plan).step_s, rel=1e-9)
+
+    # The update's ring: loads in and copies out busy together after the backward; the slower the
+    # bus both ways, the longer the update (row offload/llama-3.1-8b-T8192-gpu40GiB/planned@6a52d40).
+    ring = table([layer(state_bytes=GiB, update_gpu_s=0.0) for _ in range(8)], h2d_bytes_per_s=GiB,
+                 d2h_bytes_per_s=GiB, micro_batches=1, static_update_s=0.0)
+    plan = OffloadPlan.uniform(8, "keep", "resident", optimizer="gpu")
+    updates = [predict(dataclasses.replace(ring, h2d_duplex_bytes_per_s=rate, d2h_duplex_bytes_per_s=rate), plan)
+               for rate in (None, GiB, 0.8 * GiB, 0.6 * GiB)]
+    assert updates[0] == updates[1]
+    optimizer = [p.phase_s["optimizer"] for p in updates]
+    assert optimizer[1] < optimizer[2] < optimizer[3]
+    assert updates[1].step_s < updates[2].step_s < updates[3].step_s
+
+
+def test_the_program_encodes_predicts_bus_for_any_plan():
+    """As test_the_program_encodes_predict_for_any_plan, with duplex rates below the rates alone
+    (down to taking turns and below it), and the solver's optimum is predict's of its plan."""
+    r = random.Random(11)
+    for trial in range(16):
+        h2d, d2h = r.choice([5e9, 50e9]), r.choice([3e9, 40e9])
+        costs = random_table(4, seed=trial, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, micro_batches=r.choice([1, 3]),
+                             host_bytes_per_s=r.choice([2e9, 30e9]), h2d_duplex_bytes_per_s=h2d * r.choice([0.3, 0.6, 1.0]),
+                             d2h_duplex_bytes_per_s=d2h * r.choice([0.3, 0.6, 0.9]))
+        plan = OffloadPlan(layers=tuple(LayerPlan(*r.choice(CHOICES)) for _ in range(4)),
+                           prefetch_depth=r.choice([0, 1, 2, 3]), optimizer=r.choice(["cpu", "gpu"]))
+        assert program_step_s(costs, plan) == pytest.approx(predict(costs, plan).step_s, rel=1e-7), plan
+    costs = random_table(4, 3, h2d_bytes_per_s=5e9, d2h_bytes_per_s=3e9, h2d_duplex_bytes_per_s=3e9,
+                         d2h_duplex_bytes_per_s=2e9)
+    for side in ("cpu", "gpu"):
+        found = solve_fixed(costs, 40 * GiB, 60 * GiB, depth=1, optimizer=side)
+        assert found is not None and found.optimal
+        assert found.step_s == pytest.approx(predict(costs, found.plan).step_s, rel=1e-7)
+
+
+def test_the_profiles_duplex_rates_undo_the_later_copys_part_alone():
+    """step_profile._duplex_rates on the times of two copies of n bytes each way started together,
+    as the bus runs them: both at their duplex rates until the first ends, the other then alone."""
+    from student.step_profile import _duplex_rates
+
+    n, alone, duplex = 64 * 2**20, (54e9, 55e9), (30e9, 38e9)
+    t_out = n / duplex[1]  # the copy out ends first
+    t_in = t_out + (n - duplex[0] * t_out) / alone[0]
+    assert _duplex_rates(n, t_in, t_out, *alone) == pytest.approx(duplex, rel=1e-12)
+    assert _duplex_rates(n, t_out, t_in, alone[1], alone[0]) == pytest.approx(duplex[::-1], rel=1e-12)
+
+
 def test_states_on_the_gpu_take_the_room_recomputing_frees():
     """Under a budget that holds every layer kept with its states on the host, a slow CPU and
     costly slices: recomputing some layers makes room for a layer's states on the GPU, faster."""

@@ -66,6 +66,15 @@ def test_offloaded_pages_charge_the_copies_the_compute_does_not_hide():
     assert offloaded.static_host_bytes == GiB + 4 * 3 * 10**6 + GiB // 16
     assert (offloaded.kv.kv_offload, offloaded.kv.offload_pages) == (True, 4)
     assert kv_residency(costs, False, 1024) == costs  # as measured: nothing changes
+    # Both directions at half their rates alone when copying together (no better than taking
+    # turns): each direction of a backward takes its own time plus the other's. Chunk 0: max(6 + 4,
+    # 4 + 6) - 2 = 8; chunk 1: max(4 + 8, 8 + 4) - 2 = 10; 4 ms more a chunk. Pass 1 only reads.
+    # Duplex rates equal to the rates alone change nothing.
+    half = dataclasses.replace(costs, h2d_duplex_bytes_per_s=0.5e9, d2h_duplex_bytes_per_s=0.5e9)
+    assert kv_residency(half, True, 4).layers[0].backward_s == pytest.approx(costs.layers[0].backward_s + 20 * MS)
+    assert kv_residency(half, True, 4).pass1_s == pytest.approx(offloaded.pass1_s)
+    equal = dataclasses.replace(costs, h2d_duplex_bytes_per_s=1e9, d2h_duplex_bytes_per_s=1e9)
+    assert kv_residency(equal, True, 4) == offloaded
     # Copies of nothing cost nothing; a copy's latency is paid per page set.
     free = dataclasses.replace(costs, h2d_bytes_per_s=1e30, d2h_bytes_per_s=1e30)
     assert kv_residency(free, True, 1).pass1_s == pytest.approx(free.pass1_s)

@@ -18,8 +18,8 @@ becomes a row with "oom": true):
   planned       student.planner.make_plan's plan under --gpu-memory / --host-memory (when
                 the planner is there; it profiles and plans against a synthetic cache this script
                 writes, as `distill train-student --offload auto` would); its row adds the
-                profile's copy bandwidths each way (h2d_gb_s, d2h_gb_s), what a budgeted step's
-                floor rests on
+                profile's copy bandwidths each way alone (h2d_gb_s, d2h_gb_s) and both at once
+                (h2d_duplex_gb_s, d2h_duplex_gb_s), what a budgeted step's floor rests on
   file          the plan in --plan (e.g. one `distill plan --json` saved)
 Each offloaded step is the trainer's: student.trainer._micro_batch_backward through the
 student.offload.OffloadRuntime, finish_grads, the runtime's clip_grad_norm at 1.0 (the trainer's
@@ -151,7 +151,8 @@ def fixed_plan(num_layers: int) -> OffloadPlan:
 def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, dict]:
     """What `train-student --offload auto` would train with: a config-only student folder and a
     synthetic cache of --seq-len rows for the planner to profile. Returns (plan, figures of the
-    profile the floor of a budgeted step rests on: the measured copy bandwidths each way)."""
+    profile the floor of a budgeted step rests on: the measured copy bandwidths each way, alone and
+    both at once)."""
     from student.planner import make_plan
 
     folder = work / "student"
@@ -164,7 +165,8 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
                                                                   ("host_memory", args.host_memory))}
     plan, costs = make_plan(cfg, **budgets)
     return plan, {"h2d_gb_s": costs.h2d_bytes_per_s / 1e9, "d2h_gb_s": costs.d2h_bytes_per_s / 1e9,
-                  "copy_latency_s": costs.copy_latency_s}
+                  "h2d_duplex_gb_s": costs.h2d_duplex_bytes_per_s / 1e9,
+                  "d2h_duplex_gb_s": costs.d2h_duplex_bytes_per_s / 1e9, "copy_latency_s": costs.copy_latency_s}
 
 
 def step_fn(model: Student, plan: OffloadPlan | None, args, work: Path, batch, chunks_of: OffloadPlan | None = None):
