@@ -39,8 +39,8 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     the compute dtype (its working weights), timed with CUDA events on a GPU and perf_counter on
     the CPU; copy bandwidth each way (pinned host memory on a GPU); one layer's optimizer update on
     the GPU and on the CPU (the same measurement on a CPU-only machine); copy bandwidth each way while
-the other direction copies too (`_bandwidths`). `micro_batches` real
-    micro-batches are timed (medians); the table's `micro_batches` is config.grad_accum.
+    the other direction copies too (`_bandwidths`). `micro_batches` real micro-batches are timed
+    (medians); the table's `micro_batches` is config.grad_accum.
 
     Bytes are counted from tensors: a layer's working weights, its input, what its forward saves
     for the backward (parameters left out), the optimizer's states after one update. Transient
