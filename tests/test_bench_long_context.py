@@ -41,6 +41,29 @@ def test_plot_only_draws_the_rows_already_in_the_results(tmp_path, monkeypatch):
     assert png.stat().st_size > 0 and len(results.read_text().splitlines()) == 1
 
 
+def test_a_priming_step_on_fewer_tokens_runs_before_the_timed_one_and_the_plot_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
+    lengths, make_step = [], bench.ours_step_fn
+
+    def recording_step_fn(model, batch, config):
+        step = make_step(model, batch, config)
+
+        def recorded(batch=batch):
+            lengths.append(batch.input_ids.shape[1])
+            return step(batch)
+        return recorded
+
+    monkeypatch.setattr(bench, "ours_step_fn", recording_step_fn)
+    (row,) = bench.main([*SMOKE, "--lengths", "128", "--check-tokens", "0", "--prime-tokens", "64",
+                         "--results", str(tmp_path / "results.jsonl")])
+    assert lengths == [64, 128]
+    assert row["config"]["prime_tokens"] == 64 and row["config"]["warmup"] == 0
+    assert bench._warmth([row]) == "the first step (no warm-up), primed on 64 tokens"
+    old = {"config": {}, "command": "bench_long_context_gpu.py --warmup 0 --repeats 1"}
+    assert bench._warmth([old]) == "the first step (no warm-up)"
+    assert bench._warmth([old, row]) == "warm-up differs between rows"
+
+
 def _drop_past_page_gradients(monkeypatch):
     """OOMB's rectangular backend's defect: a chunk's keys and values get no gradient from later chunks."""
     import torch

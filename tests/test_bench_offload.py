@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent / "benchmarks"))
 import bench_offload_gpu as bench  # noqa: E402
 
@@ -34,3 +36,24 @@ def test_planned_chunk_recurrent_step_takes_the_planners_chunk_size_and_passes_i
     assert (planned["h2d_duplex_gb_s"], planned["d2h_duplex_gb_s"]) == (planned["h2d_gb_s"], planned["d2h_gb_s"])
     assert (work / "planned-plan.json").exists()  # kept with --work, to train or plan from again
     assert rows[1]["config"]["chunk_tokens"] == 64 and rows[1]["config"]["chunk_candidates"] == "64,128"
+
+
+def test_a_priming_step_runs_on_fewer_tokens_before_the_timed_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
+    import student.trainer
+
+    lengths, backward = [], student.trainer._micro_batch_backward
+
+    def recording(model, batch, *args, **kwargs):
+        lengths.append(batch.input_ids.shape[1])
+        return backward(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(student.trainer, "_micro_batch_backward", recording)
+    (row,) = bench.main([*SMOKE, "--seq-len", "128", "--prime-tokens", "32", "--variants", "none",
+                         "--results", str(tmp_path / "results.jsonl")])
+    assert lengths == [32, 128] and row["config"]["prime_tokens"] == 32 and row["figures"]["oom"] is False
+
+
+def test_the_transformers_baseline_is_refused_where_it_cannot_run(tmp_path):
+    with pytest.raises(SystemExit, match="--variants hf_liger"):
+        bench.main([*SMOKE, "--variants", "hf_liger", "--results", str(tmp_path / "results.jsonl")])

@@ -31,6 +31,12 @@ pinned host memory (torch's host allocator, where it reports it), and model TFLO
   head_dim x T^2 in all. Recomputation (our pass 1, the baseline's checkpointing) is not counted.
 and that rate's share of harness.ceilings()' bf16 matmul ceiling.
 
+A first step is not a running job's: kernels compile, and the optimizer creates its states in the
+step's update, after the activations' peak, where a later step holds them throughout. When a whole
+warm-up step at a long length costs too much, --prime-tokens N runs one untimed step of the same
+model and optimizer on N tokens first (compiling, creating the states); what is left of a first
+step is then the host allocator's first pinned buffers for that length's pages.
+
 Before the first length of a shape, every requested `ours*` variant is checked against an exact
 reference on --check-tokens tokens: the loss and every parameter gradient of the chunked step
 (chunks of min(--chunk-tokens, ceil(check_tokens / 3)) tokens, so at least three, generally not
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -128,12 +135,13 @@ def ours_backward(model, batch, config) -> torch.Tensor:
 
 
 def ours_step_fn(model, batch, config):
+    """One training step on `batch`, or on the batch it is given (a priming step's)."""
     from student.optim import build_optimizer
     from student.optim.clip import clip_grad_norm_foreach
 
     optimizer = build_optimizer(model, config.optim, config.device)
 
-    def step():
+    def step(batch=batch):
         ours_backward(model, batch, config)
         clip_grad_norm_foreach(model.parameters(), config.optim.clip_grad)
         optimizer.step()
@@ -143,6 +151,7 @@ def ours_step_fn(model, batch, config):
 
 
 def hf_liger_step_fn(config: StudentConfig, length: int, device: str, seed: int):
+    """One training step on `length` random ids, or on the first `prime_tokens` of them."""
     from liger_kernel.transformers import apply_liger_kernel_to_qwen2
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -160,8 +169,9 @@ def hf_liger_step_fn(config: StudentConfig, length: int, device: str, seed: int)
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = torch.randint(3, config.vocab_size, (1, length), device=device, generator=gen)
 
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+    def step(prime_tokens: int | None = None):
+        x = ids[:, :prime_tokens]
+        model(input_ids=x, labels=x).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -220,17 +230,23 @@ def model_flops(config: StudentConfig, params: int, tokens: int) -> float:
 def measure(variant: str, config: StudentConfig, length: int, args, device: str, dtype: str) -> dict:
     """Figures of one (length, variant): timings, memory, rates; {"oom": True, ...} when it did not fit."""
     step = None
+    prime = min(args.prime_tokens, length)
     try:
         if variant == "hf_liger":
             step = hf_liger_step_fn(config, length, device, args.seed)
+            if prime:
+                step(prime)
         else:
             model = build_ours(config, device, args.seed)
             batch = random_batch(length, config.vocab_size, device, args.seed + 1)
             step = ours_step_fn(model, batch, train_config(
                 args, device, dtype, chunk_tokens=args.chunk_tokens, kv_offload=variant in OFFLOADED,
                 sparse_pages=args.sparse_pages if variant == "ours_sparse" else None))
+            if prime:
+                step(random_batch(prime, config.vocab_size, device, args.seed + 2))
             del model, batch
         if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
             if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
                 torch.cuda.reset_peak_host_memory_stats()
             timing = time_gpu(step, warmup=args.warmup, repeats=args.repeats)
@@ -284,12 +300,29 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.grid(True, alpha=0.3)
         speed.legend(fontsize=8)
     commits = sorted({row["commit"] for row in rows})
-    fig.suptitle(f"one training step, batch 1 ({rows[0]['device'] if rows else ''}; commit {', '.join(commits)})",
-                 fontsize=9)
+    fig.suptitle(f"one training step, batch 1, {_warmth(rows)} ({rows[0]['device'] if rows else ''}; "
+                 f"commit {', '.join(commits)})", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     print(f"plot: {path}", flush=True)
+
+
+def _warmth(rows: list[dict]) -> str:
+    """What preceded the rows' timed steps, from their configs (or, for rows older than those
+    fields, the commands' flags, whose defaults were warm-up 1 and no priming)."""
+    def flag(row, name: str, default: int) -> int:
+        if name.replace("-", "_") in row["config"]:
+            return row["config"][name.replace("-", "_")]
+        found = re.search(rf"--{name}[ =](\d+)", row.get("command", ""))
+        return int(found.group(1)) if found else default
+
+    kinds = {(flag(row, "warmup", 1), flag(row, "prime-tokens", 0)) for row in rows}
+    if len(kinds) != 1:
+        return "warm-up differs between rows"
+    ((warmup, prime),) = kinds
+    text = f"after {warmup} warm-up step{'s' * (warmup != 1)}" if warmup else "the first step (no warm-up)"
+    return text + (f", primed on {prime} tokens" if prime else "")
 
 
 def print_table(rows: list[dict]) -> None:
@@ -319,6 +352,8 @@ def parse_args(argv=None):
     parser.add_argument("--optimizer", default="adamw8bit", choices=("adamw8bit", "adamw", "foam"),
                         help="optimizer of the ours variants (student.optim.build_optimizer)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before the timed ones")
+    parser.add_argument("--prime-tokens", type=int, default=0,
+                        help="one untimed step of this many tokens before the warm-up and timed steps (0: none)")
     parser.add_argument("--repeats", type=int, default=2, help="timed steps; the row gives their median")
     parser.add_argument("--check-tokens", type=int, default=2048, help="length of the exactness check (0: none)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -384,6 +419,7 @@ def main(argv=None) -> list[dict]:
                 figures = {**measure(variant, config, length, args, device, dtype), **checks.get(variant, {})}
                 free_memory(device)
                 row_config = {"shape": shape, "variant": variant, "length": length, "batch_size": 1,
+                              "warmup": args.warmup, "prime_tokens": args.prime_tokens,
                               "student": {**vars(config), "parameters": param_count(config)}, "ceilings": ceiling,
                               "torch": torch.__version__, "transformers": transformers.__version__}
                 if variant.startswith("ours"):

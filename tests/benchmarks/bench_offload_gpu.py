@@ -21,12 +21,15 @@ becomes a row with "oom": true):
                 profile's copy bandwidths each way alone (h2d_gb_s, d2h_gb_s) and both at once
                 (h2d_duplex_gb_s, d2h_duplex_gb_s), what a budgeted step's floor rests on
   file          the plan in --plan (e.g. one `distill plan --json` saved)
+  hf_liger      bench_long_context_gpu's transformers + Liger step (bf16 weights, gradient
+                checkpointing, fused AdamW; qwen2 shapes only): the long-context issue's baseline,
+                so that a planned long-context row and its baseline come from one run
 Each offloaded step is the trainer's: student.trainer._micro_batch_backward through the
 student.offload.OffloadRuntime, finish_grads, the runtime's clip_grad_norm at 1.0 (the trainer's
 clipping, its host layers' norms taken on the device), runtime.step, zero_grad.
 
 Rows `offload/<shape>-T<tokens>/<variant>`: median step seconds over --repeats after --warmup
-steps (CUDA events, harness.time_gpu), tokens/s, model TFLOP/s = 6 x parameters x tokens / step
+steps, and after one step of --prime-tokens tokens where given (CUDA events, harness.time_gpu), tokens/s, model TFLOP/s = 6 x parameters x tokens / step
 time (the issue's measure; recomputation not counted) and its share of the bf16 matmul ceiling,
 peak GPU memory (max_memory_allocated over the timed steps), peak pinned host memory (torch's host
 allocator) and the host bytes of the offloaded layers; for an offloaded variant the phases of one
@@ -71,7 +74,7 @@ from student.model import Student, rope_inv_freq
 from student.offload_plan import OffloadPlan, parse_bytes
 
 BENCH = "offload"
-VARIANTS = ("none", "zero_offload", "planned", "file")
+VARIANTS = ("none", "zero_offload", "planned", "file", "hf_liger")
 # Two steps of a few layers, offloaded against not, both under bf16 autocast: the same roundings in
 # principle, but other kernels' orders of sums (and the update of the first step feeds the second).
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-2, 5e-2
@@ -184,7 +187,7 @@ def step_fn(model: Student, plan: OffloadPlan | None, args, work: Path, batch, c
     optimizer = build_optimizer(model, cfg.optim, args.device)
     losses = []
 
-    def step():
+    def step(batch=batch):
         loss, _ = _micro_batch_backward(model, batch, cfg, amp, cache_temperature=1.0)
         if runtime is not None:
             runtime.finish_grads()
@@ -231,12 +234,28 @@ def free(device: str) -> None:
             torch.cuda.reset_peak_host_memory_stats()
 
 
-def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, work: Path) -> dict:
-    step = runtime = optimizer = None
+def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, work: Path,
+            hf_liger: bool = False) -> dict:
+    """One variant's figures (module docstring): `plan` under the trainer's step, or with `hf_liger`
+    the transformers + Liger step."""
+    model = step = runtime = optimizer = None
+    losses = []
+    prime = min(args.prime_tokens, args.seq_len)
     try:
-        model = build_student(config, args.seed, args.device, layers_on_host=plan is not None)
-        batch = random_batch(args.seq_len, config.vocab_size, args.device, args.seed + 1)
-        step, runtime, optimizer, losses = step_fn(model, plan, args, work, batch)
+        if hf_liger:
+            from bench_long_context_gpu import hf_liger_step_fn
+
+            step = hf_liger_step_fn(config, args.seq_len, args.device, args.seed)
+            if prime:
+                step(prime)
+        else:
+            model = build_student(config, args.seed, args.device, layers_on_host=plan is not None)
+            batch = random_batch(args.seq_len, config.vocab_size, args.device, args.seed + 1)
+            step, runtime, optimizer, losses = step_fn(model, plan, args, work, batch)
+            if prime:
+                step(random_batch(prime, config.vocab_size, args.device, args.seed + 2))
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         timer = time_gpu if args.device == "cuda" else time_cpu
         timing = timer(step, warmup=args.warmup, repeats=args.repeats)
     except torch.OutOfMemoryError as error:
@@ -297,6 +316,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--chunk-candidates", default=None,
                         help="planned: chunk sizes the planner chooses among, e.g. 8192,16384 (needs --chunk-tokens)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--prime-tokens", type=int, default=0,
+                        help="one untimed step of this many tokens before the warm-up and timed steps (0: none); "
+                             "bench_long_context_gpu's docstring says why")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -306,6 +328,8 @@ def main(argv=None) -> list[dict]:
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
         raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    if "hf_liger" in variants and (args.shape in ("llama-3.1-8b", "tiny") or args.device != "cuda"):
+        raise SystemExit("--variants hf_liger runs the qwen2 shapes on CUDA only; drop it or pick a qwen2.5 --shape")
     if "file" in variants and args.plan is None:
         raise SystemExit("--variants file needs --plan PLAN.json")
     if args.chunk_tokens is None and (args.kv_offload or args.chunk_candidates):
@@ -325,18 +349,21 @@ def main(argv=None) -> list[dict]:
             "optimizer": args.optimizer, "gpu_memory": args.gpu_memory, "host_memory": args.host_memory,
             "torch": torch.__version__, "ceilings": ceilings() if args.device == "cuda" else None,
             "chunk_tokens": args.chunk_tokens, "kv_offload": args.kv_offload, "page_tokens": args.page_tokens,
-            "offload_pages": args.offload_pages, "chunk_candidates": args.chunk_candidates}
+            "offload_pages": args.offload_pages, "chunk_candidates": args.chunk_candidates,
+            "warmup": args.warmup, "prime_tokens": args.prime_tokens}
     for variant in variants:
         profiled = {}
         if variant == "planned":
             plan, profiled = planner_plan(config, args, work / "planner")
+        elif variant == "hf_liger":
+            plan = None
         else:
             plan = {"none": lambda: None, "zero_offload": lambda: fixed_plan(config.num_layers),
                     "file": lambda: OffloadPlan.load(args.plan)}[variant]()
         if plan is not None and args.work is not None:  # kept with the work folder, to train or plan from again
             plan.save(args.work / f"{variant}-plan.json")
         checks = check_plan(variant, plan, config, args, work) if plan is not None else {}
-        figures = {**measure(plan, config, params, args, work), **checks, **profiled}
+        figures = {**measure(plan, config, params, args, work, hf_liger=variant == "hf_liger"), **checks, **profiled}
         free(args.device)  # also after an out-of-memory error
         budget = f"-gpu{args.gpu_memory}" if args.gpu_memory else ""  # a budgeted run is another case
         if args.chunk_tokens is not None:  # and so is a chunk-recurrent one
