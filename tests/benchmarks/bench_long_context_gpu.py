@@ -304,7 +304,7 @@ def plot(rows: list[dict], path: Path) -> None:
                  f"commit {', '.join(commits)})", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=100)
     print(f"plot: {path}", flush=True)
 
 
