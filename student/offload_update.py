@@ -31,7 +31,7 @@ from student.offload_plan import UPDATE_SLOTS
 if TYPE_CHECKING:
     from student.offload import OffloadRuntime
 
-__all__ = ["HostLayer", "UpdateRing", "unpin"]
+__all__ = ["HostLayer", "UpdateRing", "host_empty", "unpin"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class _Group:
         return slice(self.start, self.start + self.numel)
 
 
-def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """Host memory, page-locked in place when `pin` (cudaHostRegister, as torch.cuda's own helper
     does): torch's pinned allocator would round each buffer up to a power of two, a third more
     host memory for a layer's weights. `unpin` gives it back."""
@@ -81,7 +81,7 @@ class HostLayer:
         # compute-dtype groups' gradients in that dtype (the values are that dtype's: widening is exact).
         self.narrow = narrow_grads and not self.on_device
         empty = (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=device)) if self.on_device else \
-            (lambda numel, dtype: _host_empty(numel, dtype, pin))
+            (lambda numel, dtype: host_empty(numel, dtype, pin))
         named = list(layer.named_parameters())
         members = [[(n, p) for n, p in named if p.ndim >= 2], [(n, p) for n, p in named if p.ndim < 2]]
         self.groups, start = [], 0
@@ -350,7 +350,7 @@ class UpdateRing:
                 for flat in h.state_flats.values():
                     if self.runtime._pinned and flat.numel():
                         unpin(flat)
-            h.state_flats = {dtype: _host_empty(n, dtype, self.runtime._pinned) for dtype, n in sizes.items()}
+            h.state_flats = {dtype: host_empty(n, dtype, self.runtime._pinned) for dtype, n in sizes.items()}
             h.state_entries = entries
         for p, key, *at in h.state_entries:
             _view(h.state_flats, *at).copy_(optimizer.state[p][key], non_blocking=self.cuda)
