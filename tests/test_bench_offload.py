@@ -57,3 +57,14 @@ def test_a_priming_step_runs_on_fewer_tokens_before_the_timed_one(tmp_path, monk
 def test_the_transformers_baseline_is_refused_where_it_cannot_run(tmp_path):
     with pytest.raises(SystemExit, match="--variants hf_liger"):
         bench.main([*SMOKE, "--variants", "hf_liger", "--results", str(tmp_path / "results.jsonl")])
+
+
+def test_trace_writes_a_compressed_trace_and_a_table_per_variant(tmp_path, monkeypatch):
+    import gzip
+
+    monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
+    bench.main([*SMOKE, "--seq-len", "64", "--variants", "none", "--trace", str(tmp_path / "trace"),
+                "--results", str(tmp_path / "results.jsonl")])
+    events = json.loads(gzip.decompress((tmp_path / "trace" / "none.json.gz").read_bytes()))["traceEvents"]
+    assert any("backward" in str(event.get("name", "")).lower() for event in events)
+    assert "Self CPU" in (tmp_path / "trace" / "none.txt").read_text()

@@ -39,6 +39,10 @@ them (predicted / measured), so a row says which term of the cost model is off. 
 first --check-layers layers) is checked on a student of that many layers: two steps' losses and
 gradient norms against the same student trained without offload, to bf16 tolerance.
 
+With --trace DIR each variant runs one more step under torch.profiler, written to DIR (a Chrome /
+Perfetto trace and a table of device time by kernel): where a phase's time goes when it runs
+longer than the plan's prediction.
+
 With --chunk-tokens every variant's step is chunk-recurrent (student/long_context.py), its pages
 resident or, with --kv-offload, in pinned host memory; `planned` plans together with the chunk
 engine (with --chunk-candidates the planner chooses the chunk size and where the pages live, and
@@ -234,10 +238,34 @@ def free(device: str) -> None:
             torch.cuda.reset_peak_host_memory_stats()
 
 
+def trace(step, stem: Path) -> None:
+    """One more step under torch.profiler: `stem`.json.gz, a Chrome / Perfetto trace (every
+    kernel and copy on its stream), and `stem`.txt, the operators and kernels by their own device
+    time: where a step's time goes beyond the phases."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    raw = stem.with_name(stem.name + ".json")
+    prof.export_chrome_trace(str(raw))
+    with raw.open("rb") as src, gzip.open(stem.with_name(stem.name + ".json.gz"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    stem.with_name(stem.name + ".txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=80))
+
+
 def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, work: Path,
-            hf_liger: bool = False) -> dict:
+            hf_liger: bool = False, name: str = "step") -> dict:
     """One variant's figures (module docstring): `plan` under the trainer's step, or with `hf_liger`
-    the transformers + Liger step."""
+    the transformers + Liger step; with --trace, one more step traced into --trace/`name`.*."""
     model = step = runtime = optimizer = None
     losses = []
     prime = min(args.prime_tokens, args.seq_len)
@@ -269,6 +297,8 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
     if runtime is not None:  # one more step, its phases read after it (a host sync the timed steps do not have)
         step()
         phases = runtime.phase_s()
+    if args.trace is not None:
+        trace(step, args.trace / name)
     figures = {"oom": False, "step_s": seconds, "min_step_s": timing.min_ms / 1e3, "repeats": len(timing.times_ms),
                "tok_s": args.seq_len / seconds, "model_tflops": tflops(6 * params * args.seq_len, timing.median_ms)}
     if args.chunk_tokens is not None:
@@ -322,6 +352,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="folder for one more step of each variant under torch.profiler (VARIANT.json.gz, VARIANT.txt)")
     parser.add_argument("--work", type=Path, default=None, help="folder for the planner's student and cache (default: a temp dir)")
     add_results_arg(parser)
     args = parser.parse_args(argv)
@@ -363,7 +395,8 @@ def main(argv=None) -> list[dict]:
         if plan is not None and args.work is not None:  # kept with the work folder, to train or plan from again
             plan.save(args.work / f"{variant}-plan.json")
         checks = check_plan(variant, plan, config, args, work) if plan is not None else {}
-        figures = {**measure(plan, config, params, args, work, hf_liger=variant == "hf_liger"), **checks, **profiled}
+        figures = {**measure(plan, config, params, args, work, hf_liger=variant == "hf_liger", name=variant),
+                   **checks, **profiled}
         free(args.device)  # also after an out-of-memory error
         budget = f"-gpu{args.gpu_memory}" if args.gpu_memory else ""  # a budgeted run is another case
         if args.chunk_tokens is not None:  # and so is a chunk-recurrent one
