@@ -67,6 +67,13 @@ class LongContextConfig:
     # pages, those its queries score highest against the pages' mean keys (OOMB's page top-k).
     # None: dense attention over every past page.
     sparse_pages: int | None = None
+    # Pass 1 keeps each layer's attention output (and lse) of a chunk for pass 2, which then takes
+    # it instead of attending again (attention is most of a long chunk's layer): of the last this
+    # many chunks before the final one, whose attention costs most (None: every chunk; 0: none).
+    # On a GPU they wait in pinned host memory, layers x heads x (head_dim x 2 + 4) bytes a token:
+    # at a million tokens more than the pages themselves, so a host that cannot hold them all keeps
+    # fewer and pays one more attention forward for each chunk it does not keep.
+    keep_attention_chunks: int | None = None
 
     def __post_init__(self):
         check_types(self)
@@ -75,6 +82,8 @@ class LongContextConfig:
         p = self.page_tokens
         require("page_tokens", p, p >= 16 and p & (p - 1) == 0, "a power of two >= 16")
         require("offload_pages", self.offload_pages, self.offload_pages >= 1, "an integer >= 1")
+        require("keep_attention_chunks", self.keep_attention_chunks,
+                self.keep_attention_chunks is None or self.keep_attention_chunks >= 0, "None or an integer >= 0")
         require("sparse_pages", self.sparse_pages, self.sparse_pages is None or self.sparse_pages >= 1,
                 "None or an integer >= 1")
         if self.sparse_pages is not None and self.chunk_tokens is None:
@@ -150,6 +159,7 @@ class PagedKVStore:
         # on a GPU, so the GPU holds one chunk's), used by pass 2's run and by the recomputation of
         # its checkpointed layer instead of attending again; the backward drops it (AttendPages).
         self.keep_attention = False
+        self.keep_from = 0  # pass 1 keeps the attention of chunks starting here or later
         self.kept_attention: dict[tuple[int, int], tuple] = {}
         self.start = self.end = 0
         self.grad = False
@@ -187,7 +197,7 @@ class PagedKVStore:
             return _AttendPages.apply(q, k, v, self, layer)
         out, lse = self._forward(layer, q)
         out = out.to(q.dtype)
-        if self.keep_attention:
+        if self.keep_attention and self.start >= self.keep_from:
             self.kept_attention[(layer, self.start)] = self._stash(out), self._stash(lse)
         return out
 
@@ -513,6 +523,15 @@ class _LazyFunction:
 _AttendPages = _LazyFunction(_make_attend_function)
 
 
+def kept_attention_from(bounds: list[tuple[int, int]], keep_chunks: int | None) -> int:
+    """The first position whose chunk's attention pass 1 keeps (LongContextConfig.keep_attention_chunks):
+    the last `keep_chunks` of the chunks before the final one (all when None); past the sequence
+    when none."""
+    past = bounds[:-1]
+    kept = past if keep_chunks is None else past[len(past) - min(keep_chunks, len(past)):]
+    return kept[0][0] if kept else bounds[-1][1]
+
+
 def _store_for(model, batch_size: int, seq_len: int, config: LongContextConfig, dtype, device) -> PagedKVStore:
     c = model.config
     return PagedKVStore(c.num_layers, batch_size, seq_len, c.num_kv_heads, c.head_dim, page_tokens=config.page_tokens,
@@ -571,6 +590,7 @@ def chunk_recurrent_backward(model, batch: Batch, chunk_loss: Callable, config: 
     bounds = chunk_bounds(L, config.chunk_tokens)
     store = _store_for(model, B, L, config, _attention_dtype(model, autocast_dtype), device)
     store.keep_attention = True
+    store.keep_from = kept_attention_from(bounds, config.keep_attention_chunks)
     mask_BL = mask_BL.to(device, non_blocking=True)
     amp = torch.autocast(torch.device(device).type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     with torch.no_grad(), amp:

@@ -87,7 +87,7 @@ class KVPages:
     page_tokens: int
     kv_page_bytes: int  # one page of every row: its keys and values in the attention dtype
     grad_page_bytes: int  # their fp32 gradient pages
-    kept_bytes: int  # pass 1's kept attention outputs and lse (every chunk's but the last, all layers)
+    kept_bytes: int  # pass 1's kept attention outputs and lse (the chunks it keeps, all layers)
     offloadable: bool  # on a GPU: the pages may live in pinned host memory (elsewhere they stay put)
     kv_offload: bool = False
     offload_pages: int = 1024  # pages (of every row) of a page set, with kv_offload

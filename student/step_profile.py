@@ -200,17 +200,20 @@ def _kv_pages(model, config, shape, amp) -> KVPages:
     """The chunk-recurrent engine's key/value store for micro-batches of `shape` [B, L]
     (student/long_context.py's PagedKVStore), as config.long places it: per layer its key and value
     pages in the attention dtype and their fp32 gradient pages (`KVPages.bytes` says where they
-    live), and pass 1's kept attention outputs (and their fp32 lse) of every chunk but the last."""
+    live), and pass 1's kept attention outputs (and their fp32 lse) of the chunks it keeps
+    (config.long.keep_attention_chunks of those before the last: all full chunks)."""
+    from student.long_context import chunk_bounds, kept_attention_from
     from student.offload_cost import KVPages
 
     c, long = model.config, config.long
     B, L = shape
     size = (amp or model.embed_tokens.weight.dtype).itemsize
     page = B * c.num_kv_heads * long.page_tokens * c.head_dim
-    last_start = (len(range(0, L, long.chunk_tokens)) - 1) * long.chunk_tokens
+    bounds = chunk_bounds(L, long.chunk_tokens)
+    kept_tokens = max(bounds[-1][0] - kept_attention_from(bounds, long.keep_attention_chunks), 0)
     return KVPages(num_layers=c.num_layers, seq_tokens=L, chunk_tokens=long.chunk_tokens, page_tokens=long.page_tokens,
                    kv_page_bytes=2 * size * page, grad_page_bytes=2 * 4 * page,
-                   kept_bytes=c.num_layers * B * c.num_heads * last_start * (c.head_dim * size + 4),
+                   kept_bytes=c.num_layers * B * c.num_heads * kept_tokens * (c.head_dim * size + 4),
                    offloadable=config.device.startswith("cuda"), kv_offload=long.kv_offload,
                    offload_pages=long.offload_pages)
 

@@ -80,8 +80,8 @@ __all__ = ["TrainConfig", "TrainReport", "train", "RunDirError", "NonFiniteLossE
 # (it is identified by its id), never the model or the data.
 CHANGEABLE = ("cache", "steps", "warmup_steps", "min_lr_ratio", "lr", "weight_decay", "clip_grad", "foam_scale",
               "l1", "sparse_kernel", "dead_reinit", "dead_window", "chunk_tokens", "page_tokens", "kv_offload",
-              "offload_pages", "checkpoint_layers", "sparse_pages", "offload", "gpu_memory", "host_memory",
-              "chunk_candidates")
+              "offload_pages", "checkpoint_layers", "sparse_pages", "keep_attention_chunks", "offload", "gpu_memory",
+              "host_memory", "chunk_candidates")
 # Settings of how often things are logged, evaluated or saved, and where: free to change, not recorded.
 _FREE = ("out", "eval_every", "eval_sequences", "save_every", "log_every")
 PID_FILE = "run.pid"  # the live trainer's {"pid", "host"}; see the module docstring

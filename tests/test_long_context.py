@@ -15,7 +15,7 @@ import torch
 from distill.configs import ConfigError
 from student.data import Batch
 from student.long_context import (LongContextConfig, Part, _set_bounds, chunk_bounds, chunk_recurrent_backward,
-                                  chunked_forward, select_pages)
+                                  chunked_forward, kept_attention_from, select_pages)
 from student.loss import LossConfig, distill_loss
 from student.model import Student, to_relu_gate
 from student.sparse_ffn import l1_penalty
@@ -339,3 +339,52 @@ def test_attention_runs_once_per_layer_and_chunk(tmp_path, monkeypatch, checkpoi
     config = LongContextConfig(chunk_tokens=16, page_tokens=16, checkpoint_layers=checkpoint_layers)
     chunk_recurrent_backward(model, batch, chunk_loss, config, device="cpu")
     assert len(calls) == model.config.num_layers * len(chunk_bounds(40, 16))
+
+
+@pytest.mark.parametrize("keep", [0, 1, None])
+def test_keeping_fewer_chunks_attention_attends_again_for_the_rest_with_the_same_gradients(tmp_path, monkeypatch,
+                                                                                           keep):
+    """keep_attention_chunks: pass 1 keeps the last `keep` chunks' attention (before the final one);
+    pass 2 attends again for each chunk it did not keep, one more call per layer, and the loss and
+    gradients stay those of full backpropagation."""
+    import kernels.page_attention as page_attention
+
+    _, folder = saved_hf("qwen2", tmp_path)
+    model = Student.from_pretrained(folder)
+    batch = make_batch([45, 30], vocab=model.config.vocab_size, seed=3)
+    want_loss, want_grads = full_backprop(model, batch, 0.0)
+    model.zero_grad()
+    calls = []
+    real = page_attention.page_attention_forward
+    monkeypatch.setattr(page_attention, "page_attention_forward", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    chunk_loss = lambda hidden, rows, terms, part: loss_of(model, hidden, terms, rows, part)
+    config = LongContextConfig(chunk_tokens=13, page_tokens=16, keep_attention_chunks=keep)
+    loss, _ = chunk_recurrent_backward(model, batch, chunk_loss, config, device="cpu")
+    chunks = len(chunk_bounds(45, 13))  # 4: pass 1 runs the first 3
+    not_kept = chunks - 1 - (chunks - 1 if keep is None else keep)
+    assert len(calls) == model.config.num_layers * (chunks + not_kept)
+    assert_rel(loss, want_loss, "loss")
+    for name, p in model.named_parameters():
+        assert_rel(p.grad, want_grads[name], name)
+
+
+def test_kept_attention_starts_at_the_last_chunks_pass_1_runs():
+    bounds = chunk_bounds(45, 13)  # (0, 13), (13, 26), (26, 39), (39, 45)
+    assert [kept_attention_from(bounds, n) for n in (None, 5, 3, 2, 1, 0)] == [0, 0, 0, 13, 26, 45]
+    assert kept_attention_from(chunk_bounds(10, 13), None) == 10  # one chunk: pass 1 runs nothing
+
+
+
+def test_the_planner_counts_the_kept_attention_of_the_chunks_pass_1_keeps(tmp_path):
+    from types import SimpleNamespace
+
+    from student.step_profile import _kv_pages
+
+    _, folder = saved_hf("qwen2", tmp_path)
+    model = Student.from_pretrained(folder)
+    c = model.config
+    kept = lambda keep: _kv_pages(model, SimpleNamespace(device="cpu", long=LongContextConfig(
+        chunk_tokens=13, page_tokens=16, keep_attention_chunks=keep)), (2, 45), None).kept_bytes
+    per_token = c.num_layers * 2 * c.num_heads * (c.head_dim * 4 + 4)  # batch 2, fp32 outputs and lse
+    assert [kept(n) for n in (None, 3, 2, 1, 0)] == [39 * per_token, 39 * per_token, 26 * per_token,
+                                                     13 * per_token, 0]
