@@ -168,10 +168,14 @@ class _SavedBytes:
 def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_temperature: float) -> dict:
     """`_measure_layers` of one micro-batch, whole, or with chunk-recurrent training per chunk as
     pass 2 runs it: a chunk's attention grows with its past pages, linearly, so its first and last
-    chunks are measured and a chunk's seconds are their mean (a chunk's bytes their largest: the
-    last one's, which reads every page). Adds `chunks` (per micro-batch) and `pass1_s`: the
-    no-grad forwards of every chunk but the last (pass 1), interpolated the same way."""
-    from student.long_context import _store_for, chunk_bounds
+    chunks are measured and chunk j's seconds are interpolated between them (a chunk's bytes are
+    their largest: the last one's, which reads every page). A layer's forward_s is then the mean
+    over the chunks of its pass-2 forward: taking pass 1's kept attention output for the chunks
+    pass 1 keeps (LongContextConfig.keep_attention_chunks), attending for the others and the last.
+    Its recomputation in the backward is priced the same (it takes pass 2's own output: a little
+    high when chunks are not kept). Adds `chunks` (per micro-batch) and `pass1_s`: pass 1's no-grad
+    forwards of every chunk but the last, interpolated the same way."""
+    from student.long_context import _store_for, chunk_bounds, kept_attention_from
 
     bounds = chunk_bounds(batch.input_ids.shape[1], config.long.chunk_tokens)
     if len(bounds) == 1:
@@ -187,11 +191,16 @@ def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_
                                     store=store))
     first, last = ends
     n = len(bounds)
-    layers = [{key: (a[key] + b[key]) / 2 if key.endswith("_s") else max(a[key], b[key]) for key in a}
-              for a, b in zip(first["layers"], last["layers"])]
-    # Chunk j's forward: first + (last - first) * j / (n - 1); summed over j = 0 .. n - 2.
-    pass1_s = sum((n - 1) * a["forward_s"] + (b["forward_s"] - a["forward_s"]) * (n - 2) / 2
-                  for a, b in zip(first["layers"], last["layers"]))
+    at = lambda a, b, key, j: a[key] + (b[key] - a[key]) * j / (n - 1)  # chunk j's seconds
+    keep_from = kept_attention_from(bounds, config.long.keep_attention_chunks)
+    kept = [j < n - 1 and s >= keep_from for j, (s, _) in enumerate(bounds)]
+    layers, pass1_s = [], 0.0
+    for a, b in zip(first["layers"], last["layers"]):
+        layer = {key: (a[key] + b[key]) / 2 if key.endswith("_s") else max(a[key], b[key]) for key in a
+                 if key not in ("kept_forward_s", "pass1_forward_s")}
+        layer["forward_s"] = sum(at(a, b, "kept_forward_s" if kept[j] else "forward_s", j) for j in range(n)) / n
+        layers.append(layer)
+        pass1_s += sum(at(a, b, "pass1_forward_s", j) for j in range(n - 1))
     return {"layers": layers, "head_s": (first["head_s"] + last["head_s"]) / 2,
             "loss_workspace": max(first["loss_workspace"], last["loss_workspace"]), "chunks": n, "pass1_s": pass1_s}
 
@@ -218,11 +227,31 @@ def _kv_pages(model, config, shape, amp) -> KVPages:
                    offload_pages=long.offload_pages)
 
 
+def _pass1_then_kept(device: str, forward, store, autocast, kept: list[float]) -> float:
+    """A chunk's layer as the engine runs it twice: pass 1's no-grad forward, its attention output
+    kept (the seconds returned), then pass 2's forward with gradients taking that output (its
+    seconds appended to `kept`; the store forgets the output again, as pass 2's backward would)."""
+    import torch
+
+    store.keep_attention, store.grad = True, False
+    with torch.no_grad(), autocast():
+        seconds, _ = _timed(device, forward)
+    store.grad = True
+    with autocast():
+        kept.append(_timed(device, forward)[0])
+    store.keep_attention = False
+    store.kept_attention.clear()
+    return seconds
+
+
 def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_temperature: float,
                     store=None) -> dict:
     """Per layer forward/backward seconds and bytes on one micro-batch (on config.device), and the
     head's seconds and workspace (embeddings, final norm, head, loss). store: a chunk's key/value
-    store (begun for that chunk, which `batch` is: its positions start there)."""
+    store (begun for that chunk, which `batch` is: its positions start there); each layer then
+    also gives pass1_forward_s, its no-grad forward as pass 1 runs it (keeping its attention
+    output), and kept_forward_s, its forward with gradients taking that output, as pass 2 does;
+    forward_s is the forward with gradients attending (pass 2 of a chunk whose output is not kept)."""
     import copy
 
     import torch
@@ -248,9 +277,12 @@ def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_
                 p.data = p.data.to(dtype)
         params = list(working.parameters())
         shared = [*params, cos, sin, row_mask]  # one copy for all layers: not a layer's activations
-        forward, backward, saved = [], [], None
+        forward, backward, pass1, kept, saved = [], [], [], [], None
         for run in range(settings.repeats + 1):
             x_in = x.detach().requires_grad_(True)
+            if store is not None:
+                pass1.append(_pass1_then_kept(device, lambda: working(x_in, cos, sin, store, row_mask), store,
+                                              autocast, kept))
             if cuda:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
@@ -265,8 +297,10 @@ def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_
             working.zero_grad(set_to_none=True)
         boundary = x.numel() * x.element_size()
         x = out.detach()
+        median = lambda values: sorted(values[1:])[len(values[1:]) // 2]  # after the warm-up run
+        extra = dict(pass1_forward_s=median(pass1), kept_forward_s=median(kept)) if store is not None else {}
         layers.append(dict(
-            forward_s=sorted(forward[1:])[len(forward[1:]) // 2], backward_s=sorted(backward[1:])[len(backward[1:]) // 2],
+            **extra, forward_s=median(forward), backward_s=median(backward),
             weight_bytes=sum(p.numel() * p.element_size() for p in params), boundary_bytes=boundary,
             keep_bytes=saved.total, workspace_bytes=workspace if cuda else saved.largest + 2 * boundary,
             master_bytes=sum(p.numel() * 4 for p in params)))

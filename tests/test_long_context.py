@@ -388,3 +388,52 @@ def test_the_planner_counts_the_kept_attention_of_the_chunks_pass_1_keeps(tmp_pa
     per_token = c.num_layers * 2 * c.num_heads * (c.head_dim * 4 + 4)  # batch 2, fp32 outputs and lse
     assert [kept(n) for n in (None, 3, 2, 1, 0)] == [39 * per_token, 39 * per_token, 26 * per_token,
                                                      13 * per_token, 0]
+
+
+def test_the_profile_times_pass_2s_forward_on_pass_1s_kept_attention(tmp_path, monkeypatch):
+    """step_profile measures a chunk's layer three ways: pass 1 (attends, keeps its output), pass 2
+    taking that output (no attention call), and pass 2 attending: two attention calls a run."""
+    import kernels.page_attention as page_attention
+    from student.step_profile import ProfileSettings, _measure_chunks
+    from student.trainer import TrainConfig
+
+    _, folder = saved_hf("qwen2", tmp_path)
+    model = Student.from_pretrained(folder)
+    batch = make_batch([45, 30], vocab=model.config.vocab_size, k=32, seed=5)
+    config = TrainConfig.from_flat(cache="unused", out="unused", student=str(folder), device="cpu", dtype="float32",
+                                   chunk_tokens=13, page_tokens=16)
+    calls = []
+    real = page_attention.page_attention_forward
+    monkeypatch.setattr(page_attention, "page_attention_forward", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    measured = _measure_chunks(model, batch, config, None, ProfileSettings(repeats=1), 1.0)
+    assert len(calls) == 2 * model.config.num_layers * 2 * 2  # first and last chunk, 2 runs, 2 attending calls
+    assert measured["chunks"] == 4 and measured["pass1_s"] > 0
+    assert all(set(layer) == {"forward_s", "backward_s", "weight_bytes", "boundary_bytes", "keep_bytes",
+                              "workspace_bytes", "master_bytes"} for layer in measured["layers"])
+
+
+@pytest.mark.parametrize("keep,want_forward", [(None, (1 + 2 + 3 + 40) / 4), (1, (10 + 20 + 3 + 40) / 4),
+                                               (0, (10 + 20 + 30 + 40) / 4)])
+def test_a_layers_pass_2_forward_is_the_mean_over_chunks_kept_or_attending(keep, want_forward, monkeypatch):
+    """Chunk j's seconds interpolate the first and last chunk's; a chunk pass 1 kept takes the kept
+    forward, the others (and the last) the attending one; pass 1 is the no-grad forwards of all but
+    the last chunk."""
+    import student.long_context
+    import student.step_profile as step_profile
+    from student.trainer import TrainConfig
+
+    first = {"forward_s": 10.0, "kept_forward_s": 1.0, "pass1_forward_s": 8.0, "backward_s": 5.0, "keep_bytes": 7}
+    last = {"forward_s": 40.0, "kept_forward_s": 4.0, "pass1_forward_s": 38.0, "backward_s": 9.0, "keep_bytes": 11}
+    ends = iter([first, last])
+    monkeypatch.setattr(step_profile, "_measure_layers", lambda *a, **kw: {
+        "layers": [dict(next(ends))], "head_s": 1.0, "loss_workspace": 0})
+    store = type("Store", (), {"k": [], "v": [], "begin": lambda *a, **kw: None})
+    monkeypatch.setattr(student.long_context, "_store_for", lambda *a, **kw: store())
+    config = TrainConfig.from_flat(cache="unused", out="unused", teacher="unused", num_layers=1, device="cpu",
+                                   chunk_tokens=13, keep_attention_chunks=keep)
+    batch = make_batch([45], vocab=50)
+    measured = step_profile._measure_chunks(None, batch, config, torch.float32, None, 1.0)
+    # chunk j of 4: attending 10, 20, 30, 40; kept 1, 2, 3, 4; pass 1 8, 18, 28 (the last chunk not run)
+    (layer,) = measured["layers"]
+    assert layer == {"forward_s": pytest.approx(want_forward), "backward_s": 7.0, "keep_bytes": 11}
+    assert measured["pass1_s"] == pytest.approx(8 + 18 + 28)
