@@ -19,8 +19,11 @@ Where things live:
   device: the embeddings, the final norm and the lm-head with their gradients and optimizer states,
       exactly as without offload (they are not offloaded); the same flat master, gradient and
       staging buffers of the layers whose plan says states "gpu" (their staging copies are their
-      working weights; the optimizer keeps their states beside them); the working weights of the
-      other "resident" layers (kept across steps, refreshed after each update); a ring of
+      working weights; the optimizer keeps their states beside them; when a step is one
+      backward their gradients are one buffer per group in the group's dtype, as a host layer's,
+      and during the update one fp32 buffer as large as the largest of those layers, shared, is
+      what each one's update widens its gradient into); the working weights of the other
+      "resident" layers (kept across steps, refreshed after each update); a ring of
       prefetch_depth + 1 buffers the "stream" layers' working weights pass through; activations
       as the plan says.
 Working weights: matrices in the compute dtype (bf16 under autocast on a GPU: the same rounding
@@ -36,17 +39,21 @@ A step:
             `prefetch_depth` items ahead, in the order of use (forward in order, backward in reverse),
             on a side stream, with events the compute stream waits on; nothing waits on the host.
   backward  as soon as a layer's backward has its weight gradients (one flat tensor per dtype):
-            states "gpu": they are added into its device accumulators; states "host": the step's
-            sum so far is formed on the device in fp32 (the first micro-batch's gradient widened;
-            after it, the host accumulator comes back ahead of use, on the schedule, and the
-            gradient is added to it: the host's additions, in its order, so the sum is exact), its
-            per-parameter L2 norms are taken there (the last micro-batch's are the clipping's) and
-            it goes device -> host on a second side stream into the fp32 accumulator.
-  finish_grads()  makes the accumulators the parameters' .grad; with the update on the CPU it waits
-            for their copies (the host reads them next: the step's host wait), on the GPU nothing.
+            states "gpu": they are added into its device accumulators (one backward a step: as a
+            host layer's below, but into its device buffers, on the compute stream); states
+            "host": the step's sum so far is formed on the device in fp32 (the first micro-batch's
+            gradient widened; after it, the host accumulator comes back ahead of use, on the
+            schedule, and the gradient is added to it: the host's additions, in its order, so the
+            sum is exact), its per-parameter L2 norms are taken there (the last micro-batch's are
+            the clipping's) and it goes device -> host on a second side stream into the fp32
+            accumulator (one backward a step: each group as the backward made it, in its dtype).
+  finish_grads()  makes the accumulators the parameters' .grad (one backward a step: the
+            matrices' .grad stay None); with the update on the CPU it waits for their copies (the
+            host reads them next: the step's host wait), on the GPU nothing.
   clip_grad_norm()  the trainer's clip_grad_norm_foreach, with no host pass over gradients: the
-            host layers' norms are those taken in the backward; the device gradients are scaled
-            now; the coefficient (a device scalar) is applied inside the update.
+            norms taken in the backward are the host layers' (and, one backward a step, the "gpu"
+            layers'); the other device gradients are scaled now; the coefficient (a device
+            scalar) is applied to the rest inside the update.
   step()    plan.optimizer "cpu": the device parameters step (queued on the device), then the host
             reads the coefficient once and the host layers update one after another on the CPU,
             each one's gradient scaled, staging copy cast and, when resident, its working weights
@@ -57,7 +64,11 @@ A step:
             (the next weights' and gradients' copies, the next update), the host in
             `synchronize()` (a checkpoint, the end of training). Every optimizer step is over only
             the parameters that have gradients at that moment: what the optimizer gives without
-            offload (per-parameter updates do not depend on which others step with them).
+            offload (per-parameter updates do not depend on which others step with them). One
+            backward a step, a layer's gradient in the compute dtype is widened to fp32 (and
+            scaled by the coefficient in the same pass) for its layer's step alone: a host layer's
+            on the CPU into one host buffer, in its ring slot on the GPU; a "gpu" layer's, after
+            the other device parameters' step, into one device buffer the "gpu" layers share.
   phase_s() the last step's phases (forward, head, backward, grads, clip, optimizer, refresh), as the
             planner predicts them (student/planner.py's PHASES).
 
@@ -401,20 +412,23 @@ class OffloadRuntime:
     # --- gradients -------------------------------------------------------------------------------
 
     def _grads_ready(self, index: int, grads: list[torch.Tensor]) -> None:
-        """Layer `index`'s weight gradients (flat, per group) to its fp32 accumulators: on the device
-        for a layer whose states are there. Else the step's sum so far is formed on the device in
-        fp32 (the first micro-batch's gradient widened; later ones added to the accumulator, which
-        the schedule brought in: the additions the host would make, in its order), its per-parameter
-        norms are taken there (the clipping's), and it goes to the host accumulator on the d2h
-        stream. A layer whose update loads during the backward (`UpdateRing.preload`) gets it in its slot too."""
+        """Layer `index`'s weight gradients (flat, per group) to its gradient buffers: on the device
+        for a layer whose states are there, added into its fp32 accumulators (the clipping measures
+        them with the device parameters'). Else, and for a narrow layer on the device, the step's
+        sum so far is formed on the device in fp32 (the first micro-batch's gradient widened; later
+        ones added to the accumulator, which the schedule brought in: the additions the host would
+        make, in its order), its per-parameter norms are taken there (the clipping's), and it goes
+        to the layer's buffers: the host's on the d2h stream (a layer whose update loads during the
+        backward, `UpdateRing.preload`, gets it in its slot too), a narrow device layer's on the
+        compute stream (each group as the backward made it: the compute dtype's values)."""
         h = self.host[index]
         first, h.has_grad = not h.has_grad, True
         if h.narrow and not first:
             raise RuntimeError(f"layer {index} has a second backward in one step, but the offload runtime was built "
-                               "with accumulates=False (its host gradients are kept in the compute dtype); build it "
+                               "with accumulates=False (its layers' gradients are kept in the compute dtype); build it "
                                "with accumulates=True for grad_accum > 1 or chunk-recurrent training")
         with torch.no_grad():
-            if h.on_device:
+            if h.on_device and not h.narrow:
                 for g, grad in zip(h.groups, grads):
                     h.grad[g.span].copy_(grad) if first else h.grad[g.span].add_(grad)
                 return
@@ -435,7 +449,7 @@ class OffloadRuntime:
             sources = [grad if target.dtype != torch.float32 else total[g.span]
                        for g, grad, target in zip(h.groups, grads, h.grads)] if h.narrow else [total]
             targets = h.grads if h.narrow else [h.grad]
-            if self.cuda:
+            if self.cuda and not h.on_device:
                 self.d2h.wait_stream(torch.cuda.current_stream(self.device))
                 with self._side(self.d2h):
                     for target, source in zip(targets, sources):
@@ -451,7 +465,13 @@ class OffloadRuntime:
         With the update on the CPU the host waits for the copies out (it reads the gradients next:
         the step's host wait); with the update on the GPU nothing waits (the update's copies in wait
         for them on their stream), so the host gradients may still be in flight: clip through
-        `clip_grad_norm`, and `synchronize()` before reading them on the host."""
+        `clip_grad_norm`, and `synchronize()` before reading them on the host.
+        A narrow layer (a step is one backward, `accumulates=False`), its states on the host or on
+        the device alike: its vectors' .grad are views of its fp32 buffer (not scaled by the
+        clipping, before or after `step`: the coefficient is applied as the update widens them);
+        its matrices' .grad stay None before and after `step` (their compute-dtype gradients are
+        widened only where the update reads them, into a buffer the next layer's reuses; the
+        clipping has their norms)."""
         self._clock.backward_done()
         if self.plan.optimizer == "cpu":
             for h in self.host:
@@ -471,10 +491,11 @@ class OffloadRuntime:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """student.optim.clip.clip_grad_norm_foreach over the model's parameters, with no host pass
-        over gradients: the host layers' per-parameter norms were measured on the device in the
-        backward; the device gradients are scaled now; the host layers' inside `step` (the update
-        on the GPU scales each slice there; on the CPU the host reads the coefficient once). Returns
-        the total norm (a 0-dim fp32 tensor on the device); max_norm inf only measures."""
+        over gradients: the host layers' and the narrow layers' per-parameter norms were measured
+        on the device in the backward; the other device gradients are scaled now; those layers'
+        inside `step` (the update on the GPU scales each slice there; on the CPU the host reads the
+        coefficient once; a narrow device layer's is scaled as it is widened). Returns the total
+        norm (a 0-dim fp32 tensor on the device); max_norm inf only measures."""
         max_norm = check_max_norm(max_norm)
         known = {p: norm for p, norm in self._grad_norms.items()
                  if p.grad is not None or p in self._narrow_params}
@@ -505,31 +526,56 @@ class OffloadRuntime:
         self._update_ring.end_step()
 
     def _step_on_host(self, optimizer) -> None:
-        """The device parameters (embeddings, head, layers whose states are on the device) step first,
-        queued on the device; then the host layers one after another on the CPU, each one's gradient
+        """The device parameters (embeddings, head, layers whose states are on the device:
+        `_step_device_params`) step first, queued on the device; then the host layers one after another on the CPU, each one's gradient
         scaled by the clip coefficient (read once), staging copy cast and (resident) working weights
         sent to the device as soon as it is updated."""
         held = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
         if self.cuda:
             self.h2d.synchronize()  # no upload still reads a staging copy about to be rewritten
-        for p in held:
-            p.grad = held[p] if p not in self._host_params else None
-        optimizer.step()
-        self._refresh_device_layers()
+        self._step_device_params(optimizer, held)
         coef = self._clip_coef.to("cpu") if self._clip_coef is not None else None  # after the device's work is queued
         for index, h in enumerate(self.host):
             if h.on_device or not self._has_grads(h, held):
                 continue
-            grads = dict(zip(h.params, h.widen_grads(self._widened_buffer(), coef))) if h.narrow else \
-                {p: held[p] for p in h.params}
-            if coef is not None and not h.narrow:
-                h.grad.mul_(coef)
-            for p in held:
-                p.grad = grads.get(p)
-            optimizer.step()
+            if h.narrow:
+                self._step_widened(optimizer, h, held, self._widened_buffer(), coef)
+            else:
+                if coef is not None:
+                    h.grad.mul_(coef)
+                members = set(h.params)
+                for p in held:
+                    p.grad = held[p] if p in members else None
+                optimizer.step()
             self._refresh_layer(index)
         for p in held:
             p.grad = held[p]
+
+    def _step_device_params(self, optimizer, held: dict) -> None:
+        """The parameters on the device (`held`: each parameter's gradient) step, queued there: the
+        static ones and the layers whose states are on the device in one optimizer step, the
+        narrow ones of those one layer at a time, each widened (and scaled by the clip coefficient
+        in the same pass) into one fp32 buffer of the largest, made for this update and shared
+        (the backward's fp32 sums are gone by now: `LayerCosts.gpu_widened_bytes`); then the
+        working weights of those layers."""
+        for p in held:
+            p.grad = held[p] if p not in self._host_params and p not in self._narrow_params else None
+        optimizer.step()
+        narrow = [h for h in self.host if h.on_device and h.narrow and h.has_grad]
+        if narrow:
+            widened = torch.empty(max(h.numel for h in narrow), dtype=torch.float32, device=self.device)
+            for h in narrow:
+                self._step_widened(optimizer, h, held, widened, self._clip_coef)
+        self._refresh_device_layers()
+
+    def _step_widened(self, optimizer, h: HostLayer, held: dict, out: torch.Tensor, coef) -> None:
+        """Narrow layer `h`'s optimizer step: its gradient widened into `out` (fp32, where it is;
+        scaled by `coef` in the same pass, None: not scaled) is its parameters' .grad, and no other
+        parameter has one (`held`: the parameters the optimizer holds)."""
+        grads = dict(zip(h.params, h.widen_grads(out, coef)))
+        for p in held:
+            p.grad = grads.get(p)
+        optimizer.step()
 
     def _widened_buffer(self) -> torch.Tensor:
         """The update on the CPU: one fp32 buffer as large as the largest host layer, which each narrow
@@ -546,11 +592,7 @@ class OffloadRuntime:
         for p in held:
             p.grad = None
         self._update_ring.update(optimizer, held)
-        rest = [p for p in held if p not in self._host_params]
-        for p in rest:
-            p.grad = held[p]
-        optimizer.step()
-        self._refresh_device_layers()
+        self._step_device_params(optimizer, held)
         for p in held:
             p.grad = held[p] if p not in self._host_params else None
 

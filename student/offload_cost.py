@@ -56,9 +56,9 @@ class LayerCosts:
         return self.weight_bytes if self.weight_bytes < self.master_bytes else 0
 
     def grad_bytes(self, accumulates: bool) -> int:
-        """A host layer's gradient on the host and on the bus: with one micro-batch a step in the
-        working dtypes (its matrices' gradients are compute-dtype values; the runtime keeps them so),
-        else the fp32 sum."""
+        """The layer's gradient where its states are (host or device) and on the bus: when a step
+        is one backward (`accumulates` False) in the working dtypes (its matrices' gradients are
+        compute-dtype values; the runtime keeps them so), else the fp32 sum."""
         return self.master_bytes if accumulates else self.weight_bytes
 
     def host_bytes(self, accumulates: bool) -> int:
@@ -69,11 +69,23 @@ class LayerCosts:
         """What a GPU update of a host layer brings to the device: master, gradient, states."""
         return self.master_bytes + self.grad_bytes(accumulates) + self.state_bytes
 
+    def gpu_state_bytes(self, accumulates: bool) -> int:
+        """Master, gradient (`grad_bytes`) and states on the device: what a layer whose states live
+        on the GPU holds there beside its working weights."""
+        return self.master_bytes + self.grad_bytes(accumulates) + self.state_bytes
+
+    def gpu_widened_bytes(self, accumulates: bool) -> int:
+        """When a step is one backward, the device's fp32 buffer a layer whose states live on the GPU
+        widens its gradient into for its update (the master's size; one buffer, the largest such
+        layer's, shared by all of them, made for the update); none when the step accumulates (the
+        fp32 sum is read)."""
+        return 0 if accumulates else self.master_bytes
+
     @property
-    def gpu_state_bytes(self) -> int:
-        """Master, fp32 gradient and states on the device: what a layer whose states live on the GPU
-        holds there beside its working weights, and one slot of the update's ring less its casts."""
-        return 2 * self.master_bytes + self.state_bytes
+    def slot_bytes(self) -> int:
+        """One slot of the update's ring on the GPU: master, an fp32 gradient (a one-backward
+        gradient is widened into it), states and the staging casts."""
+        return 2 * self.master_bytes + self.state_bytes + self.staging_bytes
 
 
 @dataclass(frozen=True)
@@ -246,14 +258,18 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       store's device bytes are held at the turnaround.
     - GPU peak: the larger of the turnaround (end of the forward) and the optimizer phase.
       Turnaround: static + weights of resident and kept layers + master, gradient and states of
-      "gpu" layers + (d+1) buffers of the largest streamed layer + kept activations (keep:
-      everything saved; recompute: the input) + 2 (d+1) of the largest offloaded input (copies
-      out and back in flight) + (d+1) fp32 gradients (2 (d+1) with more than one micro-batch:
+      "gpu" layers (with one micro-batch the gradient in the working dtypes) + (d+1) buffers of
+      the largest streamed layer + kept
+      activations (keep: everything saved; recompute: the input) + 2 (d+1) of the largest
+      offloaded input (copies out and back in flight) + (d+1) fp32 gradients (2 (d+1) with more than one micro-batch:
       accumulators coming in) and one compute-dtype gradient of the largest layer (with one
       micro-batch: (d+1) compute-dtype gradients on their way out and one fp32 sum) + the largest
       layer's workspace and recomputed activations + with the update on the GPU its ring (the
       first slots fill in the backward). Optimizer phase: static + resident weights + "gpu"
-      layers' state + the ring.
+      layers' state + the ring + with one micro-batch the fp32 buffer the "gpu" layers' updates
+      widen their gradients into, one of the largest such layer's master
+      (`LayerCosts.gpu_widened_bytes`; the turnaround's fp32 sum being formed is as large, so it
+      does not raise the peak).
     - Host peak: static + the host layers' master, gradient, states and staging copy + the
       offloaded inputs of one micro-batch + with one micro-batch and the update on the CPU the fp32
       buffer the largest host layer's gradient is widened into.
@@ -379,11 +395,12 @@ def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
     acts = sum(x.keep_bytes if lp.activation == "keep" else x.boundary_bytes
                for x, lp in zip(c, p) if lp.activation != "offload")
     in_flight = 2 * (d + 1) * most(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload")
-    states = sum(x.gpu_state_bytes for x, lp in zip(c, p) if lp.states == "gpu")
+    states = sum(x.gpu_state_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "gpu")
+    widened = most(x.gpu_widened_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "gpu")
     turnaround = (costs.static_gpu_bytes + held + ring + acts + in_flight + states + _fixed_gpu_bytes(costs, d)
                   + _optimizer_slices(costs, plan.optimizer))
     resident = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident")
-    optimizer_phase = costs.static_gpu_bytes + resident + states + _optimizer_slices(costs, plan.optimizer)
+    optimizer_phase = costs.static_gpu_bytes + resident + states + widened + _optimizer_slices(costs, plan.optimizer)
     host = (costs.static_host_bytes + sum(x.host_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "host")
             + sum(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload")
             + _widened_host_bytes(costs, plan.optimizer, [lp.states == "host" for lp in p]))
@@ -413,7 +430,7 @@ def _widened_host_bytes(costs: CostTable, side: str, on_host: list[bool]) -> int
 def _optimizer_slices(costs: CostTable, side: str) -> int:
     """The update's ring on the GPU (UPDATE_SLOTS slots of the largest layer's master, gradient,
     states and staging casts), held from the backward (the first slots load there) to the update."""
-    return UPDATE_SLOTS * max(x.gpu_state_bytes + x.staging_bytes for x in costs.layers) if side == "gpu" else 0
+    return UPDATE_SLOTS * max(x.slot_bytes for x in costs.layers) if side == "gpu" else 0
 
 
 # --- where the key/value pages live ---------------------------------------------------------------

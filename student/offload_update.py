@@ -72,14 +72,16 @@ class HostLayer:
     """One decoder layer's fp32 state: flat master and gradient buffers whose views are the layer's
     parameters and their gradients, and per group the staging copy the device reads. In host
     memory (pinned when `pin`), or on `device` for a layer whose plan puts its states on the GPU
-    (its staging copies are then its resident working weights)."""
+    (its staging copies are then its resident working weights). `narrow_grads` (a step is one
+    backward): the gradient is one buffer per group in the group's dtype instead (`narrow`)."""
 
     def __init__(self, layer: torch.nn.Module, compute_dtype: torch.dtype, pin: bool, device=None,
                  narrow_grads: bool = False):
         self.on_device = device is not None
-        # The step's gradient is one backward's (no sum of micro-batches): a host layer keeps its
-        # compute-dtype groups' gradients in that dtype (the values are that dtype's: widening is exact).
-        self.narrow = narrow_grads and not self.on_device
+        # The step's gradient is one backward's (no sum of micro-batches): the layer keeps its
+        # compute-dtype groups' gradients in that dtype, on the host or on the device as its states
+        # (the values are that dtype's: widening is exact).
+        self.narrow = narrow_grads
         empty = (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=device)) if self.on_device else \
             (lambda numel, dtype: host_empty(numel, dtype, pin))
         named = list(layer.named_parameters())
@@ -131,9 +133,10 @@ class HostLayer:
         return [(g, s) for g, s in zip(self.groups, self.staging) if g.dtype != torch.float32]
 
     def widen_grads(self, out: torch.Tensor, coef: torch.Tensor | None) -> list[torch.Tensor]:
-        """A narrow layer's gradient in fp32 in `out` (host, at least `numel` fp32 elements), scaled
-        by `coef` (a 0-dim fp32 tensor; None: not scaled) in the same pass: fp32(grad) * coef, the
-        product of the fp32 path's scaling. Returns the parameters' fp32 gradient views of `out`."""
+        """A narrow layer's gradient in fp32 in `out` (on the gradient's device, at least `numel` fp32
+        elements), scaled by `coef` (a 0-dim fp32 tensor there; None: not scaled) in the same pass:
+        fp32(grad) * coef, the product of the fp32 path's scaling. Returns the parameters' fp32
+        gradient views of `out`."""
         assert self.narrow, "a layer with fp32 gradients reads its own buffer"
         with torch.no_grad():
             for g, grad in zip(self.groups, self.grads):

@@ -147,7 +147,7 @@ def _horizon_ms(costs: CostTable) -> float:
     of the program added up, twice."""
     total = costs.head_s + costs.static_update_s
     for x in costs.layers:
-        moved = 2 * (x.weight_bytes + x.boundary_bytes + x.master_bytes) + x.gpu_state_bytes + x.staging_bytes + x.state_bytes
+        moved = 2 * (x.weight_bytes + x.boundary_bytes + x.master_bytes) + x.slot_bytes + x.state_bytes
         total += (2 * x.forward_s + x.backward_s + x.update_gpu_s + x.update_cpu_s
                   + moved / min(costs.h2d_bytes_per_s, costs.d2h_bytes_per_s) + 2 * x.master_bytes / costs.host_bytes_per_s)
     return 2e3 * total + 1.0
@@ -291,7 +291,11 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
                                      pick(i, c[i].weight_bytes * per_byte, "offload", "stream")))
         prog.at_least(MA, None, pick(i, c[i].boundary_bytes * per_byte, act="offload"))
     resident = [pick(i, c[i].weight_bytes * per_byte, par="resident") for i in range(L)]
-    states = [pick(i, c[i].gpu_state_bytes * per_byte, st="gpu") for i in range(L)]
+    states = [pick(i, c[i].gpu_state_bytes(costs.accumulates) * per_byte, st="gpu") for i in range(L)]
+    # The device's fp32 buffer the "gpu" layers' one-backward gradients are widened into in the update: the largest one's.
+    MS = prog.var()
+    for i in range(L):
+        prog.at_least(MS, None, pick(i, c[i].gpu_widened_bytes(costs.accumulates) * per_byte, st="gpu"))
     turnaround = _add(const((costs.static_gpu_bytes + _fixed_gpu_bytes(costs, d) + _optimizer_slices(costs, optimizer))
                             * per_byte),
                       {MW: d + 1.0, MA: 2.0 * (d + 1)}, *resident, *states,
@@ -299,7 +303,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
                       *[pick(i, c[i].keep_bytes * per_byte, act="keep") for i in range(L)],
                       *[pick(i, c[i].boundary_bytes * per_byte, act="recompute") for i in range(L)])
     optimizer_phase = _add(const((costs.static_gpu_bytes + _optimizer_slices(costs, optimizer)) * per_byte),
-                           *resident, *states)
+                           {MS: 1.0}, *resident, *states)
     # The fp32 buffer the update on the CPU widens gradients into: the largest host layer's master.
     MH = prog.var()
     if _widened_host_bytes(costs, optimizer, [True] * L):

@@ -649,9 +649,10 @@ def _offload_plan(config: TrainConfig):
 
 def steps_accumulate(config: TrainConfig) -> bool:
     """Whether a step's gradient sums several backwards (grad_accum > 1, or chunk-recurrent training,
-    whose chunks add up like micro-batches): OffloadRuntime's `accumulates`. Else its host layers
-    keep the matrices' gradients in the compute dtype. A chunked run counts as accumulating even
-    when its sequences fit one chunk (the chunks a batch has are known only once it runs)."""
+    whose chunks add up like micro-batches): OffloadRuntime's `accumulates`. Else its layers keep
+    the matrices' gradients in the compute dtype, on the host or on the GPU as their states. A
+    chunked run counts as accumulating even when its sequences fit one chunk (the chunks a batch
+    has are known only once it runs)."""
     return config.grad_accum > 1 or config.long.chunk_tokens is not None
 
 

@@ -357,17 +357,22 @@ def test_resuming_an_offloaded_run_loads_the_layers_in_place_on_the_host(small, 
     runtime.close()
 
 
-@pytest.mark.parametrize("optimizer, plan", [("adamw", "mixed-cpu"), ("foam", "mixed-gpu"), ("adamw8bit", "states-gpu")])
-def test_bf16_offloaded_training_at_one_micro_batch_keeps_bf16_host_gradients_and_equals_training_without_offload(
-        small, tmp_path, optimizer, plan):
-    """bf16 autocast on the CPU, grad_accum 1, every step clipped: the host layers' matrices'
-    gradients go to the host and (the update on the GPU) into the ring in bf16, the vectors' in fp32,
-    and the run's losses, gradient norms, evaluations and weights are those of training without
-    offload, bit for bit (the widening is exact). At grad_accum 2 the host gradients are fp32."""
+@pytest.mark.parametrize("optimizer, plan, grad_accum", [
+    ("adamw", "mixed-cpu", 1), ("foam", "mixed-gpu", 1), ("adamw8bit", "states-gpu", 1),
+    ("adamw", "states-cpu", 1), ("foam", "states-gpu", 1), ("foam", "states-cpu", 2)])
+def test_bf16_offloaded_training_at_one_micro_batch_keeps_bf16_gradients_and_equals_training_without_offload(
+        small, tmp_path, optimizer, plan, grad_accum):
+    """bf16 autocast on the CPU, every step clipped: at grad_accum 1 the matrices' gradients stay
+    bf16, the host layers' on the host (and, the update on the GPU, into the ring), the "gpu"
+    layers' on the device, each widened for its layer's update alone (those into one device buffer
+    made for the update), the vectors' fp32; the run's losses, gradient norms, evaluations and weights are
+    those of training without offload, bit for bit (the widening is exact). At grad_accum 2 every
+    gradient is an fp32 sum, with the same results."""
     from student.offload import OffloadRuntime
     from student.trainer import steps_accumulate
 
-    bf16 = dict(optimizer=optimizer, dtype="bfloat16", grad_accum=1, clip_grad=1e-2, save_every=0, eval_every=3)
+    bf16 = dict(optimizer=optimizer, dtype="bfloat16", grad_accum=grad_accum, clip_grad=1e-2, save_every=0,
+                eval_every=3)
     want, out = tmp_path / "plain", tmp_path / "run"
     train(config(small, want, **bf16), progress=False)
     cfg = config(small, out, offload=plan_file(tmp_path / "plan.json", *PLANS[plan]), **bf16)
@@ -376,11 +381,53 @@ def test_bf16_offloaded_training_at_one_micro_batch_keeps_bf16_host_gradients_an
     assert results(out) == results(want)
     assert same_weights(out / "student", want / "student")
 
-    for grad_accum, narrow in ((1, torch.bfloat16), (2, torch.float32)):
+    for accumulated, narrow in ((1, torch.bfloat16), (2, torch.float32)):
         model = Student.from_pretrained(small[0])
         runtime = OffloadRuntime(model, OffloadPlan.load(tmp_path / "plan.json"), "cpu", torch.bfloat16,
-                                 accumulates=steps_accumulate(cfg.with_flat(grad_accum=grad_accum)))
-        for h in runtime.host:
-            want_dtypes = [torch.float32] * len(h.groups) if h.on_device else [narrow, torch.float32]
-            assert [g.dtype for g in h.grads] == want_dtypes
+                                 accumulates=steps_accumulate(cfg.with_flat(grad_accum=accumulated)))
+        assert all([g.dtype for g in h.grads] == [narrow, torch.float32] for h in runtime.host)
         runtime.close()
+
+
+@pytest.mark.parametrize("side", ["cpu", "gpu"])
+def test_one_backward_leaves_the_matrices_without_grad_and_clips_and_steps_as_without_offload(small, side):
+    """The runtime built for steps of one backward (accumulates=False), bf16 autocast, layers 0 and 3
+    with their states on the device: after finish_grads and after the step, every layer's matrices
+    have no .grad (their bf16 gradients are in the layer's buffers, host or device), its vectors'
+    .grad are fp32 and those of the model without offload before clipping (the clip coefficient is
+    applied as the update widens them); clip_grad_norm gives clip_grad_norm_foreach's norm of that
+    model and the step its AdamW weights, exactly."""
+    from student.offload import OffloadRuntime
+    from student.optim.clip import clip_grad_norm_foreach
+
+    student, _ = small
+    plain, offloaded = Student.from_pretrained(student), Student.from_pretrained(student)
+    plan = OffloadPlan.load(plan_file(Path(student) / f"narrow-{side}.json", "kg os rr kg", 1, side))
+    runtime = OffloadRuntime(offloaded, plan, "cpu", torch.bfloat16, accumulates=False)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    for model in (plain, offloaded):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids).float().pow(2).mean()
+        loss.backward()
+    runtime.finish_grads()
+    want = dict(plain.named_parameters())
+    unclipped = {name: p.grad.clone() for name, p in want.items() if p.grad is not None}
+    layers = [(name, p) for name, p in offloaded.named_parameters() if name.startswith("layers.")]
+
+    def grads_as_documented():
+        for name, p in layers:
+            if p.ndim >= 2:
+                assert p.grad is None, name
+            else:
+                assert p.grad.dtype == torch.float32 and torch.equal(p.grad, unclipped[name]), name
+
+    grads_as_documented()
+    norm = clip_grad_norm_foreach(plain.parameters(), 1e-3)
+    assert torch.equal(runtime.clip_grad_norm(1e-3), norm) and norm > 1e-2
+    torch.optim.AdamW(plain.parameters(), lr=1e-2).step()
+    runtime.step(torch.optim.AdamW(offloaded.parameters(), lr=1e-2))
+    assert all(torch.equal(p, want[name]) for name, p in offloaded.named_parameters())
+    if side == "cpu":  # (the update on the GPU leaves the host layers' vectors without .grad)
+        grads_as_documented()
+    assert all(p.grad is None for _, p in layers if p.ndim >= 2)
+    runtime.close()

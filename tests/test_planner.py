@@ -514,3 +514,49 @@ def test_one_micro_batch_keeps_host_gradients_in_bf16_which_makes_a_host_budget_
     fp32 = solve(two, gpu_budget, budget)  # fp32 sums: a layer's states must move to the GPU
     assert sum(lp.states == "gpu" for lp in fp32.layers) >= 1
     assert predict(two, on_host).host_peak_bytes > budget
+
+
+def test_one_backward_holds_gpu_layers_gradients_in_the_working_dtypes_and_one_fp32_buffer_to_widen_them():
+    """A layer whose states are on the GPU, a step of one backward: its gradient takes the working
+    dtypes' bytes, 2 bytes a matrix parameter less than fp32 (bf16 matrices, fp32 vectors); the
+    fp32 buffer of the largest such layer's master that the update widens each one's gradient into
+    is made for the update, where the turnaround's fp32 sum being formed was as large: the peak
+    grows by the layers' states alone. An accumulating step holds fp32 sums."""
+    matrix, vector = 4096, 96
+    x = layer(weight_bytes=2 * matrix + 4 * vector, master_bytes=4 * (matrix + vector), state_bytes=8 * (matrix + vector))
+    assert x.gpu_state_bytes(True) - x.gpu_state_bytes(False) == 2 * matrix
+    assert (x.gpu_widened_bytes(False), x.gpu_widened_bytes(True)) == (x.master_bytes, 0)
+    fast = dict(h2d_bytes_per_s=1e30, d2h_bytes_per_s=1e30, micro_batches=1)
+    one, summed = table([layer()] * 3, **fast), table([layer()] * 3, accumulates=True, **fast)
+    assert not one.accumulates
+    plan = lambda n: OffloadPlan(layers=tuple(LayerPlan("keep", "resident", "gpu" if i < n else "host") for i in range(3)),
+                                 prefetch_depth=0, optimizer="cpu")
+    peak = lambda costs, n: predict(costs, plan(n)).gpu_peak_bytes
+    # layer(): 2 GiB masters, 1 GiB working weights (the one-backward gradient), 4 GiB states.
+    assert peak(one, 1) - peak(one, 0) == (2 + 1 + 4) * GiB
+    assert peak(one, 3) - peak(one, 0) == 3 * (2 + 1 + 4) * GiB
+    assert peak(summed, 3) - peak(summed, 0) == 3 * (2 + 2 + 4) * GiB
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_at_one_backward_the_program_finds_the_brute_force_optimum(seed):
+    """One micro-batch a step (the "gpu" layers' gradients in the working dtypes, their shared
+    widening buffer in the update): under GPU budgets between the plans' peaks and a host budget that binds, the
+    program's plan is the brute force's optimum and within the budgets (the program's memory rows
+    are `predict`'s)."""
+    costs = random_table(3, seed, micro_batches=1)
+    assert not costs.accumulates
+    depths = (0, 1)
+    predicted = [predict(costs, plan) for plan in every_plan(3, depths)]
+    mid = lambda values, q: (lambda v: (v[int(q * (len(v) - 1))] + v[int(q * (len(v) - 1)) + 1]) // 2)(sorted(set(values)))
+    host = mid([p.host_peak_bytes for p in predicted], 0.6)
+    fits_host = [p.gpu_peak_bytes for p in predicted if p.host_peak_bytes <= host]
+    states_on_gpu = 0
+    for q in (0.1, 0.3, 0.6):
+        gpu = mid(fits_host, q)
+        best = brute_force(costs, gpu, host, depths)
+        plan = solve(costs, gpu, host, settings=SolverSettings(depths=depths))
+        assert plan.predicted.step_s == pytest.approx(best, rel=1e-6), q
+        assert plan.predicted.gpu_peak_bytes <= gpu and plan.predicted.host_peak_bytes <= host
+        states_on_gpu += sum(lp.states == "gpu" for lp in plan.layers)
+    assert states_on_gpu  # the "gpu" layers' bytes are part of some optimum's peak

@@ -31,11 +31,15 @@ Where each figure comes from:
 
   gradients    one micro-batch a step: a host layer's gradient is held and moved in the working
                dtypes (bf16 matrices, fp32 vectors), as the runtime does since the bf16grad18
-               branch (the former what-if bf16_grads); before it, in fp32
+               branch (the former what-if bf16_grads); before it, in fp32. A layer whose states
+               are on the GPU holds it so there since the gpugrad18 branch, with one fp32 buffer
+               of a layer that the updates widen it into; before it, an fp32 accumulator
+               (`--fp32-gpu-grads`, `cost_table`'s fp32_gpu_grads: the 8B rows were made so)
   what-ifs     --what-ifs double_count,as_is: `cost_table` says what each changes.
 
     PYTHONPATH=. python tests/benchmarks/plan_big_shapes.py [--time-limit 60] [--json OUT.json]
     PYTHONPATH=. python tests/benchmarks/plan_big_shapes.py --loss-shares 0 --what-ifs double_count,as_is
+    PYTHONPATH=. python tests/benchmarks/plan_big_shapes.py --shapes qwen2.5-14b --hosts 111 [--fp32-gpu-grads]
 """
 
 from __future__ import annotations
@@ -110,6 +114,7 @@ class Shape:
 LLAMA_8B = Shape("llama-3.1-8b", 128_256, 4096, 32, 32, 8, 14336, qkv_bias=False)
 QWEN_14B = Shape("qwen2.5-14b", 152_064, 5120, 48, 40, 8, 13824, qkv_bias=True)
 QWEN_32B = Shape("qwen2.5-32b", 152_064, 5120, 64, 40, 8, 27648, qkv_bias=True)
+SHAPES = (QWEN_14B, QWEN_32B)  # planned by `main`
 
 
 def keep_bytes(s: Shape, tokens: int = TOKENS) -> int:
@@ -148,8 +153,20 @@ def update_bytes(matrix: int, vector: int, optimizer: str) -> int:
 WHAT_IFS = ("double_count", "as_is")
 
 
+@dataclass(frozen=True)
+class _Fp32GpuGrads(LayerCosts):
+    """The cost model before the gpugrad18 branch: a layer whose states are on the GPU keeps an
+    fp32 gradient accumulator there at every step, and its update widens nothing."""
+
+    def gpu_state_bytes(self, accumulates: bool) -> int:
+        return super().gpu_state_bytes(accumulates=True)
+
+    def gpu_widened_bytes(self, accumulates: bool) -> int:
+        return 0
+
+
 def cost_table(s: Shape, optimizer: str, loss_share: float, cpu_bytes_per_s: float = 20e9,
-               host_bytes_per_s: float = 30e9, what_if: str = "as_is") -> CostTable:
+               host_bytes_per_s: float = 30e9, what_if: str = "as_is", fp32_gpu_grads: bool = False) -> CostTable:
     """`s`'s CostTable as step_profile would measure it on the H200 (the module docstring says
     where each figure comes from). loss_share in [0, 1]: where the 8B's workspace split lies
     (0: the loss holds only the head's fp32 gradients; 1: those and the bf16 lm-head cast).
@@ -157,7 +174,8 @@ def cost_table(s: Shape, optimizer: str, loss_share: float, cpu_bytes_per_s: flo
     peak less the static parameters' fp32 gradients the head's backward creates, which the static
     bytes count, 2 x the static parameters' bytes); "double_count": step_profile before it took
     those gradients out of the workspace, so they counted twice (the 8B rows' predicted peaks were
-    made so: tests/test_plan_big_shapes.py)."""
+    made so: tests/test_plan_big_shapes.py). fp32_gpu_grads: the layers whose states are on the GPU
+    keep fp32 gradients (`_Fp32GpuGrads`), as the runtime did when the 8B rows were made."""
     layer_state, static_state = state_bytes(s, optimizer)
     base = LLAMA_8B
     loss_8b = 8 * base.vocab * base.hidden + loss_share * 2 * base.vocab * base.hidden
@@ -169,7 +187,7 @@ def cost_table(s: Shape, optimizer: str, loss_share: float, cpu_bytes_per_s: flo
     loss_ws = int(loss_8b * s.vocab * s.hidden / (base.vocab * base.hidden))
     flops = s.matmul_flops() / base.matmul_flops()
     upd = update_bytes(s.matrix_params, s.vector_params, optimizer)
-    layer = LayerCosts(
+    layer = (_Fp32GpuGrads if fp32_gpu_grads else LayerCosts)(
         forward_s=FORWARD_8B_S * flops, backward_s=BACKWARD_8B_S * flops,
         weight_bytes=2 * s.matrix_params + 4 * s.vector_params, boundary_bytes=4 * TOKENS * s.hidden,
         keep_bytes=keep_bytes(s), workspace_bytes=int(layer_ws_8b * scale_layer),
@@ -199,11 +217,11 @@ def summarize(s: Shape, optimizer: str, host_gib: float, costs: CostTable, time_
     host_layers = sum(lp.states == "host" for lp in plan.layers)
     count = lambda **kw: sum(all(getattr(lp, k) == v for k, v in kw.items()) for lp in plan.layers)
     compute = sum(2 * x.forward_s + x.backward_s for x in costs.layers) + costs.head_s
-    m = costs.micro_batches
-    d2h = host_layers * (c.grad_bytes(m) + (plan.optimizer == "gpu") * (c.master_bytes + c.state_bytes + c.staging_bytes))
+    a = costs.accumulates
+    d2h = host_layers * (c.grad_bytes(a) + (plan.optimizer == "gpu") * (c.master_bytes + c.state_bytes + c.staging_bytes))
     h2d = (count(params="stream") * 2 * c.weight_bytes + count(activation="offload") * c.boundary_bytes
-           + host_layers * (c.update_in_bytes(m) if plan.optimizer == "gpu" else 0))
-    return {**row, "feasible": True, "step_s": p.step_s, "tflops": 6 * s.params * TOKENS / p.step_s / 1e12,
+           + host_layers * (c.update_in_bytes(a) if plan.optimizer == "gpu" else 0))
+    return {**row, "feasible": True, "gpu_layers": len(plan.layers) - host_layers, "step_s": p.step_s, "tflops": 6 * s.params * TOKENS / p.step_s / 1e12,
             "gpu_peak": p.gpu_peak_bytes, "host_peak": p.host_peak_bytes, "optimizer_side": plan.optimizer,
             "depth": plan.prefetch_depth, "host_layers": host_layers, "stream": count(params="stream"),
             "keep": count(activation="keep"), "recompute": count(activation="recompute"),
@@ -218,16 +236,23 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--host-gb-s", type=float, default=30.0, help="assumed: the host's clip pass, GB/s")
     parser.add_argument("--loss-shares", default="0,1", help="workspace splits planned (cost_table's loss_share)")
     parser.add_argument("--what-ifs", default="as_is", help=f"comma-separated, of {WHAT_IFS}")
+    parser.add_argument("--shapes", default=",".join(s.name for s in SHAPES), help="comma-separated shape names")
+    parser.add_argument("--hosts", default="111,120", help="comma-separated host budgets, GiB")
+    parser.add_argument("--fp32-gpu-grads", action="store_true",
+                        help="the cost model before gpugrad18: states-on-GPU layers keep fp32 gradients")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     rows = []
     for what_if in args.what_ifs.split(","):
         for s, optimizer in ((QWEN_14B, "adamw"), (QWEN_14B, "foam"), (QWEN_32B, "foam"), (QWEN_32B, "adamw")):
-            for host_gib in (111, 120):
+            if s.name not in args.shapes.split(","):
+                continue
+            for host_gib in (int(x) if x.isdigit() else float(x) for x in args.hosts.split(",")):
                 for loss_share in map(float, args.loss_shares.split(",")):
-                    costs = cost_table(s, optimizer, loss_share, args.cpu_gb_s * 1e9, args.host_gb_s * 1e9, what_if)
+                    costs = cost_table(s, optimizer, loss_share, args.cpu_gb_s * 1e9, args.host_gb_s * 1e9, what_if,
+                                       fp32_gpu_grads=args.fp32_gpu_grads)
                     row = summarize(s, optimizer, host_gib, costs, args.time_limit)
-                    row.update(loss_share=loss_share, what_if=what_if)
+                    row.update(loss_share=loss_share, what_if=what_if + ("+fp32_gpu_grads" if args.fp32_gpu_grads else ""))
                     rows.append(row)
                     print(_line(row), flush=True)
     if args.json:
@@ -243,7 +268,7 @@ def _line(r: dict) -> str:
     ph = ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items() if v)
     return (head + f"step {r['step_s']:.3f} s, {r['tflops']:.0f} TFLOP/s, GPU {format_bytes(r['gpu_peak'])}, host "
             f"{format_bytes(r['host_peak'])}; update on {r['optimizer_side']}, depth {r['depth']}, host layers "
-            f"{r['host_layers']}, stream {r['stream']}, keep/rec/off {r['keep']}/{r['recompute']}/{r['offload']}; "
+            f"{r['host_layers']} (gpu {r['gpu_layers']}), stream {r['stream']}, keep/rec/off {r['keep']}/{r['recompute']}/{r['offload']}; "
             f"compute {r['compute_s']:.3f} s, d2h {r['d2h_s']:.3f} s, h2d {r['h2d_s']:.3f} s; phases {ph}")
 
 
