@@ -527,9 +527,9 @@ class OffloadRuntime:
 
     def _step_on_host(self, optimizer) -> None:
         """The device parameters (embeddings, head, layers whose states are on the device:
-        `_step_device_params`) step first, queued on the device; then the host layers one after another on the CPU, each one's gradient
-        scaled by the clip coefficient (read once), staging copy cast and (resident) working weights
-        sent to the device as soon as it is updated."""
+        `_step_device_params`) step first, queued on the device; then the host layers one after
+        another on the CPU, each one's gradient scaled by the clip coefficient (read once), staging
+        copy cast and (resident) working weights sent to the device as soon as it is updated."""
         held = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
         if self.cuda:
             self.h2d.synchronize()  # no upload still reads a staging copy about to be rewritten

@@ -30,9 +30,9 @@ Where each figure comes from:
                clip pass over host gradients at `--host-gb-s` (30 GB/s). Not measured on this host.
 
   gradients    one micro-batch a step: a host layer's gradient is held and moved in the working
-               dtypes (bf16 matrices, fp32 vectors), as the runtime does since the bf16grad18
-               branch (the former what-if bf16_grads); before it, in fp32. A layer whose states
-               are on the GPU holds it so there since the gpugrad18 branch, with one fp32 buffer
+               dtypes (bf16 matrices, fp32 vectors), as the runtime does since da69470
+               (the former what-if bf16_grads); before it, in fp32. A layer whose states
+               are on the GPU holds it so there since e2e8b06, with one fp32 buffer
                of a layer that the updates widen it into; before it, an fp32 accumulator
                (`--fp32-gpu-grads`, `cost_table`'s fp32_gpu_grads: the 8B rows were made so)
   what-ifs     --what-ifs double_count,as_is: `cost_table` says what each changes.
@@ -155,7 +155,7 @@ WHAT_IFS = ("double_count", "as_is")
 
 @dataclass(frozen=True)
 class _Fp32GpuGrads(LayerCosts):
-    """The cost model before the gpugrad18 branch: a layer whose states are on the GPU keeps an
+    """The cost model before e2e8b06: a layer whose states are on the GPU keeps an
     fp32 gradient accumulator there at every step, and its update widens nothing."""
 
     def gpu_state_bytes(self, accumulates: bool) -> int:
@@ -239,7 +239,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--shapes", default=",".join(s.name for s in SHAPES), help="comma-separated shape names")
     parser.add_argument("--hosts", default="111,120", help="comma-separated host budgets, GiB")
     parser.add_argument("--fp32-gpu-grads", action="store_true",
-                        help="the cost model before gpugrad18: states-on-GPU layers keep fp32 gradients")
+                        help="the cost model before e2e8b06 (the recorded 8B rows): states-on-GPU layers keep fp32 gradients")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     rows = []
