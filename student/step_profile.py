@@ -175,7 +175,7 @@ def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_
     Its recomputation in the backward is priced the same (it takes pass 2's own output: a little
     high when chunks are not kept). Adds `chunks` (per micro-batch) and `pass1_s`: pass 1's no-grad
     forwards of every chunk but the last, interpolated the same way."""
-    from student.long_context import _store_for, chunk_bounds, kept_attention_from
+    from student.long_context import _store_for, chunk_bounds
 
     bounds = chunk_bounds(batch.input_ids.shape[1], config.long.chunk_tokens)
     if len(bounds) == 1:
@@ -190,19 +190,33 @@ def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_
         ends.append(_measure_layers(model, batch.positions(s, e), config, amp, settings, cache_temperature,
                                     store=store))
     first, last = ends
+    return {**_chunk_layers(first["layers"], last["layers"], bounds, config.long.keep_attention_chunks),
+            "head_s": (first["head_s"] + last["head_s"]) / 2, "chunks": len(bounds),
+            "loss_workspace": max(first["loss_workspace"], last["loss_workspace"])}
+
+
+def _chunk_layers(first: list[dict], last: list[dict], bounds: list[tuple[int, int]],
+                  keep_chunks: int | None) -> dict:
+    """{"layers", "pass1_s"} of a micro-batch in chunks `bounds` from its first and last chunk's
+    layers (`_measure_layers` with a store): chunk j's seconds interpolated between them; a layer's
+    forward_s the mean over chunks of pass 2's forward, on the kept attention output for a chunk
+    pass 1 keeps (`keep_chunks`: LongContextConfig.keep_attention_chunks), attending otherwise;
+    its other seconds their mean, its bytes their largest; pass 1 the no-grad forwards of every
+    chunk but the last."""
+    from student.long_context import kept_attention_from
+
     n = len(bounds)
     at = lambda a, b, key, j: a[key] + (b[key] - a[key]) * j / (n - 1)  # chunk j's seconds
-    keep_from = kept_attention_from(bounds, config.long.keep_attention_chunks)
+    keep_from = kept_attention_from(bounds, keep_chunks)
     kept = [j < n - 1 and s >= keep_from for j, (s, _) in enumerate(bounds)]
     layers, pass1_s = [], 0.0
-    for a, b in zip(first["layers"], last["layers"]):
+    for a, b in zip(first, last):
         layer = {key: (a[key] + b[key]) / 2 if key.endswith("_s") else max(a[key], b[key]) for key in a
                  if key not in ("kept_forward_s", "pass1_forward_s")}
         layer["forward_s"] = sum(at(a, b, "kept_forward_s" if kept[j] else "forward_s", j) for j in range(n)) / n
         layers.append(layer)
         pass1_s += sum(at(a, b, "pass1_forward_s", j) for j in range(n - 1))
-    return {"layers": layers, "head_s": (first["head_s"] + last["head_s"]) / 2,
-            "loss_workspace": max(first["loss_workspace"], last["loss_workspace"]), "chunks": n, "pass1_s": pass1_s}
+    return {"layers": layers, "pass1_s": pass1_s}
 
 
 def _kv_pages(model, config, shape, amp) -> KVPages:

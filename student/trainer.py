@@ -648,11 +648,9 @@ def _offload_plan(config: TrainConfig):
 
 
 def steps_accumulate(config: TrainConfig) -> bool:
-    """Whether a step's gradient sums several backwards (grad_accum > 1, or chunk-recurrent training,
-    whose chunks add up like micro-batches): OffloadRuntime's `accumulates`. Else its layers keep
-    the matrices' gradients in the compute dtype, on the host or on the GPU as their states. A
-    chunked run counts as accumulating even when its sequences fit one chunk (the chunks a batch
-    has are known only once it runs)."""
+    """Whether a step's gradient sums several backwards (grad_accum > 1, or chunk-recurrent training):
+    OffloadRuntime's `accumulates`; else its layers keep the matrices' gradients in the compute
+    dtype. A chunked run accumulates even at one chunk (a batch's chunks are known as it runs)."""
     return config.grad_accum > 1 or config.long.chunk_tokens is not None
 
 

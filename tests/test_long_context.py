@@ -414,25 +414,15 @@ def test_the_profile_times_pass_2s_forward_on_pass_1s_kept_attention(tmp_path, m
 
 @pytest.mark.parametrize("keep,want_forward", [(None, (1 + 2 + 3 + 40) / 4), (1, (10 + 20 + 3 + 40) / 4),
                                                (0, (10 + 20 + 30 + 40) / 4)])
-def test_a_layers_pass_2_forward_is_the_mean_over_chunks_kept_or_attending(keep, want_forward, monkeypatch):
+def test_a_layers_pass_2_forward_is_the_mean_over_chunks_kept_or_attending(keep, want_forward):
     """Chunk j's seconds interpolate the first and last chunk's; a chunk pass 1 kept takes the kept
     forward, the others (and the last) the attending one; pass 1 is the no-grad forwards of all but
     the last chunk."""
-    import student.long_context
-    import student.step_profile as step_profile
-    from student.trainer import TrainConfig
+    from student.step_profile import _chunk_layers
 
     first = {"forward_s": 10.0, "kept_forward_s": 1.0, "pass1_forward_s": 8.0, "backward_s": 5.0, "keep_bytes": 7}
     last = {"forward_s": 40.0, "kept_forward_s": 4.0, "pass1_forward_s": 38.0, "backward_s": 9.0, "keep_bytes": 11}
-    ends = iter([first, last])
-    monkeypatch.setattr(step_profile, "_measure_layers", lambda *a, **kw: {
-        "layers": [dict(next(ends))], "head_s": 1.0, "loss_workspace": 0})
-    store = type("Store", (), {"k": [], "v": [], "begin": lambda *a, **kw: None})
-    monkeypatch.setattr(student.long_context, "_store_for", lambda *a, **kw: store())
-    config = TrainConfig.from_flat(cache="unused", out="unused", teacher="unused", num_layers=1, device="cpu",
-                                   chunk_tokens=13, keep_attention_chunks=keep)
-    batch = make_batch([45], vocab=50)
-    measured = step_profile._measure_chunks(None, batch, config, torch.float32, None, 1.0)
+    measured = _chunk_layers([first], [last], chunk_bounds(45, 13), keep)
     # chunk j of 4: attending 10, 20, 30, 40; kept 1, 2, 3, 4; pass 1 8, 18, 28 (the last chunk not run)
     (layer,) = measured["layers"]
     assert layer == {"forward_s": pytest.approx(want_forward), "backward_s": 7.0, "keep_bytes": 11}
