@@ -335,6 +335,37 @@ def test_batched_step_matches_torch_over_many_params(set_to_none, settings):
     assert {id(p) for p, _, _ in opt._plan.loose} == {id(params[6]), id(params[7])}
 
 
+def test_a_plan_is_kept_per_set_of_params_stepped_alone():
+    """The offload ring (student/offload_update.py) steps one layer's params at a time, each set of
+    them in place again the next step: each set's plan is built once and kept (rebuilding uploads
+    tables, whose small copies wait behind the ring's large ones on the copy engine). A state
+    replaced by a tensor at another address gets a new plan; every step equals the torch path."""
+    gen = torch.Generator().manual_seed(11)
+    make = lambda: [torch.randn(shape, generator=gen).to(DEVICE) for shape in ((8, 12), (5, 16), (8, 12), (3, 4))]
+    start = make()
+    grads = [[torch.randn(p.shape, generator=gen).to(DEVICE) for p in start] for _ in range(3)]
+    runs = []
+    for fused in (False, True):
+        params = [p.clone() for p in start]
+        opt = FOAM([{"params": params, "level": 2}], lr=1e-2, fused=fused)
+        plans = {0: [], 1: []}
+        for step in range(3):
+            if step == 2:  # a state moves to another address: its layer's plan is built again
+                opt.state[params[0]]["exp_avg"] = opt.state[params[0]]["exp_avg"].clone()
+            for half in (0, 1):
+                for i, p in enumerate(params):
+                    p.grad = grads[step][i].clone() if i // 2 == half else None
+                opt.step()
+                plans[half].append(opt._plan)
+        runs.append((params, opt, plans))
+    (ref, _, _), (params, opt, plans) = runs
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r, **TOL_FP32)
+    assert plans[0][0] is plans[0][1] and plans[0][2] is not plans[0][1]
+    assert plans[1][0] is plans[1][1] is plans[1][2] and plans[1][0] is not plans[0][0]
+    assert len(opt._plans) == 3
+
+
 STATE_SHAPES = [(7,), (1, 1), (5, 3), (64, 130), (3, 5, 33), (2, 4, 7), (16, 64), (9, 17)]
 
 
