@@ -361,8 +361,18 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
             from student.distributed import teardown
 
             teardown()
-        if pid_path.exists() and json.loads(pid_path.read_text()).get("pid") == os.getpid():
-            pid_path.unlink()
+        if dist is None or dist.main:  # rank 0 wrote it; other ranks reading it would race its removal
+            _release_pid_file(pid_path)
+
+
+def _release_pid_file(pid_path: Path) -> None:
+    """Remove run.pid if this process wrote it (another trainer may have taken the run dir since)."""
+    try:
+        owner = json.loads(pid_path.read_text())
+    except FileNotFoundError:
+        return
+    if owner.get("pid") == os.getpid():
+        pid_path.unlink(missing_ok=True)
 
 
 def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -> TrainReport:
