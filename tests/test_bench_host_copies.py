@@ -35,3 +35,9 @@ def test_each_case_gives_a_rate_per_direction_it_copies(tmp_path):
         ways = {"h2d": {"h2d_gb_s"}, "d2h": {"d2h_gb_s"}, "both": {"h2d_gb_s", "d2h_gb_s"}}[row["config"]["direction"]]
         assert {k for k in row["figures"] if k.endswith("_gb_s")} == ways
         assert all(row["figures"][k] > 1.0 for k in ways)
+    # The bus is full duplex: copies each way at once overlap, so each keeps well over half its rate
+    # alone (a version that queued one direction behind the other gave half of each).
+    by_case = {row["case"]: row["figures"] for row in rows}
+    for m in ("pinned", "registered"):
+        for way in ("h2d", "d2h"):
+            assert by_case[f"{m}-64MiBx1/both"][f"{way}_gb_s"] > 0.7 * by_case[f"{m}-64MiBx1/{way}"][f"{way}_gb_s"], m

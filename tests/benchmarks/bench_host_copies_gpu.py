@@ -48,11 +48,13 @@ def copies(direction: str, host_in: list[torch.Tensor], host_out: list[torch.Ten
 
     def run():
         current = torch.cuda.current_stream()
+        for stream, _ in ways[direction]:  # every side stream waits for the caller before any copy is queued,
+            stream.wait_stream(current)  # and the caller for all of them after: the two ways overlap
         for stream, pairs in ways[direction]:
-            stream.wait_stream(current)
             with torch.cuda.stream(stream):
                 for dst, src in pairs:
                     dst.copy_(src, non_blocking=True)
+        for stream, _ in ways[direction]:
             current.wait_stream(stream)
 
     return run
