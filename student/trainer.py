@@ -369,7 +369,7 @@ def _release_pid_file(pid_path: Path) -> None:
     """Remove run.pid if this process wrote it (another trainer may have taken the run dir since)."""
     try:
         owner = json.loads(pid_path.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # gone, or --out was never a directory
         return
     if owner.get("pid") == os.getpid():
         pid_path.unlink(missing_ok=True)
