@@ -527,9 +527,10 @@ def kept_attention_from(bounds: list[tuple[int, int]], keep_chunks: int | None) 
     """The first position whose chunk's attention pass 1 keeps (LongContextConfig.keep_attention_chunks):
     the last `keep_chunks` of the chunks before the final one (all when None); past the sequence
     when none."""
-    past = bounds[:-1]
-    kept = past if keep_chunks is None else past[len(past) - min(keep_chunks, len(past)):]
-    return kept[0][0] if kept else bounds[-1][1]
+    from student.offload_cost import kept_chunks  # the one rule, which the planner prices too
+
+    kept = kept_chunks(len(bounds), keep_chunks)
+    return bounds[kept.start][0] if kept else bounds[-1][1]
 
 
 def _store_for(model, batch_size: int, seq_len: int, config: LongContextConfig, dtype, device) -> PagedKVStore:

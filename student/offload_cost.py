@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 
 from student.offload_plan import UPDATE_SLOTS, OffloadPlan, Predicted
 
-__all__ = ["PHASES", "LayerCosts", "KVPages", "CostTable", "predict", "kv_options", "kv_residency"]
+__all__ = ["PHASES", "LayerCosts", "ChunkSeconds", "KVPages", "CostTable", "predict", "kv_options", "kv_residency",
+           "kept_chunks", "kept_attention"]
 
 
 # The phases of a step, in order, as `predict` returns them and OffloadRuntime.phase_s measures them:
@@ -34,6 +35,37 @@ __all__ = ["PHASES", "LayerCosts", "KVPages", "CostTable", "predict", "kv_option
 PHASES = ("forward", "head", "backward", "grads", "clip", "optimizer", "refresh")
 
 
+def kept_chunks(chunks: int, keep: int | None) -> range:
+    """The chunks (indexes among a micro-batch's `chunks`) whose attention output pass 1 keeps for
+    pass 2 (LongContextConfig.keep_attention_chunks): the last `keep` of those before the final one,
+    all of them when None. Pass 2 attends again for the others; pass 1 never runs the final one."""
+    before = chunks - 1
+    kept = before if keep is None else min(keep, before)
+    return range(before - kept, before)
+
+
+@dataclass(frozen=True)
+class ChunkSeconds:
+    """A decoder layer's pass-2 forward (with gradients) at the first and the last chunk of a
+    micro-batch, attending to its past pages and taking pass 1's kept attention output instead
+    (student/step_profile.py measures them): what a layer's forward_s is made of under any number
+    of kept chunks (`forward_s`)."""
+
+    first_forward_s: float
+    last_forward_s: float
+    first_kept_forward_s: float
+    last_kept_forward_s: float
+
+    def forward_s(self, chunks: int, keep: int | None) -> float:
+        """The mean over the `chunks` of pass 2's forward: chunk j's seconds interpolated linearly
+        between the first and the last chunk's (its attention reads j chunks of past pages), kept
+        for the chunks `kept_chunks` names, attending for the others."""
+        kept = kept_chunks(chunks, keep)
+        at = lambda first, last, j: first + (last - first) * j / max(chunks - 1, 1)
+        return sum(at(self.first_kept_forward_s, self.last_kept_forward_s, j) if j in kept
+                   else at(self.first_forward_s, self.last_forward_s, j) for j in range(chunks)) / chunks
+
+
 @dataclass(frozen=True)
 class LayerCosts:
     """What one decoder layer costs, for one micro-batch (seconds, bytes)."""
@@ -48,6 +80,9 @@ class LayerCosts:
     state_bytes: int  # the optimizer's states of the layer, on the host
     update_gpu_s: float  # one optimizer update of the layer on the GPU (its slice is there)
     update_cpu_s: float  # the same on the CPU, with the cast of its staging copy
+    # Chunk-recurrent training: forward_s is the mean of a chunk's pass-2 forwards, made of these
+    # (`kept_attention` prices another number of kept chunks with them). None: whole sequences.
+    chunk: ChunkSeconds | None = None
 
     @property
     def staging_bytes(self) -> int:
@@ -99,10 +134,20 @@ class KVPages:
     page_tokens: int
     kv_page_bytes: int  # one page of every row: its keys and values in the attention dtype
     grad_page_bytes: int  # their fp32 gradient pages
-    kept_bytes: int  # pass 1's kept attention outputs and lse (the chunks it keeps, all layers)
+    kept_token_bytes: int  # pass 1's kept attention output and lse of one position, all layers
     offloadable: bool  # on a GPU: the pages may live in pinned host memory (elsewhere they stay put)
     kv_offload: bool = False
     offload_pages: int = 1024  # pages (of every row) of a page set, with kv_offload
+    keep_chunks: int | None = None  # chunks whose attention pass 1 keeps (`kept_chunks`; None: all)
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.seq_tokens // self.chunk_tokens)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Pass 1's kept attention outputs (every chunk it keeps is a whole one: all but the last are)."""
+        return len(kept_chunks(self.chunks, self.keep_chunks)) * self.chunk_tokens * self.kept_token_bytes
 
     @property
     def num_pages(self) -> int:
@@ -465,6 +510,22 @@ def kv_residency(costs: CostTable, kv_offload: bool, offload_pages: int) -> Cost
     return replace(costs, layers=layers, pass1_s=max(costs.pass1_s + per_step * (forward_new - forward_old), 0.0),
                    kv_gpu_bytes=costs.kv_gpu_bytes - gpu_old + gpu_new,
                    static_host_bytes=costs.static_host_bytes - host_old + host_new, resident_pages=resident, kv=new)
+
+
+def kept_attention(costs: CostTable, keep: int | None) -> CostTable:
+    """`costs` (a chunk-recurrent table, measured with the store `costs.kv`) with pass 1 keeping the
+    attention outputs of `keep` chunks (`kept_chunks`; None: all): each layer's forward_s is its
+    pass-2 forward over the chunks (`ChunkSeconds.forward_s`; the backward's recomputation is
+    priced from it), and the kept outputs' bytes are `KVPages.bytes`'. Pass 1's seconds stay as
+    measured (a chunk not kept saves only its output's copy out)."""
+    old = costs.kv
+    assert old is not None, "a chunk-recurrent cost table (profile with --chunk-tokens)"
+    new = replace(old, keep_chunks=keep)
+    layers = tuple(x if x.chunk is None else replace(x, forward_s=x.chunk.forward_s(costs.chunks, keep))
+                   for x in costs.layers)
+    (gpu_old, host_old, _), (gpu_new, host_new, _) = old.bytes(), new.bytes()
+    return replace(costs, layers=layers, kv_gpu_bytes=costs.kv_gpu_bytes - gpu_old + gpu_new,
+                   static_host_bytes=costs.static_host_bytes - host_old + host_new, kv=new)
 
 
 def _page_copy_s(kv: KVPages, costs: CostTable) -> tuple[float, list[float]]:

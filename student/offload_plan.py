@@ -139,6 +139,7 @@ class ChunkChoice:
     kv_offload: bool  # the pages in pinned host memory, a page set of offload_pages at a time on the GPU
     offload_pages: int | None  # None: the micro-batch is one chunk (no pages were measured)
     resident_pages: int | None  # key/value pages (of every row) on the GPU at once, over all layers
+    keep_attention_chunks: int | None = None  # as OffloadPlan's
     # The best plan's predictions under the budgets; None where no plan fits them.
     step_s: float | None = None
     gpu_peak_bytes: int | None = None
@@ -163,6 +164,10 @@ class OffloadPlan:
     resident_pages: int | None = None
     kv_offload: bool | None = None
     offload_pages: int | None = None
+    # Chunks whose attention outputs pass 1 keeps for pass 2 (LongContextConfig.keep_attention_chunks),
+    # as the plan's host peak counts them; None: every chunk's. A run without --keep-attention-chunks
+    # trains with the plan's; a run with another is refused (its host memory was not planned).
+    keep_attention_chunks: int | None = None
     chunk_choices: tuple[ChunkChoice, ...] = ()  # what the planner chose among (--chunk-candidates), in order
     gpu_memory: int | None = None  # the budgets the plan was solved for, bytes
     host_memory: int | None = None

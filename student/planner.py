@@ -24,13 +24,12 @@ from dataclasses import dataclass, field, replace
 
 from distill.configs import ConfigError
 from student.offload_cost import (PHASES, CostTable, LayerCosts, _fixed_gpu_bytes, _optimizer_slices, _peaks,
-                                  _widened_host_bytes, kv_options,
-                                  kv_residency, predict)
+                                  _widened_host_bytes, kept_attention, kept_chunks, kv_options, kv_residency, predict)
 from student.offload_plan import UPDATE_SLOTS, ChunkChoice, LayerPlan, OffloadPlan
 from student.step_profile import ProfileSettings, profile
 
 __all__ = ["PHASES", "LayerCosts", "CostTable", "SolverSettings", "BudgetError", "ProfileSettings", "predict", "solve",
-           "smallest_budget", "program_step_s", "profile", "choose_chunks", "make_plan", "plan_for_training", "plan_table"]
+           "solve_kept", "smallest_budget", "program_step_s", "profile", "choose_chunks", "make_plan", "plan_for_training", "plan_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -419,7 +418,42 @@ def solve(costs: CostTable, gpu_memory: int, host_memory: int, *, time_limit_s: 
     kv = costs.kv
     return replace(best.plan, gpu_memory=gpu_memory, host_memory=host_memory, predicted=predict(costs, best.plan),
                    chunk_tokens=costs.chunk_tokens, resident_pages=costs.resident_pages,
-                   kv_offload=kv.kv_offload if kv else None, offload_pages=kv.offload_pages if kv else None)
+                   kv_offload=kv.kv_offload if kv else None, offload_pages=kv.offload_pages if kv else None,
+                   keep_attention_chunks=kv.keep_chunks if kv else None)
+
+
+def solve_kept(costs: CostTable, gpu_memory: int, host_memory: int, *, time_limit_s: float = 60.0,
+               settings: SolverSettings = SolverSettings()) -> tuple[OffloadPlan, CostTable]:
+    """`solve`, and when `costs` is chunk-recurrent on a GPU and was measured keeping every chunk's
+    attention output (the run set no --keep-attention-chunks), the most kept chunks whose outputs
+    fit the host budget: keeping one saves pass 2 an attention forward, so more is faster, and the
+    outputs are pinned host memory (at a million tokens, more than the pages). Every chunk's when
+    that plan fits; else N from the least host peak any plan has with none kept (`smallest_budget`)
+    plus N chunks' outputs (the kept bytes are a constant of the host peak), one chunk fewer than
+    all; none when even that plan does not fit. Returns (plan, its costs as `kept_attention`
+    priced them)."""
+    kv = costs.kv
+    try:
+        return solve(costs, gpu_memory, host_memory, time_limit_s=time_limit_s, settings=settings), costs
+    except BudgetError as e:
+        if e.field != "host_memory" or kv is None or kv.keep_chunks is not None or not kv.offloadable or kv.chunks < 2:
+            raise
+    none_kept = kept_attention(costs, 0)
+    least = smallest_budget(none_kept, "host", gpu_memory, time_limit_s=time_limit_s, settings=settings)[1]
+    per_chunk = kv.chunk_tokens * kv.kept_token_bytes
+    slack = math.ceil(2 * _BUDGET_SLACK * _memory_unit(costs))
+    keep = 0 if least is None else min(max((host_memory - slack - least) // per_chunk, 0), kv.chunks - 2)
+    for n in dict.fromkeys((keep, 0)):  # N, else none kept (whose failure is the error to give)
+        kept = kept_attention(costs, n)
+        try:
+            plan = solve(kept, gpu_memory, host_memory, time_limit_s=time_limit_s, settings=settings)
+        except BudgetError:
+            if n == 0:
+                raise
+            continue
+        logger.info("pass 1 keeps the attention outputs of the last %d of %d chunks (--keep-attention-chunks) to "
+                    "fit --host-memory %s", n, kv.chunks - 1, format_bytes(host_memory))
+        return plan, kept
 
 
 def _raise_budget_error(costs, gpu_memory, host_memory, time_limit_s, settings):
@@ -464,7 +498,8 @@ def choose_chunks(tables: dict[int, CostTable], gpu_memory: int, host_memory: in
     choices, best, errors = [], None, []
     for costs in priced:
         try:
-            plan = solve(costs, gpu_memory, host_memory, time_limit_s=time_limit_s / len(priced), settings=settings)
+            plan, costs = solve_kept(costs, gpu_memory, host_memory, time_limit_s=time_limit_s / len(priced),
+                                     settings=settings)
         except ConfigError as e:
             plan = None
             errors.append(e)
@@ -472,7 +507,7 @@ def choose_chunks(tables: dict[int, CostTable], gpu_memory: int, host_memory: in
         figures = dict(step_s=p.step_s, gpu_peak_bytes=p.gpu_peak_bytes, host_peak_bytes=p.host_peak_bytes) if p else {}
         choices.append(ChunkChoice(chunk_tokens=costs.chunk_tokens, kv_offload=kv.kv_offload if kv else False,
                                    offload_pages=kv.offload_pages if kv else None, resident_pages=costs.resident_pages,
-                                   **figures))
+                                   keep_attention_chunks=kv.keep_chunks if kv else None, **figures))
         if p is not None and (best is None or p.step_s < best[0].predicted.step_s):
             best = plan, costs
     if best is None:
@@ -527,9 +562,7 @@ def make_plan(config, gpu_memory: int | None = None, host_memory: int | None = N
     if candidates is not None:
         tables = {size: profile(config.with_flat(chunk_tokens=size)) for size in candidates}
         return choose_chunks(tables, gpu_memory, host_memory, time_limit_s=time_limit_s)
-    costs = profile(config)
-    plan = solve(costs, gpu_memory, host_memory, time_limit_s=time_limit_s)
-    return plan, costs
+    return solve_kept(profile(config), gpu_memory, host_memory, time_limit_s=time_limit_s)
 
 
 def plan_for_training(config, gpu_memory: int | None = None, host_memory: int | None = None) -> OffloadPlan:
@@ -567,7 +600,8 @@ def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
              "cannot hide; per layer: all micro-batches)",
              "phases: " + ", ".join(f"{name} {predicted.phase_s.get(name, 0.0) * 1e3:.2f} ms" for name in PHASES),
              *([f"chunk-recurrent: {plan.chunk_tokens} tokens a chunk, {costs.chunks} chunks a micro-batch "
-                f"(each a micro-batch above; pass 1 {costs.pass1_s * 1e3:.2f} ms a step); {plan.resident_pages} "
+                f"(each a micro-batch above; pass 1 {costs.pass1_s * 1e3:.2f} ms a step, keeping the attention "
+                f"outputs of {_kept_text(plan.keep_attention_chunks, costs.chunks)} for pass 2); {plan.resident_pages} "
                 f"key/value pages resident on the GPU ({format_bytes(costs.kv_gpu_bytes)}; {pages}), "
                 f"{format_bytes(costs.static_host_bytes)} on the host"] if plan.chunk_tokens is not None else []),
              f"peak GPU memory {format_bytes(predicted.gpu_peak_bytes)}{budget(plan.gpu_memory)}; "
@@ -579,12 +613,18 @@ def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
     return console.file.getvalue() + "\n".join(lines)
 
 
+def _kept_text(keep: int | None, chunks: int) -> str:
+    kept = len(kept_chunks(chunks, keep))
+    return f"all {kept} chunks before the last" if kept == chunks - 1 else f"the last {kept} of {chunks - 1} chunks"
+
+
 def _choices_table(plan: OffloadPlan):
     """The chunk sizes and key/value residencies `choose_chunks` considered, the chosen one marked."""
     from rich.table import Table
 
     table = Table(title="chunk sizes and key/value pages considered (--chunk-candidates)")
-    for column in ("chunk tokens", "key/value pages", "pages on GPU", "predicted step", "peak GPU", "peak host", ""):
+    for column in ("chunk tokens", "key/value pages", "pages on GPU", "attention kept", "predicted step", "peak GPU",
+                   "peak host", ""):
         table.add_column(column, justify="left" if column in ("key/value pages", "") else "right")
     key = (plan.chunk_tokens, bool(plan.kv_offload), plan.offload_pages, plan.resident_pages)
     chosen = next((c for c in plan.chunk_choices
@@ -593,6 +633,7 @@ def _choices_table(plan: OffloadPlan):
         fits = c.step_s is not None
         table.add_row(str(c.chunk_tokens), f"offloaded, sets of {c.offload_pages}" if c.kv_offload else "resident",
                       "-" if c.resident_pages is None else str(c.resident_pages),
+                      "all" if c.keep_attention_chunks is None else f"last {c.keep_attention_chunks}",
                       f"{c.step_s * 1e3:.2f} ms" if fits else "-", format_bytes(c.gpu_peak_bytes) if fits else "-",
                       format_bytes(c.host_peak_bytes) if fits else "-",
                       "chosen" if c is chosen else ("" if fits else "does not fit"))

@@ -51,7 +51,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     import torch
 
     from student.data import CacheBatches, split_indices, tokenizer_info_of
-    from student.offload_cost import CostTable, LayerCosts
+    from student.offload_cost import ChunkSeconds, CostTable, LayerCosts
     from student.optim import build_optimizer
     from student.trainer import _initial_student, _resolve, steps_accumulate
     from teacher_cache.reader import CacheReader
@@ -93,8 +93,12 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     layers = []
     for layer, m in zip(model.layers, per_layer):
         share = sum(p.numel() for p in layer.parameters()) / numel0
+        chunk = None
+        if CHUNK_KEYS[0] in m:  # forward_s from the medians' ChunkSeconds, as `kept_attention` reprices it
+            chunk = ChunkSeconds(**{key: m.pop(key) for key in CHUNK_KEYS})
+            m["forward_s"] = chunk.forward_s(chunks, config.long.keep_attention_chunks)
         layers.append(LayerCosts(**m, state_bytes=int(states * share), update_gpu_s=gpu_update_s * share,
-                                 update_cpu_s=cpu_update_s * share))
+                                 update_cpu_s=cpu_update_s * share, chunk=chunk))
     static = torch.nn.ModuleDict({name: getattr(model, name) for name in ("embed_tokens", "norm", "lm_head")
                                   if getattr(model, name) is not None})
     static_update_s, static_states = _update_seconds(static, config.optim, device, settings, build_optimizer,
@@ -198,25 +202,31 @@ def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_
 def _chunk_layers(first: list[dict], last: list[dict], bounds: list[tuple[int, int]],
                   keep_chunks: int | None) -> dict:
     """{"layers", "pass1_s"} of a micro-batch in chunks `bounds` from its first and last chunk's
-    layers (`_measure_layers` with a store): chunk j's seconds interpolated between them; a layer's
-    forward_s the mean over chunks of pass 2's forward, on the kept attention output for a chunk
-    pass 1 keeps (`keep_chunks`: LongContextConfig.keep_attention_chunks), attending otherwise;
-    its other seconds their mean, its bytes their largest; pass 1 the no-grad forwards of every
-    chunk but the last."""
-    from student.long_context import kept_attention_from
+    layers (`_measure_layers` with a store): a layer's forward_s the mean over chunks of pass 2's
+    forward, on the kept attention output for a chunk pass 1 keeps (`keep_chunks`:
+    LongContextConfig.keep_attention_chunks), attending otherwise (`ChunkSeconds.forward_s`, whose
+    four figures the layer carries as CHUNK_KEYS); its other seconds their mean, its bytes their
+    largest; pass 1 the no-grad forwards of every chunk but the last, chunk j's seconds
+    interpolated between the first and last chunk's."""
+    from student.offload_cost import ChunkSeconds
 
     n = len(bounds)
-    at = lambda a, b, key, j: a[key] + (b[key] - a[key]) * j / (n - 1)  # chunk j's seconds
-    keep_from = kept_attention_from(bounds, keep_chunks)
-    kept = [j < n - 1 and s >= keep_from for j, (s, _) in enumerate(bounds)]
     layers, pass1_s = [], 0.0
     for a, b in zip(first, last):
         layer = {key: (a[key] + b[key]) / 2 if key.endswith("_s") else max(a[key], b[key]) for key in a
                  if key not in ("kept_forward_s", "pass1_forward_s")}
-        layer["forward_s"] = sum(at(a, b, "kept_forward_s" if kept[j] else "forward_s", j) for j in range(n)) / n
+        chunk = ChunkSeconds(first_forward_s=a["forward_s"], last_forward_s=b["forward_s"],
+                             first_kept_forward_s=a["kept_forward_s"], last_kept_forward_s=b["kept_forward_s"])
+        layer.update(forward_s=chunk.forward_s(n, keep_chunks), **vars(chunk))
         layers.append(layer)
-        pass1_s += sum(at(a, b, "pass1_forward_s", j) for j in range(n - 1))
+        pass1_s += sum(a["pass1_forward_s"] + (b["pass1_forward_s"] - a["pass1_forward_s"]) * j / (n - 1)
+                       for j in range(n - 1))
     return {"layers": layers, "pass1_s": pass1_s}
+
+
+# A chunk-recurrent layer's ChunkSeconds, carried in its measured dict (medians over micro-batches
+# like its other seconds) until `profile` makes its LayerCosts.
+CHUNK_KEYS = ("first_forward_s", "last_forward_s", "first_kept_forward_s", "last_kept_forward_s")
 
 
 def _kv_pages(model, config, shape, amp) -> KVPages:
@@ -225,20 +235,17 @@ def _kv_pages(model, config, shape, amp) -> KVPages:
     pages in the attention dtype and their fp32 gradient pages (`KVPages.bytes` says where they
     live), and pass 1's kept attention outputs (and their fp32 lse) of the chunks it keeps
     (config.long.keep_attention_chunks of those before the last: all full chunks)."""
-    from student.long_context import chunk_bounds, kept_attention_from
     from student.offload_cost import KVPages
 
     c, long = model.config, config.long
     B, L = shape
     size = (amp or model.embed_tokens.weight.dtype).itemsize
     page = B * c.num_kv_heads * long.page_tokens * c.head_dim
-    bounds = chunk_bounds(L, long.chunk_tokens)
-    kept_tokens = max(bounds[-1][0] - kept_attention_from(bounds, long.keep_attention_chunks), 0)
     return KVPages(num_layers=c.num_layers, seq_tokens=L, chunk_tokens=long.chunk_tokens, page_tokens=long.page_tokens,
                    kv_page_bytes=2 * size * page, grad_page_bytes=2 * 4 * page,
-                   kept_bytes=c.num_layers * B * c.num_heads * kept_tokens * (c.head_dim * size + 4),
+                   kept_token_bytes=c.num_layers * B * c.num_heads * (c.head_dim * size + 4),
                    offloadable=config.device.startswith("cuda"), kv_offload=long.kv_offload,
-                   offload_pages=long.offload_pages)
+                   offload_pages=long.offload_pages, keep_chunks=long.keep_attention_chunks)
 
 
 def _pass1_then_kept(device: str, forward, store, autocast, kept: list[float]) -> float:

@@ -5,7 +5,8 @@ Run directory (`out`):
                       temperature, the student's identity and tokenizer hash, and with offload the
                       plan the run trains with (offload_plan: OffloadPlan.to_dict(), its predictions;
                       with --chunk-candidates the config's chunk_tokens, kv_offload and offload_pages
-                      are the plan's choice, and its chunk_choices every candidate considered)
+                      are the plan's choice, and its chunk_choices every candidate considered; a plan
+                      that keeps the attention outputs of fewer chunks sets keep_attention_chunks)
   metrics.jsonl       {"kind": "train", step, loss, kl, lr, grad_norm, tokens, tok_per_s,
                       optimizer_state_bytes, epoch, and on a GPU peak_gpu_bytes: the most
                       allocated since the previous row}; with offload also offload_step_s (mean
@@ -413,6 +414,8 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
     if plan is not None and plan.chunk_choices:  # the planner chose the chunk size and where the pages live
         config = config.with_flat(chunk_tokens=plan.chunk_tokens, **{
             name: getattr(plan, name) for name in ("kv_offload", "offload_pages") if getattr(plan, name) is not None})
+    if plan is not None and plan.keep_attention_chunks is not None:  # the host memory planned for pass 1's outputs
+        config = config.with_flat(keep_attention_chunks=plan.keep_attention_chunks)
     # Offloaded, the model is built in host memory: its decoder layers stay there (student/offload.py).
     model, identity = _initial_student(config, "cpu" if offloading else device)
     if model.config.vocab_size < tok["vocab_size"]:
@@ -651,6 +654,12 @@ def _offload_plan(config: TrainConfig):
         raise ConfigError("offload", f"holds a plan made for --chunk-tokens {plan.chunk_tokens} but this run has "
                                      f"{ran}; train with the plan's --chunk-tokens, make the plan for this run "
                                      "(`distill plan`) or use --offload auto")
+    keep = config.long.keep_attention_chunks
+    if plan.keep_attention_chunks is not None and keep is not None and keep != plan.keep_attention_chunks:
+        raise ConfigError("keep_attention_chunks", f"is {keep} but the plan keeps the attention outputs of "
+                                                   f"{plan.keep_attention_chunks} chunks (its host memory counts "
+                                                   "those); drop the option to train with the plan's, or make the "
+                                                   "plan for this run (`distill plan`)")
     if plan.chunk_choices:
         logger.info("the plan chose --chunk-tokens %s, %s", plan.chunk_tokens,
                     f"--kv-offload with --offload-pages {plan.offload_pages}" if plan.kv_offload else "the pages resident")

@@ -394,7 +394,7 @@ def test_the_profile_times_pass_2s_forward_on_pass_1s_kept_attention(tmp_path, m
     """step_profile measures a chunk's layer three ways: pass 1 (attends, keeps its output), pass 2
     taking that output (no attention call), and pass 2 attending: two attention calls a run."""
     import kernels.page_attention as page_attention
-    from student.step_profile import ProfileSettings, _measure_chunks
+    from student.step_profile import CHUNK_KEYS, ProfileSettings, _measure_chunks
     from student.trainer import TrainConfig
 
     _, folder = saved_hf("qwen2", tmp_path)
@@ -409,7 +409,7 @@ def test_the_profile_times_pass_2s_forward_on_pass_1s_kept_attention(tmp_path, m
     assert len(calls) == 2 * model.config.num_layers * 2 * 2  # first and last chunk, 2 runs, 2 attending calls
     assert measured["chunks"] == 4 and measured["pass1_s"] > 0
     assert all(set(layer) == {"forward_s", "backward_s", "weight_bytes", "boundary_bytes", "keep_bytes",
-                              "workspace_bytes", "master_bytes"} for layer in measured["layers"])
+                              "workspace_bytes", "master_bytes", *CHUNK_KEYS} for layer in measured["layers"])
 
 
 @pytest.mark.parametrize("keep,want_forward", [(None, (1 + 2 + 3 + 40) / 4), (1, (10 + 20 + 3 + 40) / 4),
@@ -425,5 +425,7 @@ def test_a_layers_pass_2_forward_is_the_mean_over_chunks_kept_or_attending(keep,
     measured = _chunk_layers([first], [last], chunk_bounds(45, 13), keep)
     # chunk j of 4: attending 10, 20, 30, 40; kept 1, 2, 3, 4; pass 1 8, 18, 28 (the last chunk not run)
     (layer,) = measured["layers"]
-    assert layer == {"forward_s": pytest.approx(want_forward), "backward_s": 7.0, "keep_bytes": 11}
+    assert layer == {"forward_s": pytest.approx(want_forward), "backward_s": 7.0, "keep_bytes": 11,
+                     "first_forward_s": 10.0, "last_forward_s": 40.0, "first_kept_forward_s": 1.0,
+                     "last_kept_forward_s": 4.0}
     assert measured["pass1_s"] == pytest.approx(8 + 18 + 28)

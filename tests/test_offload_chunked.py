@@ -130,6 +130,28 @@ def test_a_plan_that_chose_its_chunk_size_trains_with_it_unless_the_run_gives_an
     assert not (tmp_path / "refused" / "run.json").exists()
 
 
+def test_a_plan_that_keeps_fewer_chunks_attention_trains_so_unless_the_run_gives_another(small, tmp_path,  # noqa: F811
+                                                                                        tmp_path_factory):
+    """A saved plan whose pass 1 keeps one chunk's attention output (the planner's choice for a host
+    budget): a run without --keep-attention-chunks, or with 1, trains keeping 1 (run.json's config
+    says so) to the losses of keeping all; one with 2 is refused in one line naming the option."""
+    path = tmp_path / "plan.json"
+    plan_file(path, *PLANS["host-cpu"])
+    OffloadPlan.from_dict({**OffloadPlan.load(path).to_dict(), "chunk_tokens": CHUNK,
+                           "keep_attention_chunks": 1}).save(path)
+    want = [r["loss"] for r in rows(reference(small, tmp_path_factory, "adamw"))]
+    for given in (None, 1):
+        out = tmp_path / f"run-{given}"
+        train(config(small, out, offload=str(path), keep_attention_chunks=given, **CHUNKED), progress=False)
+        assert json.loads((out / "run.json").read_text())["config"]["keep_attention_chunks"] == 1
+        assert [r["loss"] for r in rows(out)] == pytest.approx(want, rel=1e-5)
+    with pytest.raises(ConfigError) as e:
+        train(config(small, tmp_path / "refused", offload=str(path), keep_attention_chunks=2, **CHUNKED),
+              progress=False)
+    assert e.value.field == "keep_attention_chunks" and "keeps the attention outputs of 1" in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "refused" / "run.json").exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_offloaded_chunk_recurrent_training_matches_within_bf16(small, tmp_path):  # noqa: F811

@@ -12,9 +12,9 @@ import pytest
 
 from cli_helpers import one_error_line, run_cli
 from distill.configs import ConfigError
-from student.offload_cost import KVPages, kv_options, kv_residency
+from student.offload_cost import ChunkSeconds, CostTable, KVPages, kept_attention, kv_options, kv_residency
 from student.offload_plan import OffloadConfig, OffloadPlan
-from student.planner import BudgetError, SolverSettings, choose_chunks, predict, smallest_budget, solve
+from student.planner import BudgetError, SolverSettings, choose_chunks, predict, smallest_budget, solve, solve_kept
 from test_planner import GiB, MS, layer, plan_args, table
 from test_trainer import tiny  # noqa: F401  (the module-scoped fixture: a tiny student and cache)
 
@@ -22,9 +22,10 @@ FAST = SolverSettings(depths=(0,))  # one depth: a few small programs per choice
 
 
 def kv(**changes) -> KVPages:
-    """Four pages a layer (128 positions, pages of 32), two chunks of 64, on a GPU, resident."""
+    """Four pages a layer (128 positions, pages of 32), two chunks of 64, on a GPU, resident; pass 1
+    keeps the first chunk's attention output, GiB / 16."""
     base = dict(num_layers=1, seq_tokens=128, chunk_tokens=64, page_tokens=32, kv_page_bytes=10**6,
-                grad_page_bytes=2 * 10**6, kept_bytes=GiB // 16, offloadable=True)
+                grad_page_bytes=2 * 10**6, kept_token_bytes=GiB // 16 // 64, offloadable=True)
     return KVPages(**{**base, **changes})
 
 
@@ -133,6 +134,74 @@ def test_when_no_choice_fits_the_error_names_the_smallest_budget_of_any():
             solve(kv_residency(costs, *option), 2**20, 200 * GiB, settings=FAST)
         alone.append(one.value.smallest_bytes)
     assert e.value.field == "gpu_memory" and e.value.smallest_bytes == min(alone) < max(alone)
+
+
+# --- how many chunks' attention pass 1 keeps -------------------------------------------------------
+
+
+def eight_chunks(**changes) -> CostTable:
+    """Eight chunks of 64 a micro-batch, pass 1 keeping the attention outputs of the seven before the
+    last (GiB / 4 each); a layer's pass-2 forward 10 ms (first chunk) to 40 ms (last) attending, 1 to
+    4 ms on a kept output; its pages resident on a GPU."""
+    pages = kv(seq_tokens=512, kept_token_bytes=GiB // 4 // 64, **changes)
+    chunk = ChunkSeconds(first_forward_s=10 * MS, last_forward_s=40 * MS, first_kept_forward_s=1 * MS,
+                         last_kept_forward_s=4 * MS)
+    costs = chunked(pages, layer(chunk=chunk), micro_batches=8, chunks=8)
+    return kept_attention(costs, pages.keep_chunks)  # forward_s as the profile makes it
+
+
+def test_keeping_fewer_chunks_reprices_the_forward_and_the_host_bytes():
+    """Chunk j's forward interpolates the first and last chunk's: attending 10 + 30 j / 7 ms, kept
+    1 + 3 j / 7; the kept chunks are the last N before the final one, each GiB / 4 of host memory."""
+    costs = eight_chunks()
+    attending = [10 + 30 * j / 7 for j in range(8)]
+    kept_s = [1 + 3 * j / 7 for j in range(8)]
+    for n in (None, 7, 3, 0):
+        priced = kept_attention(costs, n)
+        k = 7 if n is None else n
+        want = (sum(attending[:7 - k]) + sum(kept_s[7 - k:7]) + attending[7]) / 8 * MS
+        assert priced.layers[0].forward_s == pytest.approx(want), n
+        assert priced.kv.kept_bytes == k * GiB // 4
+        assert priced.static_host_bytes == costs.static_host_bytes - (7 - k) * GiB // 4
+        assert priced.kv_gpu_bytes == costs.kv_gpu_bytes
+    assert kept_attention(costs, None) == costs
+    more = kept_attention(costs, 9)  # more chunks than pass 1 runs: all of them
+    assert (more.layers, more.static_host_bytes) == (costs.layers, costs.static_host_bytes)
+    on_cpu = eight_chunks(offloadable=False)  # there the outputs stay on the device
+    assert kept_attention(on_cpu, 2).kv_gpu_bytes == on_cpu.kv_gpu_bytes - 5 * GiB // 4
+
+
+def test_the_planner_keeps_the_most_chunks_whose_outputs_fit_the_host_budget():
+    """All seven chunks' outputs do not fit; the plan keeps the last N that do (N + 1 would not),
+    predicts a step slower than keeping all and faster than keeping none, and says so in its file.
+    A run that fixed --keep-attention-chunks is planned with its own N (and refused when it does
+    not fit); a budget that fits everything keeps everything."""
+    costs = eight_chunks()
+    least = smallest_budget(kept_attention(costs, 0), "host", 200 * GiB, settings=FAST)[1]
+    budget = least + 3 * GiB // 4 + GiB // 8  # room for three chunks' outputs and a half
+    plan, priced = solve_kept(costs, 200 * GiB, budget, settings=FAST)
+    assert plan.keep_attention_chunks == 3 and priced.kv.keep_chunks == 3
+    assert plan.predicted == predict(priced, plan) and plan.predicted.host_peak_bytes <= budget
+    with pytest.raises(BudgetError) as e:
+        solve(kept_attention(costs, 4), 200 * GiB, budget, settings=FAST)
+    assert e.value.field == "host_memory"
+    all_kept = solve(costs, 200 * GiB, 200 * GiB, settings=FAST)
+    none_kept = solve(kept_attention(costs, 0), 200 * GiB, budget, settings=FAST)
+    assert all_kept.predicted.step_s < plan.predicted.step_s < none_kept.predicted.step_s
+    assert OffloadPlan.from_dict(json.loads(json.dumps(plan.to_dict()))).keep_attention_chunks == 3
+
+    roomy, _ = solve_kept(costs, 200 * GiB, 200 * GiB, settings=FAST)
+    assert roomy.keep_attention_chunks is None and roomy.predicted == all_kept.predicted
+    fixed = kept_attention(costs, 5)
+    with pytest.raises(BudgetError) as e:
+        solve_kept(fixed, 200 * GiB, budget, settings=FAST)
+    assert e.value.field == "host_memory"
+    with pytest.raises(BudgetError) as e:  # not even without kept outputs: the error names that plan's least
+        solve_kept(costs, 200 * GiB, least - GiB, settings=FAST)
+    assert e.value.field == "host_memory" and e.value.smallest_bytes < least + GiB // 8
+    chosen, _ = choose_chunks({64: costs}, 200 * GiB, budget, settings=FAST)
+    resident = next(c for c in chosen.chunk_choices if not c.kv_offload)
+    assert resident.keep_attention_chunks == 3
 
 
 # --- the user's mistakes and distill plan ----------------------------------------------------------
