@@ -85,10 +85,12 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     chunks = max(m["chunks"] for m in measured)
     loss_workspace = max(m["loss_workspace"] for m in measured)
 
-    gpu_update_s, states = _update_seconds(model.layers[0], config.optim, device, settings, build_optimizer)
+    # The optimizer as the trainer builds it for this device, wherever its parameters are: on a GPU
+    # run torch's AdamW is the fused one, and so is its update of the layers in host memory.
+    build = lambda module: build_optimizer(module, config.optim, device)
+    gpu_update_s, states = _update_seconds(model.layers[0], build, device, settings)
     # On the CPU the update also casts the layer's matrices to its staging copy (the runtime's refresh).
-    cpu_update_s = _update_seconds(model.layers[0], config.optim, "cpu", settings, build_optimizer,
-                                   cast_to=amp)[0] if cuda else gpu_update_s
+    cpu_update_s = _update_seconds(model.layers[0], build, "cpu", settings, cast_to=amp)[0] if cuda else gpu_update_s
     numel0 = sum(p.numel() for p in model.layers[0].parameters())
     layers = []
     for layer, m in zip(model.layers, per_layer):
@@ -101,8 +103,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
                                  update_cpu_s=cpu_update_s * share, chunk=chunk))
     static = torch.nn.ModuleDict({name: getattr(model, name) for name in ("embed_tokens", "norm", "lm_head")
                                   if getattr(model, name) is not None})
-    static_update_s, static_states = _update_seconds(static, config.optim, device, settings, build_optimizer,
-                                                     copy_first=False)
+    static_update_s, static_states = _update_seconds(static, build, device, settings, copy_first=False)
     static_params = sum(p.numel() * p.element_size() for p in static.parameters())
     h2d, d2h, h2d_duplex, d2h_duplex, latency = _bandwidths(device, settings)
     kv = _kv_pages(model, config, batches[0].input_ids.shape, amp) if chunks > 1 else None
@@ -359,11 +360,12 @@ def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_
     return {"layers": layers, "head_s": sorted(seconds[1:])[len(seconds[1:]) // 2], "loss_workspace": workspace}
 
 
-def _update_seconds(module, optim_config, device: str, settings: ProfileSettings, build_optimizer,
-                    copy_first: bool = True, cast_to=None) -> tuple[float, int]:
-    """(seconds of one optimizer update of `module`'s fp32 parameters on `device`, then a cast of
-    its matrices to `cast_to` if given; the optimizer's state bytes after it): the first update
-    (which creates the states) is not timed."""
+def _update_seconds(module, build, device: str, settings: ProfileSettings, copy_first: bool = True,
+                    cast_to=None) -> tuple[float, int]:
+    """(seconds of one optimizer update of `module`'s fp32 parameters on `device`, by the optimizer
+    `build(module)` makes, then a cast of its matrices into a staging copy of dtype `cast_to` if
+    given, as OffloadRuntime's refresh casts them; the optimizer's state bytes after it): the first
+    update (which creates the states) is not timed."""
     import copy
 
     import torch
@@ -371,15 +373,18 @@ def _update_seconds(module, optim_config, device: str, settings: ProfileSettings
     from student.optim import state_bytes
 
     module = copy.deepcopy(module).to(device=device, dtype=torch.float32) if copy_first else module
-    optimizer = build_optimizer(module, optim_config, device)
+    optimizer = build(module)
     generator = torch.Generator(device=device).manual_seed(0)
     for p in module.parameters():
         p.grad = torch.randn(p.shape, device=device, generator=generator) * 1e-3
     matrices = [p for p in module.parameters() if p.ndim >= 2]
+    staging = [torch.empty_like(p, dtype=cast_to) for p in matrices] if cast_to is not None else []
 
     def update():
         optimizer.step()
-        return [p.detach().to(cast_to) for p in matrices] if cast_to is not None else None
+        with torch.no_grad():
+            for out, p in zip(staging, matrices):
+                out.copy_(p)
 
     seconds = [_timed(device, update)[0] for _ in range(settings.repeats + 1)][1:]
     states = state_bytes(optimizer)

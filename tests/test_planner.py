@@ -434,6 +434,36 @@ def test_plan_for_training_takes_the_budgets_as_bytes(tiny, tmp_path):  # noqa: 
     assert plan.predicted.gpu_peak_bytes <= GiB and not (tmp_path / "run").exists()
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_the_profile_times_each_update_with_the_optimizer_the_trainer_builds(tiny, monkeypatch):  # noqa: F811
+    """A CUDA run's AdamW is torch's fused one, and the runtime's update of the layers in host
+    memory runs it on the CPU: the profile times the CPU update with that optimizer too, not
+    with the for-loop AdamW that torch picks for CPU parameters by default (which priced the CPU
+    update of row offload/qwen2.5-3b-T262144-gpu24GiB-chunks16384-kvoffload/planned@3c9e09c
+    at more than three times its measured phase)."""
+    import torch
+
+    from student.step_profile import ProfileSettings, profile
+    from student.trainer import TrainConfig
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    built = []
+    real = torch.optim.AdamW.__init__
+
+    def spy(self, params, *args, **kwargs):
+        real(self, params, *args, **kwargs)
+        built.append((self.defaults["fused"], {p.device.type for g in self.param_groups for p in g["params"]}))
+
+    monkeypatch.setattr(torch.optim.AdamW, "__init__", spy)
+    student, cache, _ = tiny
+    config = TrainConfig.from_flat(cache=str(cache), student=str(student), out="unused", batch_size=3, heldout=4,
+                                   device="cuda", optimizer="adamw")
+    profile(config, settings=ProfileSettings(repeats=1))
+    assert {"cpu"} in [devices for _, devices in built] and {"cuda"} in [devices for _, devices in built]
+    assert all(fused for fused, _ in built), built
+
+
 def test_a_version_1_plan_reads_as_every_layers_states_on_the_host(tmp_path):
     """Plans saved before `states` existed still train: their layers keep their states on the host."""
     v1 = {"layers": [{"activation": "keep", "params": "stream"}, {"activation": "offload", "params": "resident"}],
