@@ -26,6 +26,7 @@ def test_cpu_run_checks_then_appends_one_row_per_length_and_plots(tmp_path, monk
     for row, length in zip(rows, (128, 192)):
         f = row["figures"]
         assert f["oom"] is False and f["step_s"] > 0 and f["tok_s"] == pytest.approx(length / f["step_s"])
+        assert f["peak_host_rss_gib"] >= f["host_rss_before_gib"] > 0
         assert f["check_tokens"] == 96 and f["check_chunk_tokens"] == 32  # three chunks of the check sequence
         assert f["check_grad_error"] <= f["check_grad_allowed"] == bench.TOLERANCES["float32"][1]
         assert row["config"]["length"] == length and row["config"]["chunk_tokens"] == 64

@@ -26,6 +26,7 @@ def test_planned_chunk_recurrent_step_takes_the_planners_chunk_size_and_passes_i
                                            "offload/tiny-T256-chunks64/planned@abc1234"]
     none, planned = (row["figures"] for row in rows)
     assert none["oom"] is False and none["model_tflops_with_attention"] > none["model_tflops"] > 0
+    assert all(f["peak_host_rss_bytes"] >= f["host_rss_before_bytes"] > 0 for f in (none, planned))
     plan = rows[1]["config"]["plan"]
     assert plan["chunk_tokens"] in (64, 128) and {c["chunk_tokens"] for c in plan["chunk_choices"]} == {64, 128}
     # fp32 on the CPU: chunk-recurrent training is exact at any chunk size, offloaded or not.

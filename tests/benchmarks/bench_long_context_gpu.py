@@ -23,8 +23,10 @@ optimizer step, zero_grad.
 
 Rows `long_context/<shape>-T<len>/<variant>`: median step seconds over --repeats after --warmup
 steps (CUDA events through harness.time_gpu), tokens/s, peak GPU memory (max_memory_allocated
-over the timed steps: weights, gradients, optimizer state, activations, resident pages), peak
-pinned host memory (torch's host allocator, where it reports it), and model TFLOP/s:
+over the timed steps: weights, gradients, optimizer state, activations, resident pages), the
+process's resident host memory before the timed steps and its peak over them (host_rss_before_gib,
+peak_host_rss_gib: pinned pages and kept attention outputs included; harness.host_peak), and
+model TFLOP/s:
   6 x parameters x tokens (every parameter, the input embedding of an untied model included,
   as ENVIRONMENT.md's figures count) + causal attention: per layer, QK^T and PV each 2 FLOP x
   T^2 / 2 x heads x head_dim forward, x3 for forward and backward, i.e. 6 x layers x heads x
@@ -59,8 +61,9 @@ import re
 from pathlib import Path
 
 import torch
-from bench_train_step_gpu import GIB, free_memory, student_config
-from harness import OUTPUT_DIR, Results, add_results_arg, ceilings, check_close, load_rows, tflops, time_cpu, time_gpu
+from bench_train_step_gpu import GIB, student_config
+from harness import (OUTPUT_DIR, Results, add_results_arg, ceilings, check_close, free_memory, host_peak, load_rows,
+                     reset_host_peak, tflops, time_cpu, time_gpu)
 
 from distill.devices import resolve_dtype
 from student.config import StudentConfig
@@ -247,11 +250,12 @@ def measure(variant: str, config: StudentConfig, length: int, args, device: str,
             del model, batch
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-            if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
-                torch.cuda.reset_peak_host_memory_stats()
+        host_before = reset_host_peak()
+        if device == "cuda":
             timing = time_gpu(step, warmup=args.warmup, repeats=args.repeats)
         else:
             timing = time_cpu(step, warmup=args.warmup, repeats=args.repeats)
+        host_peak_bytes = host_peak()
     except torch.OutOfMemoryError as error:
         return {"oom": True, "peak_gib_at_oom": torch.cuda.max_memory_allocated() / GIB,
                 "error": str(error).splitlines()[0]}
@@ -260,12 +264,10 @@ def measure(variant: str, config: StudentConfig, length: int, args, device: str,
     seconds = timing.median_ms / 1e3
     figures = {"oom": False, "step_s": seconds, "min_step_s": timing.min_ms / 1e3, "repeats": len(timing.times_ms),
                "tok_s": length / seconds}
+    if host_before is not None:
+        figures.update(host_rss_before_gib=host_before / GIB, peak_host_rss_gib=host_peak_bytes / GIB)
     if device == "cuda":
         figures["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-        stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-        host = stats.get("active_bytes.peak", stats.get("allocated_bytes.peak"))
-        if host is not None:
-            figures["peak_pinned_host_gib"] = host / GIB
     figures["model_tflops"] = tflops(model_flops(config, param_count(config), length), timing.median_ms)
     if device == "cuda":
         figures["of_matmul_ceiling"] = figures["model_tflops"] / ceilings()["matmul_bf16_tflops"]
@@ -332,7 +334,7 @@ def print_table(rows: list[dict]) -> None:
         if f.get("oom"):
             print(f"{row['case']:<40} {'out of memory':>29}")
             continue
-        cells = [f.get(key) for key in ("step_s", "tok_s", "peak_gib", "peak_pinned_host_gib", "model_tflops",
+        cells = [f.get(key) for key in ("step_s", "tok_s", "peak_gib", "peak_host_rss_gib", "model_tflops",
                                         "of_matmul_ceiling")]
         text = ["-" if v is None else f"{v:.1%}" if key == 5 else f"{v:.4g}" for key, v in enumerate(cells)]
         print(f"{row['case']:<40} {text[0]:>9} {text[1]:>9} {text[2]:>9} {text[3]:>9} {text[4]:>8} {text[5]:>8}")

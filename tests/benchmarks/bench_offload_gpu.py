@@ -31,8 +31,10 @@ clipping, its host layers' norms taken on the device), runtime.step, zero_grad.
 Rows `offload/<shape>-T<tokens>/<variant>`: median step seconds over --repeats after --warmup
 steps, and after one step of --prime-tokens tokens where given (CUDA events, harness.time_gpu), tokens/s, model TFLOP/s = 6 x parameters x tokens / step
 time (the issue's measure; recomputation not counted) and its share of the bf16 matmul ceiling,
-peak GPU memory (max_memory_allocated over the timed steps), peak pinned host memory (torch's host
-allocator) and the host bytes of the offloaded layers; for an offloaded variant the phases of one
+peak GPU memory (max_memory_allocated over the timed steps), the process's resident host memory
+before them and its peak over them (host_rss_before_bytes, peak_host_rss_bytes: pinned memory,
+the layers' host bytes, the process itself; harness.host_peak) and the host bytes of the
+offloaded layers; for an offloaded variant the phases of one
 more step (phase_s: forward, head, backward, grads, clip, optimizer, refresh, as the runtime
 measures them); for a planned variant the plan's predicted step time, phases and peaks beside
 them (predicted / measured), so a row says which term of the cost model is off. Before a variant is timed, its plan (its
@@ -63,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import tempfile
 from pathlib import Path
@@ -71,7 +72,8 @@ from pathlib import Path
 import torch
 from bench_long_context_gpu import random_batch
 from bench_train_step_gpu import GIB, make_tokenizer, student_config, write_cache
-from harness import Results, add_results_arg, ceilings, check_close, tflops, time_cpu, time_gpu
+from harness import (Results, add_results_arg, ceilings, check_close, free_memory, host_peak, reset_host_peak, tflops,
+                     time_cpu, time_gpu)
 
 from student.config import StudentConfig
 from student.model import Student, rope_inv_freq
@@ -218,7 +220,7 @@ def check_plan(name: str, plan: OffloadPlan, config: StudentConfig, args, work: 
         if runtime is not None:
             runtime.close()
         del model, step, runtime
-        free(args.device)
+        free_memory(args.device)
     (want, got) = results
     print(f"{name} check, {layers} layers: (loss, gradient norm) by step: offloaded {got.tolist()}, "
           f"without offload {want.tolist()}", flush=True)
@@ -226,16 +228,6 @@ def check_plan(name: str, plan: OffloadPlan, config: StudentConfig, args, work: 
                            rtol=LOSS_RTOL)
     norm_err = check_close(f"{name} check: gradient norms", got[:, 1], want[:, 1], atol=0.0, rtol=GRAD_NORM_RTOL)
     return {"check_layers": layers, "check_loss_error": loss_err, "check_grad_norm_error": norm_err}
-
-
-def free(device: str) -> None:
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
-            torch.cuda.reset_peak_host_memory_stats()
 
 
 def trace(step, stem: Path) -> None:
@@ -284,8 +276,10 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
                 step(random_batch(prime, config.vocab_size, args.device, args.seed + 2))
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        host_before = reset_host_peak()
         timer = time_gpu if args.device == "cuda" else time_cpu
         timing = timer(step, warmup=args.warmup, repeats=args.repeats)
+        host_peak_bytes = host_peak()
     except torch.OutOfMemoryError as error:
         return {"oom": True, "peak_gib_at_oom": torch.cuda.max_memory_allocated() / GIB,
                 "error": str(error).splitlines()[0]}
@@ -301,6 +295,8 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
         trace(step, args.trace / name)
     figures = {"oom": False, "step_s": seconds, "min_step_s": timing.min_ms / 1e3, "repeats": len(timing.times_ms),
                "tok_s": args.seq_len / seconds, "model_tflops": tflops(6 * params * args.seq_len, timing.median_ms)}
+    if host_before is not None:
+        figures.update(host_rss_before_bytes=host_before, peak_host_rss_bytes=host_peak_bytes)
     if args.chunk_tokens is not None:
         from bench_long_context_gpu import model_flops
 
@@ -312,10 +308,6 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
     if args.device == "cuda":
         figures["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
         figures["of_matmul_ceiling"] = figures["model_tflops"] / ceilings()["matmul_bf16_tflops"]
-        stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-        host = stats.get("active_bytes.peak", stats.get("allocated_bytes.peak"))
-        if host is not None:
-            figures["peak_pinned_host_bytes"] = host
     if plan is not None and plan.predicted.step_s > 0:
         p = plan.predicted
         figures.update(predicted_step_s=p.step_s, predicted_gpu_peak_bytes=p.gpu_peak_bytes,
@@ -324,7 +316,7 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
         if "peak_gpu_bytes" in figures:
             figures["gpu_peak_predicted_over_measured"] = p.gpu_peak_bytes / figures["peak_gpu_bytes"]
     del model, step, runtime, optimizer
-    free(args.device)
+    free_memory(args.device)
     return figures
 
 
@@ -397,7 +389,7 @@ def main(argv=None) -> list[dict]:
         checks = check_plan(variant, plan, config, args, work) if plan is not None else {}
         figures = {**measure(plan, config, params, args, work, hf_liger=variant == "hf_liger", name=variant),
                    **checks, **profiled}
-        free(args.device)  # also after an out-of-memory error
+        free_memory(args.device)  # also after an out-of-memory error
         budget = f"-gpu{args.gpu_memory}" if args.gpu_memory else ""  # a budgeted run is another case
         if args.chunk_tokens is not None:  # and so is a chunk-recurrent one
             budget += f"-chunks{args.chunk_tokens}" + ("-kvoffload" if args.kv_offload else "")

@@ -35,7 +35,6 @@ size (a smoke test, not a figure).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import tempfile
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from harness import Results, add_results_arg, ceilings, check_close, tflops, time_cpu, time_gpu
+from harness import Results, add_results_arg, ceilings, check_close, free_memory, tflops, time_cpu, time_gpu
 
 from kernels.fused_topk_kl import fused_topk_kl, topk_kl_dense
 from student.config import StudentConfig
@@ -203,14 +202,6 @@ def time_steps(variant, model, batches, config, loss_kw, amp, device, warmup, re
     if bad:
         raise RuntimeError(f"{variant}: non-finite loss at step {bad[0]}")
     return timing, peak
-
-
-def free_memory(device: str) -> None:
-    """Give a finished variant's memory back, so the next one's peak (also at an OOM) is its own."""
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
 
 
 def device_batches(reader, batch_size, count, device, seed=0):

@@ -156,6 +156,52 @@ def gbps(num_bytes: float, ms: float) -> float:
     return num_bytes / ms / 1e6
 
 
+def free_memory(device: str) -> None:
+    """Give a finished variant's memory back, so that the next one's peaks (also after an
+    out-of-memory error) are its own: Python's garbage, torch's cached device blocks and its
+    cached pinned host blocks; the device's peak counter reset."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        if hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
+
+
+def reset_host_peak() -> int | None:
+    """The process's resident bytes now, after the kernel's peak resident size (VmHWM) is reset to
+    it (Linux: /proc/self/clear_refs); None where that is not there. `host_peak` then reads the
+    peak since. (torch's pinned-memory counters are no such peak: torch.cuda.host_memory_stats
+    sums per-size peaks reached at different times, and keeps freed blocks cached until
+    torch._C._host_emptyCache.)"""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _status_bytes("VmRSS")
+
+
+def host_peak() -> int | None:
+    """The process's peak resident bytes (VmHWM) since `reset_host_peak`: pinned host memory,
+    the runtime's host buffers and everything else the process holds."""
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            line = next((line for line in f if line.startswith(key + ":")), None)
+    except OSError:
+        return None
+    return None if line is None else int(line.split()[1]) * 1024  # "VmHWM:  123 kB"
+
+
 def device_name() -> str:
     """The CUDA device's name, else the CPU's model name and core count."""
     try:
