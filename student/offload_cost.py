@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from student.offload_plan import UPDATE_SLOTS, OffloadPlan, Predicted
 
 __all__ = ["PHASES", "LayerCosts", "ChunkSeconds", "KVPages", "CostTable", "predict", "kv_options", "kv_residency",
-           "kept_chunks", "kept_attention"]
+           "kept_chunks", "kept_attention", "pinned_block"]
 
 
 # The phases of a step, in order, as `predict` returns them and OffloadRuntime.phase_s measures them:
@@ -33,6 +33,15 @@ __all__ = ["PHASES", "LayerCosts", "ChunkSeconds", "KVPages", "CostTable", "pred
 #             on the CPU), or until what the next step waits for is there (on the GPU: gradients
 #             still on their way out, a streamed layer's write-back)
 PHASES = ("forward", "head", "backward", "grads", "clip", "optimizer", "refresh")
+
+
+def pinned_block(n: int) -> int:
+    """Bytes of pinned host memory a request of `n` bytes holds when it comes from torch's pinned
+    allocator (torch.empty(..., pin_memory=True): CachingHostAllocator, whose free lists are by
+    power of two): the next power of two. The runtime's buffers of a step (offloaded layer inputs,
+    key/value pages, kept attention outputs) come from it; the layers' own host bytes are
+    registered in place (student/offload_update.py's `pin`), exactly."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def kept_chunks(chunks: int, keep: int | None) -> range:
@@ -134,8 +143,13 @@ class KVPages:
     page_tokens: int
     kv_page_bytes: int  # one page of every row: its keys and values in the attention dtype
     grad_page_bytes: int  # their fp32 gradient pages
-    kept_token_bytes: int  # pass 1's kept attention output and lse of one position, all layers
-    offloadable: bool  # on a GPU: the pages may live in pinned host memory (elsewhere they stay put)
+    # Pass 1's kept attention of one position (every row), one layer: its output and its fp32 lse.
+    kept_out_bytes: int
+    kept_lse_bytes: int
+    # On a GPU: the pages may live in pinned host memory (elsewhere they stay put), and every pinned
+    # buffer (a layer's key, value and gradient pools; a kept chunk's output and lse) holds a
+    # `pinned_block`.
+    offloadable: bool
     kv_offload: bool = False
     offload_pages: int = 1024  # pages (of every row) of a page set, with kv_offload
     keep_chunks: int | None = None  # chunks whose attention pass 1 keeps (`kept_chunks`; None: all)
@@ -145,9 +159,16 @@ class KVPages:
         return -(-self.seq_tokens // self.chunk_tokens)
 
     @property
+    def kept_chunk_bytes(self) -> int:
+        """Pass 1's kept attention output and lse of one (whole) chunk, all layers."""
+        block = pinned_block if self.offloadable else (lambda n: n)
+        return self.num_layers * (block(self.chunk_tokens * self.kept_out_bytes)
+                                  + block(self.chunk_tokens * self.kept_lse_bytes))
+
+    @property
     def kept_bytes(self) -> int:
         """Pass 1's kept attention outputs (every chunk it keeps is a whole one: all but the last are)."""
-        return len(kept_chunks(self.chunks, self.keep_chunks)) * self.chunk_tokens * self.kept_token_bytes
+        return len(kept_chunks(self.chunks, self.keep_chunks)) * self.kept_chunk_bytes
 
     @property
     def num_pages(self) -> int:
@@ -166,9 +187,11 @@ class KVPages:
         attention outputs go to pinned host memory on a GPU (stay on the device elsewhere).
         Resident pages: the pages (of every row) the device holds at once, over all layers."""
         page = self.kv_page_bytes + self.grad_page_bytes
-        if self.offloaded:
+        if self.offloaded:  # per layer four pinned pools: keys, values and their gradients
             resident = 3 * min(self.offload_pages, self.num_pages)
-            return resident * page, self.num_layers * self.num_pages * page + self.kept_bytes, resident
+            pools = 2 * pinned_block(self.num_pages * self.kv_page_bytes // 2) + 2 * pinned_block(
+                self.num_pages * self.grad_page_bytes // 2)
+            return resident * page, self.num_layers * pools + self.kept_bytes, resident
         resident = self.num_layers * self.num_pages
         if self.offloadable:
             return resident * page, self.kept_bytes, resident
@@ -214,6 +237,9 @@ class CostTable:
     # measurement, and the CPU's, whose copies never run both ways at once).
     h2d_duplex_bytes_per_s: float | None = None
     d2h_duplex_bytes_per_s: float | None = None
+    # On a GPU an offloaded layer input is a pinned buffer from torch's allocator: it holds a
+    # `pinned_block` of host memory (`offloaded_bytes`).
+    pinned_blocks: bool = False
 
     def __post_init__(self):
         assert self.layers and self.micro_batches >= 1 and self.chunks >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
@@ -226,6 +252,10 @@ class CostTable:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, simplex)
             assert getattr(self, name) > 0
+
+    def offloaded_bytes(self, layer: LayerCosts) -> int:
+        """Host bytes of `layer`'s input while it is offloaded."""
+        return pinned_block(layer.boundary_bytes) if self.pinned_blocks else layer.boundary_bytes
 
     def duplex_delays(self) -> tuple[float, float]:
         """(seconds the copies in lose per byte copied out meanwhile, seconds the copies out lose per
@@ -316,7 +346,8 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       (`LayerCosts.gpu_widened_bytes`; the turnaround's fp32 sum being formed is as large, so it
       does not raise the peak).
     - Host peak: static + the host layers' master, gradient, states and staging copy + the
-      offloaded inputs of one micro-batch + with one micro-batch and the update on the CPU the fp32
+      offloaded inputs of one micro-batch (on a GPU each the `pinned_block` torch's allocator
+      gives it: `CostTable.offloaded_bytes`) + with one micro-batch and the update on the CPU the fp32
       buffer the largest host layer's gradient is widened into.
     - Not modelled: the copy back of an offloaded input waiting for its copy out (the forward and
       backward between them hide it); the update's copies in sharing the bus with the backward's
@@ -447,7 +478,7 @@ def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
     resident = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident")
     optimizer_phase = costs.static_gpu_bytes + resident + states + widened + _optimizer_slices(costs, plan.optimizer)
     host = (costs.static_host_bytes + sum(x.host_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "host")
-            + sum(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload")
+            + sum(costs.offloaded_bytes(x) for x, lp in zip(c, p) if lp.activation == "offload")
             + _widened_host_bytes(costs, plan.optimizer, [lp.states == "host" for lp in p]))
     return max(turnaround, optimizer_phase), host
 

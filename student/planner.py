@@ -310,7 +310,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
             prog.at_least(MH, None, pick(i, c[i].master_bytes * per_byte, st="host"))
     host = _add(const(costs.static_host_bytes * per_byte), {MH: 1.0},
                 *[pick(i, c[i].host_bytes(costs.accumulates) * per_byte, st="host") for i in range(L)],
-                *[pick(i, c[i].boundary_bytes * per_byte, act="offload") for i in range(L)])
+                *[pick(i, costs.offloaded_bytes(c[i]) * per_byte, act="offload") for i in range(L)])
     return prog, y, step, (turnaround, optimizer_phase), host
 
 
@@ -440,7 +440,7 @@ def solve_kept(costs: CostTable, gpu_memory: int, host_memory: int, *, time_limi
             raise
     none_kept = kept_attention(costs, 0)
     least = smallest_budget(none_kept, "host", gpu_memory, time_limit_s=time_limit_s, settings=settings)[1]
-    per_chunk = kv.chunk_tokens * kv.kept_token_bytes
+    per_chunk = kv.kept_chunk_bytes
     slack = math.ceil(2 * _BUDGET_SLACK * _memory_unit(costs))
     keep = 0 if least is None else min(max((host_memory - slack - least) // per_chunk, 0), kv.chunks - 2)
     for n in dict.fromkeys((keep, 0)):  # N, else none kept (whose failure is the error to give)

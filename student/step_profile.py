@@ -116,7 +116,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
                      micro_batches=config.grad_accum * chunks, host_bytes_per_s=_host_pass_rate(settings),
                      chunks=chunks, pass1_s=pass1_s, kv_gpu_bytes=kv_gpu,
                      chunk_tokens=config.long.chunk_tokens if chunks > 1 else None, resident_pages=resident_pages,
-                     kv=kv, copy_latency_s=latency, accumulates=steps_accumulate(config))
+                     kv=kv, copy_latency_s=latency, accumulates=steps_accumulate(config), pinned_blocks=cuda)
 
 
 def _timed(device: str, fn):
@@ -244,7 +244,7 @@ def _kv_pages(model, config, shape, amp) -> KVPages:
     page = B * c.num_kv_heads * long.page_tokens * c.head_dim
     return KVPages(num_layers=c.num_layers, seq_tokens=L, chunk_tokens=long.chunk_tokens, page_tokens=long.page_tokens,
                    kv_page_bytes=2 * size * page, grad_page_bytes=2 * 4 * page,
-                   kept_token_bytes=c.num_layers * B * c.num_heads * (c.head_dim * size + 4),
+                   kept_out_bytes=B * c.num_heads * c.head_dim * size, kept_lse_bytes=B * c.num_heads * 4,
                    offloadable=config.device.startswith("cuda"), kv_offload=long.kv_offload,
                    offload_pages=long.offload_pages, keep_chunks=long.keep_attention_chunks)
 

@@ -106,6 +106,24 @@ def test_predict_peaks_count_what_each_decision_holds():
     assert kept.host_peak_bytes == GiB + 4 * (2 * 2 + 4 + 1) * GiB  # master, grads, states, weight copy
 
 
+def test_on_a_gpu_an_offloaded_input_holds_the_power_of_two_torchs_pinned_allocator_gives_it():
+    """pinned_blocks (a GPU's table): an offloaded layer input of GiB + 1 bytes holds 2 GiB of host
+    memory, in predict's host peak and in the program's host budget alike (its optimum is brute
+    force's, rounded or not); under this host budget the rounding costs the plan its speed."""
+    odd = [layer(boundary_bytes=GiB + 1, forward_s=100 * MS, keep_bytes=6 * GiB) for _ in range(4)]
+    fast = dict(d2h_bytes_per_s=400e9, h2d_bytes_per_s=400e9)
+    exact, pinned = table(odd, **fast), table(odd, pinned_blocks=True, **fast)
+    offload = OffloadPlan.uniform(4, "offload", "resident", prefetch_depth=0)
+    assert predict(pinned, offload).host_peak_bytes - predict(exact, offload).host_peak_bytes == 4 * (GiB - 1)
+    gpu, host = 58 * GiB, 5 * GiB
+    steps = []
+    for costs in (exact, pinned):
+        plan = solve(costs, gpu, host, settings=SolverSettings(depths=(0,)))
+        assert plan.predicted.step_s == pytest.approx(brute_force(costs, gpu, host, (0,)), rel=1e-6)
+        steps.append(plan.predicted.step_s)
+    assert steps[0] < steps[1]
+
+
 def test_predict_phases_add_up_and_charge_the_hosts_passes_over_gradients():
     """The phases sum to the step; clipping takes no time (its norms were taken on the device); the
     update on the CPU scales each host gradient first, a pass over its fp32 bytes at the host's

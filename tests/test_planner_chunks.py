@@ -16,6 +16,8 @@ from student.offload_cost import ChunkSeconds, CostTable, KVPages, kept_attentio
 from student.offload_plan import OffloadConfig, OffloadPlan
 from student.planner import BudgetError, SolverSettings, choose_chunks, predict, smallest_budget, solve, solve_kept
 from test_planner import GiB, MS, layer, plan_args, table
+
+MiB = 2**20
 from test_trainer import tiny  # noqa: F401  (the module-scoped fixture: a tiny student and cache)
 
 FAST = SolverSettings(depths=(0,))  # one depth: a few small programs per choice
@@ -23,9 +25,10 @@ FAST = SolverSettings(depths=(0,))  # one depth: a few small programs per choice
 
 def kv(**changes) -> KVPages:
     """Four pages a layer (128 positions, pages of 32), two chunks of 64, on a GPU, resident; pass 1
-    keeps the first chunk's attention output, GiB / 16."""
+    keeps the first chunk's attention output, GiB / 16 a layer. Offloaded, a layer's four pinned
+    pools hold 2 x 2 MiB (keys, values: 2e6 bytes each) and 2 x 4 MiB (their gradients)."""
     base = dict(num_layers=1, seq_tokens=128, chunk_tokens=64, page_tokens=32, kv_page_bytes=10**6,
-                grad_page_bytes=2 * 10**6, kept_token_bytes=GiB // 16 // 64, offloadable=True)
+                grad_page_bytes=2 * 10**6, kept_out_bytes=GiB // 16 // 64, kept_lse_bytes=0, offloadable=True)
     return KVPages(**{**base, **changes})
 
 
@@ -42,13 +45,20 @@ def chunked(pages: KVPages, *layers, **changes) -> tuple:
 
 
 def test_the_pages_bytes_resident_and_offloaded():
+    """Offloaded, each pinned pool holds the power of two torch's pinned allocator rounds it to;
+    on the CPU nothing is pinned and every byte is counted as it is."""
     pages = kv(num_layers=2)
     page = 3 * 10**6  # keys, values and their gradients, of every row
-    assert pages.bytes() == (2 * 4 * page, GiB // 16, 8)
-    assert dataclasses.replace(pages, kv_offload=True, offload_pages=1).bytes() == (3 * page, 8 * page + GiB // 16, 3)
-    assert dataclasses.replace(pages, kv_offload=True, offload_pages=9).bytes() == (12 * page, 8 * page + GiB // 16, 12)
+    kept = 2 * GiB // 16
+    pools = 2 * (2 * 2 * MiB + 2 * 4 * MiB)  # two layers' four pools
+    assert pages.bytes() == (2 * 4 * page, kept, 8)
+    assert dataclasses.replace(pages, kv_offload=True, offload_pages=1).bytes() == (3 * page, pools + kept, 3)
+    assert dataclasses.replace(pages, kv_offload=True, offload_pages=9).bytes() == (12 * page, pools + kept, 12)
     on_cpu = dataclasses.replace(pages, offloadable=False, kv_offload=True)  # the store keeps them where they are
-    assert on_cpu.bytes() == (8 * page + GiB // 16, 0, 8)
+    assert on_cpu.bytes() == (8 * page + kept, 0, 8)
+    odd = dataclasses.replace(pages, kept_out_bytes=GiB // 16 // 64 + 1, kept_lse_bytes=3)  # just over, and 192 B
+    assert odd.kept_bytes == 2 * (GiB // 8 + 256)
+    assert dataclasses.replace(odd, offloadable=False).kept_bytes == 2 * 64 * (GiB // 16 // 64 + 1 + 3)
     assert kv_options(on_cpu) == [(False, 1024)]
     assert kv_options(pages) == [(False, 1024), (True, 1), (True, 4)]  # 4 pages a layer: 4, 1, 1, 1 and the run's (4)
 
@@ -64,7 +74,7 @@ def test_offloaded_pages_charge_the_copies_the_compute_does_not_hide():
     assert offloaded.pass1_s == pytest.approx(costs.pass1_s + 10 * MS)
     assert offloaded.layers[0].backward_s == pytest.approx(costs.layers[0].backward_s + 16 * MS)
     assert offloaded.kv_gpu_bytes == 3 * 4 * 3 * 10**6 and offloaded.resident_pages == 12
-    assert offloaded.static_host_bytes == GiB + 4 * 3 * 10**6 + GiB // 16
+    assert offloaded.static_host_bytes == GiB + 2 * 2 * MiB + 2 * 4 * MiB + GiB // 16  # pinned pools: `kv`
     assert (offloaded.kv.kv_offload, offloaded.kv.offload_pages) == (True, 4)
     assert kv_residency(costs, False, 1024) == costs  # as measured: nothing changes
     # Both directions at half their rates alone when copying together (no better than taking
@@ -143,7 +153,7 @@ def eight_chunks(**changes) -> CostTable:
     """Eight chunks of 64 a micro-batch, pass 1 keeping the attention outputs of the seven before the
     last (GiB / 4 each); a layer's pass-2 forward 10 ms (first chunk) to 40 ms (last) attending, 1 to
     4 ms on a kept output; its pages resident on a GPU."""
-    pages = kv(seq_tokens=512, kept_token_bytes=GiB // 4 // 64, **changes)
+    pages = kv(seq_tokens=512, kept_out_bytes=GiB // 4 // 64, **changes)
     chunk = ChunkSeconds(first_forward_s=10 * MS, last_forward_s=40 * MS, first_kept_forward_s=1 * MS,
                          last_kept_forward_s=4 * MS)
     costs = chunked(pages, layer(chunk=chunk), micro_batches=8, chunks=8)
