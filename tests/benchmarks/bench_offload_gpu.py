@@ -3,6 +3,8 @@ policy and the planner's plan, side by side in one run.
 
 Shapes (random init, seeded; fp32 master weights, bf16 autocast, the trainer's loss on k = 32
 random valid teacher targets, one sequence of --seq-len tokens a step):
+  qwen2-0.5b    bench_long_context_gpu's (hidden 896, 24 layers, 14 / 2 heads, d_ff 4864, vocab
+                151,936, tied): with --chunk-tokens, the long-context issue's small shape
   qwen2.5-3b    bench_long_context_gpu's (hidden 2048, 36 layers, 16 / 2 heads, d_ff 11008, vocab
                 151,936, untied): with --chunk-tokens, the long-context issue's shape
   llama-3.1-8b  hidden 4096, 32 layers, 32 / 8 heads, d_ff 14336, vocab 128,256, untied, llama3 RoPE
@@ -91,7 +93,7 @@ def shape_config(shape: str, max_len: int = 32768) -> StudentConfig:
                 tie_word_embeddings=False, attention_bias=True, extra={"bos_token_id": 1, "eos_token_id": 2})
     if shape == "tiny":
         return student_config("tiny").replace(num_layers=4)
-    if shape == "qwen2.5-3b":
+    if shape in ("qwen2-0.5b", "qwen2.5-3b"):
         from bench_long_context_gpu import shape_config as long_shape
 
         return long_shape(shape, max_len)
@@ -323,7 +325,7 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
 def main(argv=None) -> list[dict]:
     """Run the benchmark; returns the rows it appended."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="llama-3.1-8b", choices=("llama-3.1-8b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-3b", "tiny"))
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=("llama-3.1-8b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-3b", "qwen2-0.5b", "tiny"))
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens a step (one sequence)")
     parser.add_argument("--variants", default="none,zero_offload,planned", help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--plan", type=Path, default=None, help="a saved plan, for the variant `file`")
