@@ -34,6 +34,21 @@ def test_cpu_run_checks_then_appends_one_row_per_length_and_plots(tmp_path, monk
     assert png.stat().st_size > 0
 
 
+def test_fewer_layers_of_a_shape_are_rows_of_their_own(tmp_path, monkeypatch):
+    """--num-layers 1: the tiny shape's first layer only, checked and timed as the whole shape would
+    be; its rows are named for it and say so, and the plot draws them apart."""
+    monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
+    results, png = tmp_path / "results.jsonl", tmp_path / "lc.png"
+    (row,) = bench.main([*SMOKE, "--lengths", "128", "--num-layers", "1", "--results", str(results),
+                         "--plot", str(png)])
+    assert row["id"] == "long_context/tiny-L1-T128/ours@abc1234"
+    assert row["config"]["num_layers"] == 1 and row["config"]["student"]["num_layers"] == 1
+    assert row["figures"]["check_grad_error"] <= row["figures"]["check_grad_allowed"]
+    assert png.stat().st_size > 0
+    with pytest.raises(SystemExit):
+        bench.parse_args([*SMOKE, "--num-layers", "0"])
+
+
 def test_plot_only_draws_the_rows_already_in_the_results(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
     results, png = tmp_path / "results.jsonl", tmp_path / "again.png"

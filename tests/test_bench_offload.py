@@ -69,3 +69,13 @@ def test_trace_writes_a_compressed_trace_and_a_table_per_variant(tmp_path, monke
     events = json.loads(gzip.decompress((tmp_path / "trace" / "none.json.gz").read_bytes()))["traceEvents"]
     assert any("backward" in str(event.get("name", "")).lower() for event in events)
     assert "Self CPU" in (tmp_path / "trace" / "none.txt").read_text()
+
+
+def test_fewer_layers_of_a_shape_are_rows_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
+    (row,) = bench.main([*SMOKE, "--seq-len", "64", "--num-layers", "2", "--variants", "none",
+                         "--results", str(tmp_path / "results.jsonl")])
+    assert row["id"] == "offload/tiny-L2-T64/none@abc1234"
+    assert row["config"]["num_layers"] == 2 and row["config"]["shape"]["num_hidden_layers"] == 2
+    with pytest.raises(SystemExit, match="--num-layers"):
+        bench.main([*SMOKE, "--num-layers", "0", "--results", str(tmp_path / "results.jsonl")])

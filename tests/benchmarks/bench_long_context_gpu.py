@@ -39,6 +39,10 @@ warm-up step at a long length costs too much, --prime-tokens N runs one untimed 
 model and optimizer on N tokens first (compiling, creating the states); what is left of a first
 step is then the host allocator's first pinned buffers for that length's pages.
 
+With --num-layers N each shape keeps its first N decoder layers (rows `SHAPE-LN-T...`, plotted
+apart): a length whose whole step would outlast a device command's time limit (a 1M-token step of
+the 3B shape) is then measured per layer; model TFLOP/s count the layers that ran.
+
 Before the first length of a shape, every requested `ours*` variant is checked against an exact
 reference on --check-tokens tokens: the loss and every parameter gradient of the chunked step
 (chunks of min(--chunk-tokens, ceil(check_tokens / 3)) tokens, so at least three, generally not
@@ -287,7 +291,9 @@ def plot(rows: list[dict], path: Path) -> None:
         if not row["figures"].get("oom"):
             chunk = row["config"].get("chunk_tokens")
             label = row["config"]["variant"] + (f" (chunks of {chunk})" if chunk else "")
-            shapes.setdefault(row["config"]["shape"], {}).setdefault(label, []).append(row)
+            layers = row["config"].get("num_layers")
+            shape = row["config"]["shape"] + (f" ({layers} layers)" if layers else "")
+            shapes.setdefault(shape, {}).setdefault(label, []).append(row)
     fig, axes = plt.subplots(max(len(shapes), 1), 2, figsize=(11, 3.8 * max(len(shapes), 1)), squeeze=False)
     for (shape, lines), (mem, speed) in zip(sorted(shapes.items()), axes):
         for label, line in sorted(lines.items()):
@@ -346,6 +352,9 @@ def parse_args(argv=None):
     parser.add_argument("--lengths", default="65536,131072", help="comma-separated sequence lengths (tokens a step)")
     parser.add_argument("--variants", default="ours,hf_liger", help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--chunk-tokens", type=int, default=16384, help="tokens per chunk of the chunk-recurrent step")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="keep only this many of each shape's decoder layers (rows `SHAPE-LN-T...`): its rates "
+                             "per layer at a length whose whole step would outlast a command's time limit")
     parser.add_argument("--page-tokens", type=int, default=64, help="positions per page of the key/value store")
     parser.add_argument("--offload-pages", type=int, default=1024,
                         help="pages brought to the GPU at once by ours_offload (LongContextConfig.offload_pages)")
@@ -383,6 +392,8 @@ def parse_args(argv=None):
         parser.error(f"--lengths must be at least 2 tokens each, got {args.lengths!r}")
     if args.chunk_tokens < 1:
         parser.error(f"--chunk-tokens must be >= 1, got {args.chunk_tokens}")
+    if args.num_layers is not None and args.num_layers < 1:
+        parser.error(f"--num-layers must be >= 1, got {args.num_layers}")
     if args.check_tokens and args.check_tokens < 3:
         parser.error(f"--check-tokens must be 0 (no check) or >= 3, got {args.check_tokens}")
     if args.device == "cpu":
@@ -410,17 +421,21 @@ def main(argv=None) -> list[dict]:
 
     for shape in args.shapes:
         config = shape_config(shape, max(args.lengths))
+        name = shape
+        if args.num_layers is not None:
+            config, name = config.replace(num_layers=args.num_layers), f"{shape}-L{args.num_layers}"
         checks = {}
         if args.check_tokens:
             for variant in args.variants:
                 if variant.startswith("ours") and variant != "ours_sparse":
                     checks[variant] = check_exact(variant, config, args, device, dtype)
-                    print(f"{shape} {variant}: exact against the whole-sequence step ({checks[variant]})", flush=True)
+                    print(f"{name} {variant}: exact against the whole-sequence step ({checks[variant]})", flush=True)
         for variant in args.variants:
             for length in args.lengths:
                 figures = {**measure(variant, config, length, args, device, dtype), **checks.get(variant, {})}
                 free_memory(device)
-                row_config = {"shape": shape, "variant": variant, "length": length, "batch_size": 1,
+                row_config = {"shape": shape, "num_layers": args.num_layers, "variant": variant, "length": length,
+                              "batch_size": 1,
                               "warmup": args.warmup, "prime_tokens": args.prime_tokens,
                               "student": {**vars(config), "parameters": param_count(config)}, "ceilings": ceiling,
                               "torch": torch.__version__, "transformers": transformers.__version__}
@@ -429,7 +444,7 @@ def main(argv=None) -> list[dict]:
                                       page_tokens=args.page_tokens, kv_offload=variant in OFFLOADED,
                                       offload_pages=args.offload_pages, top_k=TOP_K,
                                       sparse_pages=args.sparse_pages if variant == "ours_sparse" else None)
-                results.add(f"{shape}-T{length}/{variant}", figures, row_config)
+                results.add(f"{name}-T{length}/{variant}", figures, row_config)
     print_table(results.rows)
     if args.plot:
         plot(results.rows, args.plot)

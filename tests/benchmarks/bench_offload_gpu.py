@@ -59,6 +59,10 @@ causal attention (bench_long_context_gpu's measure), comparable with the long_co
     PYTHONPATH=. python tests/benchmarks/bench_offload_gpu.py --shape qwen2.5-3b --seq-len 262144 --chunk-tokens 16384 \\
         --kv-offload --variants planned --gpu-memory 27GiB --check-layers 2
 
+With --num-layers N the shape keeps its first N decoder layers (rows `SHAPE-LN-...`): a length
+whose whole step would outlast a device command's time limit is then measured per layer (the
+rates of a layer do not depend on how many there are; the head's share grows).
+
 On a CPU, `--device cpu --shape tiny --seq-len 64` runs every variant at a toy size (a smoke test,
 not a figure).
 """
@@ -327,6 +331,9 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama-3.1-8b", choices=("llama-3.1-8b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-3b", "qwen2-0.5b", "tiny"))
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens a step (one sequence)")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="keep only this many of the shape's decoder layers (rows `SHAPE-LN-T...`): its rates per "
+                             "layer at a length whose whole step would outlast a command's time limit")
     parser.add_argument("--variants", default="none,zero_offload,planned", help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--plan", type=Path, default=None, help="a saved plan, for the variant `file`")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "foam", "adamw8bit"))
@@ -360,6 +367,8 @@ def main(argv=None) -> list[dict]:
         raise SystemExit("--variants file needs --plan PLAN.json")
     if args.chunk_tokens is None and (args.kv_offload or args.chunk_candidates):
         raise SystemExit("--kv-offload and --chunk-candidates need --chunk-tokens")
+    if args.num_layers is not None and args.num_layers < 1:
+        raise SystemExit(f"--num-layers must be >= 1, got {args.num_layers}")
     if "planned" in variants:
         try:
             import student.planner  # noqa: F401
@@ -367,11 +376,14 @@ def main(argv=None) -> list[dict]:
             print("planned skipped: student.planner does not import here", flush=True)
             variants.remove("planned")
     config = shape_config(args.shape, args.seq_len)
+    name = args.shape
+    if args.num_layers is not None:
+        config, name = config.replace(num_layers=args.num_layers), f"{args.shape}-L{args.num_layers}"
     with torch.device("meta"):
         params = sum(p.numel() for p in Student(config).parameters())
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_offload_"))
     results = Results(bench=BENCH, path=args.results)
-    base = {"shape": {**config.to_hf_dict(), "parameters": params}, "seq_len": args.seq_len,
+    base = {"shape": {**config.to_hf_dict(), "parameters": params}, "num_layers": args.num_layers, "seq_len": args.seq_len,
             "optimizer": args.optimizer, "gpu_memory": args.gpu_memory, "host_memory": args.host_memory,
             "torch": torch.__version__, "ceilings": ceilings() if args.device == "cuda" else None,
             "chunk_tokens": args.chunk_tokens, "kv_offload": args.kv_offload, "page_tokens": args.page_tokens,
@@ -395,7 +407,7 @@ def main(argv=None) -> list[dict]:
         budget = f"-gpu{args.gpu_memory}" if args.gpu_memory else ""  # a budgeted run is another case
         if args.chunk_tokens is not None:  # and so is a chunk-recurrent one
             budget += f"-chunks{args.chunk_tokens}" + ("-kvoffload" if args.kv_offload else "")
-        results.add(f"{args.shape}-T{args.seq_len}{budget}/{variant}", figures,
+        results.add(f"{name}-T{args.seq_len}{budget}/{variant}", figures,
                     {**base, "variant": variant, "plan": plan.to_dict() if plan is not None else None})
     if args.work is None:
         import shutil
