@@ -36,8 +36,11 @@ A step:
             keeps only its input on the device and runs the layer again in the backward; "offload"
             copies its input to host memory on a side stream and back ahead of the backward, then
             recomputes. Weight copies of "stream" layers and returning activations are issued
-            `prefetch_depth` items ahead, in the order of use (forward in order, backward in reverse),
-            on a side stream, with events the compute stream waits on; nothing waits on the host.
+            `prefetch_depth` layers ahead, in the order of use (forward in order, backward in
+            reverse): a layer's copies start once the compute work queued before the layer
+            `prefetch_depth` + 1 places earlier in that order is done, as the planner's cost model
+            has them; on a side stream, with events the compute stream waits on; nothing waits on
+            the host.
   backward  as soon as a layer's backward has its weight gradients (one flat tensor per dtype):
             states "gpu": they are added into its device accumulators (one backward a step: as a
             host layer's below, but into its device buffers, on the compute stream); states
@@ -111,8 +114,13 @@ class _Schedule:
     """The copies to the device of one forward (and its backward), in the order of use: weights of
     stream layers in the forward, then per layer in reverse an offloaded input, stream weights and
     (a host layer, after the step's first micro-batch) its gradient accumulator.
-    Each is issued `depth` items before it is taken; ring items pass through the ring's slots,
-    the forward weights of a kept layer get their own buffer (they live until its backward)."""
+    Each layer's forward and backward is a place in that order (forward: its index; backward: L
+    more, counted from the top); a layer's copies are issued when the runtime reaches the place
+    `depth` before theirs (`reach`: the start of that layer's forward or backward, before its
+    work is queued), so they overlap the `depth` layers between. Weight items pass through the
+    ring's depth + 1 slots (the item depth + 1 before in a slot is at least one place earlier:
+    its reader's work is queued before the copy, which waits for it); the forward weights of a
+    kept layer get their own buffer (they live until its backward)."""
 
     def __init__(self, runtime: OffloadRuntime, grad: bool):
         layers, depth = runtime.plan.layers, runtime.plan.prefetch_depth
@@ -128,16 +136,27 @@ class _Schedule:
                     items.append(("g", i, "bwd"))
         self.runtime, self.depth, self.items = runtime, depth, items
         self.position = {item: k for k, item in enumerate(items)}
+        self.place = [self.place_of(i, phase, len(layers)) for _, i, phase in items]
+        self.reached = -1
         self.slot, count = {}, 0
         for k, (kind, i, phase) in enumerate(items):
             if kind == "w" and not (grad and phase == "fwd" and layers[i].activation == "keep"):
                 self.slot[k], count = count % (depth + 1), count + 1
         self.issued: dict[int, tuple[list[torch.Tensor], object]] = {}
-        self.next, self.taken = 0, -1
+        self.next = 0
+
+    @staticmethod
+    def place_of(index: int, phase: str, num_layers: int) -> int:
+        return index if phase == "fwd" else 2 * num_layers - 1 - index
+
+    def reach(self, index: int, phase: str) -> None:
+        """The runtime is at the start of layer `index`'s forward or backward (`phase`)."""
+        self.reached = max(self.reached, self.place_of(index, phase, len(self.runtime.host)))
+        self.pump()
 
     def pump(self) -> None:
-        """Issue the items up to `depth` past the last taken one (stopping at one not ready yet)."""
-        while self.next < len(self.items) and self.next <= self.taken + self.depth:
+        """Issue the items up to `depth` places past the one reached (stopping at one not ready yet)."""
+        while self.next < len(self.items) and self.place[self.next] <= self.reached + self.depth:
             issued = self.runtime._issue(self, self.next)
             if issued is None:
                 return
@@ -146,7 +165,7 @@ class _Schedule:
 
     def take(self, item: tuple) -> list[torch.Tensor]:
         k = self.position[item]
-        self.taken = k
+        self.reached = max(self.reached, self.place[k])
         self.pump()
         assert k in self.issued, f"copy {item} is issued before it is taken"
         tensors, event = self.issued.pop(k)
@@ -182,6 +201,7 @@ class _LayerFunction(torch.autograd.Function):
         runtime, index = ctx.runtime, ctx.index
         if index == len(runtime.host) - 1:
             runtime._clock.mark("bwd0")
+        runtime._schedule.reach(index, "bwd")  # before its input or weights are taken
         if ctx.graph is not None:
             x_, flats, y = ctx.graph
             ctx.graph = None
@@ -395,6 +415,7 @@ class OffloadRuntime:
 
     def _weights(self, index: int, phase: str) -> list[torch.Tensor]:
         """Layer `index`'s working weights on the device, one flat tensor per group, ready to read."""
+        self._schedule.reach(index, phase)
         if index in self.resident:
             self._wait(self._resident_ready.pop(index, None))
             return self.resident[index]

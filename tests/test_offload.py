@@ -132,6 +132,41 @@ def test_offloaded_clipping_equals_clipping_without_offload(small, tmp_path, pla
     assert same_weights(out / "student", want / "student")
 
 
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_copies_are_issued_prefetch_depth_layers_ahead_in_the_order_of_use(small, depth):
+    """The plan's prefetch_depth counts layers, as the cost model does (student/offload_cost.py):
+    a streamed layer's weights, and in the backward its offloaded input too, are issued when the
+    runtime starts the layer `depth` places before it (forward in order, then backward from the
+    top), whatever other copies that layer has; a resident layer counts as a place."""
+    from student.offload import OffloadRuntime, _Schedule
+
+    student, _ = small
+    model = Student.from_pretrained(student)
+    plan = OffloadPlan.load(plan_file(Path(student) / f"depth{depth}.json", "os os rr os", depth, "cpu"))
+    runtime = OffloadRuntime(model, plan, "cpu")
+    issued, real = [], runtime._issue
+
+    def recording(schedule, k):
+        out = real(schedule, k)
+        if out is not None:
+            issued.append((schedule.items[k], schedule.reached))
+        return out
+
+    runtime._issue = recording
+    order = _Schedule(runtime, True).items  # a step's first micro-batch: no accumulators come in
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    model(ids).pow(2).mean().backward()
+    assert [item for item, _ in issued] == order
+    want = 0
+    for item, reached in issued:
+        # Due `depth` places ahead; an offloaded input is there from its layer's forward on, and
+        # the copies after it in the order wait for it.
+        ready = item[1] if item[0] == "x" else 0
+        want = max(want, _Schedule.place_of(item[1], item[2], NUM_LAYERS) - depth, ready)
+        assert reached == want, (item, reached, want)
+    runtime.close()
+
+
 def test_the_runtime_clips_without_reading_host_gradients(small):
     """The host layers' gradient norms come from the device, measured as the sums left it: with the
     host accumulators poisoned after the backward, the runtime's clip_grad_norm still returns
