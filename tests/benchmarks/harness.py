@@ -189,7 +189,10 @@ def reset_host_peak() -> int | None:
 
 def host_peak() -> int | None:
     """The process's peak resident bytes (VmHWM) since `reset_host_peak`: pinned host memory,
-    the runtime's host buffers and everything else the process holds."""
+    the runtime's host buffers and everything else the process holds. A lower bound: the kernel
+    takes the peak when memory is unmapped (freed pinned blocks, large allocations) and when it is
+    read; memory given back without unmapping (madvise, as glibc trims its arenas) between two
+    such points is not seen."""
     return _status_bytes("VmHWM")
 
 
