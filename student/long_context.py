@@ -523,12 +523,20 @@ class _LazyFunction:
 _AttendPages = _LazyFunction(_make_attend_function)
 
 
+def kept_chunks(chunks: int, keep: int | None) -> range:
+    """The chunks (indexes among a micro-batch's `chunks`) whose attention output pass 1 keeps for
+    pass 2 (LongContextConfig.keep_attention_chunks): the last `keep` of those before the final one,
+    all of them when None. Pass 2 attends again for the others; pass 1 never runs the final one.
+    The one rule: the engine keeps by it and the planner (student/offload_cost.py) prices it."""
+    before = chunks - 1
+    kept = before if keep is None else min(keep, before)
+    return range(before - kept, before)
+
+
 def kept_attention_from(bounds: list[tuple[int, int]], keep_chunks: int | None) -> int:
     """The first position whose chunk's attention pass 1 keeps (LongContextConfig.keep_attention_chunks):
     the last `keep_chunks` of the chunks before the final one (all when None); past the sequence
     when none."""
-    from student.offload_cost import kept_chunks  # the one rule, which the planner prices too
-
     kept = kept_chunks(len(bounds), keep_chunks)
     return bounds[kept.start][0] if kept else bounds[-1][1]
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from student.long_context import kept_chunks
 from student.offload_plan import UPDATE_SLOTS, OffloadPlan, Predicted
 
 __all__ = ["PHASES", "LayerCosts", "ChunkSeconds", "KVPages", "CostTable", "predict", "kv_options", "kv_residency",
-           "kept_chunks", "kept_attention", "pinned_block"]
+           "kept_attention", "pinned_block"]
 
 
 # The phases of a step, in order, as `predict` returns them and OffloadRuntime.phase_s measures them:
@@ -42,15 +43,6 @@ def pinned_block(n: int) -> int:
     key/value pages, kept attention outputs) come from it; the layers' own host bytes are
     registered in place (student/offload_update.py's `pin`), exactly."""
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
-
-
-def kept_chunks(chunks: int, keep: int | None) -> range:
-    """The chunks (indexes among a micro-batch's `chunks`) whose attention output pass 1 keeps for
-    pass 2 (LongContextConfig.keep_attention_chunks): the last `keep` of those before the final one,
-    all of them when None. Pass 2 attends again for the others; pass 1 never runs the final one."""
-    before = chunks - 1
-    kept = before if keep is None else min(keep, before)
-    return range(before - kept, before)
 
 
 @dataclass(frozen=True)

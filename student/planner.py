@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, replace
 
 from distill.configs import ConfigError
 from student.offload_cost import (PHASES, CostTable, LayerCosts, _fixed_gpu_bytes, _optimizer_slices, _peaks,
-                                  _widened_host_bytes, kept_attention, kept_chunks, kv_options, kv_residency, predict)
+                                  _widened_host_bytes, kept_attention, kv_options, kv_residency, predict)
+from student.long_context import kept_chunks
 from student.offload_plan import UPDATE_SLOTS, ChunkChoice, LayerPlan, OffloadPlan
 from student.step_profile import ProfileSettings, profile
 
