@@ -339,7 +339,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "foam", "adamw8bit"))
     parser.add_argument("--gpu-memory", default=None, help="the planner's GPU budget, e.g. 40GiB (default: the device's)")
     parser.add_argument("--host-memory", default=None, help="the planner's host budget (default: the host's available)")
-    parser.add_argument("--check-layers", type=int, default=2, help="layers of the student each plan is checked on")
+    parser.add_argument("--check-layers", type=int, default=2, help="layers of the student each plan is checked on (0: not checked, for a length where "
+                             "two unchecked steps would take longer than the timed ones)")
     parser.add_argument("--chunk-tokens", type=int, default=None, help="chunk-recurrent steps of this many tokens")
     parser.add_argument("--kv-offload", action="store_true", help="with --chunk-tokens: the pages in pinned host memory")
     parser.add_argument("--page-tokens", type=int, default=64, help="positions per page of the key/value store")
@@ -400,7 +401,7 @@ def main(argv=None) -> list[dict]:
                     "file": lambda: OffloadPlan.load(args.plan)}[variant]()
         if plan is not None and args.work is not None:  # kept with the work folder, to train or plan from again
             plan.save(args.work / f"{variant}-plan.json")
-        checks = check_plan(variant, plan, config, args, work) if plan is not None else {}
+        checks = check_plan(variant, plan, config, args, work) if plan is not None and args.check_layers else {}
         figures = {**measure(plan, config, params, args, work, hf_liger=variant == "hf_liger", name=variant),
                    **checks, **profiled}
         free_memory(args.device)  # also after an out-of-memory error
