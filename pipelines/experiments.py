@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from distill.errors import DistillUserError
+from student.run_owner import PID_FILE, owner
 
 RUNNING_ON_OTHER_HOST_S = 600
 # Settings that never tell runs apart: where things live and how often they are logged or saved.
@@ -78,19 +79,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _owner(run_dir: Path) -> dict | None:
-    """run.pid's {"pid", "host"}, or None without a readable one."""
-    try:
-        owner = json.loads((run_dir / "run.pid").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return owner if isinstance(owner, dict) and isinstance(owner.get("pid"), int) else None
-
-
 def _seconds_since_written(run_dir: Path) -> float:
     """Seconds since the trainer last wrote run.pid or metrics.jsonl (inf when neither is left)."""
     times = []
-    for name in ("run.pid", "metrics.jsonl"):
+    for name in (PID_FILE, "metrics.jsonl"):
         try:
             times.append((run_dir / name).stat().st_mtime)
         except FileNotFoundError:  # removed by a trainer that just returned
@@ -109,21 +101,21 @@ def _quiet_limit_s(config: dict, last_train: dict) -> float:
 
 def _status(run_dir: Path, config: dict, rows: list[dict], steps_done: int) -> tuple[str, str | None]:
     """(status, reason) of a run; the reason says why it stopped, or where it runs if not here."""
-    owner, last_train = _owner(run_dir), next((r for r in reversed(rows) if r.get("kind") == "train"), {})
-    elsewhere = owner is not None and owner.get("host") != socket.gethostname()
-    if owner is not None and not elsewhere and _pid_alive(owner["pid"]):
+    claimed, last_train = owner(run_dir), next((r for r in reversed(rows) if r.get("kind") == "train"), {})
+    elsewhere = claimed is not None and claimed.get("host") != socket.gethostname()
+    if claimed is not None and not elsewhere and _pid_alive(claimed["pid"]):
         return "running", None
     if elsewhere:
         quiet = _seconds_since_written(run_dir)
         if quiet < _quiet_limit_s(config, last_train):
-            return "running", f"on {owner.get('host')}"
+            return "running", f"on {claimed.get('host')}"
     if (run_dir / "student").is_dir():
         return "finished", None
     if rows and rows[-1].get("kind") == "stop":
         return "stopped", f"non-finite loss at step {rows[-1]['step']}"
     if elsewhere:
         return "stopped", (f"nothing written for {quiet / 60:.0f} min after step {steps_done}; its pid "
-                           f"{owner['pid']} on {owner.get('host')} cannot be checked from here")
+                           f"{claimed['pid']} on {claimed.get('host')} cannot be checked from here")
     return "stopped", f"interrupted after step {steps_done}"
 
 

@@ -26,9 +26,8 @@ Run directory (`out`):
                       [old, new]}} where a rerun continued the run with other settings; {"kind":
                       "stop", step, reason: "non-finite", message} when a non-finite loss stopped the
                       run (a rerun resumes from its checkpoint and drops the row)
-  run.pid             {"pid", "host"} of the process training the run, removed when it returns or
-                      raises; one left behind by a killed process names a dead pid (a run is
-                      "running" only while that pid is alive on that host: pipelines/experiments.py)
+  run.pid             the process training the run (student/run_owner.py), removed when it returns
+                      or raises; one left behind by a killed process names a dead pid
   initial_eval.json   the step-0 student on the evaluation sequences
   eval.json           initial / final student and teacher reference at the end
   checkpoints/, student/   see student/checkpoint.py
@@ -50,7 +49,6 @@ import json
 import logging
 import math
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +58,7 @@ from distill.configs import ConfigError, check_types, require
 from distill.devices import resolve_device, resolve_dtype
 from distill.errors import DistillUserError
 from distill.files import atomic_write_json
+from student import run_owner
 from student.checkpoint import RunDirError
 from student.long_context import LongContextConfig
 from student.loss import LossConfig
@@ -71,7 +70,7 @@ from student.sparse_ffn import SparseFFNConfig
 if TYPE_CHECKING:
     from student.evaluate import EvalResult
 
-__all__ = ["TrainConfig", "TrainReport", "train", "RunDirError", "NonFiniteLossError", "CHANGEABLE", "PID_FILE"]
+__all__ = ["TrainConfig", "TrainReport", "train", "RunDirError", "NonFiniteLossError", "CHANGEABLE"]
 
 # Settings a rerun may change; the run continues from its checkpoint and metrics.jsonl records each
 # change. They alter the learning-rate schedule, the optimizer's hyperparameters (not its kind or
@@ -85,7 +84,6 @@ CHANGEABLE = ("cache", "steps", "warmup_steps", "min_lr_ratio", "lr", "weight_de
               "host_memory", "chunk_candidates")
 # Settings of how often things are logged, evaluated or saved, and where: free to change, not recorded.
 _FREE = ("out", "eval_every", "eval_sequences", "save_every", "log_every")
-PID_FILE = "run.pid"  # the live trainer's {"pid", "host"}; see the module docstring
 _TEST_EXIT_ENV = "DISTILL_TEST_EXIT_AFTER_STEP"  # tests only: os._exit after this step, as a kill would
 logger = logging.getLogger(__name__)
 
@@ -349,7 +347,6 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     try:
-        pid_path = Path(config.out) / PID_FILE
         if progress:
             from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -363,17 +360,7 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
 
             teardown()
         if dist is None or dist.main:  # rank 0 wrote it; other ranks reading it would race its removal
-            _release_pid_file(pid_path)
-
-
-def _release_pid_file(pid_path: Path) -> None:
-    """Remove run.pid if this process wrote it (another trainer may have taken the run dir since)."""
-    try:
-        owner = json.loads(pid_path.read_text())
-    except (FileNotFoundError, NotADirectoryError):  # gone, or --out was never a directory
-        return
-    if owner.get("pid") == os.getpid():
-        pid_path.unlink(missing_ok=True)
+            run_owner.release(Path(config.out))
 
 
 def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -> TrainReport:
@@ -427,7 +414,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
 
     def prepare_run_dir() -> dict:
         changes = _check_run_dir(out, run)
-        atomic_write_json(out / PID_FILE, {"pid": os.getpid(), "host": socket.gethostname()})
+        run_owner.claim(out)
         if resume_from is not None:
             rewind(out, resume_from)
         remove_stale(out)
