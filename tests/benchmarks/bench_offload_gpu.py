@@ -179,6 +179,8 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
     budgets = {k: parse_bytes(v, k) if v else None for k, v in (("gpu_memory", args.gpu_memory),
                                                                   ("host_memory", args.host_memory))}
     plan, costs = make_plan(cfg, **budgets)
+    if args.work is not None:  # what the plan was solved from, for reading a row's prediction against its phases
+        (args.work / "planned-costs.json").write_text(json.dumps(dataclasses.asdict(costs), indent=1, default=str))
     return plan, {"h2d_gb_s": costs.h2d_bytes_per_s / 1e9, "d2h_gb_s": costs.d2h_bytes_per_s / 1e9,
                   "h2d_duplex_gb_s": costs.h2d_duplex_bytes_per_s / 1e9,
                   "d2h_duplex_gb_s": costs.d2h_duplex_bytes_per_s / 1e9, "copy_latency_s": costs.copy_latency_s}
@@ -356,7 +358,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--trace", type=Path, default=None,
                         help="folder for one more step of each variant under torch.profiler (VARIANT.json.gz, VARIANT.txt)")
-    parser.add_argument("--work", type=Path, default=None, help="folder for the planner's student and cache (default: a temp dir)")
+    parser.add_argument("--work", type=Path, default=None, help="folder for the planner's student and cache, and where each plan and the planned variant's cost table are kept (default: a temp dir, not kept)")
     add_results_arg(parser)
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
