@@ -358,7 +358,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--trace", type=Path, default=None,
                         help="folder for one more step of each variant under torch.profiler (VARIANT.json.gz, VARIANT.txt)")
-    parser.add_argument("--work", type=Path, default=None, help="folder for the planner's student and cache, and where each plan and the planned variant's cost table are kept (default: a temp dir, not kept)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="folder for the planner's student and cache, each variant's plan and the planned "
+                             "variant's cost table (default: a temp dir, not kept)")
     add_results_arg(parser)
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
