@@ -198,7 +198,7 @@ class CostTable:
     h2d_bytes_per_s: float  # host->device copy bandwidth (pinned host memory)
     d2h_bytes_per_s: float  # device->host
     # Always on the GPU: embeddings, final norm and head with their gradients and optimizer states,
-    # the loss's workspace and a runtime reserve (allocator slack).
+    # and a runtime reserve (allocator slack).
     static_gpu_bytes: int
     static_host_bytes: int = 0  # on the host beside the layers' bytes
     head_s: float = 0.0  # embeddings, final norm, head and loss, forward and backward, one micro-batch
@@ -232,6 +232,10 @@ class CostTable:
     # On a GPU an offloaded layer input is a pinned buffer from torch's allocator: it holds a
     # `pinned_block` of host memory (`offloaded_bytes`).
     pinned_blocks: bool = False
+    # The head's workspace (its logits chunks and the loss's buffers, forward and backward): held
+    # only while the head runs, between the forward and the layers' backward, so the GPU peak takes
+    # the larger of it and a layer's backward transients (`_transient_gpu_bytes`), not their sum.
+    loss_workspace_bytes: int = 0
 
     def __post_init__(self):
         assert self.layers and self.micro_batches >= 1 and self.chunks >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
@@ -328,11 +332,12 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       "gpu" layers (with one micro-batch the gradient in the working dtypes) + (d+1) buffers of
       the largest streamed layer + kept
       activations (keep: everything saved; recompute: the input) + 2 (d+1) of the largest
-      offloaded input (copies out and back in flight) + (d+1) fp32 gradients (2 (d+1) with more than one micro-batch:
-      accumulators coming in) and one compute-dtype gradient of the largest layer (with one
-      micro-batch: (d+1) compute-dtype gradients on their way out and one fp32 sum) + the largest
-      layer's workspace and recomputed activations + with the update on the GPU its ring (the
-      first slots fill in the backward). Optimizer phase: static + resident weights + "gpu"
+      offloaded input (copies out and back in flight) + with the update on the GPU its ring (the
+      first slots fill in the backward; the slots stay allocated) + the larger of the head's
+      workspace (while it runs) and a layer's backward transients (after it): (d+1) fp32 gradients
+      (2 (d+1) with more than one micro-batch: accumulators coming in) and one compute-dtype
+      gradient of the largest layer (with one micro-batch: (d+1) compute-dtype gradients on their
+      way out and one fp32 sum) + the largest layer's workspace and recomputed activations. Optimizer phase: static + resident weights + "gpu"
       layers' state + the ring + with one micro-batch the fp32 buffer the "gpu" layers' updates
       widen their gradients into, one of the largest such layer's master
       (`LayerCosts.gpu_widened_bytes`; the turnaround's fp32 sum being formed is as large, so it
@@ -476,15 +481,22 @@ def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
 
 
 def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
-    """What every plan of this depth holds at the turnaround: the key/value store's device pages, gradients (d+1 fp32 sums on their way
-    out, the one being widened in the compute dtype; after the first micro-batch d+1 accumulators
-    more on their way in) and one layer's backward (its workspace and recomputed activations)."""
+    """What every plan of this depth holds at the turnaround besides the static bytes: the
+    key/value store's device pages, and the larger of the head's workspace (while the head runs)
+    and a layer's backward transients (after it: `_transient_gpu_bytes`)."""
+    return costs.kv_gpu_bytes + max(costs.loss_workspace_bytes, _transient_gpu_bytes(costs, depth))
+
+
+def _transient_gpu_bytes(costs: CostTable, depth: int) -> int:
+    """A layer's backward at this depth: gradients (d+1 fp32 sums on their way out, the one being
+    widened in the compute dtype; after the first micro-batch d+1 accumulators more on their way
+    in) and one layer's backward (its workspace and recomputed activations)."""
     master, weights = max(x.master_bytes for x in costs.layers), max(x.weight_bytes for x in costs.layers)
     if not costs.accumulates:  # the sums go out in the working dtypes; the one being formed is fp32
         grads = (depth + 1) * weights + master
     else:
         grads = 2 * (depth + 1) * master + weights
-    return grads + max(x.workspace_bytes + x.keep_bytes for x in costs.layers) + costs.kv_gpu_bytes
+    return grads + max(x.workspace_bytes + x.keep_bytes for x in costs.layers)
 
 
 def _widened_host_bytes(costs: CostTable, side: str, on_host: list[bool]) -> int:

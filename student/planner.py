@@ -323,7 +323,7 @@ _BUDGET_SLACK = 1e-5
 def _memory_unit(costs: CostTable) -> float:
     """Bytes per unit of memory in the program: all the bytes a step could hold, so one unit of
     the solver's tolerance is a small share of any budget."""
-    return float(costs.static_gpu_bytes + costs.static_host_bytes
+    return float(costs.static_gpu_bytes + costs.loss_workspace_bytes + costs.static_host_bytes
                  + sum(x.weight_bytes + x.keep_bytes + x.boundary_bytes + x.workspace_bytes
                        + x.host_bytes(costs.accumulates) for x in costs.layers))
 
@@ -610,7 +610,8 @@ def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
              f"measured: host->device {costs.h2d_bytes_per_s / 1e9:.1f} GB/s, device->host "
              f"{costs.d2h_bytes_per_s / 1e9:.1f} GB/s (both at once {costs.h2d_duplex_bytes_per_s / 1e9:.1f} and "
              f"{costs.d2h_duplex_bytes_per_s / 1e9:.1f}), host passes over gradients "
-             f"{costs.host_bytes_per_s / 1e9:.1f} GB/s; static GPU bytes {format_bytes(costs.static_gpu_bytes)}"]
+             f"{costs.host_bytes_per_s / 1e9:.1f} GB/s; static GPU bytes {format_bytes(costs.static_gpu_bytes)}, "
+             f"the head's workspace {format_bytes(costs.loss_workspace_bytes)}"]
     return console.file.getvalue() + "\n".join(lines)
 
 

@@ -110,8 +110,8 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     kv_gpu, kv_host, resident_pages = kv.bytes() if kv is not None else (0, 0, None)
     return CostTable(layers=tuple(layers), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
                      h2d_duplex_bytes_per_s=h2d_duplex, d2h_duplex_bytes_per_s=d2h_duplex,
-                     static_gpu_bytes=2 * static_params + static_states + loss_workspace
-                     + (settings.reserve_bytes if cuda else 0),
+                     static_gpu_bytes=2 * static_params + static_states + (settings.reserve_bytes if cuda else 0),
+                     loss_workspace_bytes=loss_workspace,
                      static_host_bytes=kv_host, head_s=head_s, static_update_s=static_update_s,
                      micro_batches=config.grad_accum * chunks, host_bytes_per_s=_host_pass_rate(settings),
                      chunks=chunks, pass1_s=pass1_s, kv_gpu_bytes=kv_gpu,

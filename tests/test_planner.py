@@ -106,6 +106,24 @@ def test_predict_peaks_count_what_each_decision_holds():
     assert kept.host_peak_bytes == GiB + 4 * (2 * 2 + 4 + 1) * GiB  # master, grads, states, weight copy
 
 
+def test_the_heads_workspace_and_a_layers_backward_are_not_held_at_once():
+    """The head's workspace is freed before the layers' backward starts: the GPU peak holds the
+    larger of it and a layer's backward transients, and the program prices the same peak."""
+    plan = OffloadPlan.uniform(3, "recompute", "stream", prefetch_depth=1, optimizer="gpu")
+    without = predict(table([layer()] * 3), plan).gpu_peak_bytes
+    # A layer's backward at depth 1, two micro-batches: 4 fp32 accumulators in flight, one
+    # compute-dtype gradient, its workspace and saved activations.
+    transient = 2 * 2 * (2 * GiB) + GiB + GiB // 8 + GiB
+    for loss_ws, more in ((GiB, 0), (transient, 0), (transient + 3 * GiB, 3 * GiB)):
+        costs = table([layer()] * 3, loss_workspace_bytes=loss_ws)
+        assert predict(costs, plan).gpu_peak_bytes == without + more
+    for seed, gpu_gib in ((0, 13.0), (1, 17.0), (2, 15.5)):  # budgets where the head's workspace binds
+        costs = random_table(3, seed, loss_workspace_bytes=9 * GiB)
+        best = brute_force(costs, int(gpu_gib * GiB), 60 * GiB, (0, 1))
+        found = solve(costs, int(gpu_gib * GiB), 60 * GiB, settings=SolverSettings(depths=(0, 1)))
+        assert best is not None and found.predicted.step_s == pytest.approx(best, rel=1e-6)
+
+
 def test_on_a_gpu_an_offloaded_input_holds_the_power_of_two_torchs_pinned_allocator_gives_it():
     """pinned_blocks (a GPU's table): an offloaded layer input of GiB + 1 bytes holds 2 GiB of host
     memory, in predict's host peak and in the program's host budget alike (its optimum is brute

@@ -174,7 +174,8 @@ def cost_table(s: Shape, optimizer: str, loss_share: float, cpu_bytes_per_s: flo
     peak less the static parameters' fp32 gradients the head's backward creates, which the static
     bytes count, 2 x the static parameters' bytes); "double_count": step_profile before it took
     those gradients out of the workspace, so they counted twice (the 8B rows' predicted peaks were
-    made so: tests/test_plan_big_shapes.py). fp32_gpu_grads: the layers whose states are on the GPU
+    made so: tests/test_plan_big_shapes.py; the loss's workspace is then also part of the static
+    bytes, summed with a layer's backward as the cost model then did). fp32_gpu_grads: the layers whose states are on the GPU
     keep fp32 gradients (`_Fp32GpuGrads`), as the runtime did when the 8B rows were made."""
     layer_state, static_state = state_bytes(s, optimizer)
     base = LLAMA_8B
@@ -197,8 +198,12 @@ def cost_table(s: Shape, optimizer: str, loss_share: float, cpu_bytes_per_s: flo
     if what_if != "double_count":
         loss_ws -= 4 * s.static_params
     static_upd = update_bytes(s.static_params - s.hidden, s.hidden, "adamw")
+    # The cost model of those rows' commits held the loss's workspace in the static bytes, beside a
+    # layer's backward; as it is, the peak takes the larger of the two.
+    held_loss_ws = loss_ws if what_if == "double_count" else 0
     return CostTable(layers=(layer,) * s.layers, h2d_bytes_per_s=H2D, d2h_bytes_per_s=D2H,
-                     static_gpu_bytes=2 * 4 * s.static_params + static_state + loss_ws + RESERVE,
+                     static_gpu_bytes=2 * 4 * s.static_params + static_state + held_loss_ws + RESERVE,
+                     loss_workspace_bytes=loss_ws - held_loss_ws,
                      head_s=HEAD_8B_S * s.vocab * s.hidden / (base.vocab * base.hidden),
                      static_update_s=static_upd / GPU_UPDATE_BYTES_PER_S, micro_batches=1,
                      host_bytes_per_s=host_bytes_per_s, copy_latency_s=COPY_LATENCY_S)
