@@ -234,8 +234,11 @@ class CostTable:
     pinned_blocks: bool = False
     # The head's workspace (its logits chunks and the loss's buffers, forward and backward): held
     # only while the head runs, between the forward and the layers' backward, so the GPU peak takes
-    # the larger of it and a layer's backward transients (`_transient_gpu_bytes`), not their sum.
+    # the larger of it and a layer's backward (`_fixed_gpu_bytes`), not their sum.
     loss_workspace_bytes: int = 0
+    # The untied input embedding's fp32 gradient, part of the static bytes: its backward runs after
+    # every layer's, so a step of one backward does not hold it during theirs (`_fixed_gpu_bytes`).
+    late_grad_bytes: int = 0
 
     def __post_init__(self):
         assert self.layers and self.micro_batches >= 1 and self.chunks >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
@@ -333,8 +336,10 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       the largest streamed layer + kept
       activations (keep: everything saved; recompute: the input) + 2 (d+1) of the largest
       offloaded input (copies out and back in flight) + with the update on the GPU its ring (the
-      first slots fill in the backward; the slots stay allocated) + the larger of the head's
-      workspace (while it runs) and a layer's backward transients (after it): (d+1) fp32 gradients
+      first slots fill in the backward; the slots stay allocated) + the largest of the head's
+      workspace (while it runs), the untied input embedding's gradient at one backward a step (at
+      the end of the backward; until then the static bytes less it) and a layer's backward
+      transients: (d+1) fp32 gradients
       (2 (d+1) with more than one micro-batch: accumulators coming in) and one compute-dtype
       gradient of the largest layer (with one micro-batch: (d+1) compute-dtype gradients on their
       way out and one fp32 sum) + the largest layer's workspace and recomputed activations. Optimizer phase: static + resident weights + "gpu"
@@ -482,21 +487,27 @@ def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
 
 def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
     """What every plan of this depth holds at the turnaround besides the static bytes: the
-    key/value store's device pages, and the larger of the head's workspace (while the head runs)
-    and a layer's backward transients (after it: `_transient_gpu_bytes`)."""
-    return costs.kv_gpu_bytes + max(costs.loss_workspace_bytes, _transient_gpu_bytes(costs, depth))
+    key/value store's device pages and the largest of what is held one after the other: the
+    head's workspace (while the head runs), a layer's backward (`_backward_gpu_bytes`) and, when a
+    step is one backward, the input embedding's gradient (made after the last layer's backward,
+    while that layer's gradients may still be on their way out; the static bytes count it, so at
+    the turnaround it is taken out of them and counted here)."""
+    grads, layer = _backward_gpu_bytes(costs, depth)
+    late = 0 if costs.accumulates else costs.late_grad_bytes  # after the first backward it stays
+    return costs.kv_gpu_bytes + max(costs.loss_workspace_bytes, grads + layer, grads + late) - late
 
 
-def _transient_gpu_bytes(costs: CostTable, depth: int) -> int:
-    """A layer's backward at this depth: gradients (d+1 fp32 sums on their way out, the one being
-    widened in the compute dtype; after the first micro-batch d+1 accumulators more on their way
-    in) and one layer's backward (its workspace and recomputed activations)."""
+def _backward_gpu_bytes(costs: CostTable, depth: int) -> tuple[int, int]:
+    """A layer's backward at this depth: (gradients: d+1 sums on their way out, in the working dtypes,
+    and the one being formed in fp32; after the first micro-batch d+1 fp32 sums on their way out
+    and d+1 accumulators on their way in, and the compute-dtype one; one layer: its workspace and
+    recomputed activations)."""
     master, weights = max(x.master_bytes for x in costs.layers), max(x.weight_bytes for x in costs.layers)
     if not costs.accumulates:  # the sums go out in the working dtypes; the one being formed is fp32
         grads = (depth + 1) * weights + master
     else:
         grads = 2 * (depth + 1) * master + weights
-    return grads + max(x.workspace_bytes + x.keep_bytes for x in costs.layers)
+    return grads, max(x.workspace_bytes + x.keep_bytes for x in costs.layers)
 
 
 def _widened_host_bytes(costs: CostTable, side: str, on_host: list[bool]) -> int:

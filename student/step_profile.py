@@ -111,12 +111,21 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     return CostTable(layers=tuple(layers), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
                      h2d_duplex_bytes_per_s=h2d_duplex, d2h_duplex_bytes_per_s=d2h_duplex,
                      static_gpu_bytes=2 * static_params + static_states + (settings.reserve_bytes if cuda else 0),
-                     loss_workspace_bytes=loss_workspace,
+                     loss_workspace_bytes=loss_workspace, late_grad_bytes=_late_grad_bytes(model),
                      static_host_bytes=kv_host, head_s=head_s, static_update_s=static_update_s,
                      micro_batches=config.grad_accum * chunks, host_bytes_per_s=_host_pass_rate(settings),
                      chunks=chunks, pass1_s=pass1_s, kv_gpu_bytes=kv_gpu,
                      chunk_tokens=config.long.chunk_tokens if chunks > 1 else None, resident_pages=resident_pages,
                      kv=kv, copy_latency_s=latency, accumulates=steps_accumulate(config), pinned_blocks=cuda)
+
+
+def _late_grad_bytes(model) -> int:
+    """The input embedding's gradient when the head is a separate matrix (its backward runs last);
+    a tied head's backward makes that gradient first."""
+    if model.lm_head is None:
+        return 0
+    weight = model.embed_tokens.weight
+    return weight.numel() * weight.element_size()
 
 
 def _timed(device: str, fn):

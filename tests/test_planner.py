@@ -118,10 +118,22 @@ def test_the_heads_workspace_and_a_layers_backward_are_not_held_at_once():
         costs = table([layer()] * 3, loss_workspace_bytes=loss_ws)
         assert predict(costs, plan).gpu_peak_bytes == without + more
     for seed, gpu_gib in ((0, 13.0), (1, 17.0), (2, 15.5)):  # budgets where the head's workspace binds
-        costs = random_table(3, seed, loss_workspace_bytes=9 * GiB)
+        costs = random_table(3, seed, loss_workspace_bytes=9 * GiB, late_grad_bytes=(seed % 2) * GiB)
         best = brute_force(costs, int(gpu_gib * GiB), 60 * GiB, (0, 1))
         found = solve(costs, int(gpu_gib * GiB), 60 * GiB, settings=SolverSettings(depths=(0, 1)))
         assert best is not None and found.predicted.step_s == pytest.approx(best, rel=1e-6)
+
+
+def test_at_one_backward_the_input_embeddings_gradient_is_not_held_during_the_layers_backward():
+    """An untied input embedding's gradient (in the static bytes) is made after the last layer's
+    backward: at one backward a step the turnaround holds it instead of that layer's workspace and
+    recomputed activations, not beside them; with several backwards a step it stays from the first."""
+    plan = OffloadPlan.uniform(3, "recompute", "stream", prefetch_depth=1, optimizer="gpu")
+    layer_part = GiB + GiB // 8  # a layer's workspace and recomputed activations
+    for micro_batches, late, less in ((1, GiB, GiB), (1, 20 * GiB, layer_part), (2, GiB, 0)):
+        base = predict(table([layer()] * 3, micro_batches=micro_batches), plan).gpu_peak_bytes
+        costs = table([layer()] * 3, micro_batches=micro_batches, late_grad_bytes=late)
+        assert predict(costs, plan).gpu_peak_bytes == base - less
 
 
 def test_on_a_gpu_an_offloaded_input_holds_the_power_of_two_torchs_pinned_allocator_gives_it():

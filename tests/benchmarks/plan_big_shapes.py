@@ -204,6 +204,8 @@ def cost_table(s: Shape, optimizer: str, loss_share: float, cpu_bytes_per_s: flo
     return CostTable(layers=(layer,) * s.layers, h2d_bytes_per_s=H2D, d2h_bytes_per_s=D2H,
                      static_gpu_bytes=2 * 4 * s.static_params + static_state + held_loss_ws + RESERVE,
                      loss_workspace_bytes=loss_ws - held_loss_ws,
+                     # the untied input embedding's fp32 gradient (as step_profile counts it since)
+                     late_grad_bytes=0 if what_if == "double_count" else 4 * s.vocab * s.hidden,
                      head_s=HEAD_8B_S * s.vocab * s.hidden / (base.vocab * base.hidden),
                      static_update_s=static_upd / GPU_UPDATE_BYTES_PER_S, micro_batches=1,
                      host_bytes_per_s=host_bytes_per_s, copy_latency_s=COPY_LATENCY_S)
