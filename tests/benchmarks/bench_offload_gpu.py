@@ -41,7 +41,10 @@ more step (phase_s: forward, head, backward, grads, clip, optimizer, refresh, as
 measures them); for a planned variant the plan's predicted step time, phases and peaks beside
 them (predicted / measured), so a row says which term of the cost model is off. Before a variant is timed, its plan (its
 first --check-layers layers) is checked on a student of that many layers: two steps' losses and
-gradient norms against the same student trained without offload, to bf16 tolerance.
+gradient norms against the same student trained without offload, to bf16 tolerance
+(--check-layers 0: not checked, for lengths where those four steps would outlast the timed ones).
+With --work the folder keeps each variant's plan and the planned variant's cost table
+(planned-costs.json), what its predicted figures were computed from.
 
 With --trace DIR each variant runs one more step under torch.profiler, written to DIR (a Chrome /
 Perfetto trace and a table of device time by kernel): where a phase's time goes when it runs
