@@ -339,11 +339,11 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       first slots fill in the backward; the slots stay allocated) + the largest of the head's
       workspace (while it runs), the untied input embedding's gradient at one backward a step (at
       the end of the backward; until then the static bytes less it) and a layer's backward
-      transients: (d+1) fp32 gradients
-      (2 (d+1) with more than one micro-batch: accumulators coming in) and one compute-dtype
-      gradient of the largest layer (with one micro-batch: (d+1) compute-dtype gradients on their
-      way out and one fp32 sum) + the largest layer's workspace and recomputed activations. Optimizer phase: static + resident weights + "gpu"
-      layers' state + the ring + with one micro-batch the fp32 buffer the "gpu" layers' updates
+      transients: (d+1) fp32 gradients (2 (d+1) with more than one micro-batch: accumulators
+      coming in) and one compute-dtype gradient of the largest layer (with one micro-batch: (d+1)
+      compute-dtype gradients on their way out and one fp32 sum) + the largest layer's workspace
+      and recomputed activations. Optimizer phase: static + resident weights + "gpu" layers'
+      state + the ring + with one micro-batch the fp32 buffer the "gpu" layers' updates
       widen their gradients into, one of the largest such layer's master
       (`LayerCosts.gpu_widened_bytes`; the turnaround's fp32 sum being formed is as large, so it
       does not raise the peak).
