@@ -236,9 +236,14 @@ class CostTable:
     # only while the head runs, between the forward and the layers' backward, so the GPU peak takes
     # the larger of it and a layer's backward (`_fixed_gpu_bytes`), not their sum.
     loss_workspace_bytes: int = 0
-    # The untied input embedding's fp32 gradient, part of the static bytes: its backward runs after
-    # every layer's, so a step of one backward does not hold it during theirs (`_fixed_gpu_bytes`).
+    # The input embedding's gradient as its backward makes it (a tensor of the parameter's size),
+    # after every layer's backward: a step of one backward holds its .grad (in the static bytes)
+    # only from then, several add it to the .grad already there (`_fixed_gpu_bytes`).
     late_grad_bytes: int = 0
+    # A tied head's gradient of that same parameter: autograd sums a parameter's gradients from all
+    # its uses before accumulating them, so the head's, made first, waits through every layer's
+    # backward for the input embedding's (tests/test_offload_cost.py checks the order on the Student).
+    held_grad_bytes: int = 0
 
     def __post_init__(self):
         assert self.layers and self.micro_batches >= 1 and self.chunks >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
@@ -337,9 +342,10 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       activations (keep: everything saved; recompute: the input) + 2 (d+1) of the largest
       offloaded input (copies out and back in flight) + with the update on the GPU its ring (the
       first slots fill in the backward; the slots stay allocated) + the largest of the head's
-      workspace (while it runs), the untied input embedding's gradient at one backward a step (at
-      the end of the backward; until then the static bytes less it) and a layer's backward
-      transients: (d+1) fp32 gradients (2 (d+1) with more than one micro-batch: accumulators
+      workspace (while it runs), the input embedding's gradient as its backward makes it (at the
+      end of the backward) and a layer's backward transients, these two beside a tied head's
+      gradient waiting for that one (at one backward a step the static bytes hold the embedding's
+      .grad only from the end: less it throughout); a layer's backward transients: (d+1) fp32 gradients (2 (d+1) with more than one micro-batch: accumulators
       coming in) and one compute-dtype gradient of the largest layer (with one micro-batch: (d+1)
       compute-dtype gradients on their way out and one fp32 sum) + the largest layer's workspace
       and recomputed activations. Optimizer phase: static + resident weights + "gpu" layers'
@@ -488,13 +494,16 @@ def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
 def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
     """What every plan of this depth holds at the turnaround besides the static bytes: the
     key/value store's device pages and the largest of what is held one after the other: the
-    head's workspace (while the head runs), a layer's backward (`_backward_gpu_bytes`) and, when a
-    step is one backward, the input embedding's gradient (made after the last layer's backward,
-    while that layer's gradients may still be on their way out; the static bytes count it, so at
-    the turnaround it is taken out of them and counted here)."""
+    head's workspace (while the head runs), a layer's backward (`_backward_gpu_bytes`) and the
+    input embedding's gradient as its backward makes it (after the last layer's backward, while
+    that layer's gradients may still be on their way out), these two beside a tied head's gradient
+    waiting for the embedding's (`CostTable.held_grad_bytes`). At one backward a step the static
+    bytes' count of the embedding's .grad is taken out: its backward makes it."""
     grads, layer = _backward_gpu_bytes(costs, depth)
-    late = 0 if costs.accumulates else costs.late_grad_bytes  # after the first backward it stays
-    return costs.kv_gpu_bytes + max(costs.loss_workspace_bytes, grads + layer, grads + late) - late
+    absent = 0 if costs.accumulates else costs.late_grad_bytes  # the .grad before its backward
+    held = costs.held_grad_bytes
+    return costs.kv_gpu_bytes + max(costs.loss_workspace_bytes, grads + layer + held,
+                                    grads + held + costs.late_grad_bytes) - absent
 
 
 def _backward_gpu_bytes(costs: CostTable, depth: int) -> tuple[int, int]:

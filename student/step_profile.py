@@ -108,10 +108,11 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     h2d, d2h, h2d_duplex, d2h_duplex, latency = _bandwidths(device, settings)
     kv = _kv_pages(model, config, batches[0].input_ids.shape, amp) if chunks > 1 else None
     kv_gpu, kv_host, resident_pages = kv.bytes() if kv is not None else (0, 0, None)
+    late, held = _grad_bytes_of_embedding(model)
     return CostTable(layers=tuple(layers), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
                      h2d_duplex_bytes_per_s=h2d_duplex, d2h_duplex_bytes_per_s=d2h_duplex,
                      static_gpu_bytes=2 * static_params + static_states + (settings.reserve_bytes if cuda else 0),
-                     loss_workspace_bytes=loss_workspace, late_grad_bytes=_late_grad_bytes(model),
+                     loss_workspace_bytes=loss_workspace, late_grad_bytes=late, held_grad_bytes=held,
                      static_host_bytes=kv_host, head_s=head_s, static_update_s=static_update_s,
                      micro_batches=config.grad_accum * chunks, host_bytes_per_s=_host_pass_rate(settings),
                      chunks=chunks, pass1_s=pass1_s, kv_gpu_bytes=kv_gpu,
@@ -119,13 +120,12 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
                      kv=kv, copy_latency_s=latency, accumulates=steps_accumulate(config), pinned_blocks=cuda)
 
 
-def _late_grad_bytes(model) -> int:
-    """The input embedding's gradient when the head is a separate matrix (its backward runs last);
-    a tied head's backward makes that gradient first."""
-    if model.lm_head is None:
-        return 0
+def _grad_bytes_of_embedding(model) -> tuple[int, int]:
+    """(late_grad_bytes, held_grad_bytes): the input embedding's gradient, made by its backward
+    after every layer's; a tied head's gradient of the same parameter, waiting for it meanwhile."""
     weight = model.embed_tokens.weight
-    return weight.numel() * weight.element_size()
+    size = weight.numel() * weight.element_size()
+    return size, size if model.lm_head is None else 0
 
 
 def _timed(device: str, fn):

@@ -125,15 +125,65 @@ def test_the_heads_workspace_and_a_layers_backward_are_not_held_at_once():
 
 
 def test_at_one_backward_the_input_embeddings_gradient_is_not_held_during_the_layers_backward():
-    """An untied input embedding's gradient (in the static bytes) is made after the last layer's
-    backward: at one backward a step the turnaround holds it instead of that layer's workspace and
-    recomputed activations, not beside them; with several backwards a step it stays from the first."""
+    """The input embedding's gradient is made after the last layer's backward: at one backward a
+    step its .grad (in the static bytes) is held instead of that layer's workspace and recomputed
+    activations, not beside them; with several backwards a step the .grad stays from the first and
+    the new gradient is made beside it."""
     plan = OffloadPlan.uniform(3, "recompute", "stream", prefetch_depth=1, optimizer="gpu")
     layer_part = GiB + GiB // 8  # a layer's workspace and recomputed activations
-    for micro_batches, late, less in ((1, GiB, GiB), (1, 20 * GiB, layer_part), (2, GiB, 0)):
+    for micro_batches, late, less in ((1, GiB, GiB), (1, 20 * GiB, layer_part), (2, GiB, 0),
+                                      (2, 20 * GiB, layer_part - 20 * GiB)):
         base = predict(table([layer()] * 3, micro_batches=micro_batches), plan).gpu_peak_bytes
         costs = table([layer()] * 3, micro_batches=micro_batches, late_grad_bytes=late)
         assert predict(costs, plan).gpu_peak_bytes == base - less
+
+
+def test_a_tied_heads_gradient_is_held_through_the_layers_backward():
+    """A tied head's gradient waits for the input embedding's (`held_grad_bytes`): it adds to a
+    layer's backward and to the moment the embedding's gradient is made, not to the head's
+    workspace; the program prices the same peak (brute force at budgets where it binds)."""
+    plan = OffloadPlan.uniform(3, "recompute", "stream", prefetch_depth=1, optimizer="gpu")
+    for micro_batches in (1, 2):
+        untied = table([layer()] * 3, micro_batches=micro_batches, late_grad_bytes=GiB)
+        tied = dataclasses.replace(untied, held_grad_bytes=GiB)
+        assert predict(tied, plan).gpu_peak_bytes - predict(untied, plan).gpu_peak_bytes == GiB
+        huge_head = dataclasses.replace(untied, loss_workspace_bytes=40 * GiB)
+        assert predict(dataclasses.replace(huge_head, held_grad_bytes=GiB), plan).gpu_peak_bytes == \
+            predict(huge_head, plan).gpu_peak_bytes
+    for seed, gpu_gib in ((3, 13.0), (4, 15.5)):
+        costs = random_table(3, seed, late_grad_bytes=GiB, held_grad_bytes=2 * GiB)
+        best = brute_force(costs, int(gpu_gib * GiB), 60 * GiB, (0, 1))
+        found = solve(costs, int(gpu_gib * GiB), 60 * GiB, settings=SolverSettings(depths=(0, 1)))
+        assert best is not None and found.predicted.step_s == pytest.approx(best, rel=1e-6)
+
+
+def test_autograd_adds_a_tied_heads_gradient_only_after_every_layers_backward():
+    """What `held_grad_bytes` rests on, on the Student itself: a tied embedding's gradient reaches
+    the parameter once, after the first layer's backward, so the head's part waited for it; the
+    profile counts it for a tied student and not for an untied one."""
+    import torch
+
+    from student.config import StudentConfig
+    from student.model import Student
+    from student.step_profile import _grad_bytes_of_embedding
+
+    for tied in (True, False):
+        config = StudentConfig(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2,
+                               num_heads=2, num_kv_heads=1, head_dim=8, tie_word_embeddings=tied)
+        torch.manual_seed(0)
+        model = Student(config)
+        order = []
+        model.embed_tokens.weight.register_hook(lambda g: order.append("embedding"))
+        def after_layer_0(module, args):  # its input's gradient: layer 0's backward is done
+            args[0].register_hook(lambda g: order.append("layer 0"))
+
+        model.layers[0].register_forward_pre_hook(after_layer_0)
+        hidden = model(torch.randint(0, 64, (1, 12)))
+        head = model.embed_tokens.weight if tied else model.lm_head.weight
+        (hidden @ head.T).logsumexp(-1).sum().backward()
+        assert order == ["layer 0", "embedding"]
+        size = 64 * 16 * 4
+        assert _grad_bytes_of_embedding(model) == (size, size if tied else 0)
 
 
 def test_on_a_gpu_an_offloaded_input_holds_the_power_of_two_torchs_pinned_allocator_gives_it():
