@@ -79,3 +79,34 @@ def test_fewer_layers_of_a_shape_are_rows_of_their_own(tmp_path, monkeypatch):
     assert row["config"]["num_layers"] == 2 and row["config"]["shape"]["num_hidden_layers"] == 2
     with pytest.raises(SystemExit, match="--num-layers"):
         bench.main([*SMOKE, "--num-layers", "0", "--results", str(tmp_path / "results.jsonl")])
+
+
+def test_the_peaks_live_blocks_are_summed_by_where_they_were_allocated():
+    """memory_peak.live_at_peak on a made-up allocator trace: the peak is the highest allocated
+    total (frees of blocks from before the trace lower it too), and the blocks alive then are
+    summed by their innermost frame inside the repository."""
+    from memory_peak import BEFORE, live_at_peak
+
+    root = "/repo"
+    at = lambda line: [{"filename": "/usr/lib/torch/x.py", "line": 1, "name": "inner"},
+                       {"filename": "/repo/student/a.py", "line": line, "name": "f"}]
+    events = [{"action": "alloc", "addr": 1, "size": 100, "frames": at(10)},
+              {"action": "alloc", "addr": 2, "size": 50, "frames": at(10)},
+              {"action": "free_requested", "addr": 1, "size": 100},
+              {"action": "free_completed", "addr": 1, "size": 100},
+              {"action": "alloc", "addr": 3, "size": 300, "frames": at(20)},
+              {"action": "free_completed", "addr": 99, "size": 40},  # allocated before the trace
+              {"action": "alloc", "addr": 4, "size": 60, "frames": []},
+              {"action": "free_completed", "addr": 3, "size": 300}]
+    result = live_at_peak(events, base_bytes=1000, root=root)
+    assert result["peak_bytes"] == 1000 + 50 + 300 - 40 + 60 and result["peak_event"] == 6
+    assert result["live_at_peak"] == [{"place": BEFORE, "bytes": 960, "blocks": None},
+                                      {"place": "student/a.py:20 f", "bytes": 300, "blocks": 1},
+                                      {"place": "unknown", "bytes": 60, "blocks": 1},
+                                      {"place": "student/a.py:10 f", "bytes": 50, "blocks": 1}]
+    assert sum(row["bytes"] for row in result["live_at_peak"]) == result["peak_bytes"]
+
+
+def test_the_memory_peak_step_is_refused_on_the_cpu(tmp_path):
+    with pytest.raises(SystemExit, match="--memory-peak"):
+        bench.main([*SMOKE, "--memory-peak", str(tmp_path), "--results", str(tmp_path / "results.jsonl")])

@@ -48,7 +48,9 @@ With --work the folder keeps each variant's plan and the planned variant's cost 
 
 With --trace DIR each variant runs one more step under torch.profiler, written to DIR (a Chrome /
 Perfetto trace and a table of device time by kernel): where a phase's time goes when it runs
-longer than the plan's prediction.
+longer than the plan's prediction. With --memory-peak DIR (CUDA) each variant runs one more step
+under the allocator's history (memory_peak.py): DIR/VARIANT-peak.json lists what is alive at that
+step's peak by where it was allocated, where a GPU peak differs from the plan's prediction.
 
 With --chunk-tokens every variant's step is chunk-recurrent (student/long_context.py), its pages
 resident or, with --kv-offload, in pinned host memory; `planned` plans together with the chunk
@@ -304,6 +306,11 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
         phases = runtime.phase_s()
     if args.trace is not None:
         trace(step, args.trace / name)
+    peak_gpu = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
+    if args.memory_peak is not None:  # after the peak is read: it resets it
+        from memory_peak import record_step
+
+        record_step(step, args.memory_peak / f"{name}-peak.json")
     figures = {"oom": False, "step_s": seconds, "min_step_s": timing.min_ms / 1e3, "repeats": len(timing.times_ms),
                "tok_s": args.seq_len / seconds, "model_tflops": tflops(6 * params * args.seq_len, timing.median_ms)}
     if host_before is not None:
@@ -317,7 +324,7 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
         figures["phase_s"] = phases
         runtime.close()
     if args.device == "cuda":
-        figures["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+        figures["peak_gpu_bytes"] = peak_gpu
         figures["of_matmul_ceiling"] = figures["model_tflops"] / ceilings()["matmul_bf16_tflops"]
     if plan is not None and plan.predicted.step_s > 0:
         p = plan.predicted
@@ -361,6 +368,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--trace", type=Path, default=None,
                         help="folder for one more step of each variant under torch.profiler (VARIANT.json.gz, VARIANT.txt)")
+    parser.add_argument("--memory-peak", type=Path, default=None,
+                        help="(CUDA) folder for one more step of each variant under the allocator's history: "
+                             "VARIANT-peak.json, what is alive at the step's peak by where it was allocated")
     parser.add_argument("--work", type=Path, default=None,
                         help="folder for the planner's student and cache, each variant's plan and the planned "
                              "variant's cost table (default: a temp dir, not kept)")
@@ -375,6 +385,8 @@ def main(argv=None) -> list[dict]:
         raise SystemExit("--variants file needs --plan PLAN.json")
     if args.chunk_tokens is None and (args.kv_offload or args.chunk_candidates):
         raise SystemExit("--kv-offload and --chunk-candidates need --chunk-tokens")
+    if args.memory_peak is not None and args.device != "cuda":
+        raise SystemExit("--memory-peak records torch's CUDA allocator; drop it on --device cpu")
     if args.num_layers is not None and args.num_layers < 1:
         raise SystemExit(f"--num-layers must be >= 1, got {args.num_layers}")
     if "planned" in variants:
