@@ -494,6 +494,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
     exit_after = int(os.environ.get(_TEST_EXIT_ENV, "-1"))
     loss_value, window_tokens, window_start = None, 0, time.perf_counter()
     window_step_s, window_steps = 0.0, 0  # time in the steps themselves (offload rows)
+    over_budget_told = False
     bar = tqdm(total=steps, initial=step, disable=not progress, desc="train", unit="step")
     with bar, metrics, batches:
         while step < steps:
@@ -541,10 +542,13 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
             bar.set_postfix(loss=f"{loss_value:.4f}")
             if step % config.log_every == 0 or step == steps:
                 elapsed = time.perf_counter() - window_start
+                peak = _peak_gpu_bytes(device)
+                if runtime is not None and not over_budget_told:
+                    over_budget_told = _told_over_budget(runtime.plan, peak.get("peak_gpu_bytes"))
                 log({"kind": "train", "step": step, "loss": loss_value, "kl": kl_sum / config.grad_accum, "lr": lr,
                      "grad_norm": grad_norm, "tokens": tokens, "tok_per_s": window_tokens / max(elapsed, 1e-9),
                      "optimizer_state_bytes": state_bytes(optimizer), "epoch": batches.epoch,
-                     **_peak_gpu_bytes(device), **(policy.metrics(model) if policy is not None else {}),
+                     **peak, **(policy.metrics(model) if policy is not None else {}),
                      **(_offload_figures(runtime, optimizer, window_step_s / window_steps) if runtime else {})})
                 window_tokens, window_start = 0, time.perf_counter()
                 window_step_s, window_steps = 0.0, 0
@@ -680,6 +684,20 @@ def _peak_gpu_bytes(device: str) -> dict:
     peak = torch.cuda.max_memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     return {"peak_gpu_bytes": peak}
+
+
+def _told_over_budget(plan, peak_bytes: int | None) -> bool:
+    """Warn (once: the caller stops asking after True) when the GPU peak passed the plan's budget:
+    the cost model missed something the step holds, and the run may not fit beside other work."""
+    if peak_bytes is None or plan.gpu_memory is None or peak_bytes <= plan.gpu_memory:
+        return False
+    from student.planner import format_bytes
+
+    logger.warning("the GPU peak %s passed the plan's --gpu-memory %s (it predicted %s): the planner's cost model "
+                   "misses something this step holds; lower --gpu-memory by the difference to stay within the "
+                   "budget", format_bytes(peak_bytes), format_bytes(plan.gpu_memory),
+                   format_bytes(plan.predicted.gpu_peak_bytes))
+    return True
 
 
 def _diverged_message(step: int, loss: float, grad_norm: float, last_saved, kept: list[int]) -> str:

@@ -268,6 +268,27 @@ def test_offload_auto_trains_with_the_planners_plan(small, tmp_path, tmp_path_fa
     assert len(json.loads((out / "run.json").read_text())["offload_plan"]["layers"]) == NUM_LAYERS
 
 
+def test_a_gpu_peak_past_the_plans_budget_is_told_once(caplog):
+    """The trainer's warning when a step held more than the plan's --gpu-memory (the rows' peak on a
+    GPU; None on the CPU): said in one line naming the option, and only when the peak passed it."""
+    import dataclasses
+    import logging
+
+    from student.offload_plan import Predicted
+    from student.trainer import _told_over_budget
+
+    plan = dataclasses.replace(OffloadPlan.uniform(2, "keep", "resident"), gpu_memory=7 * 2**30,
+                               predicted=Predicted(step_s=1.0, gpu_peak_bytes=7 * 10**9, host_peak_bytes=0))
+    with caplog.at_level(logging.WARNING, logger="student.trainer"):
+        assert not _told_over_budget(plan, None)
+        assert not _told_over_budget(plan, 7 * 2**30)
+        assert not _told_over_budget(dataclasses.replace(plan, gpu_memory=None), 8 * 2**30)
+        assert not caplog.records
+        assert _told_over_budget(plan, 7 * 2**30 + 1)
+    (record,) = caplog.records
+    assert "--gpu-memory" in record.getMessage() and "\n" not in record.getMessage()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_offloaded_training_matches_within_bf16_and_its_peak_is_predicted(small, tmp_path):
