@@ -242,7 +242,7 @@ class CostTable:
     late_grad_bytes: int = 0
     # A tied head's gradient of that same parameter: autograd sums a parameter's gradients from all
     # its uses before accumulating them, so the head's, made first, waits through every layer's
-    # backward for the input embedding's (tests/test_offload_cost.py checks the order on the Student).
+    # backward for the input embedding's (tests/test_planner.py checks that order on the Student).
     held_grad_bytes: int = 0
 
     def __post_init__(self):
@@ -345,8 +345,8 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       workspace (while it runs), the input embedding's gradient as its backward makes it (at the
       end of the backward) and a layer's backward transients, these two beside a tied head's
       gradient waiting for that one (at one backward a step the static bytes hold the embedding's
-      .grad only from the end: less it throughout); a layer's backward transients: (d+1) fp32 gradients (2 (d+1) with more than one micro-batch: accumulators
-      coming in) and one compute-dtype gradient of the largest layer (with one micro-batch: (d+1)
+      .grad only from the end: less it throughout); a layer's backward transients: (d+1) fp32
+      gradients (2 (d+1) with more than one micro-batch: accumulators coming in) and one compute-dtype gradient of the largest layer (with one micro-batch: (d+1)
       compute-dtype gradients on their way out and one fp32 sum) + the largest layer's workspace
       and recomputed activations. Optimizer phase: static + resident weights + "gpu" layers'
       state + the ring + with one micro-batch the fp32 buffer the "gpu" layers' updates
