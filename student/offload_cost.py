@@ -337,22 +337,21 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       store's device bytes are held at the turnaround.
     - GPU peak: the larger of the turnaround (end of the forward) and the optimizer phase.
       Turnaround: static + weights of resident and kept layers + master, gradient and states of
-      "gpu" layers (with one micro-batch the gradient in the working dtypes) + (d+1) buffers of
-      the largest streamed layer + kept
-      activations (keep: everything saved; recompute: the input) + 2 (d+1) of the largest
-      offloaded input (copies out and back in flight) + with the update on the GPU its ring (the
-      first slots fill in the backward; the slots stay allocated) + the largest of the head's
-      workspace (while it runs), the input embedding's gradient as its backward makes it (at the
-      end of the backward) and a layer's backward transients, these two beside a tied head's
+      "gpu" layers (with one micro-batch the gradient in the working dtypes) + (d+1) buffers of the
+      largest streamed layer + kept activations (keep: everything saved; recompute: the input) + 2
+      (d+1) of the largest offloaded input (copies out and back in flight) + with the update on the
+      GPU its ring (the first slots fill in the backward; the slots stay allocated) + the largest of
+      the head's workspace (while it runs), the input embedding's gradient as its backward makes it
+      (at the end of the backward) and a layer's backward transients, these two beside a tied head's
       gradient waiting for that one (at one backward a step the static bytes hold the embedding's
       .grad only from the end: less it throughout); a layer's backward transients: (d+1) fp32
-      gradients (2 (d+1) with more than one micro-batch: accumulators coming in) and one compute-dtype gradient of the largest layer (with one micro-batch: (d+1)
-      compute-dtype gradients on their way out and one fp32 sum) + the largest layer's workspace
-      and recomputed activations. Optimizer phase: static + resident weights + "gpu" layers'
-      state + the ring + with one micro-batch the fp32 buffer the "gpu" layers' updates
-      widen their gradients into, one of the largest such layer's master
-      (`LayerCosts.gpu_widened_bytes`; the turnaround's fp32 sum being formed is as large, so it
-      does not raise the peak).
+      gradients (2 (d+1) with more than one micro-batch: accumulators coming in) and one
+      compute-dtype gradient of the largest layer (with one micro-batch: (d+1) compute-dtype
+      gradients on their way out and one fp32 sum) + the largest layer's workspace and recomputed
+      activations. Optimizer phase: static + resident weights + "gpu" layers' state + the ring +
+      with one micro-batch the fp32 buffer the "gpu" layers' updates widen their gradients into, one
+      of the largest such layer's master (`LayerCosts.gpu_widened_bytes`; the turnaround's fp32 sum
+      being formed is as large, so it does not raise the peak).
     - Host peak: static + the host layers' master, gradient, states and staging copy + the
       offloaded inputs of one micro-batch (on a GPU each the `pinned_block` torch's allocator
       gives it: `CostTable.offloaded_bytes`) + with one micro-batch and the update on the CPU the fp32
