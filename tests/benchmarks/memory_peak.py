@@ -4,7 +4,9 @@ One step runs under torch's allocator history (torch.cuda.memory._record_memory_
 stacks); its trace is replayed to the event at which the allocated bytes are highest, and the
 blocks alive then are summed by the place that allocated them: the innermost frame inside this
 repository (else the innermost frame). Blocks allocated before the step (weights, states, the
-key/value store's pools) are one line, "before the step". A row whose predicted GPU peak misses
+key/value store's pools) are one line, "before the step". Python stacks only (cheap to record):
+what the autograd engine allocates on its device thread outside a Python Function's backward has
+no frames and is summed as "unknown". A row whose predicted GPU peak misses
 the measured one then says which of the cost model's terms is off (student/offload_cost.py's
 `_peaks` names them). bench_offload_gpu.py's --memory-peak writes one JSON file a variant.
 """
