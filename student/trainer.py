@@ -63,6 +63,7 @@ from student.checkpoint import RunDirError
 from student.long_context import LongContextConfig
 from student.loss import LossConfig
 from student.offload_plan import OffloadConfig
+from student.offload_run import offload_figures, plan_for_run, told_over_budget
 from student.optim.config import OptimizerConfig
 from student.schedule import ScheduleConfig, lr_factor
 from student.sparse_ffn import SparseFFNConfig
@@ -397,7 +398,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
     check_shards(config.cache)  # every shard's size and checksum, before anything is written
     train_idx, held_idx = split_indices(reader.num_sequences, config.heldout)
     offloading = config.offload.offload != "none"
-    plan = _offload_plan(config)
+    plan = plan_for_run(config)
     if plan is not None and plan.chunk_choices:  # the planner chose the chunk size and where the pages live
         config = config.with_flat(chunk_tokens=plan.chunk_tokens, **{
             name: getattr(plan, name) for name in ("kv_offload", "offload_pages") if getattr(plan, name) is not None})
@@ -544,12 +545,12 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
                 elapsed = time.perf_counter() - window_start
                 peak = _peak_gpu_bytes(device)
                 if runtime is not None and not over_budget_told:
-                    over_budget_told = _told_over_budget(runtime.plan, peak.get("peak_gpu_bytes"))
+                    over_budget_told = told_over_budget(runtime.plan, peak.get("peak_gpu_bytes"))
                 log({"kind": "train", "step": step, "loss": loss_value, "kl": kl_sum / config.grad_accum, "lr": lr,
                      "grad_norm": grad_norm, "tokens": tokens, "tok_per_s": window_tokens / max(elapsed, 1e-9),
                      "optimizer_state_bytes": state_bytes(optimizer), "epoch": batches.epoch,
                      **peak, **(policy.metrics(model) if policy is not None else {}),
-                     **(_offload_figures(runtime, optimizer, window_step_s / window_steps) if runtime else {})})
+                     **(offload_figures(runtime, optimizer, window_step_s / window_steps) if runtime else {})})
                 window_tokens, window_start = 0, time.perf_counter()
                 window_step_s, window_steps = 0.0, 0
             if (config.eval_every and step % config.eval_every == 0) or step == steps:
@@ -615,63 +616,11 @@ def _save_gathered_student(model, folder: Path, tokenizer_dir: str, dist) -> Non
     tdist.barrier()
 
 
-def _offload_plan(config: TrainConfig):
-    """The plan the run trains with: a saved one, the planner's (auto), or None. A plan made for another
-    chunk size is refused, unless the planner chose it (its chunk_choices) among candidates that
-    held the run's chunk size (or the run gives none): train() then takes the plan's chunk settings."""
-    from student.offload_plan import OffloadPlan
-
-    candidates = config.offload.chunk_candidates
-    if candidates is not None and config.offload.offload != "auto":
-        raise ConfigError("chunk_candidates", f"is {candidates!r} with --offload {config.offload.offload}: the planner "
-                                              "chooses among them with --offload auto (a saved plan holds its choice); "
-                                              "add --offload auto or drop --chunk-candidates")
-    if config.offload.offload == "none":
-        return None
-    if config.offload.offload == "auto":
-        try:
-            from student.planner import plan_for_training
-        except ImportError:
-            raise ConfigError("offload", "is 'auto' but this distill has no planner (student/planner.py); give a "
-                                         "plan file `distill plan` wrote, or --offload none") from None
-        plan = plan_for_training(config)
-    else:
-        plan = OffloadPlan.load(config.offload.offload)
-    chunk = config.long.chunk_tokens
-    chosen_among = {c.chunk_tokens for c in plan.chunk_choices}
-    adopted = chosen_among and (chunk is None or chunk in chosen_among)
-    if plan.chunk_tokens is not None and plan.chunk_tokens != chunk and not adopted:
-        ran = f"--chunk-tokens {chunk}" if chunk is not None else "whole sequences"
-        raise ConfigError("offload", f"holds a plan made for --chunk-tokens {plan.chunk_tokens} but this run has "
-                                     f"{ran}; train with the plan's --chunk-tokens, make the plan for this run "
-                                     "(`distill plan`) or use --offload auto")
-    keep = config.long.keep_attention_chunks
-    if plan.keep_attention_chunks is not None and keep is not None and keep != plan.keep_attention_chunks:
-        raise ConfigError("keep_attention_chunks", f"is {keep} but the plan keeps the attention outputs of "
-                                                   f"{plan.keep_attention_chunks} chunks (its host memory counts "
-                                                   "those); drop the option to train with the plan's, or make the "
-                                                   "plan for this run (`distill plan`)")
-    if plan.chunk_choices:
-        logger.info("the plan chose --chunk-tokens %s, %s", plan.chunk_tokens,
-                    f"--kv-offload with --offload-pages {plan.offload_pages}" if plan.kv_offload else "the pages resident")
-    return plan
-
-
 def steps_accumulate(config: TrainConfig) -> bool:
     """Whether a step's gradient sums several backwards (grad_accum > 1, or chunk-recurrent training):
     OffloadRuntime's `accumulates`; else its layers keep the matrices' gradients in the compute
     dtype. A chunked run accumulates even at one chunk (a batch's chunks are known as it runs)."""
     return config.grad_accum > 1 or config.long.chunk_tokens is not None
-
-
-def _offload_figures(runtime, optimizer, step_s: float) -> dict:
-    """The row's offload figures; the phases are the last step's, measured beside the plan's predicted ones."""
-    predicted = runtime.plan.predicted
-    return {"offload_step_s": step_s, "offload_phase_s": runtime.phase_s(),
-            "offload_predicted_step_s": predicted.step_s, "offload_predicted_phase_s": predicted.phase_s,
-            "offload_predicted_gpu_peak_bytes": predicted.gpu_peak_bytes,
-            "offload_predicted_host_peak_bytes": predicted.host_peak_bytes,
-            "offload_host_bytes": runtime.host_bytes(optimizer)}
 
 
 def _peak_gpu_bytes(device: str) -> dict:
@@ -684,20 +633,6 @@ def _peak_gpu_bytes(device: str) -> dict:
     peak = torch.cuda.max_memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     return {"peak_gpu_bytes": peak}
-
-
-def _told_over_budget(plan, peak_bytes: int | None) -> bool:
-    """Warn (once: the caller stops asking after True) when the GPU peak passed the plan's budget:
-    the cost model missed something the step holds, and the run may not fit beside other work."""
-    if peak_bytes is None or plan.gpu_memory is None or peak_bytes <= plan.gpu_memory:
-        return False
-    from student.planner import format_bytes
-
-    logger.warning("the GPU peak %s passed the plan's --gpu-memory %s (it predicted %s): the planner's cost model "
-                   "misses something this step holds; lower --gpu-memory by the difference to stay within the "
-                   "budget", format_bytes(peak_bytes), format_bytes(plan.gpu_memory),
-                   format_bytes(plan.predicted.gpu_peak_bytes))
-    return True
 
 
 def _diverged_message(step: int, loss: float, grad_norm: float, last_saved, kept: list[int]) -> str:

@@ -275,16 +275,16 @@ def test_a_gpu_peak_past_the_plans_budget_is_told_once(caplog):
     import logging
 
     from student.offload_plan import Predicted
-    from student.trainer import _told_over_budget
+    from student.offload_run import told_over_budget
 
     plan = dataclasses.replace(OffloadPlan.uniform(2, "keep", "resident"), gpu_memory=7 * 2**30,
                                predicted=Predicted(step_s=1.0, gpu_peak_bytes=7 * 10**9, host_peak_bytes=0))
-    with caplog.at_level(logging.WARNING, logger="student.trainer"):
-        assert not _told_over_budget(plan, None)
-        assert not _told_over_budget(plan, 7 * 2**30)
-        assert not _told_over_budget(dataclasses.replace(plan, gpu_memory=None), 8 * 2**30)
+    with caplog.at_level(logging.WARNING, logger="student.offload_run"):
+        assert not told_over_budget(plan, None)
+        assert not told_over_budget(plan, 7 * 2**30)
+        assert not told_over_budget(dataclasses.replace(plan, gpu_memory=None), 8 * 2**30)
         assert not caplog.records
-        assert _told_over_budget(plan, 7 * 2**30 + 1)
+        assert told_over_budget(plan, 7 * 2**30 + 1)
     (record,) = caplog.records
     assert "--gpu-memory" in record.getMessage() and "\n" not in record.getMessage()
 

@@ -1,0 +1,78 @@
+"""The trainer's side of offloaded training (student/trainer.py calls these; student/offload.py is the
+runtime, student/planner.py the planner): the plan a run trains with, the figures its metrics rows
+carry, and the warning when a step's GPU peak passes the plan's budget."""
+
+from __future__ import annotations
+
+import logging
+
+from distill.configs import ConfigError
+from student.offload_plan import OffloadPlan
+
+__all__ = ["offload_figures", "plan_for_run", "told_over_budget"]
+
+logger = logging.getLogger(__name__)
+
+
+def plan_for_run(config) -> OffloadPlan | None:
+    """The plan the run trains with: a saved one, the planner's (auto), or None. A plan made for another
+    chunk size is refused, unless the planner chose it (its chunk_choices) among candidates that
+    held the run's chunk size (or the run gives none): train() then takes the plan's chunk settings."""
+    candidates = config.offload.chunk_candidates
+    if candidates is not None and config.offload.offload != "auto":
+        raise ConfigError("chunk_candidates", f"is {candidates!r} with --offload {config.offload.offload}: the planner "
+                                              "chooses among them with --offload auto (a saved plan holds its choice); "
+                                              "add --offload auto or drop --chunk-candidates")
+    if config.offload.offload == "none":
+        return None
+    if config.offload.offload == "auto":
+        try:
+            from student.planner import plan_for_training
+        except ImportError:
+            raise ConfigError("offload", "is 'auto' but this distill has no planner (student/planner.py); give a "
+                                         "plan file `distill plan` wrote, or --offload none") from None
+        plan = plan_for_training(config)
+    else:
+        plan = OffloadPlan.load(config.offload.offload)
+    chunk = config.long.chunk_tokens
+    chosen_among = {c.chunk_tokens for c in plan.chunk_choices}
+    adopted = chosen_among and (chunk is None or chunk in chosen_among)
+    if plan.chunk_tokens is not None and plan.chunk_tokens != chunk and not adopted:
+        ran = f"--chunk-tokens {chunk}" if chunk is not None else "whole sequences"
+        raise ConfigError("offload", f"holds a plan made for --chunk-tokens {plan.chunk_tokens} but this run has "
+                                     f"{ran}; train with the plan's --chunk-tokens, make the plan for this run "
+                                     "(`distill plan`) or use --offload auto")
+    keep = config.long.keep_attention_chunks
+    if plan.keep_attention_chunks is not None and keep is not None and keep != plan.keep_attention_chunks:
+        raise ConfigError("keep_attention_chunks", f"is {keep} but the plan keeps the attention outputs of "
+                                                   f"{plan.keep_attention_chunks} chunks (its host memory counts "
+                                                   "those); drop the option to train with the plan's, or make the "
+                                                   "plan for this run (`distill plan`)")
+    if plan.chunk_choices:
+        logger.info("the plan chose --chunk-tokens %s, %s", plan.chunk_tokens,
+                    f"--kv-offload with --offload-pages {plan.offload_pages}" if plan.kv_offload else "the pages resident")
+    return plan
+
+
+def offload_figures(runtime, optimizer, step_s: float) -> dict:
+    """The row's offload figures; the phases are the last step's, measured beside the plan's predicted ones."""
+    predicted = runtime.plan.predicted
+    return {"offload_step_s": step_s, "offload_phase_s": runtime.phase_s(),
+            "offload_predicted_step_s": predicted.step_s, "offload_predicted_phase_s": predicted.phase_s,
+            "offload_predicted_gpu_peak_bytes": predicted.gpu_peak_bytes,
+            "offload_predicted_host_peak_bytes": predicted.host_peak_bytes,
+            "offload_host_bytes": runtime.host_bytes(optimizer)}
+
+
+def told_over_budget(plan, peak_bytes: int | None) -> bool:
+    """Warn (once: the caller stops asking after True) when the GPU peak passed the plan's budget:
+    the cost model missed something the step holds, and the run may not fit beside other work."""
+    if peak_bytes is None or plan.gpu_memory is None or peak_bytes <= plan.gpu_memory:
+        return False
+    from student.planner import format_bytes
+
+    logger.warning("the GPU peak %s passed the plan's --gpu-memory %s (it predicted %s): the planner's cost model "
+                   "misses something this step holds; lower --gpu-memory by the difference to stay within the "
+                   "budget", format_bytes(peak_bytes), format_bytes(plan.gpu_memory),
+                   format_bytes(plan.predicted.gpu_peak_bytes))
+    return True
