@@ -293,10 +293,13 @@ class PagedKVStore:
     def _forward(self, layer: int, q):
         from kernels.page_attention import merge_partials, page_attention_forward
 
+        merged = None
         with _no_autocast(q):  # the kernels take their dtypes from the pages; lse and out stay fp32
-            parts = [page_attention_forward(q, k, v, table, first_page=first, q_start=self.start)
-                     for k, v, _, _, table, first in self._page_sets(layer, with_grads=False)]
-        return parts[0] if len(parts) == 1 else merge_partials(parts)
+            for k, v, _, _, table, first in self._page_sets(layer, with_grads=False):
+                part = page_attention_forward(q, k, v, table, first_page=first, q_start=self.start)
+                # Merged as they come: two partial outputs of the chunk's queries at a time, not one a set.
+                merged = part if merged is None else merge_partials([merged, part])
+        return merged
 
 
 def select_pages(q, mean_k, budget: int):

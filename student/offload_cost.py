@@ -539,10 +539,16 @@ def kv_options(kv: KVPages) -> list[tuple[bool, int]]:
     """The residencies the planner prices, (kv_offload, offload_pages): every page on the GPU, and
     on a GPU the pages offloaded with page sets of all of a layer's pages, a quarter, a sixteenth,
     a sixty-fourth of them and the run's offload_pages (the smaller the set, the less the GPU holds
-    and the more copies each attention call makes)."""
+    and the more copies each attention call makes), none smaller than a chunk's pages. Each set is
+    one more attention call and merge over all of the chunk's queries, which `_page_copy_s` does
+    not price: with sets of a sixteenth of a chunk they cost more than the attention itself (row
+    `offload/qwen2-0.5b-T131072-gpu7.25GiB-chunks16384-kvoffload/planned@811dfaa`, whose plan took
+    chunks of 32,768 and sets of 32 pages); with sets no smaller than a chunk, at most one call
+    and merge per chunk of keys, which the profile's own sets pay too."""
     options = [(False, kv.offload_pages)]
     if kv.offloadable:
-        sizes = {-(-kv.num_pages // 4**k) for k in range(4)} | {min(kv.offload_pages, kv.num_pages)}
+        floor = min(-(-kv.chunk_tokens // kv.page_tokens), kv.num_pages)
+        sizes = {max(-(-kv.num_pages // 4**k), floor) for k in range(4)} | {min(kv.offload_pages, kv.num_pages)}
         options += [(True, size) for size in sorted(sizes)]
     return options
 
@@ -597,7 +603,7 @@ def _page_copy_s(kv: KVPages, costs: CostTable) -> tuple[float, list[float]]:
       with the other's bytes at their delay (predict's bus rule: both directions run together),
       and for its last set's gradients to be home; the top layer's first set is waited for whole.
     Not modelled: the bus shared with the runtime's other copies, the set split at the chunk's
-    first page, page-attention's cost per set beyond its copies."""
+    first page, page-attention's cost per set beyond its copies (`kv_options` keeps it small)."""
     if not kv.offloaded:
         return 0.0, [0.0] * len(costs.layers)
     h2d, d2h, latency = costs.h2d_bytes_per_s, costs.d2h_bytes_per_s, costs.copy_latency_s

@@ -60,7 +60,10 @@ def test_the_pages_bytes_resident_and_offloaded():
     assert odd.kept_bytes == 2 * (GiB // 8 + 256)
     assert dataclasses.replace(odd, offloadable=False).kept_bytes == 2 * 64 * (GiB // 16 // 64 + 1 + 3)
     assert kv_options(on_cpu) == [(False, 1024)]
-    assert kv_options(pages) == [(False, 1024), (True, 1), (True, 4)]  # 4 pages a layer: 4, 1, 1, 1 and the run's (4)
+    # 4 pages a layer, 2 a chunk: 4, then 1, 1, 1 raised to a chunk's 2, and the run's (4).
+    assert kv_options(pages) == [(False, 1024), (True, 2), (True, 4)]
+    assert kv_options(dataclasses.replace(pages, offload_pages=1)) == [(False, 1), (True, 1), (True, 2), (True, 4)]
+    assert kv_options(dataclasses.replace(pages, chunk_tokens=512)) == [(False, 1024), (True, 4)]  # one chunk
 
 
 def test_offloaded_pages_charge_the_copies_the_compute_does_not_hide():
@@ -107,12 +110,13 @@ def test_a_large_budget_keeps_the_pages_resident_and_a_small_one_offloads_them()
     assert (roomy.chunk_tokens, roomy.kv_offload, roomy.resident_pages) == (64, False, 8)
     assert roomy.predicted.step_s == min(c.step_s for c in roomy.chunk_choices)
     assert [(c.kv_offload, c.offload_pages) for c in roomy.chunk_choices] == kv_options(costs.kv)
-    # Too small for every page on the GPU (6 GiB of them), large enough for sets of one page (2.25 GiB).
+    # Too small for every page on the GPU (6 GiB of them), large enough for sets of a chunk's two
+    # pages (4.5 GiB).
     least = lambda *option: smallest_budget(kv_residency(costs, *option), "gpu", None)[1]
     budget = least(False, 1024) - GiB
-    assert budget > least(True, 1)
+    assert budget > least(True, 2)
     tight, tight_costs = choose_chunks({64: costs}, budget, 200 * GiB, settings=FAST)
-    assert (tight.kv_offload, tight.offload_pages, tight.resident_pages) == (True, 1, 3)
+    assert (tight.kv_offload, tight.offload_pages, tight.resident_pages) == (True, 2, 6)
     assert tight.predicted.gpu_peak_bytes <= budget
     assert tight.predicted == predict(tight_costs, tight)
     assert tight.chunk_choices[0].step_s is None  # resident: does not fit
