@@ -163,6 +163,14 @@ class KVPages:
         return len(kept_chunks(self.chunks, self.keep_chunks)) * self.kept_chunk_bytes
 
     @property
+    def held_attention_bytes(self) -> int:
+        """On a GPU, pass 2's device copies of one chunk's attention output and lse, every layer's:
+        each layer's forward brings its kept output to the device (or attends) and keeps that for
+        the layer's recomputation in the backward (AttendPages), so all of them are alive from the
+        chunk's head to its top layer's backward. Elsewhere they are the kept outputs themselves."""
+        return self.num_layers * self.chunk_tokens * (self.kept_out_bytes + self.kept_lse_bytes) if self.offloadable else 0
+
+    @property
     def num_pages(self) -> int:
         """Pages of every row, per layer."""
         return -(-self.seq_tokens // self.page_tokens)
@@ -497,11 +505,13 @@ def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
     input embedding's gradient as its backward makes it (after the last layer's backward, while
     that layer's gradients may still be on their way out), these two beside a tied head's gradient
     waiting for the embedding's (`CostTable.held_grad_bytes`). At one backward a step the static
-    bytes' count of the embedding's .grad is taken out: its backward makes it."""
+    bytes' count of the embedding's .grad is taken out: its backward makes it. Chunk-recurrent,
+    the head and a layer's backward come beside pass 2's device copies of the chunk's attention
+    outputs (`KVPages.held_attention_bytes`; the layer's own is in its keep_bytes too, counted twice)."""
     grads, layer = _backward_gpu_bytes(costs, depth)
     absent = 0 if costs.accumulates else costs.late_grad_bytes  # the .grad before its backward
-    held = costs.held_grad_bytes
-    return costs.kv_gpu_bytes + max(costs.loss_workspace_bytes, grads + layer + held,
+    held, attention = costs.held_grad_bytes, costs.kv.held_attention_bytes if costs.kv is not None else 0
+    return costs.kv_gpu_bytes + max(costs.loss_workspace_bytes + attention, grads + layer + held + attention,
                                     grads + held + costs.late_grad_bytes) - absent
 
 

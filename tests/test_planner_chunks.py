@@ -101,6 +101,29 @@ def test_offloaded_pages_charge_the_copies_the_compute_does_not_hide():
     assert (resident.kv_gpu_bytes, resident.static_host_bytes) == (costs.kv_gpu_bytes, costs.static_host_bytes)
 
 
+def test_pass_2s_device_copies_of_the_attention_outputs_count_beside_the_head_and_a_layers_backward():
+    """On a GPU every layer of a pass-2 chunk keeps its attention output and lse on the device for
+    its recomputation (`KVPages.held_attention_bytes`): one chunk's, of every layer, beside the
+    head's workspace or a layer's backward, whichever binds; not beside the embedding's late
+    gradient (each layer's backward has dropped its copy by then); nothing on the CPU, where they
+    are the kept outputs themselves. The program prices the same peak: the smallest budget grows
+    by the copies' bytes."""
+    pages = kv(num_layers=2)
+    copies = 2 * 64 * (GiB // 16 // 64)  # two layers, a chunk of 64 positions, GiB / 16 a layer
+    assert pages.held_attention_bytes == copies
+    assert dataclasses.replace(pages, offloadable=False).held_attention_bytes == 0
+    none = dataclasses.replace(pages, kept_out_bytes=0)
+    assert none.held_attention_bytes == 0 and none.bytes()[0] == pages.bytes()[0]  # same pages on the device
+    plan = OffloadPlan.uniform(2, "recompute", "resident", prefetch_depth=0, optimizer="gpu")
+    peak = lambda pages, **changes: predict(chunked(pages, layer(), layer(), **changes), plan).gpu_peak_bytes
+    for binding in ({}, {"loss_workspace_bytes": 40 * GiB}):  # a layer's backward, then the head's workspace
+        assert peak(pages, **binding) - peak(none, **binding) == copies
+    late = {"late_grad_bytes": 40 * GiB}  # the embedding's gradient as its backward makes it
+    assert peak(pages, **late) == peak(none, **late)
+    least = lambda pages: smallest_budget(chunked(pages, layer(), layer()), "gpu", None)[1]
+    assert least(pages) - least(none) == copies
+
+
 # --- choose_chunks on hand-made tables ------------------------------------------------------------
 
 

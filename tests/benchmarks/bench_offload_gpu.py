@@ -33,7 +33,8 @@ clipping, its host layers' norms taken on the device), runtime.step, zero_grad.
 Rows `offload/<shape>-T<tokens>/<variant>`: median step seconds over --repeats after --warmup
 steps, and after one step of --prime-tokens tokens where given (CUDA events, harness.time_gpu), tokens/s, model TFLOP/s = 6 x parameters x tokens / step
 time (the issue's measure; recomputation not counted) and its share of the bf16 matmul ceiling,
-peak GPU memory (max_memory_allocated over the timed steps), the process's resident host memory
+peak GPU memory (max_memory_allocated over the timed steps, and max_memory_reserved, what the
+caching allocator held from the device: the allocated bytes plus its slack), the process's resident host memory
 before them and its peak over them (host_rss_before_bytes, peak_host_rss_bytes: pinned memory,
 the layers' host bytes, the process itself; harness.host_peak) and the host bytes of the
 offloaded layers; for an offloaded variant the phases of one
@@ -307,6 +308,7 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
     if args.trace is not None:
         trace(step, args.trace / name)
     peak_gpu = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
+    peak_reserved = torch.cuda.max_memory_reserved() if args.device == "cuda" else None
     if args.memory_peak is not None:  # after the peak is read: it resets it
         from memory_peak import record_step
 
@@ -325,6 +327,7 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
         runtime.close()
     if args.device == "cuda":
         figures["peak_gpu_bytes"] = peak_gpu
+        figures["peak_gpu_reserved_bytes"] = peak_reserved
         figures["of_matmul_ceiling"] = figures["model_tflops"] / ceilings()["matmul_bf16_tflops"]
     if plan is not None and plan.predicted.step_s > 0:
         p = plan.predicted

@@ -33,15 +33,17 @@ def place_of(frames: list[dict], root: str = REPO) -> str:
 
 
 def live_at_peak(events: list[dict], base_bytes: int, *, root: str = REPO, top: int = 40) -> dict:
-    """Replay an allocator trace (torch's device_traces entries: "alloc" and "free_completed" change
-    the allocated bytes; other actions do not) from `base_bytes` allocated before it; returns the
+    """Replay an allocator trace (torch's device_traces entries: "alloc" and "free_requested" change
+    the allocated bytes, as torch's allocator counts them for max_memory_allocated; a block used on
+    another stream is "free_completed" later, when that stream is past it, and its bytes stay
+    reserved until then; other actions do not) from `base_bytes` allocated before it; returns the
     peak, the event it is reached at, and the blocks alive then summed by `place_of` (the largest
     `top` places; the bytes alive from before the trace as BEFORE)."""
     total, peak, at = base_bytes, base_bytes, -1
     for i, e in enumerate(events):
         if e["action"] == "alloc":
             total += e["size"]
-        elif e["action"] == "free_completed":
+        elif e["action"] == "free_requested":
             total -= e["size"]
         if total > peak:
             peak, at = total, i
@@ -50,7 +52,7 @@ def live_at_peak(events: list[dict], base_bytes: int, *, root: str = REPO, top: 
     for e in events[:at + 1]:
         if e["action"] == "alloc":
             live[e["addr"]] = (e["size"], place_of(e.get("frames", []), root))
-        elif e["action"] == "free_completed":
+        elif e["action"] == "free_requested":
             if live.pop(e["addr"], None) is None:
                 freed_from_before += e["size"]
     places: dict[str, list[int]] = defaultdict(lambda: [0, 0])
