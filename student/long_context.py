@@ -158,9 +158,13 @@ class PagedKVStore:
         # Training: each (layer, chunk)'s attention output and lse from pass 1 (in pinned host memory
         # on a GPU, so the GPU holds one chunk's), used by pass 2's run and by the recomputation of
         # its checkpointed layer instead of attending again; the backward drops it (AttendPages).
+        # Pass 2 keeps its own there too for the recomputation. On a GPU an output comes back on the
+        # side stream (`_bring`), the next layer's ahead of use: layer + 1's while a forward uses
+        # this one, layer - 1's when a backward begins; `_brought` holds those copies and their events.
         self.keep_attention = False
         self.keep_from = 0  # pass 1 keeps the attention of chunks starting here or later
         self.kept_attention: dict[tuple[int, int], tuple] = {}
+        self._brought: dict[tuple[int, int], tuple] = {}
         self.start = self.end = 0
         self.grad = False
         # Offload: the next layer's first page set, copied ahead (`_prefetch`), and how prefetched
@@ -185,6 +189,7 @@ class PagedKVStore:
 
     def begin(self, start: int, end: int, grad: bool) -> None:
         _take_prefetched(self, None)  # a set prefetched for the previous chunk is not this one's
+        self._brought.clear()
         self.start, self.end, self.grad = start, end, grad
 
     def attend(self, layer: int, q, k, v):
@@ -202,13 +207,46 @@ class PagedKVStore:
         return out
 
     def _stash(self, x):
-        """x, or on a GPU a pinned host copy of it (queued on the current stream, like its use)."""
+        """x, or on a GPU a pinned host copy of it, copied on the side stream after the work queued
+        so far on the current one (which made x); `_bring` copies it back on that stream, after."""
         import torch
 
         if self.device.type != "cuda":
             return x
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        return host.copy_(x, non_blocking=True)
+        side = _side_stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            host.copy_(x, non_blocking=True)
+        x.record_stream(side)
+        return host
+
+    def _bring(self, key: tuple[int, int], *, ahead: bool = False):
+        """The kept (out, lse) of (layer, chunk start) on the device, for the current stream: the
+        copy brought ahead when there is one, else one copied now on the side stream; None when
+        nothing is kept for it. ahead=True: start the copy and keep it for a later call."""
+        import torch
+
+        kept = self.kept_attention.get(key)
+        if kept is None or self.device.type != "cuda":
+            return None if ahead else kept  # elsewhere the kept output is used where it is
+        brought = self._brought.pop(key, None)
+        if brought is None:
+            side = _side_stream(self.device)
+            with torch.cuda.stream(side):
+                copies = tuple(x.to(self.device, non_blocking=True) for x in kept)
+            done = torch.cuda.Event()
+            done.record(side)
+            brought = copies, done
+        if ahead:
+            self._brought[key] = brought
+            return None
+        copies, done = brought
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(done)
+        for x in copies:
+            x.record_stream(compute)
+        return copies
 
     # --- pages ------------------------------------------------------------------------------------
 
@@ -485,15 +523,18 @@ def _make_attend_function():
             # Pass 1 attended with the same queries and pages (the last chunk's first run did, under
             # layer checkpointing, for its recomputation): take that output instead of attending
             # again (attention is the costly part of a long chunk's layer). The backward drops it.
+            # The device holds it only while this layer uses it: a forward brings layer + 1's ahead.
             key = (layer, store.start)
-            kept = store.kept_attention.get(key)
+            kept = store._bring(key)
             if kept is None:
                 out, lse = store._forward(layer, q)
                 out = out.to(q.dtype)
+                if store.keep_attention:
+                    store.kept_attention[key] = store._stash(out), store._stash(lse)
             else:
-                out, lse = (x.to(q.device, non_blocking=True) for x in kept)
-            if store.keep_attention:
-                store.kept_attention[key] = out, lse
+                out, lse = kept
+            if (layer + 1, store.start) not in store._brought:
+                store._bring((layer + 1, store.start), ahead=True)
             ctx.store, ctx.layer = store, layer
             ctx.save_for_backward(q, out, lse)
             return out
@@ -503,6 +544,9 @@ def _make_attend_function():
             q, out, lse = ctx.saved_tensors
             store, layer = ctx.store, ctx.layer
             store.kept_attention.pop((layer, store.start), None)
+            store._brought.pop((layer, store.start), None)  # brought for a recomputation that did not come
+            store._brought.pop((layer + 1, store.start), None)
+            store._bring((layer - 1, store.start), ahead=True)  # its recomputation comes next
             dq = _attend_backward(store, layer, q, out, lse, dout.contiguous())
             # Complete now: later chunks ran before this one and this chunk's queries just added theirs.
             dk, dv = store._own(store.dk[layer]), store._own(store.dv[layer])

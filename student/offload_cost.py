@@ -164,11 +164,10 @@ class KVPages:
 
     @property
     def held_attention_bytes(self) -> int:
-        """On a GPU, pass 2's device copies of one chunk's attention output and lse, every layer's:
-        each layer's forward brings its kept output to the device (or attends) and keeps that for
-        the layer's recomputation in the backward (AttendPages), so all of them are alive from the
-        chunk's head to its top layer's backward. Elsewhere they are the kept outputs themselves."""
-        return self.num_layers * self.chunk_tokens * (self.kept_out_bytes + self.kept_lse_bytes) if self.offloadable else 0
+        """On a GPU, the device copy of one layer's attention output and lse of a chunk that pass 2
+        brings ahead of that layer's recomputation, while the layer above runs its backward (its
+        own copy is in its keep_bytes). Elsewhere the kept outputs are used where they are."""
+        return self.chunk_tokens * (self.kept_out_bytes + self.kept_lse_bytes) if self.offloadable else 0
 
     @property
     def num_pages(self) -> int:
@@ -184,17 +183,19 @@ class KVPages:
         gradient pages, every layer's at once by the end of the last chunk's backward; offloaded,
         all of them in pinned host memory, the device holding three page sets (one read, the next
         copied, and the next layer's first, prefetched across the layer boundary). Pass 1's kept
-        attention outputs go to pinned host memory on a GPU (stay on the device elsewhere).
+        attention outputs go to pinned host memory on a GPU (stay on the device elsewhere), and
+        beside them pass 2's own of one chunk that pass 1 did not keep (the last one: it comes
+        first), kept there for its layers' recomputations.
         Resident pages: the pages (of every row) the device holds at once, over all layers."""
         page = self.kv_page_bytes + self.grad_page_bytes
         if self.offloaded:  # per layer four pinned pools: keys, values and their gradients
             resident = 3 * min(self.offload_pages, self.num_pages)
             pools = 2 * pinned_block(self.num_pages * self.kv_page_bytes // 2) + 2 * pinned_block(
                 self.num_pages * self.grad_page_bytes // 2)
-            return resident * page, self.num_layers * pools + self.kept_bytes, resident
+            return resident * page, self.num_layers * pools + self.kept_bytes + self.kept_chunk_bytes, resident
         resident = self.num_layers * self.num_pages
         if self.offloadable:
-            return resident * page, self.kept_bytes, resident
+            return resident * page, self.kept_bytes + self.kept_chunk_bytes, resident
         return resident * page + self.kept_bytes, 0, resident
 
 
@@ -506,12 +507,12 @@ def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
     that layer's gradients may still be on their way out), these two beside a tied head's gradient
     waiting for the embedding's (`CostTable.held_grad_bytes`). At one backward a step the static
     bytes' count of the embedding's .grad is taken out: its backward makes it. Chunk-recurrent,
-    the head and a layer's backward come beside pass 2's device copies of the chunk's attention
-    outputs (`KVPages.held_attention_bytes`; the layer's own is in its keep_bytes too, counted twice)."""
+    a layer's backward comes beside the next layer's attention output, brought ahead for its
+    recomputation (`KVPages.held_attention_bytes`)."""
     grads, layer = _backward_gpu_bytes(costs, depth)
     absent = 0 if costs.accumulates else costs.late_grad_bytes  # the .grad before its backward
     held, attention = costs.held_grad_bytes, costs.kv.held_attention_bytes if costs.kv is not None else 0
-    return costs.kv_gpu_bytes + max(costs.loss_workspace_bytes + attention, grads + layer + held + attention,
+    return costs.kv_gpu_bytes + max(costs.loss_workspace_bytes, grads + layer + held + attention,
                                     grads + held + costs.late_grad_bytes) - absent
 
 

@@ -49,13 +49,13 @@ def test_the_pages_bytes_resident_and_offloaded():
     on the CPU nothing is pinned and every byte is counted as it is."""
     pages = kv(num_layers=2)
     page = 3 * 10**6  # keys, values and their gradients, of every row
-    kept = 2 * GiB // 16
+    kept = 2 * GiB // 16 + 2 * GiB // 16  # pass 1's of the first chunk, and pass 2's own of the last
     pools = 2 * (2 * 2 * MiB + 2 * 4 * MiB)  # two layers' four pools
     assert pages.bytes() == (2 * 4 * page, kept, 8)
     assert dataclasses.replace(pages, kv_offload=True, offload_pages=1).bytes() == (3 * page, pools + kept, 3)
     assert dataclasses.replace(pages, kv_offload=True, offload_pages=9).bytes() == (12 * page, pools + kept, 12)
     on_cpu = dataclasses.replace(pages, offloadable=False, kv_offload=True)  # the store keeps them where they are
-    assert on_cpu.bytes() == (8 * page + kept, 0, 8)
+    assert on_cpu.bytes() == (8 * page + 2 * GiB // 16, 0, 8)  # pass 2 uses its own where it is
     odd = dataclasses.replace(pages, kept_out_bytes=GiB // 16 // 64 + 1, kept_lse_bytes=3)  # just over, and 192 B
     assert odd.kept_bytes == 2 * (GiB // 8 + 256)
     assert dataclasses.replace(odd, offloadable=False).kept_bytes == 2 * 64 * (GiB // 16 // 64 + 1 + 3)
@@ -77,7 +77,7 @@ def test_offloaded_pages_charge_the_copies_the_compute_does_not_hide():
     assert offloaded.pass1_s == pytest.approx(costs.pass1_s + 10 * MS)
     assert offloaded.layers[0].backward_s == pytest.approx(costs.layers[0].backward_s + 16 * MS)
     assert offloaded.kv_gpu_bytes == 3 * 4 * 3 * 10**6 and offloaded.resident_pages == 12
-    assert offloaded.static_host_bytes == GiB + 2 * 2 * MiB + 2 * 4 * MiB + GiB // 16  # pinned pools: `kv`
+    assert offloaded.static_host_bytes == GiB + 2 * 2 * MiB + 2 * 4 * MiB + 2 * GiB // 16  # pinned pools: `kv`
     assert (offloaded.kv.kv_offload, offloaded.kv.offload_pages) == (True, 4)
     assert kv_residency(costs, False, 1024) == costs  # as measured: nothing changes
     # Both directions at half their rates alone when copying together (no better than taking
@@ -101,25 +101,23 @@ def test_offloaded_pages_charge_the_copies_the_compute_does_not_hide():
     assert (resident.kv_gpu_bytes, resident.static_host_bytes) == (costs.kv_gpu_bytes, costs.static_host_bytes)
 
 
-def test_pass_2s_device_copies_of_the_attention_outputs_count_beside_the_head_and_a_layers_backward():
-    """On a GPU every layer of a pass-2 chunk keeps its attention output and lse on the device for
-    its recomputation (`KVPages.held_attention_bytes`): one chunk's, of every layer, beside the
-    head's workspace or a layer's backward, whichever binds; not beside the embedding's late
-    gradient (each layer's backward has dropped its copy by then); nothing on the CPU, where they
-    are the kept outputs themselves. The program prices the same peak: the smallest budget grows
-    by the copies' bytes."""
+def test_the_attention_output_brought_ahead_counts_beside_a_layers_backward():
+    """On a GPU pass 2 brings layer l - 1's attention output and lse of the chunk to the device
+    while layer l runs its backward, for l - 1's recomputation (`KVPages.held_attention_bytes`):
+    one layer's, beside a layer's backward; not beside the head's workspace (no layer's is
+    brought then) nor the embedding's late gradient; nothing on the CPU, where the kept outputs
+    are used where they are. The program prices the same peak: the smallest budget grows by it."""
     pages = kv(num_layers=2)
-    copies = 2 * 64 * (GiB // 16 // 64)  # two layers, a chunk of 64 positions, GiB / 16 a layer
+    copies = 64 * (GiB // 16 // 64)  # one layer's, a chunk of 64 positions
     assert pages.held_attention_bytes == copies
     assert dataclasses.replace(pages, offloadable=False).held_attention_bytes == 0
     none = dataclasses.replace(pages, kept_out_bytes=0)
     assert none.held_attention_bytes == 0 and none.bytes()[0] == pages.bytes()[0]  # same pages on the device
     plan = OffloadPlan.uniform(2, "recompute", "resident", prefetch_depth=0, optimizer="gpu")
     peak = lambda pages, **changes: predict(chunked(pages, layer(), layer(), **changes), plan).gpu_peak_bytes
-    for binding in ({}, {"loss_workspace_bytes": 40 * GiB}):  # a layer's backward, then the head's workspace
-        assert peak(pages, **binding) - peak(none, **binding) == copies
-    late = {"late_grad_bytes": 40 * GiB}  # the embedding's gradient as its backward makes it
-    assert peak(pages, **late) == peak(none, **late)
+    assert peak(pages) - peak(none) == copies  # a layer's backward binds
+    for binding in ({"loss_workspace_bytes": 40 * GiB}, {"late_grad_bytes": 40 * GiB}):
+        assert peak(pages, **binding) == peak(none, **binding)  # the head's workspace, the embedding's gradient
     least = lambda pages: smallest_budget(chunked(pages, layer(), layer()), "gpu", None)[1]
     assert least(pages) - least(none) == copies
 
