@@ -82,8 +82,19 @@ class LayerCosts:
     update_gpu_s: float  # one optimizer update of the layer on the GPU (its slice is there)
     update_cpu_s: float  # the same on the CPU, with the cast of its staging copy
     # Chunk-recurrent training: forward_s is the mean of a chunk's pass-2 forwards, made of these
-    # (`kept_attention` prices another number of kept chunks with them). None: whole sequences.
+    # (`kept_attention` prices another number of kept chunks with them), and so is recompute_s.
+    # None: whole sequences.
     chunk: ChunkSeconds | None = None
+
+    @property
+    def recompute_s(self) -> float:
+        """The layer's forward once more in the backward (activation "recompute" or "offload"):
+        forward_s, or chunk-recurrent the mean of the chunks' forwards taking a kept attention
+        output: every chunk's recomputation takes pass 2's own (the engine keeps it for that, also
+        for the chunks whose attention pass 1 did not keep), so none attends."""
+        if self.chunk is None:
+            return self.forward_s
+        return (self.chunk.first_kept_forward_s + self.chunk.last_kept_forward_s) / 2
 
     @property
     def staging_bytes(self) -> int:
@@ -380,7 +391,7 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
     offload = [lp.activation == "offload" for lp in p]
     stream = [lp.params == "stream" for lp in p]
     on_host = [lp.states == "host" for lp in p]
-    backward = [c[i].backward_s + (0.0 if keep[i] else c[i].forward_s) for i in range(L)]
+    backward = [c[i].backward_s + (0.0 if keep[i] else c[i].recompute_s) for i in range(L)]
     delay_in, delay_out = costs.duplex_delays()
 
     # Forward: copy_in / copy_out are the ends of the H2D and D2H queues, so far; bus_in / bus_out
@@ -586,8 +597,9 @@ def kv_residency(costs: CostTable, kv_offload: bool, offload_pages: int) -> Cost
 def kept_attention(costs: CostTable, keep: int | None) -> CostTable:
     """`costs` (a chunk-recurrent table, measured with the store `costs.kv`) with pass 1 keeping the
     attention outputs of `keep` chunks (`kept_chunks`; None: all): each layer's forward_s is its
-    pass-2 forward over the chunks (`ChunkSeconds.forward_s`; the backward's recomputation is
-    priced from it), and the kept outputs' bytes are `KVPages.bytes`'. Pass 1's seconds stay as
+    pass-2 forward over the chunks (`ChunkSeconds.forward_s`; the backward's recomputation takes
+    pass 2's own output whatever `keep` is: `LayerCosts.recompute_s`), and the kept outputs'
+    bytes are `KVPages.bytes`'. Pass 1's seconds stay as
     measured (a chunk not kept saves only its output's copy out)."""
     old = costs.kv
     assert old is not None, "a chunk-recurrent cost table (profile with --chunk-tokens)"

@@ -216,7 +216,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         copy = moved_in(i, ms / costs.h2d_bytes_per_s)
         prog.at_least(XB[i], XB[i + 1] if i + 1 < L else XF[-1], copy)
         prog.at_least(XB[i], BE[i + d + 1] if i + d + 1 < L else FE[-1], copy)
-        bwd = _add(const((c[i].backward_s + c[i].forward_s) * ms), pick(i, -c[i].forward_s * ms, act="keep"))
+        bwd = _add(const((c[i].backward_s + c[i].recompute_s) * ms), pick(i, -c[i].recompute_s * ms, act="keep"))
         if i + 1 < L:
             prog.at_least(BE[i], BE[i + 1], bwd)
         else:

@@ -186,8 +186,8 @@ def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_
     their largest: the last one's, which reads every page). A layer's forward_s is then the mean
     over the chunks of its pass-2 forward: taking pass 1's kept attention output for the chunks
     pass 1 keeps (LongContextConfig.keep_attention_chunks), attending for the others and the last.
-    Its recomputation in the backward is priced the same (it takes pass 2's own output: a little
-    high when chunks are not kept). Adds `chunks` (per micro-batch) and `pass1_s`: pass 1's no-grad
+    Its recomputation in the backward takes pass 2's own output in every chunk (priced by the kept
+    forwards: `LayerCosts.recompute_s`). Adds `chunks` (per micro-batch) and `pass1_s`: pass 1's no-grad
     forwards of every chunk but the last, interpolated the same way."""
     from student.long_context import _store_for, chunk_bounds
 

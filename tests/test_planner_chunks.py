@@ -14,7 +14,8 @@ from cli_helpers import one_error_line, run_cli
 from distill.configs import ConfigError
 from student.offload_cost import ChunkSeconds, CostTable, KVPages, kept_attention, kv_options, kv_residency
 from student.offload_plan import OffloadConfig, OffloadPlan
-from student.planner import BudgetError, SolverSettings, choose_chunks, predict, smallest_budget, solve, solve_kept
+from student.planner import (BudgetError, SolverSettings, choose_chunks, predict, program_step_s, smallest_budget, solve,
+                             solve_kept)
 from test_planner import GiB, MS, layer, plan_args, table
 
 MiB = 2**20
@@ -204,6 +205,22 @@ def test_keeping_fewer_chunks_reprices_the_forward_and_the_host_bytes():
     assert (more.layers, more.static_host_bytes) == (costs.layers, costs.static_host_bytes)
     on_cpu = eight_chunks(offloadable=False)  # there the outputs stay on the device
     assert kept_attention(on_cpu, 2).kv_gpu_bytes == on_cpu.kv_gpu_bytes - 5 * GiB // 4
+
+
+def test_a_recomputation_takes_pass_2s_own_attention_output_in_every_chunk():
+    """A recomputed layer's forward in the backward takes the attention output pass 2 kept (pass
+    1's or its own), also in the last chunk and the chunks pass 1 did not keep: priced by the kept
+    forwards, 1 + 3 j / 7 ms, 2.5 ms on average, whatever the number kept; a kept layer pays none.
+    The program prices it the same (`program_step_s`: its step with the plan fixed)."""
+    for n in (None, 3, 0):
+        priced = kept_attention(eight_chunks(), n)
+        assert priced.layers[0].recompute_s == pytest.approx(2.5 * MS)
+        for act in ("recompute", "offload", "keep"):
+            plan = OffloadPlan.uniform(1, act, "resident", prefetch_depth=0, optimizer="gpu")
+            assert program_step_s(priced, plan) == pytest.approx(predict(priced, plan).step_s, rel=1e-9), (n, act)
+        recomputed, kept = (predict(priced, OffloadPlan.uniform(1, act, "resident", prefetch_depth=0, optimizer="gpu"))
+                            for act in ("recompute", "keep"))
+        assert recomputed.phase_s["backward"] - kept.phase_s["backward"] == pytest.approx(8 * 2.5 * MS)
 
 
 def test_the_planner_keeps_the_most_chunks_whose_outputs_fit_the_host_budget():
