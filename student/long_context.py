@@ -533,8 +533,7 @@ def _make_attend_function():
                     store.kept_attention[key] = store._stash(out), store._stash(lse)
             else:
                 out, lse = kept
-            if (layer + 1, store.start) not in store._brought:
-                store._bring((layer + 1, store.start), ahead=True)
+            store._bring((layer + 1, store.start), ahead=True)
             ctx.store, ctx.layer = store, layer
             ctx.save_for_backward(q, out, lse)
             return out
@@ -545,7 +544,6 @@ def _make_attend_function():
             store, layer = ctx.store, ctx.layer
             store.kept_attention.pop((layer, store.start), None)
             store._brought.pop((layer, store.start), None)  # brought for a recomputation that did not come
-            store._brought.pop((layer + 1, store.start), None)
             store._bring((layer - 1, store.start), ahead=True)  # its recomputation comes next
             dq = _attend_backward(store, layer, q, out, lse, dout.contiguous())
             # Complete now: later chunks ran before this one and this chunk's queries just added theirs.

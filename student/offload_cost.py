@@ -599,8 +599,8 @@ def kept_attention(costs: CostTable, keep: int | None) -> CostTable:
     attention outputs of `keep` chunks (`kept_chunks`; None: all): each layer's forward_s is its
     pass-2 forward over the chunks (`ChunkSeconds.forward_s`; the backward's recomputation takes
     pass 2's own output whatever `keep` is: `LayerCosts.recompute_s`), and the kept outputs'
-    bytes are `KVPages.bytes`'. Pass 1's seconds stay as
-    measured (a chunk not kept saves only its output's copy out)."""
+    bytes are `KVPages.bytes`'. Pass 1's seconds stay as measured (a chunk not kept saves only
+    its output's copy out)."""
     old = costs.kv
     assert old is not None, "a chunk-recurrent cost table (profile with --chunk-tokens)"
     new = replace(old, keep_chunks=keep)
