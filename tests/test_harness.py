@@ -27,6 +27,7 @@ def strict_rows(path: Path) -> list[dict]:
 
 def test_results_appends_one_valid_row_per_add(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234-dirty")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     path = tmp_path / "sub" / "results.jsonl"
     results = harness.Results(bench="demo", path=path)
     results.add("V10/ours", {"median_ms": 1.5, "peak_gib": float("nan"), "n": torch.tensor(3)}, {"k": 4})
@@ -41,6 +42,12 @@ def test_results_appends_one_valid_row_per_add(tmp_path, monkeypatch):
         assert row["device"] and row["command"].startswith(Path(sys.executable).name + " ")
     assert rows[0]["figures"] == {"median_ms": 1.5, "peak_gib": None, "n": 3}
     assert rows[0]["config"] == {"k": 4} and rows[1]["config"] == {}
+
+
+def test_a_rows_command_carries_the_allocator_setting_it_ran_under(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    row = harness.Results(bench="demo", path=tmp_path / "r.jsonl").add("a", {"x": 1.0})
+    assert row["command"].startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True " + Path(sys.executable).name)
 
 
 def test_results_ids_stay_unique_in_the_file(tmp_path, monkeypatch):

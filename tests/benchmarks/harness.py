@@ -272,7 +272,7 @@ class Results:
         row = {"id": row_id, "bench": self.bench, "case": case,
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                "commit": sha, "device": device_name(),
-               "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+               "command": _command_line(),
                "figures": _plain(figures), "config": _plain(config or {})}
         self.path = Path(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -281,6 +281,16 @@ class Results:
         self.rows.append(row)
         print(f"[{row['id']}] " + ", ".join(f"{k}={_short(v)}" for k, v in row["figures"].items()), flush=True)
         return row
+
+
+# Settings outside the command line that change what a benchmark measures; a row's command
+# starts with those that were set, as a shell would take them.
+_RECORDED_ENVIRONMENT = ("PYTORCH_CUDA_ALLOC_CONF",)
+
+
+def _command_line() -> str:
+    env = [f"{name}={os.environ[name]}" for name in _RECORDED_ENVIRONMENT if os.environ.get(name)]
+    return shlex.join([*env, Path(sys.executable).name, *sys.argv])
 
 
 def _plain(obj):
