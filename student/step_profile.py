@@ -9,6 +9,7 @@ torch is imported inside the functions (the planner's cost model and program nee
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -109,6 +110,10 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     kv = _kv_pages(model, config, batches[0].input_ids.shape, amp) if chunks > 1 else None
     kv_gpu, kv_host, resident_pages = kv.bytes() if kv is not None else (0, 0, None)
     late, held = _grad_bytes_of_embedding(model)
+    if cuda:  # hand the caching allocator's blocks back: the training that follows reserves its own
+        del model, static
+        gc.collect()
+        torch.cuda.empty_cache()
     return CostTable(layers=tuple(layers), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
                      h2d_duplex_bytes_per_s=h2d_duplex, d2h_duplex_bytes_per_s=d2h_duplex,
                      static_gpu_bytes=2 * static_params + static_states + (settings.reserve_bytes if cuda else 0),
