@@ -112,6 +112,15 @@ def test_the_peaks_live_blocks_are_summed_by_where_they_were_allocated():
     assert sum(row["bytes"] for row in result["live_at_peak"]) == result["peak_bytes"]
 
 
+def test_reserved_bytes_are_summed_by_the_stream_whose_pool_holds_them():
+    from memory_peak import reserved_by_stream
+
+    segments = [{"stream": 0, "total_size": 20, "allocated_size": 5}, {"stream": 7, "total_size": 30, "allocated_size": 0},
+                {"stream": 0, "total_size": 4, "allocated_size": 4}]
+    assert reserved_by_stream(segments) == [{"stream": 7, "reserved": 30, "allocated": 0, "segments": 1},
+                                            {"stream": 0, "reserved": 24, "allocated": 9, "segments": 2}]
+
+
 def test_the_memory_peak_step_is_refused_on_the_cpu(tmp_path):
     with pytest.raises(SystemExit, match="--memory-peak"):
         bench.main([*SMOKE, "--memory-peak", str(tmp_path), "--results", str(tmp_path / "results.jsonl")])

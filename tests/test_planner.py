@@ -557,10 +557,7 @@ def test_on_a_gpu_the_profile_times_each_update_with_the_optimizer_the_trainer_b
     student, cache, _ = tiny
     config = TrainConfig.from_flat(cache=str(cache), student=str(student), out="unused", batch_size=3, heldout=4,
                                    device="cuda", optimizer="adamw")
-    torch.cuda.empty_cache()
-    reserved = torch.cuda.memory_reserved()
     profile(config, settings=ProfileSettings(repeats=1))
-    assert torch.cuda.memory_reserved() <= reserved, "the profile's cached blocks stay reserved for the training after it"
     assert {"cpu"} in [devices for _, devices in built] and {"cuda"} in [devices for _, devices in built]
     assert all(fused for fused, _ in built), built
 

@@ -66,6 +66,20 @@ def live_at_peak(events: list[dict], base_bytes: int, *, root: str = REPO, top: 
             "live_at_peak": rows}
 
 
+def reserved_by_stream(segments: list[dict]) -> list[dict]:
+    """The allocator's segments after the step summed by the stream whose pool holds them (a block
+    freed in one stream's pool is not reused by another's): reserved and allocated bytes, and
+    how many segments, largest pool first."""
+    pools: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for segment in segments:
+        pool = pools[segment["stream"]]
+        pool[0] += segment["total_size"]
+        pool[1] += segment["allocated_size"]
+        pool[2] += 1
+    rows = [{"stream": stream, "reserved": r, "allocated": a, "segments": n} for stream, (r, a, n) in pools.items()]
+    return sorted(rows, key=lambda row: -row["reserved"])
+
+
 def record_step(step, path: Path, *, max_entries: int = 2_000_000) -> dict:
     """Run `step()` once on the current CUDA device under the allocator's history and write
     `live_at_peak` of it (plus torch's max_memory_allocated over the step) to `path` as JSON."""
@@ -83,6 +97,8 @@ def record_step(step, path: Path, *, max_entries: int = 2_000_000) -> dict:
         torch.cuda.memory._record_memory_history(enabled=None)
     result = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()], base)
     result["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+    result["max_memory_reserved"] = torch.cuda.max_memory_reserved()
+    result["reserved_by_stream"] = reserved_by_stream(snapshot["segments"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return result
