@@ -232,21 +232,13 @@ class PagedKVStore:
             return None if ahead else kept  # elsewhere the kept output is used where it is
         brought = self._brought.pop(key, None)
         if brought is None:
-            side = _side_stream(self.device)
-            with torch.cuda.stream(side):
-                copies = tuple(x.to(self.device, non_blocking=True) for x in kept)
-            done = torch.cuda.Event()
-            done.record(side)
-            brought = copies, done
+            brought = _copy_in(kept, self.device)
         if ahead:
             self._brought[key] = brought
             return None
         copies, done = brought
-        compute = torch.cuda.current_stream(self.device)
-        compute.wait_event(done)
-        for x in copies:
-            x.record_stream(compute)
-        return copies
+        torch.cuda.current_stream(self.device).wait_event(done)
+        return tuple(copies)
 
     # --- pages ------------------------------------------------------------------------------------
 
@@ -390,8 +382,6 @@ def _offloaded_sets(store: PagedKVStore, layer: int, first_page: int, num_pages:
         if i + 1 < len(bounds):
             pending = issue(i + 1)
         compute.wait_event(done)
-        for t in gpu:
-            t.record_stream(compute)
         table = torch.arange((j1 - j0) * B, dtype=torch.int32, device=store.device).view(j1 - j0, B).T.contiguous()
         k, v, *grads = gpu
         yield k, v, *(grads or [None, None]), table, j0
@@ -400,6 +390,7 @@ def _offloaded_sets(store: PagedKVStore, layer: int, first_page: int, num_pages:
             with torch.cuda.stream(side):
                 for pool, new in zip((store.dk[layer], store.dv[layer]), grads):
                     pool[j0 * B:j1 * B].copy_(new, non_blocking=True)
+                    new.record_stream(side)
     if with_grads:
         compute.wait_stream(side)  # the chunk's own gradients are read back right after
         # The backward reads layer - 1's pages next. Queued behind the write-backs on the side
@@ -422,17 +413,37 @@ def _fetch(store: PagedKVStore, layer: int, j0: int, j1: int, *, with_grads: boo
     ([k, v] or [k, v, dk, dv], an event recorded when the copies are done)."""
     import torch
 
-    B, side = store.B, _side_stream(store.device)
-    side.wait_stream(torch.cuda.current_stream(store.device))  # pages last written, buffers last read there
+    B = store.B
+    pools = [store.k[layer], store.v[layer]]
+    if with_grads and not fresh:
+        pools += [store.dk[layer], store.dv[layer]]
+    out, done = _copy_in([pool[j0 * B:j1 * B] for pool in pools], store.device)
+    if fresh:
+        out += [torch.zeros((j1 - j0) * B, *store.page_shape, device=store.device) for _ in range(2)]
+    return out, done
+
+
+def _copy_in(sources, device):
+    """Device copies of host tensors, made on the side stream after the work queued so far on the
+    current (compute) stream, which last wrote the sources and last read what the copies reuse:
+    ([copies], an event recorded when they are done). The copies are allocated in the compute
+    stream's pool, where they are used and freed; the caching allocator keeps one pool a stream and
+    does not lend one stream's cached blocks to another, so copies made in the side stream's pool
+    kept memory reserved that the compute stream could not reuse (`--memory-peak`'s
+    reserved_by_stream). Marked used on the side stream, so a copy dropped before the compute
+    stream waits for it (a prefetch not taken) is not reused before it is written."""
+    import torch
+
+    side = _side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    copies = [torch.empty(x.shape, dtype=x.dtype, device=device) for x in sources]
     with torch.cuda.stream(side):
-        out = [pool[j0 * B:j1 * B].to(store.device, non_blocking=True) for pool in (store.k[layer], store.v[layer])]
-        if with_grads:
-            out += [torch.zeros((j1 - j0) * B, *store.page_shape, device=store.device) if fresh
-                    else pool[j0 * B:j1 * B].to(store.device, non_blocking=True)
-                    for pool in (store.dk[layer], store.dv[layer])]
+        for copy, x in zip(copies, sources):
+            copy.copy_(x, non_blocking=True)
+            copy.record_stream(side)
     done = torch.cuda.Event()
     done.record(side)
-    return out, done
+    return copies, done
 
 
 def _prefetch(store: PagedKVStore, layer: int, with_grads: bool) -> None:
