@@ -557,9 +557,11 @@ def test_on_a_gpu_the_profile_times_each_update_with_the_optimizer_the_trainer_b
     student, cache, _ = tiny
     config = TrainConfig.from_flat(cache=str(cache), student=str(student), out="unused", batch_size=3, heldout=4,
                                    device="cuda", optimizer="adamw")
+    cached = lambda: torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    torch.cuda.empty_cache()
+    before = cached()  # free parts of segments that hold live blocks, which no one can hand back
     profile(config, settings=ProfileSettings(repeats=1))
-    # Nothing cached: what stays reserved after the profile is in use (cuBLAS's workspaces).
-    assert torch.cuda.memory_reserved() == torch.cuda.memory_allocated()
+    assert cached() <= before, "the profile's cached blocks stay reserved for the training after it"
     assert {"cpu"} in [devices for _, devices in built] and {"cuda"} in [devices for _, devices in built]
     assert all(fused for fused, _ in built), built
 
