@@ -124,3 +124,8 @@ def test_reserved_bytes_are_summed_by_the_stream_whose_pool_holds_them():
 def test_the_memory_peak_step_is_refused_on_the_cpu(tmp_path):
     with pytest.raises(SystemExit, match="--memory-peak"):
         bench.main([*SMOKE, "--memory-peak", str(tmp_path), "--results", str(tmp_path / "results.jsonl")])
+
+
+def test_the_allocator_cap_is_refused_on_the_cpu_and_without_a_budget(tmp_path):
+    with pytest.raises(SystemExit, match="--cap-reserved"):
+        bench.main([*SMOKE, "--cap-reserved", "--gpu-memory", "1GiB", "--results", str(tmp_path / "r.jsonl")])
