@@ -218,7 +218,7 @@ class CostTable:
     h2d_bytes_per_s: float  # host->device copy bandwidth (pinned host memory)
     d2h_bytes_per_s: float  # device->host
     # Always on the GPU: embeddings, final norm and head with their gradients and optimizer states,
-    # and a runtime reserve (allocator slack).
+    # and what the profile left allocated (cuBLAS's workspaces, made at a stream's first matmul).
     static_gpu_bytes: int
     static_host_bytes: int = 0  # on the host beside the layers' bytes
     head_s: float = 0.0  # embeddings, final norm, head and loss, forward and backward, one micro-batch
@@ -264,6 +264,10 @@ class CostTable:
     # its uses before accumulating them, so the head's, made first, waits through every layer's
     # backward for the input embedding's (tests/test_planner.py checks that order on the Student).
     held_grad_bytes: int = 0
+    # Device memory a GPU budget keeps free beyond the predicted peak, for the caching allocator's
+    # slack (`ProfileSettings.reserve_bytes`): the planner fits peak + this into --gpu-memory, and
+    # the predicted peak stays what max_memory_allocated measures.
+    gpu_reserve_bytes: int = 0
 
     def __post_init__(self):
         assert self.layers and self.micro_batches >= 1 and self.chunks >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0

@@ -336,7 +336,7 @@ def solve_fixed(costs: CostTable, gpu_memory: int | None, host_memory: int | Non
     unit = _memory_unit(costs)
     for row in gpu_rows:
         if gpu_memory is not None:
-            prog.at_most(row, gpu_memory / unit - _BUDGET_SLACK)
+            prog.at_most(row, (gpu_memory - costs.gpu_reserve_bytes) / unit - _BUDGET_SLACK)
     if host_memory is not None:
         prog.at_most(host, host_memory / unit - _BUDGET_SLACK)
     result = prog.solve(time_limit_s, settings.mip_rel_gap)
@@ -388,7 +388,7 @@ def smallest_budget(costs: CostTable, which: str, other_budget: int | None, *, t
                 prog.objective[col] += coef
         for row in gpu_rows:
             if other_budget is not None:
-                prog.at_most(row, other_budget / unit - _BUDGET_SLACK)
+                prog.at_most(row, (other_budget - costs.gpu_reserve_bytes) / unit - _BUDGET_SLACK)
     result = prog.solve(time_limit_s, settings.mip_rel_gap)
     if result.x is None:
         return None, None
@@ -466,6 +466,8 @@ def _raise_budget_error(costs, gpu_memory, host_memory, time_limit_s, settings):
     least_gpu = least("gpu", host_memory if least_host is not None else None)
     if least_gpu is None:
         least_gpu = least("gpu", None)
+    if least_gpu is not None:  # a budget holds the peak and the allocator's reserve
+        least_gpu += costs.gpu_reserve_bytes
     if least_gpu is None or least_gpu + slack <= gpu_memory:
         raise ConfigError("gpu_memory", f"is {format_bytes(gpu_memory)}: the planner found no plan within its time "
                                         "limit; give more memory or plan again")
@@ -611,7 +613,9 @@ def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
              f"{costs.d2h_bytes_per_s / 1e9:.1f} GB/s (both at once {costs.h2d_duplex_bytes_per_s / 1e9:.1f} and "
              f"{costs.d2h_duplex_bytes_per_s / 1e9:.1f}), host passes over gradients "
              f"{costs.host_bytes_per_s / 1e9:.1f} GB/s; static GPU bytes {format_bytes(costs.static_gpu_bytes)}, "
-             f"the head's workspace {format_bytes(costs.loss_workspace_bytes)}"]
+             f"the head's workspace {format_bytes(costs.loss_workspace_bytes)}"
+             + (f"; the GPU budget keeps {format_bytes(costs.gpu_reserve_bytes)} beyond the peak for the allocator"
+                if costs.gpu_reserve_bytes else "")]
     return console.file.getvalue() + "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ class ProfileSettings:
     # fp32 bytes of each operand of the host pass measured (an add, as the gradient accumulation
     # runs): larger than a host's last-level cache, so that it measures memory, as on a layer.
     host_pass_bytes: int = 256 * 2**20
-    reserve_bytes: int = 512 * 2**20  # GPU allocator slack added to the static bytes (none on the CPU)
+    reserve_bytes: int = 512 * 2**20  # GPU allocator slack a budget keeps beyond the predicted peak (none on the CPU)
     gpu_headroom: float = 0.05  # share of the device's memory the default budget leaves to the CUDA context and others
     host_headroom: float = 0.10  # share of the host's available memory the default budget leaves to the process
 
@@ -58,6 +58,8 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     from teacher_cache.reader import CacheReader
 
     config = _resolve(config)
+    device, cuda = config.device, config.device.startswith("cuda")
+    allocated_before = torch.cuda.memory_allocated(device) if cuda else 0
     tok = tokenizer_info_of(config.tokenizer)
     reader = CacheReader(config.cache, expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])
     cache_temperature = reader.manifest.spec.targets.temperature
@@ -67,7 +69,6 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     data = CacheBatches(reader, train_idx, config.batch_size, seq_len=config.seq_len, seed=config.seed)
     batches = [batch for batch, _ in zip(data, range(micro_batches))]
     model, _ = _initial_student(config, "cpu")  # the layers come to the device one at a time
-    device, cuda = config.device, config.device.startswith("cuda")
     amp = torch.bfloat16 if config.dtype == "bfloat16" else None
     for name in ("embed_tokens", "norm", "lm_head"):
         if getattr(model, name) is not None:
@@ -110,13 +111,18 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     kv = _kv_pages(model, config, batches[0].input_ids.shape, amp) if chunks > 1 else None
     kv_gpu, kv_host, resident_pages = kv.bytes() if kv is not None else (0, 0, None)
     late, held = _grad_bytes_of_embedding(model)
+    left = 0
     if cuda:  # hand the caching allocator's blocks back: the training that follows reserves its own
         del model, static
         gc.collect()
         torch.cuda.empty_cache()
+        # What stays allocated is cuBLAS's workspaces (one a stream that ran a matmul): the
+        # training after the profile, in this process, keeps them too.
+        left = max(torch.cuda.memory_allocated(device) - allocated_before, 0)
     return CostTable(layers=tuple(layers), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
                      h2d_duplex_bytes_per_s=h2d_duplex, d2h_duplex_bytes_per_s=d2h_duplex,
-                     static_gpu_bytes=2 * static_params + static_states + (settings.reserve_bytes if cuda else 0),
+                     static_gpu_bytes=2 * static_params + static_states + left,
+                     gpu_reserve_bytes=settings.reserve_bytes if cuda else 0,
                      loss_workspace_bytes=loss_workspace, late_grad_bytes=late, held_grad_bytes=held,
                      static_host_bytes=kv_host, head_s=head_s, static_update_s=static_update_s,
                      micro_batches=config.grad_accum * chunks, host_bytes_per_s=_host_pass_rate(settings),

@@ -460,6 +460,20 @@ def test_a_budget_no_plan_meets_names_the_option_and_the_smallest_that_works():
     solve(costs, 100 * GiB, caught.value.smallest_bytes)
 
 
+def test_the_allocator_reserve_is_kept_beside_the_predicted_peak_not_in_it():
+    """A GPU budget holds the plan's predicted peak (what max_memory_allocated measures) plus the
+    table's gpu_reserve_bytes; the smallest budget a refusal names includes the reserve."""
+    reserve = GiB // 2
+    plain, reserved = random_table(3, seed=11), random_table(3, seed=11, gpu_reserve_bytes=reserve)
+    least_gpu = min(predict(plain, p).gpu_peak_bytes for p in every_plan(3, (0,)))
+    with pytest.raises(BudgetError) as caught:
+        solve(reserved, least_gpu + reserve // 2, 60 * GiB)  # enough for the peak, not for the reserve beside it
+    assert least_gpu + reserve <= caught.value.smallest_bytes <= least_gpu + reserve + GiB // 10 + 2**21
+    plan = solve(reserved, caught.value.smallest_bytes, 60 * GiB)
+    assert plan.predicted.gpu_peak_bytes + reserve <= caught.value.smallest_bytes
+    assert plan.predicted == predict(plain, plan)  # the reserve is not in the prediction
+
+
 def test_the_smallest_gpu_budget_respects_the_host_budget():
     # With little host memory nothing can be offloaded, so the least GPU peak is higher.
     costs = random_table(3, seed=12)
