@@ -277,7 +277,7 @@ def train_student(
     keep_attention_chunks: Optional[int] = typer.Option(_TRAIN["keep_attention_chunks"], "--keep-attention-chunks", help="With --chunk-tokens: pass 1 keeps the attention outputs of only the last N chunks for pass 2 (in pinned host memory on a GPU) and pass 2 attends again for the others: less host memory at a million tokens, the same results; default: every chunk's, or with --offload auto the most that fit --host-memory."),
     sparse_pages: Optional[int] = typer.Option(_TRAIN["sparse_pages"], "--sparse-pages", help="With --chunk-tokens: sparse attention (not exact): each chunk attends its own pages plus the N past pages its queries score highest against their mean keys (OOMB's page top-k); default: dense."),
     offload: str = typer.Option(_TRAIN["offload"], "--offload", help="Train a student bigger than the GPU: none (everything on the GPU), auto (profile a step, plan under --gpu-memory / --host-memory, train with that plan) or PLAN.json (a plan `distill plan` saved). Decoder layers' fp32 weights, gradients and optimizer states then live in host memory; the results are those of --offload none."),
-    gpu_memory: Optional[str] = typer.Option(_TRAIN["gpu_memory"], "--gpu-memory", help="With --offload auto: GPU memory budget, e.g. 40GiB (default: the device's total)."),
+    gpu_memory: Optional[str] = typer.Option(_TRAIN["gpu_memory"], "--gpu-memory", help="With --offload auto: GPU memory budget, e.g. 40GiB, for the tensors a step holds at once and a reserve for the allocator (default: the device's total). The allocator's cached blocks can take more; see the README."),
     host_memory: Optional[str] = typer.Option(_TRAIN["host_memory"], "--host-memory", help="With --offload auto: host memory budget, e.g. 120GiB (default: the host's available memory)."),
     chunk_candidates: Optional[str] = typer.Option(_TRAIN["chunk_candidates"], "--chunk-candidates", help="With --offload auto (and in distill plan): chunk sizes the planner chooses among, e.g. 4096,8192,16384; it chooses where the key/value pages live too (--kv-offload, --offload-pages) and the run trains with its choice. Default: --chunk-tokens and the pages as given."),
     resume_from: Optional[int] = typer.Option(None, "--resume-from", help="Continue from the kept checkpoint of this step instead of the latest (newer ones are deleted)."),
@@ -340,7 +340,7 @@ def _train_config(cache, out, options: dict) -> TrainConfig:
 
 
 def _plan_own_options(
-    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory budget, e.g. 40GiB (default: the device's total, less 5%; on a CPU-only machine the host's available memory)."),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory budget, e.g. 40GiB, for the tensors a step holds at once and a reserve for the allocator (default: the device's total, less 5%; on a CPU-only machine the host's available memory). The allocator's cached blocks can take more; see the README."),
     host_memory: Optional[str] = typer.Option(None, "--host-memory", help="Host memory budget, e.g. 120GiB (default: the host's available memory, less 10%)."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (what --out saves) instead of a table."),
     plan_out: Optional[Path] = typer.Option(None, "--out", "-o", help="Save the plan to this JSON file (for train-student --offload PLAN.json)."),
