@@ -129,3 +129,17 @@ def test_the_memory_peak_step_is_refused_on_the_cpu(tmp_path):
 def test_the_allocator_cap_is_refused_on_the_cpu_and_without_a_budget(tmp_path):
     with pytest.raises(SystemExit, match="--cap-reserved"):
         bench.main([*SMOKE, "--cap-reserved", "--gpu-memory", "1GiB", "--results", str(tmp_path / "r.jsonl")])
+
+
+def test_a_work_folder_used_again_keeps_its_complete_cache(tmp_path):
+    """The planner's synthetic cache in --work is kept when complete (a warm device machine keeps
+    /tmp between calls); a cache of another spec there is still refused."""
+    from bench_train_step_gpu import write_cache
+
+    from teacher_cache.errors import CacheMismatchError
+
+    tok = {"vocab_size": 100, "hash": "h"}
+    write_cache(tmp_path / "c", tok, num_seqs=4, seq_len=16, k=4, shard_size=4)
+    write_cache(tmp_path / "c", tok, num_seqs=4, seq_len=16, k=4, shard_size=4)
+    with pytest.raises(CacheMismatchError, match="seq_len"):
+        write_cache(tmp_path / "c", tok, num_seqs=4, seq_len=32, k=4, shard_size=4)

@@ -92,7 +92,8 @@ def make_tokenizer(folder: Path, vocab: int, num_words: int | None = None) -> di
 
 
 def write_cache(path: Path, tok: dict, num_seqs: int, seq_len: int, k: int, shard_size: int, seed: int = 0):
-    """A parquet cache of random but valid targets over the tokenizer's ids, by the real CacheWriter."""
+    """A parquet cache of random but valid targets over the tokenizer's ids, by the real CacheWriter;
+    one already complete at `path` with this spec is kept (a --work folder used again)."""
     vocab = tok["vocab_size"]
     rng = np.random.default_rng(seed)
     spec = {
@@ -104,6 +105,8 @@ def write_cache(path: Path, tok: dict, num_seqs: int, seq_len: int, k: int, shar
         "storage": {"format": "parquet", "shard_size": shard_size},
     }
     with CacheWriter(path, spec) as writer:
+        if writer.is_complete:
+            return
         for shard in range(writer.num_shards):
             seqs, parts = [], []
             for _ in range(min(shard_size, num_seqs - shard * shard_size)):
