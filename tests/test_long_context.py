@@ -253,12 +253,14 @@ def grads_of(model, batch, config: LongContextConfig | None):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("offload", [False, True])
-def test_gpu_bf16_chunk_recurrent_gradients_match_full_backprop_at_8k(offload):
+# keep 1: pass 1 keeps one chunk's attention outputs on the host, pass 2 attends again for the rest
+@pytest.mark.parametrize("offload,keep", [(False, None), (True, None), (True, 1)])
+def test_gpu_bf16_chunk_recurrent_gradients_match_full_backprop_at_8k(offload, keep):
     model = gpu_student()
     batch = make_batch([8192], vocab=model.config.vocab_size, k=16, seed=3).to("cuda")
     want_loss, want = grads_of(model, batch, None)
-    config = LongContextConfig(chunk_tokens=1536, page_tokens=64, kv_offload=offload, offload_pages=40)
+    config = LongContextConfig(chunk_tokens=1536, page_tokens=64, kv_offload=offload, offload_pages=40,
+                               keep_attention_chunks=keep)
     got_loss, got = grads_of(model, batch, config)
     assert_bf16_close(got_loss, got, want_loss, want)
 
