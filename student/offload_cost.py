@@ -218,7 +218,8 @@ class CostTable:
     h2d_bytes_per_s: float  # host->device copy bandwidth (pinned host memory)
     d2h_bytes_per_s: float  # device->host
     # Always on the GPU: embeddings, final norm and head with their gradients and optimizer states,
-    # and what the profile left allocated (cuBLAS's workspaces, made at a stream's first matmul).
+    # and what stayed allocated after the profile (cuBLAS's workspaces, made at a stream's first
+    # matmul, and what the caller held).
     static_gpu_bytes: int
     static_host_bytes: int = 0  # on the host beside the layers' bytes
     head_s: float = 0.0  # embeddings, final norm, head and loss, forward and backward, one micro-batch

@@ -59,7 +59,6 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
 
     config = _resolve(config)
     device, cuda = config.device, config.device.startswith("cuda")
-    allocated_before = torch.cuda.memory_allocated(device) if cuda else 0
     tok = tokenizer_info_of(config.tokenizer)
     reader = CacheReader(config.cache, expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])
     cache_temperature = reader.manifest.spec.targets.temperature
@@ -116,9 +115,10 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
         del model, static
         gc.collect()
         torch.cuda.empty_cache()
-        # What stays allocated is cuBLAS's workspaces (one a stream that ran a matmul): the
-        # training after the profile, in this process, keeps them too.
-        left = max(torch.cuda.memory_allocated(device) - allocated_before, 0)
+        # What stays allocated (cuBLAS's workspaces, one a stream that ran a matmul, and whatever
+        # the caller holds) stays so through the training after the profile in this process, and
+        # max_memory_allocated counts it.
+        left = torch.cuda.memory_allocated(device)
     return CostTable(layers=tuple(layers), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
                      h2d_duplex_bytes_per_s=h2d_duplex, d2h_duplex_bytes_per_s=d2h_duplex,
                      static_gpu_bytes=2 * static_params + static_states + left,
