@@ -1,5 +1,5 @@
 """student/planner.py: the cost model, the mixed-integer program against brute force on hand-made
-cost tables, budget errors, and `distill plan` on a tiny CPU student."""
+cost tables and budget errors (`distill plan` itself: tests/test_plan_command.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,10 @@ from typing import NamedTuple
 
 import pytest
 
-from cli_helpers import one_error_line, run_cli
 from distill.configs import ConfigError
 from student.offload_plan import LayerPlan, OffloadPlan, parse_bytes
 from student.planner import (CHOICES, PHASES, BudgetError, CostTable, LayerCosts, SolverSettings, predict, program_step_s,
                              smallest_budget, solve, solve_fixed)
-from test_trainer import tiny  # noqa: F401  (the module-scoped fixture: a tiny student and cache)
 
 GiB = 2**30
 MS = 1e-3
@@ -483,103 +481,6 @@ def test_the_smallest_gpu_budget_respects_the_host_budget():
     assert bounded > free and all(lp.activation != "offload" for lp in plan.layers)
 
 
-# --- distill plan on a tiny CPU student ---------------------------------------------------------
-
-
-def plan_args(tiny, *more):  # noqa: F811
-    student, cache, _ = tiny
-    return ["plan", "--cache", cache, "--student", student, "--batch-size", "3", "--heldout", "4", "--device", "cpu",
-            "--host-memory", "4GiB", *more]
-
-
-def test_distill_plan_prints_a_table_and_saves_the_json_it_prints(tiny, tmp_path, capsys):  # noqa: F811
-    code, out, err = run_cli(plan_args(tiny, "--gpu-memory", "1GiB"), capsys)
-    assert code == 0, err
-    assert "activation" in out and "predicted step time" in out and "of 1.0 GiB" in out
-    assert sum(line.strip().startswith(("│     0", "│     1")) for line in out.splitlines()) == 2
-
-    path = tmp_path / "plan.json"
-    code, out, err = run_cli(plan_args(tiny, "--gpu-memory", "1GiB", "--json", "--out", path), capsys)
-    assert code == 0, err
-    printed = json.loads(out)
-    saved = OffloadPlan.load(path)
-    assert json.loads(path.read_text()) == printed and saved == OffloadPlan.from_dict(printed)
-    assert len(saved.layers) == 2
-    assert saved.gpu_memory == GiB and saved.host_memory == 4 * GiB
-    assert 0 < saved.predicted.step_s and saved.predicted.gpu_peak_bytes <= GiB
-
-
-def test_distill_plan_refuses_a_budget_in_one_line_with_the_smallest(tiny, capsys):  # noqa: F811
-    code, _, err = run_cli(plan_args(tiny, "--gpu-memory", "64KiB"), capsys)
-    line = one_error_line(code, err)
-    assert line.startswith("error: --gpu-memory 64.0 KiB cannot hold this student's step; the smallest that can is ")
-    code, _, err = run_cli(plan_args(tiny, "--gpu-memory", "lots"), capsys)
-    assert "--gpu-memory is 'lots'" in one_error_line(code, err)
-
-
-def test_distill_plan_takes_train_students_options_and_has_examples(capsys):
-    """One option set: every option of train-student but a run's own is an option of plan, with the
-    same default, so a plan is made for the step train-student runs."""
-    import typer.main
-
-    from distill.cli import app
-
-    commands = typer.main.get_command(app).commands
-    params = lambda name: {p.name: (p.opts, p.default) for p in commands[name].params}
-    train, plan = params("train-student"), params("plan")
-    for name in set(train) - {"out", "resume_from", "quiet", "offload", "gpu_memory", "host_memory"}:
-        assert plan[name] == train[name], name
-    assert {"gpu_memory", "host_memory", "as_json", "plan_out"} <= set(plan)
-    code, out, _ = run_cli(["plan", "--help"], capsys)
-    assert code == 0 and "Example" in out and "--gpu-memory" in out
-
-
-def test_plan_for_training_takes_the_budgets_as_bytes(tiny, tmp_path):  # noqa: F811
-    from student.planner import plan_for_training
-    from student.trainer import TrainConfig
-
-    student, cache, _ = tiny
-    config = TrainConfig.from_flat(cache=str(cache), out=str(tmp_path / "run"), student=str(student), batch_size=3,
-                                   heldout=4, device="cpu", grad_accum=2)
-    plan = plan_for_training(config, gpu_memory=GiB, host_memory=2 * GiB)
-    assert len(plan.layers) == 2 and (plan.gpu_memory, plan.host_memory) == (GiB, 2 * GiB)
-    assert plan.predicted.gpu_peak_bytes <= GiB and not (tmp_path / "run").exists()
-
-
-@pytest.mark.gpu
-def test_on_a_gpu_the_profile_times_each_update_with_the_optimizer_the_trainer_builds(tiny, monkeypatch):  # noqa: F811
-    """A CUDA run's AdamW is torch's fused one, and the runtime's update of the layers in host
-    memory runs it on the CPU: the profile times the CPU update with that optimizer too, not
-    with the for-loop AdamW that torch picks for CPU parameters by default (which priced the CPU
-    update of row offload/qwen2.5-3b-T262144-gpu24GiB-chunks16384-kvoffload/planned@3c9e09c
-    at more than three times its measured phase)."""
-    import torch
-
-    from student.step_profile import ProfileSettings, profile
-    from student.trainer import TrainConfig
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    built = []
-    real = torch.optim.AdamW.__init__
-
-    def spy(self, params, *args, **kwargs):
-        real(self, params, *args, **kwargs)
-        built.append((self.defaults["fused"], {p.device.type for g in self.param_groups for p in g["params"]}))
-
-    monkeypatch.setattr(torch.optim.AdamW, "__init__", spy)
-    student, cache, _ = tiny
-    config = TrainConfig.from_flat(cache=str(cache), student=str(student), out="unused", batch_size=3, heldout=4,
-                                   device="cuda", optimizer="adamw")
-    cached = lambda: torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    torch.cuda.empty_cache()
-    before = cached()  # free parts of segments that hold live blocks, which no one can hand back
-    profile(config, settings=ProfileSettings(repeats=1))
-    assert cached() <= before, "the profile's cached blocks stay reserved for the training after it"
-    assert {"cpu"} in [devices for _, devices in built] and {"cuda"} in [devices for _, devices in built]
-    assert all(fused for fused, _ in built), built
-
-
 def test_a_version_1_plan_reads_as_every_layers_states_on_the_host(tmp_path):
     """Plans saved before `states` existed still train: their layers keep their states on the host."""
     v1 = {"layers": [{"activation": "keep", "params": "stream"}, {"activation": "offload", "params": "resident"}],
@@ -620,27 +521,6 @@ def test_chunked_costs_add_pass_one_hold_the_pages_and_plan_resident_weights():
     assert all(lp.params == "resident" for lp in made.layers)
     assert (made.chunk_tokens, made.resident_pages) == (512, 96)
     assert made.predicted.step_s == pytest.approx(predict(chunked, made).step_s)
-
-
-def test_distill_plan_with_chunk_tokens_plans_the_chunked_step(tiny, tmp_path, capsys):  # noqa: F811
-    """On the CPU: the plan holds the chunk size and the pages resident (every layer's, without
-    kv_offload: 2 layers x 2 pages of 16 positions), its layers' weights are resident, and
-    the table says how the step is chunked; the chunked step's GPU peak is not the whole one's."""
-    path = tmp_path / "plan.json"
-    code, out, err = run_cli(plan_args(tiny, "--gpu-memory", "1GiB", "--chunk-tokens", "7", "--page-tokens", "16",
-                                       "--out", path), capsys)
-    assert code == 0, err
-    # The profiled micro-batch is padded to its longest sequence, of 17 to 21 positions: 3 chunks, 2 pages.
-    assert "chunk-recurrent: 7 tokens a chunk, 3 chunks a micro-batch" in out and "4 key/value pages" in out
-    plan = OffloadPlan.load(path)
-    assert (plan.chunk_tokens, plan.resident_pages) == (7, 4)
-    assert all(lp.params == "resident" for lp in plan.layers)
-    assert 0 < plan.predicted.step_s and plan.predicted.gpu_peak_bytes <= GiB
-    code, out, err = run_cli(plan_args(tiny, "--gpu-memory", "1GiB", "--json"), capsys)
-    assert code == 0, err
-    whole = OffloadPlan.from_dict(json.loads(out))
-    assert whole.chunk_tokens is None and whole.resident_pages is None
-    assert whole.predicted.gpu_peak_bytes != plan.predicted.gpu_peak_bytes
 
 
 def test_one_micro_batch_keeps_host_gradients_in_bf16_which_makes_a_host_budget_feasible():
