@@ -16,7 +16,8 @@ from student.offload_cost import ChunkSeconds, CostTable, KVPages, kept_attentio
 from student.offload_plan import OffloadConfig, OffloadPlan
 from student.planner import (BudgetError, SolverSettings, choose_chunks, predict, program_step_s, smallest_budget, solve,
                              solve_kept)
-from test_planner import GiB, MS, layer, plan_args, table
+from test_plan_command import plan_args
+from test_planner import GiB, MS, layer, table
 
 MiB = 2**20
 from test_trainer import tiny  # noqa: F401  (the module-scoped fixture: a tiny student and cache)
