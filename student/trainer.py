@@ -496,6 +496,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
     loss_value, window_tokens, window_start = None, 0, time.perf_counter()
     window_step_s, window_steps = 0.0, 0  # time in the steps themselves (offload rows)
     over_budget_told = False
+    _peak_gpu_bytes(device)  # the first row's window opens here: loading's and the profile's peaks are no step's
     bar = tqdm(total=steps, initial=step, disable=not progress, desc="train", unit="step")
     with bar, metrics, batches:
         while step < steps:
@@ -624,8 +625,8 @@ def steps_accumulate(config: TrainConfig) -> bool:
 
 
 def _peak_gpu_bytes(device: str) -> dict:
-    """{"peak_gpu_bytes": the most memory allocated on the GPU since the previous row} (then reset);
-    {} on the CPU."""
+    """{"peak_gpu_bytes": the most memory allocated on the GPU since the previous row, or since the
+    training loop began} (then reset); {} on the CPU."""
     import torch
 
     if not device.startswith("cuda"):
