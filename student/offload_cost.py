@@ -269,6 +269,9 @@ class CostTable:
     # slack (`ProfileSettings.reserve_bytes`): the planner fits peak + this into --gpu-memory, and
     # the predicted peak stays what max_memory_allocated measures.
     gpu_reserve_bytes: int = 0
+    # What the profile's compute seconds (layers, head, pass 1) were multiplied by: a layer's time
+    # back to back over its time in bursts (`student.step_profile.load_factor`; 1.0 unmeasured).
+    clock_factor: float = 1.0
 
     def __post_init__(self):
         assert self.layers and self.micro_batches >= 1 and self.chunks >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0

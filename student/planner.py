@@ -614,6 +614,8 @@ def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
              f"{costs.d2h_duplex_bytes_per_s / 1e9:.1f}), host passes over gradients "
              f"{costs.host_bytes_per_s / 1e9:.1f} GB/s; static GPU bytes {format_bytes(costs.static_gpu_bytes)}, "
              f"the head's workspace {format_bytes(costs.loss_workspace_bytes)}"
+             + (f"; compute timings x{costs.clock_factor:.3f} for the clock under a step's load"
+                if costs.clock_factor != 1.0 else "")
              + (f"; the GPU budget keeps {format_bytes(costs.gpu_reserve_bytes)} beyond the peak for the allocator"
                 if costs.gpu_reserve_bytes else "")]
     return console.file.getvalue() + "\n".join(lines)

@@ -30,6 +30,10 @@ class ProfileSettings:
     # runs): larger than a host's last-level cache, so that it measures memory, as on a layer.
     host_pass_bytes: int = 256 * 2**20
     reserve_bytes: int = 512 * 2**20  # GPU allocator slack a budget keeps beyond the predicted peak (none on the CPU)
+    # Seconds of one layer's forward and backward run back to back, as a step runs its layers, that
+    # measure the GPU's clock under load against the bursts the layers are timed in (`load_factor`;
+    # 0: not measured, the timings as the bursts gave them). The CPU's timings are never scaled.
+    load_s: float = 3.0
     gpu_headroom: float = 0.05  # share of the device's memory the default budget leaves to the CUDA context and others
     host_headroom: float = 0.10  # share of the host's available memory the default budget leaves to the process
 
@@ -83,6 +87,13 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
         for i in range(len(model.layers))]
     head_s = median([m["head_s"] for m in measured])
     pass1_s = median([m["pass1_s"] for m in measured]) * config.grad_accum
+    clock = 1.0
+    if cuda and settings.load_s > 0:  # every compute timing as it runs inside a step, under load
+        tokens = min(batches[0].input_ids.shape[1], config.long.chunk_tokens or batches[0].input_ids.shape[1])
+        clock = load_factor(_layer_run(model, (batches[0].input_ids.shape[0], tokens), amp, device), settings, device)
+        per_layer = [{key: value * clock if key.endswith("_s") else value for key, value in m.items()}
+                     for m in per_layer]
+        head_s, pass1_s = head_s * clock, pass1_s * clock
     chunks = max(m["chunks"] for m in measured)
     loss_workspace = max(m["loss_workspace"] for m in measured)
 
@@ -128,7 +139,8 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
                      micro_batches=config.grad_accum * chunks, host_bytes_per_s=_host_pass_rate(settings),
                      chunks=chunks, pass1_s=pass1_s, kv_gpu_bytes=kv_gpu,
                      chunk_tokens=config.long.chunk_tokens if chunks > 1 else None, resident_pages=resident_pages,
-                     kv=kv, copy_latency_s=latency, accumulates=steps_accumulate(config), pinned_blocks=cuda)
+                     kv=kv, copy_latency_s=latency, accumulates=steps_accumulate(config), pinned_blocks=cuda,
+                     clock_factor=clock)
 
 
 def _grad_bytes_of_embedding(model) -> tuple[int, int]:
@@ -155,6 +167,72 @@ def _timed(device: str, fn):
     start = time.perf_counter()
     out = fn()
     return time.perf_counter() - start, out
+
+
+def _layer_run(model, shape: tuple[int, int], amp, device: str):
+    """`run()`: decoder layer 0's forward and backward on the device as the profile's working copy
+    runs them (matrices in the compute dtype, under autocast), on random input of (rows, tokens)."""
+    import copy
+
+    import torch
+
+    from student.model import rope_cos_sin
+
+    dtype = amp or torch.float32
+    working = copy.deepcopy(model.layers[0]).to(device)
+    for p in working.parameters():
+        if p.ndim >= 2:
+            p.data = p.data.to(dtype)
+    x = torch.randn(*shape, model.config.hidden_size, device=device, dtype=dtype)
+    positions = torch.arange(shape[1], device=device)[None].expand(shape[0], -1)
+    cos, sin = rope_cos_sin(model.inv_freq, positions, dtype)
+
+    def run():
+        leaf = x.detach().requires_grad_(True)
+        with torch.autocast(torch.device(device).type, dtype=amp, enabled=amp is not None):
+            out, _ = working(leaf, cos, sin)
+        out.backward(torch.ones_like(out))
+        working.zero_grad(set_to_none=True)
+
+    return run
+
+
+def load_factor(run, settings: ProfileSettings, device: str = "cuda", gap_s: float = 0.2) -> float:
+    """How much longer `run` (a layer's forward and backward on a GPU) takes back to back, as a
+    step's layers run, than in bursts with the device idle before each, as `_measure_layers` times
+    them: the median of the last settings.repeats runs of settings.load_s seconds of runs queued
+    without waiting, over the median of settings.repeats bursts (each after a synchronisation and
+    `gap_s` idle), at least 1. A GPU lowers its clock under sustained load and raises it again
+    within a fraction of a second idle (bench rows `layer_clock/llama-3.1-8b-T8192@b49752c` and
+    `layer_clock/qwen2.5-14b-T8192@b49752c`); below 1 would be launch gaps a burst's events include,
+    which a step's small layers have too."""
+    import statistics
+    import time
+
+    import torch
+
+    cuda = device.startswith("cuda")
+    run()  # kernels chosen outside both measurements
+    bursts = []
+    for _ in range(settings.repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
+        time.sleep(gap_s)
+        bursts.append(_timed(device, run)[0])
+    last, start = [], time.perf_counter()
+    while time.perf_counter() - start < settings.load_s or len(last) < settings.repeats:
+        if cuda:  # CUDA events, read once the queue drained: nothing waits between the runs
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            run()
+            end.record()
+            last = (last + [(begin, end)])[-settings.repeats:]
+        else:
+            last = (last + [_timed(device, run)[0]])[-settings.repeats:]
+    if cuda:
+        torch.cuda.synchronize(device)
+        last = [begin.elapsed_time(end) / 1e3 for begin, end in last]
+    return max(statistics.median(last) / statistics.median(bursts), 1.0)
 
 
 class _SavedBytes:

@@ -128,3 +128,25 @@ def test_on_a_gpu_the_profile_times_each_update_with_the_optimizer_the_trainer_b
     assert cached() <= before, "the profile's cached blocks stay reserved for the training after it"
     assert {"cpu"} in [devices for _, devices in built] and {"cuda"} in [devices for _, devices in built]
     assert all(fused for fused, _ in built), built
+
+
+def test_load_factor_is_a_runs_time_back_to_back_over_its_time_in_bursts():
+    """`load_factor` on the CPU with runs whose time depends on how long ago the previous one ended
+    (a stand-in for a GPU's clock, which no CPU has): twice as long back to back is a factor of
+    about 2; runs faster back to back (a burst's launch gaps) leave the timings as they are (1)."""
+    import time
+
+    from student.step_profile import ProfileSettings, load_factor
+
+    def run_taking(idle_s: float, loaded_s: float):
+        ended = [0.0]
+
+        def run():
+            time.sleep(idle_s if time.perf_counter() - ended[0] > 0.02 else loaded_s)
+            ended[0] = time.perf_counter()
+
+        return run
+
+    settings = ProfileSettings(repeats=3, load_s=0.1)
+    assert 1.6 < load_factor(run_taking(0.004, 0.008), settings, "cpu", gap_s=0.05) < 2.5
+    assert load_factor(run_taking(0.008, 0.004), settings, "cpu", gap_s=0.05) == 1.0
