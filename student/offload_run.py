@@ -1,6 +1,7 @@
 """The trainer's side of offloaded training (student/trainer.py calls these; student/offload.py is the
 runtime, student/planner.py the planner): the plan a run trains with, the figures its metrics rows
-carry, and the warning when a step's GPU peak passes the plan's budget."""
+carry, the cap of torch's allocator at the budget the user gave, and the warning when a step's GPU peak
+passes the plan's budget."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 from distill.configs import ConfigError
 from student.offload_plan import OffloadPlan
 
-__all__ = ["offload_figures", "plan_for_run", "told_over_budget"]
+__all__ = ["cap_allocator", "offload_figures", "plan_for_run", "told_over_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,3 +77,17 @@ def told_over_budget(plan, peak_bytes: int | None) -> bool:
                    "budget", format_bytes(peak_bytes), format_bytes(plan.gpu_memory),
                    format_bytes(plan.predicted.gpu_peak_bytes))
     return True
+
+
+def cap_allocator(plan, device: str) -> None:
+    """Cap torch's caching allocator at the plan's --gpu-memory (train() lifts the cap when the run
+    ends): the plan fits the tensors a step holds at once into the budget, and the cap holds the
+    allocator's cached blocks to it too; past it the allocator hands cached blocks back before it
+    reserves more, and a step that still cannot fit fails with out of memory instead of taking
+    the rest of the device. The step's speed held under the cap in row
+    `offload/qwen2-0.5b-T131072-gpu7.25GiB-chunks32768-kvoffload-capped/planned@a6a3681`."""
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.empty_cache()  # what is cached from before the run counts against the cap too
+    torch.cuda.set_per_process_memory_fraction(min(plan.gpu_memory / total, 1.0), device)

@@ -9,7 +9,8 @@ Run directory (`out`):
                       that keeps the attention outputs of fewer chunks sets keep_attention_chunks)
   metrics.jsonl       {"kind": "train", step, loss, kl, lr, grad_norm, tokens, tok_per_s,
                       optimizer_state_bytes, epoch, and on a GPU peak_gpu_bytes: the most
-                      allocated since the previous row}; with offload also offload_step_s (mean
+                      allocated since the previous row, and peak_gpu_reserved_bytes: the most the
+                      caching allocator held, capped at --gpu-memory when given}; with offload also offload_step_s (mean
                       seconds of the window's steps, evaluation and checkpoints left out),
                       offload_predicted_step_s / _gpu_peak_bytes / _host_peak_bytes (the plan's),
                       offload_phase_s and offload_predicted_phase_s (the last step's phases, measured and
@@ -63,7 +64,7 @@ from student.checkpoint import RunDirError
 from student.long_context import LongContextConfig
 from student.loss import LossConfig
 from student.offload_plan import OffloadConfig
-from student.offload_run import offload_figures, plan_for_run, told_over_budget
+from student.offload_run import cap_allocator, offload_figures, plan_for_run, told_over_budget
 from student.optim.config import OptimizerConfig
 from student.schedule import ScheduleConfig, lr_factor
 from student.sparse_ffn import SparseFFNConfig
@@ -344,6 +345,8 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
     dist = _join_processes(config)
     progress = progress and (dist is None or dist.main)
     was_deterministic = torch.are_deterministic_algorithms_enabled()
+    capped = config.device.startswith("cuda") and config.offload.gpu_memory is not None  # `cap_allocator`
+    was_fraction = torch.cuda.get_per_process_memory_fraction(config.device) if capped else None
     if config.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -356,6 +359,8 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
         return _train(config, progress, resume_from, dist)
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
+        if capped:
+            torch.cuda.set_per_process_memory_fraction(was_fraction, config.device)
         if dist is not None:
             from student.distributed import teardown
 
@@ -434,6 +439,8 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
         runtime = OffloadRuntime(model, plan, device, amp_dtype, accumulates=steps_accumulate(config))
     if runtime is not None:
         run["offload_plan"] = runtime.plan.to_dict()
+        if device.startswith("cuda") and config.offload.gpu_memory is not None:
+            cap_allocator(plan, device)
 
     def evaluate(step: int) -> EvalResult:  # every rank evaluates every sequence (the forward is collective)
         with unsharded_root(model, dist is not None):
@@ -626,14 +633,16 @@ def steps_accumulate(config: TrainConfig) -> bool:
 
 def _peak_gpu_bytes(device: str) -> dict:
     """{"peak_gpu_bytes": the most memory allocated on the GPU since the previous row, or since the
-    training loop began} (then reset); {} on the CPU."""
+    training loop began, "peak_gpu_reserved_bytes": the most torch's caching allocator held from the
+    device meanwhile} (then reset); {} on the CPU."""
     import torch
 
     if not device.startswith("cuda"):
         return {}
-    peak = torch.cuda.max_memory_allocated(device)
+    peak = {"peak_gpu_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved(device)}
     torch.cuda.reset_peak_memory_stats(device)
-    return {"peak_gpu_bytes": peak}
+    return peak
 
 
 def _diverged_message(step: int, loss: float, grad_norm: float, last_saved, kept: list[int]) -> str:

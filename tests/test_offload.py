@@ -294,7 +294,8 @@ def test_a_gpu_peak_past_the_plans_budget_is_told_once(caplog):
 def test_gpu_offloaded_training_matches_within_bf16_and_its_peak_is_predicted(small, tmp_path):
     """bf16 autocast on the GPU: every plan's losses follow the run without offload to bf16
     tolerance (the same roundings, other kernels' order of sums); with the planner, its predicted
-    peak bounds the measured one. Clipping reads host and device gradients (a blocking copy home)."""
+    peak bounds the measured one, and a budget given caps the allocator. Clipping reads host and
+    device gradients (a blocking copy home)."""
     from student.optim.clip import clip_grad_norm_foreach
 
     params = [torch.nn.Parameter(torch.ones(3, device=d)) for d in ("cuda", "cpu")]
@@ -319,6 +320,15 @@ def test_gpu_offloaded_training_matches_within_bf16_and_its_peak_is_predicted(sm
         train(config(small, out, offload="auto", grad_accum=grad_accum, **gpu), progress=False)
         for r in rows(out):
             assert r["offload_predicted_gpu_peak_bytes"] >= r["peak_gpu_bytes"], (grad_accum, r)
+    # A budget the user gives caps the caching allocator for the run: blocks cached before it (these
+    # 1.5 GiB) are handed back, the steps' reserved bytes stay within it, and the cap ends with the run.
+    fraction = torch.cuda.get_per_process_memory_fraction()
+    torch.empty(3 * 2**29, dtype=torch.uint8, device="cuda")  # freed at once, and cached
+    assert torch.cuda.memory_reserved() >= 3 * 2**29
+    out = tmp_path / "capped"
+    train(config(small, out, offload="auto", gpu_memory="1GiB", **gpu), progress=False)
+    assert all(r["peak_gpu_reserved_bytes"] <= 2**30 for r in rows(out)), rows(out)
+    assert torch.cuda.get_per_process_memory_fraction() == fraction
 
 
 @pytest.mark.gpu
