@@ -10,7 +10,7 @@ import logging
 from distill.configs import ConfigError
 from student.offload_plan import OffloadPlan
 
-__all__ = ["cap_allocator", "offload_figures", "plan_for_run", "told_over_budget"]
+__all__ = ["cap_allocator", "cuda_index", "offload_figures", "plan_for_run", "told_over_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,16 @@ def cap_allocator(plan, device: str) -> None:
     `offload/qwen2-0.5b-T131072-gpu7.25GiB-chunks32768-kvoffload-capped/planned@a6a3681`."""
     import torch
 
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = cuda_index(device)
+    total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.empty_cache()  # what is cached from before the run counts against the cap too
-    torch.cuda.set_per_process_memory_fraction(min(plan.gpu_memory / total, 1.0), device)
+    torch.cuda.set_per_process_memory_fraction(min(plan.gpu_memory / total, 1.0), index)
+
+
+def cuda_index(device: str) -> int:
+    """The index of a CUDA device string ("cuda" is the current device), as torch's memory-fraction
+    calls take it."""
+    import torch
+
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index

@@ -64,7 +64,7 @@ from student.checkpoint import RunDirError
 from student.long_context import LongContextConfig
 from student.loss import LossConfig
 from student.offload_plan import OffloadConfig
-from student.offload_run import cap_allocator, offload_figures, plan_for_run, told_over_budget
+from student.offload_run import cap_allocator, cuda_index, offload_figures, plan_for_run, told_over_budget
 from student.optim.config import OptimizerConfig
 from student.schedule import ScheduleConfig, lr_factor
 from student.sparse_ffn import SparseFFNConfig
@@ -346,7 +346,7 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
     progress = progress and (dist is None or dist.main)
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     capped = config.device.startswith("cuda") and config.offload.gpu_memory is not None  # `cap_allocator`
-    was_fraction = torch.cuda.get_per_process_memory_fraction(config.device) if capped else None
+    was_fraction = torch.cuda.get_per_process_memory_fraction(cuda_index(config.device)) if capped else None
     if config.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -360,7 +360,7 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
         if capped:
-            torch.cuda.set_per_process_memory_fraction(was_fraction, config.device)
+            torch.cuda.set_per_process_memory_fraction(was_fraction, cuda_index(config.device))
         if dist is not None:
             from student.distributed import teardown
 

@@ -322,13 +322,13 @@ def test_gpu_offloaded_training_matches_within_bf16_and_its_peak_is_predicted(sm
             assert r["offload_predicted_gpu_peak_bytes"] >= r["peak_gpu_bytes"], (grad_accum, r)
     # A budget the user gives caps the caching allocator for the run: blocks cached before it (these
     # 1.5 GiB) are handed back, the steps' reserved bytes stay within it, and the cap ends with the run.
-    fraction = torch.cuda.get_per_process_memory_fraction()
+    fraction = torch.cuda.get_per_process_memory_fraction(0)
     torch.empty(3 * 2**29, dtype=torch.uint8, device="cuda")  # freed at once, and cached
     assert torch.cuda.memory_reserved() >= 3 * 2**29
     out = tmp_path / "capped"
     train(config(small, out, offload="auto", gpu_memory="1GiB", **gpu), progress=False)
     assert all(r["peak_gpu_reserved_bytes"] <= 2**30 for r in rows(out)), rows(out)
-    assert torch.cuda.get_per_process_memory_fraction() == fraction
+    assert torch.cuda.get_per_process_memory_fraction(0) == fraction
 
 
 @pytest.mark.gpu
