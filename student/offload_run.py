@@ -79,9 +79,9 @@ def told_over_budget(plan, peak_bytes: int | None) -> bool:
     return True
 
 
-def cap_allocator(plan, device: str) -> None:
-    """Cap torch's caching allocator at the plan's --gpu-memory (train() lifts the cap when the run
-    ends): the plan fits the tensors a step holds at once into the budget, and the cap holds the
+def cap_allocator(budget_bytes: int, device: str) -> None:
+    """Cap torch's caching allocator at the --gpu-memory the user gave (train() lifts the cap when the
+    run ends): the plan fits the tensors a step holds at once into the budget, and the cap holds the
     allocator's cached blocks to it too; past it the allocator hands cached blocks back before it
     reserves more, and a step that still cannot fit fails with out of memory instead of taking
     the rest of the device. The step's speed held under the cap in row
@@ -91,7 +91,7 @@ def cap_allocator(plan, device: str) -> None:
     index = cuda_index(device)
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.empty_cache()  # what is cached from before the run counts against the cap too
-    torch.cuda.set_per_process_memory_fraction(min(plan.gpu_memory / total, 1.0), index)
+    torch.cuda.set_per_process_memory_fraction(min(budget_bytes / total, 1.0), index)
 
 
 def cuda_index(device: str) -> int:

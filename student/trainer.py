@@ -63,7 +63,7 @@ from student import run_owner
 from student.checkpoint import RunDirError
 from student.long_context import LongContextConfig
 from student.loss import LossConfig
-from student.offload_plan import OffloadConfig
+from student.offload_plan import OffloadConfig, parse_bytes
 from student.offload_run import cap_allocator, cuda_index, offload_figures, plan_for_run, told_over_budget
 from student.optim.config import OptimizerConfig
 from student.schedule import ScheduleConfig, lr_factor
@@ -440,7 +440,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
     if runtime is not None:
         run["offload_plan"] = runtime.plan.to_dict()
         if device.startswith("cuda") and config.offload.gpu_memory is not None:
-            cap_allocator(plan, device)
+            cap_allocator(parse_bytes(config.offload.gpu_memory, "gpu_memory"), device)
 
     def evaluate(step: int) -> EvalResult:  # every rank evaluates every sequence (the forward is collective)
         with unsharded_root(model, dist is not None):

@@ -126,9 +126,17 @@ def test_the_memory_peak_step_is_refused_on_the_cpu(tmp_path):
         bench.main([*SMOKE, "--memory-peak", str(tmp_path), "--results", str(tmp_path / "results.jsonl")])
 
 
-def test_the_allocator_cap_is_refused_on_the_cpu_and_without_a_budget(tmp_path):
-    with pytest.raises(SystemExit, match="--cap-reserved"):
-        bench.main([*SMOKE, "--cap-reserved", "--gpu-memory", "1GiB", "--results", str(tmp_path / "r.jsonl")])
+def test_only_a_variant_with_a_plan_and_a_gpu_budget_runs_capped():
+    """As train-student caps its allocator: with a plan and --gpu-memory on a GPU (rows `-capped`)."""
+    import argparse
+
+    from student.offload_plan import OffloadPlan
+
+    plan = OffloadPlan.uniform(2, "keep", "resident")
+    args = lambda **kw: argparse.Namespace(**{"gpu_memory": "1GiB", "device": "cuda", **kw})
+    assert bench.capped(plan, args())
+    assert not bench.capped(None, args()) and not bench.capped(plan, args(device="cpu"))
+    assert not bench.capped(plan, args(gpu_memory=None))
 
 
 def test_a_work_folder_used_again_keeps_its_complete_cache(tmp_path):

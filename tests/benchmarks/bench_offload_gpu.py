@@ -53,9 +53,10 @@ longer than the plan's prediction. With --memory-peak DIR (CUDA) each variant ru
 under the allocator's history (memory_peak.py): DIR/VARIANT-peak.json lists what is alive at that
 step's peak by where it was allocated, where a GPU peak differs from the plan's prediction.
 
-With --cap-reserved the planned and file variants run with torch's caching allocator capped at
---gpu-memory (rows `...-capped/...`): the plan budgets allocated bytes, and the cap is what would
-hold the reserved ones within the budget too (max_memory_reserved is the measure).
+With --gpu-memory on a GPU, the variants that train with a plan run with torch's caching allocator
+capped at the budget, as train-student caps it (student.offload_run.cap_allocator; rows
+`...-capped/...`): the plan budgets allocated bytes, the cap holds the reserved ones
+(max_memory_reserved) within the budget too.
 
 With --chunk-tokens every variant's step is chunk-recurrent (student/long_context.py), its pages
 resident or, with --kv-offload, in pinned host memory; `planned` plans together with the chunk
@@ -94,6 +95,7 @@ from harness import (Results, add_results_arg, ceilings, check_close, free_memor
 from student.config import StudentConfig
 from student.model import Student, rope_inv_freq
 from student.offload_plan import OffloadPlan, parse_bytes
+from student.offload_run import cap_allocator, cuda_index
 
 BENCH = "offload"
 VARIANTS = ("none", "zero_offload", "planned", "file", "hf_liger")
@@ -273,6 +275,11 @@ def trace(step, stem: Path) -> None:
     stem.with_name(stem.name + ".txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=80))
 
 
+def capped(plan: OffloadPlan | None, args) -> bool:
+    """Whether the variant trains under the allocator's cap: with a plan and --gpu-memory on a GPU."""
+    return plan is not None and args.gpu_memory is not None and args.device == "cuda"
+
+
 def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, work: Path,
             hf_liger: bool = False, name: str = "step") -> dict:
     """One variant's figures (module docstring): `plan` under the trainer's step, or with `hf_liger`
@@ -280,9 +287,8 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
     model = step = runtime = optimizer = None
     losses = []
     prime = min(args.prime_tokens, args.seq_len)
-    if args.cap_reserved and plan is not None:
-        torch.cuda.set_per_process_memory_fraction(parse_bytes(args.gpu_memory, "gpu_memory")
-                                                   / torch.cuda.get_device_properties().total_memory)
+    if capped(plan, args):
+        cap_allocator(parse_bytes(args.gpu_memory, "gpu_memory"), args.device)
     try:
         if hf_liger:
             from bench_long_context_gpu import hf_liger_step_fn
@@ -382,10 +388,6 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--memory-peak", type=Path, default=None,
                         help="(CUDA) folder for one more step of each variant under the allocator's history: "
                              "VARIANT-peak.json, what is alive at the step's peak by where it was allocated")
-    parser.add_argument("--cap-reserved", action="store_true",
-                        help="(CUDA, with --gpu-memory) the planned and file variants under a cap of the caching "
-                             "allocator at the budget (torch.cuda.set_per_process_memory_fraction): it hands cached "
-                             "blocks back before it reserves more, or fails with out of memory")
     parser.add_argument("--work", type=Path, default=None,
                         help="folder for the planner's student and cache, each variant's plan and the planned "
                              "variant's cost table (default: a temp dir, not kept)")
@@ -402,8 +404,6 @@ def main(argv=None) -> list[dict]:
         raise SystemExit("--kv-offload and --chunk-candidates need --chunk-tokens")
     if args.memory_peak is not None and args.device != "cuda":
         raise SystemExit("--memory-peak records torch's CUDA allocator; drop it on --device cpu")
-    if args.cap_reserved and (args.device != "cuda" or args.gpu_memory is None):
-        raise SystemExit("--cap-reserved caps torch's CUDA allocator at --gpu-memory; give both on --device cuda")
     if args.num_layers is not None and args.num_layers < 1:
         raise SystemExit(f"--num-layers must be >= 1, got {args.num_layers}")
     if "planned" in variants:
@@ -441,12 +441,12 @@ def main(argv=None) -> list[dict]:
         figures = {**measure(plan, config, params, args, work, hf_liger=variant == "hf_liger", name=variant),
                    **checks, **profiled}
         free_memory(args.device)  # also after an out-of-memory error
-        if args.cap_reserved:  # the next variant uncapped, unless it caps again
-            torch.cuda.set_per_process_memory_fraction(1.0)
+        if capped(plan, args):  # the next variant uncapped, unless it caps again
+            torch.cuda.set_per_process_memory_fraction(1.0, cuda_index(args.device))
         budget = f"-gpu{args.gpu_memory}" if args.gpu_memory else ""  # a budgeted run is another case
         if args.chunk_tokens is not None:  # and so is a chunk-recurrent one
             budget += f"-chunks{args.chunk_tokens}" + ("-kvoffload" if args.kv_offload else "")
-        if args.cap_reserved and plan is not None:  # and one whose allocator is capped
+        if capped(plan, args):  # and one whose allocator is capped
             budget += "-capped"
         results.add(f"{name}-T{args.seq_len}{budget}/{variant}", figures,
                     {**base, "variant": variant, "plan": plan.to_dict() if plan is not None else None})
