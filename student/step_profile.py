@@ -90,7 +90,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     clock = 1.0
     if cuda and settings.load_s > 0:  # every compute timing as it runs inside a step, under load
         tokens = min(batches[0].input_ids.shape[1], config.long.chunk_tokens or batches[0].input_ids.shape[1])
-        clock = load_factor(_layer_run(model, (batches[0].input_ids.shape[0], tokens), amp, device), settings, device)
+        clock = load_factor(layer_run(model, (batches[0].input_ids.shape[0], tokens), amp, device), settings, device)
         per_layer = [{key: value * clock if key.endswith("_s") else value for key, value in m.items()}
                      for m in per_layer]
         head_s, pass1_s = head_s * clock, pass1_s * clock
@@ -169,7 +169,7 @@ def _timed(device: str, fn):
     return time.perf_counter() - start, out
 
 
-def _layer_run(model, shape: tuple[int, int], amp, device: str):
+def layer_run(model, shape: tuple[int, int], amp, device: str):
     """`run()`: decoder layer 0's forward and backward on the device as the profile's working copy
     runs them (matrices in the compute dtype, under autocast), on random input of (rows, tokens)."""
     import copy
@@ -185,7 +185,7 @@ def _layer_run(model, shape: tuple[int, int], amp, device: str):
             p.data = p.data.to(dtype)
     x = torch.randn(*shape, model.config.hidden_size, device=device, dtype=dtype)
     positions = torch.arange(shape[1], device=device)[None].expand(shape[0], -1)
-    cos, sin = rope_cos_sin(model.inv_freq, positions, dtype)
+    cos, sin = rope_cos_sin(model.inv_freq.to(device), positions, dtype)
 
     def run():
         leaf = x.detach().requires_grad_(True)
@@ -200,39 +200,59 @@ def _layer_run(model, shape: tuple[int, int], amp, device: str):
 def load_factor(run, settings: ProfileSettings, device: str = "cuda", gap_s: float = 0.2) -> float:
     """How much longer `run` (a layer's forward and backward on a GPU) takes back to back, as a
     step's layers run, than in bursts with the device idle before each, as `_measure_layers` times
-    them: the median of the last settings.repeats runs of settings.load_s seconds of runs queued
-    without waiting, over the median of settings.repeats bursts (each after a synchronisation and
-    `gap_s` idle), at least 1. A GPU lowers its clock under sustained load and raises it again
-    within a fraction of a second idle (bench rows `layer_clock/llama-3.1-8b-T8192@b49752c` and
-    `layer_clock/qwen2.5-14b-T8192@b49752c`); below 1 would be launch gaps a burst's events include,
-    which a step's small layers have too."""
+    them: the median of `loaded_seconds` over settings.load_s, over the median of `burst_seconds`,
+    at least 1. A GPU lowers its clock under sustained load and raises it again within a fraction
+    of a second idle (bench rows `layer_clock/llama-3.1-8b-T8192@b49752c` and
+    `layer_clock/qwen2.5-14b-T8192@b49752c`); below 1 would be launch gaps a burst's events
+    include, which a step's small layers have too."""
     import statistics
+
+    run()  # kernels chosen outside both measurements
+    bursts = burst_seconds(run, settings.repeats, gap_s, device)
+    loaded = loaded_seconds(run, settings.load_s, settings.repeats, device)[0]
+    return max(statistics.median(loaded) / statistics.median(bursts), 1.0)
+
+
+def burst_seconds(run, repeats: int, gap_s: float, device: str) -> list[float]:
+    """Seconds of `repeats` runs of `run`, each timed alone after the device finished everything
+    and then idled `gap_s`."""
+    import time
+
+    import torch
+
+    seconds = []
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        time.sleep(gap_s)
+        seconds.append(_timed(device, run)[0])
+    return seconds
+
+
+def loaded_seconds(run, load_s: float, repeats: int, device: str) -> tuple[list[float], int]:
+    """(seconds of the last `repeats` runs, runs in all) of `run` queued back to back for `load_s`
+    seconds (and at least `repeats` runs); on a GPU timed by CUDA events read once the queue has
+    drained, so that nothing waits between the runs."""
     import time
 
     import torch
 
     cuda = device.startswith("cuda")
-    run()  # kernels chosen outside both measurements
-    bursts = []
-    for _ in range(settings.repeats):
+    last, runs, start = [], 0, time.perf_counter()
+    while time.perf_counter() - start < load_s or runs < repeats:
         if cuda:
-            torch.cuda.synchronize(device)
-        time.sleep(gap_s)
-        bursts.append(_timed(device, run)[0])
-    last, start = [], time.perf_counter()
-    while time.perf_counter() - start < settings.load_s or len(last) < settings.repeats:
-        if cuda:  # CUDA events, read once the queue drained: nothing waits between the runs
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             run()
             end.record()
-            last = (last + [(begin, end)])[-settings.repeats:]
+            last = (last + [(begin, end)])[-repeats:]
         else:
-            last = (last + [_timed(device, run)[0]])[-settings.repeats:]
+            last = (last + [_timed(device, run)[0]])[-repeats:]
+        runs += 1
     if cuda:
         torch.cuda.synchronize(device)
         last = [begin.elapsed_time(end) / 1e3 for begin, end in last]
-    return max(statistics.median(last) / statistics.median(bursts), 1.0)
+    return last, runs
 
 
 class _SavedBytes:

@@ -21,79 +21,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from bench_offload_gpu import shape_config
 from harness import Results, add_results_arg
 
-from student.model import Student, rope_cos_sin
+from student.model import Student
+from student.step_profile import burst_seconds, layer_run, loaded_seconds
 
 BENCH = "layer_clock"
 
 
 def working_layer(shape: str, seq_len: int, device: str, seed: int):
-    """(run, x): one layer of `shape` as the profile's working copy, and `run()` doing its forward
-    and backward on a fresh leaf of x."""
+    """`run()`: one layer of `shape` as the profile's working copy (student.step_profile.layer_run),
+    its forward and backward on one sequence of `seq_len` tokens."""
     torch.manual_seed(seed)
-    config = shape_config(shape, seq_len).replace(num_layers=1)
-    model = Student(config)
-    layer = model.layers[0].to(device)
-    for p in layer.parameters():
-        if p.ndim >= 2:
-            p.data = p.data.to(torch.bfloat16)
-    x = torch.randn(1, seq_len, config.hidden_size, device=device, dtype=torch.bfloat16)
-    positions = torch.arange(seq_len, device=device)[None]
-    cos, sin = rope_cos_sin(model.inv_freq.to(device), positions, torch.bfloat16)
-
-    def run():
-        leaf = x.detach().requires_grad_(True)
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
-            out, _ = layer(leaf, cos, sin)
-        out.backward(torch.ones_like(out))
-        layer.zero_grad(set_to_none=True)
-
-    return run
-
-
-def burst_ms(run, repeats: int, gap_s: float, cuda: bool) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - t0) * 1e3)
-        time.sleep(gap_s)
-    return times
-
-
-def sustained_ms(run, seconds: float, repeats: int, cuda: bool) -> tuple[list[float], int]:
-    """(the last `repeats` runs' milliseconds, runs in all) of runs back to back for `seconds`."""
-    events, runs, t0 = [], 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds or runs < repeats:
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            events = (events + [(start, end)])[-repeats:]
-        else:
-            s = time.perf_counter()
-            run()
-            events = (events + [(time.perf_counter() - s) * 1e3])[-repeats:]
-        runs += 1
-    if cuda:
-        torch.cuda.synchronize()
-        return [start.elapsed_time(end) for start, end in events], runs
-    return events, runs
+    model = Student(shape_config(shape, seq_len).replace(num_layers=1))
+    return layer_run(model, (1, seq_len), torch.bfloat16, device)
 
 
 def main(argv=None) -> list[dict]:
@@ -108,12 +52,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     add_results_arg(parser)
     args = parser.parse_args(argv)
-    cuda = args.device == "cuda"
     run = working_layer(args.shape, args.seq_len, args.device, args.seed)
     run()  # kernels chosen and compiled, outside every phase
-    burst = burst_ms(run, args.repeats, args.gap_ms / 1e3, cuda)
-    sustained, runs = sustained_ms(run, args.seconds, args.repeats, cuda)
-    hot = burst_ms(run, args.repeats, args.gap_ms / 1e3, cuda)
+    ms = lambda seconds: [t * 1e3 for t in seconds]
+    burst = ms(burst_seconds(run, args.repeats, args.gap_ms / 1e3, args.device))
+    sustained, runs = loaded_seconds(run, args.seconds, args.repeats, args.device)
+    sustained = ms(sustained)
+    hot = ms(burst_seconds(run, args.repeats, args.gap_ms / 1e3, args.device))
     med = statistics.median
     figures = {"burst_ms": med(burst), "sustained_ms": med(sustained), "hot_burst_ms": med(hot),
                "sustained_over_burst": med(sustained) / med(burst), "hot_burst_over_burst": med(hot) / med(burst),
