@@ -10,7 +10,7 @@ import logging
 from distill.configs import ConfigError
 from student.offload_plan import OffloadPlan
 
-__all__ = ["cap_allocator", "cuda_index", "offload_figures", "plan_for_run", "told_over_budget"]
+__all__ = ["cap_allocator", "cuda_index", "offload_figures", "over_cap_message", "plan_for_run", "told_over_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,3 +101,10 @@ def cuda_index(device: str) -> int:
 
     index = torch.device(device).index
     return torch.cuda.current_device() if index is None else index
+
+
+def over_cap_message(gpu_memory: str) -> str:
+    """The one line a run capped by `cap_allocator` stops with when a step runs out of GPU memory."""
+    return (f"a step ran out of GPU memory under --gpu-memory {gpu_memory}, at which torch's caching allocator is "
+            "capped for the run: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (its cached blocks then "
+            "fragment less), or give a larger --gpu-memory")

@@ -289,6 +289,13 @@ def test_a_gpu_peak_past_the_plans_budget_is_told_once(caplog):
     assert "--gpu-memory" in record.getMessage() and "\n" not in record.getMessage()
 
 
+def test_running_out_of_memory_under_the_cap_is_told_in_one_line_naming_the_option():
+    from student.offload_run import over_cap_message
+
+    message = over_cap_message("7GiB")
+    assert "--gpu-memory 7GiB" in message and "expandable_segments:True" in message and "\n" not in message
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_offloaded_training_matches_within_bf16_and_its_peak_is_predicted(small, tmp_path):
