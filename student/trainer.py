@@ -10,8 +10,9 @@ Run directory (`out`):
   metrics.jsonl       {"kind": "train", step, loss, kl, lr, grad_norm, tokens, tok_per_s,
                       optimizer_state_bytes, epoch, and on a GPU peak_gpu_bytes: the most
                       allocated since the previous row, and peak_gpu_reserved_bytes: the most the
-                      caching allocator held, capped at --gpu-memory when given}; with offload also offload_step_s (mean
-                      seconds of the window's steps, evaluation and checkpoints left out),
+                      caching allocator held, capped at --gpu-memory when given}; with offload also
+                      offload_step_s (mean seconds of the window's steps, evaluation and checkpoints
+                      left out),
                       offload_predicted_step_s / _gpu_peak_bytes / _host_peak_bytes (the plan's),
                       offload_phase_s and offload_predicted_phase_s (the last step's phases, measured and
                       predicted: student/planner.py's PHASES)
