@@ -151,3 +151,15 @@ def test_load_factor_is_a_runs_time_back_to_back_over_its_time_in_bursts():
     settings = ProfileSettings(repeats=3, load_s=0.1)
     assert 1.8 < load_factor(run_taking(0.01, 0.03), settings, "cpu", gap_s=0.05) < 3.5
     assert load_factor(run_taking(0.03, 0.01), settings, "cpu", gap_s=0.05) == 1.0
+
+
+def test_the_plan_table_says_how_the_compute_timings_were_scaled():
+    import dataclasses
+
+    from student.planner import plan_table, solve
+    from test_planner import random_table
+
+    costs = random_table(3, seed=11, clock_factor=1.1)
+    plan = solve(costs, 10**12, 10**12)
+    assert "compute timings x1.100 for the clock under a step's load" in plan_table(plan, costs)
+    assert "for the clock" not in plan_table(plan, dataclasses.replace(costs, clock_factor=1.0))
