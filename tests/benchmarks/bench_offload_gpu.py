@@ -328,6 +328,7 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
 
         record_step(step, args.memory_peak / f"{name}-peak.json")
     figures = {"oom": False, "step_s": seconds, "min_step_s": timing.min_ms / 1e3, "repeats": len(timing.times_ms),
+               "steps_s": [ms / 1e3 for ms in timing.times_ms],  # in the order they ran
                "tok_s": args.seq_len / seconds, "model_tflops": tflops(6 * params * args.seq_len, timing.median_ms)}
     if host_before is not None:
         figures.update(host_rss_before_bytes=host_before, peak_host_rss_bytes=host_peak_bytes)
