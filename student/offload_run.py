@@ -10,7 +10,8 @@ import logging
 from distill.configs import ConfigError
 from student.offload_plan import OffloadPlan
 
-__all__ = ["cap_allocator", "cuda_index", "offload_figures", "over_cap_message", "plan_for_run", "told_over_budget"]
+__all__ = ["cap_allocator", "caps_allocator", "cuda_index", "offload_figures", "over_cap_message", "plan_for_run",
+           "told_over_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,12 @@ def told_over_budget(plan, peak_bytes: int | None) -> bool:
                    "budget", format_bytes(peak_bytes), format_bytes(plan.gpu_memory),
                    format_bytes(plan.predicted.gpu_peak_bytes))
     return True
+
+
+def caps_allocator(config) -> bool:
+    """Whether the run trains under `cap_allocator`: it offloads, on a GPU, with a --gpu-memory given."""
+    return (config.device.startswith("cuda") and config.offload.offload != "none"
+            and config.offload.gpu_memory is not None)
 
 
 def cap_allocator(budget_bytes: int, device: str) -> None:

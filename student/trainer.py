@@ -65,8 +65,8 @@ from student.checkpoint import RunDirError
 from student.long_context import LongContextConfig
 from student.loss import LossConfig
 from student.offload_plan import OffloadConfig, parse_bytes
-from student.offload_run import (cap_allocator, cuda_index, offload_figures, over_cap_message, plan_for_run,
-                                 told_over_budget)
+from student.offload_run import (cap_allocator, caps_allocator, cuda_index, offload_figures, over_cap_message,
+                                 plan_for_run, told_over_budget)
 from student.optim.config import OptimizerConfig
 from student.schedule import ScheduleConfig, lr_factor
 from student.sparse_ffn import SparseFFNConfig
@@ -347,8 +347,7 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
     dist = _join_processes(config)
     progress = progress and (dist is None or dist.main)
     was_deterministic = torch.are_deterministic_algorithms_enabled()
-    capped = (config.device.startswith("cuda") and config.offload.offload != "none"  # `cap_allocator`
-              and config.offload.gpu_memory is not None)
+    capped = caps_allocator(config)  # _train caps it once the run has planned; lifted below
     was_fraction = torch.cuda.get_per_process_memory_fraction(cuda_index(config.device)) if capped else None
     if config.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -446,7 +445,7 @@ def _train(config: TrainConfig, progress: bool, resume_from: int | None, dist) -
         runtime = OffloadRuntime(model, plan, device, amp_dtype, accumulates=steps_accumulate(config))
     if runtime is not None:
         run["offload_plan"] = runtime.plan.to_dict()
-        if device.startswith("cuda") and config.offload.gpu_memory is not None:  # train() lifts it
+        if caps_allocator(config):  # train() lifts it
             cap_allocator(parse_bytes(config.offload.gpu_memory, "gpu_memory"), device)
 
     def evaluate(step: int) -> EvalResult:  # every rank evaluates every sequence (the forward is collective)
