@@ -200,7 +200,7 @@ def layer_run(model, shape: tuple[int, int], amp, device: str):
 def load_factor(run, settings: ProfileSettings, device: str = "cuda", gap_s: float = 0.2) -> float:
     """How much longer `run` (a layer's forward and backward on a GPU) takes back to back, as a
     step's layers run, than in bursts with the device idle before each, as `_measure_layers` times
-    them: the median of `loaded_seconds` over settings.load_s, over the median of `burst_seconds`,
+    them: the median of the last settings.repeats of `loaded_seconds` over settings.load_s, over the median of `burst_seconds`,
     at least 1. A GPU lowers its clock under sustained load and raises it again within a fraction
     of a second idle (bench rows `layer_clock/llama-3.1-8b-T8192@b49752c` and
     `layer_clock/qwen2.5-14b-T8192@b49752c`); below 1 would be launch gaps a burst's events
@@ -209,7 +209,7 @@ def load_factor(run, settings: ProfileSettings, device: str = "cuda", gap_s: flo
 
     run()  # kernels chosen outside both measurements
     bursts = burst_seconds(run, settings.repeats, gap_s, device)
-    loaded = loaded_seconds(run, settings.load_s, settings.repeats, device)[0]
+    loaded = loaded_seconds(run, settings.load_s, settings.repeats, device)[-settings.repeats:]
     return max(statistics.median(loaded) / statistics.median(bursts), 1.0)
 
 
@@ -229,30 +229,29 @@ def burst_seconds(run, repeats: int, gap_s: float, device: str) -> list[float]:
     return seconds
 
 
-def loaded_seconds(run, load_s: float, repeats: int, device: str) -> tuple[list[float], int]:
-    """(seconds of the last `repeats` runs, runs in all) of `run` queued back to back for `load_s`
-    seconds (and at least `repeats` runs); on a GPU timed by CUDA events read once the queue has
-    drained, so that nothing waits between the runs."""
+def loaded_seconds(run, load_s: float, min_runs: int, device: str) -> list[float]:
+    """Seconds of every run of `run` queued back to back for `load_s` seconds (and at least
+    `min_runs` runs), in order; on a GPU timed by CUDA events read once the queue has drained, so
+    that nothing waits between the runs."""
     import time
 
     import torch
 
     cuda = device.startswith("cuda")
-    last, runs, start = [], 0, time.perf_counter()
-    while time.perf_counter() - start < load_s or runs < repeats:
+    timed, start = [], time.perf_counter()
+    while time.perf_counter() - start < load_s or len(timed) < min_runs:
         if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             run()
             end.record()
-            last = (last + [(begin, end)])[-repeats:]
+            timed.append((begin, end))
         else:
-            last = (last + [_timed(device, run)[0]])[-repeats:]
-        runs += 1
+            timed.append(_timed(device, run)[0])
     if cuda:
         torch.cuda.synchronize(device)
-        last = [begin.elapsed_time(end) / 1e3 for begin, end in last]
-    return last, runs
+        timed = [begin.elapsed_time(end) / 1e3 for begin, end in timed]
+    return timed
 
 
 class _SavedBytes:

@@ -19,3 +19,10 @@ def test_the_three_phases_run_and_make_one_row(tmp_path):
     assert len(f["burst_all_ms"]) == len(f["sustained_last_ms"]) == len(f["hot_burst_all_ms"]) == 3
     assert f["sustained_runs"] >= 3 and all(t > 0 for t in f["burst_all_ms"] + f["sustained_last_ms"])
     assert f["sustained_over_burst"] == f["sustained_ms"] / f["burst_ms"]
+
+
+def test_by_second_takes_the_median_of_the_runs_ending_in_each_whole_second():
+    # runs of 400, 400, 300 ms end at 0.4, 0.8, 1.1 s; then 500, 600 end at 1.6, 2.2 (partial: left out)
+    assert bench.by_second([400, 400, 300, 500, 600]) == [400, 400]
+    assert bench.by_second([250] * 8 + [100]) == [250, 250]  # a run ending at exactly 1.0 s counts in the next second
+    assert bench.by_second([300]) == []

@@ -9,7 +9,10 @@ of --seq-len tokens. Three phases, in this order:
   burst      --repeats runs, each its forward and backward timed alone with CUDA events, the host
              synchronising after each and the device then idle for --gap-ms (the profile moves the
              next layer's weights meanwhile)
-  sustained  runs back to back for --seconds, nothing synchronising; the last --repeats runs timed
+  sustained  runs back to back for --seconds, nothing synchronising, every run timed: the last
+             --repeats are the sustained figure, and the median of the runs that ended within each
+             second of device time (`sustained_by_second_ms`) shows how long the load must last
+             before the clock settles (the profile's ProfileSettings.load_s)
   hot_burst  burst again, right after the sustained load
 Row `layer_clock/<shape>-T<tokens>`: the median milliseconds of each phase, sustained / burst and
 hot_burst / burst. A sustained / burst above 1 is what a profile timing in bursts misses of a step.
@@ -40,6 +43,18 @@ def working_layer(shape: str, seq_len: int, device: str, seed: int):
     return layer_run(model, (1, seq_len), torch.bfloat16, device)
 
 
+def by_second(run_ms: list[float]) -> list[float]:
+    """The median milliseconds of the runs that ended within each whole second of the runs' summed
+    time (back to back, the device's time), in order; a last partial second is left out."""
+    seconds, ended = [], 0.0
+    for ms in run_ms:
+        ended += ms
+        second = int(ended // 1e3)
+        seconds.extend([] for _ in range(second + 1 - len(seconds)))
+        seconds[second].append(ms)
+    return [statistics.median(runs) for runs in seconds[:-1] if runs]
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.1-8b",
@@ -56,13 +71,14 @@ def main(argv=None) -> list[dict]:
     run()  # kernels chosen and compiled, outside every phase
     ms = lambda seconds: [t * 1e3 for t in seconds]
     burst = ms(burst_seconds(run, args.repeats, args.gap_ms / 1e3, args.device))
-    sustained, runs = loaded_seconds(run, args.seconds, args.repeats, args.device)
-    sustained = ms(sustained)
+    every = ms(loaded_seconds(run, args.seconds, args.repeats, args.device))
+    sustained, runs = every[-args.repeats:], len(every)
     hot = ms(burst_seconds(run, args.repeats, args.gap_ms / 1e3, args.device))
     med = statistics.median
     figures = {"burst_ms": med(burst), "sustained_ms": med(sustained), "hot_burst_ms": med(hot),
                "sustained_over_burst": med(sustained) / med(burst), "hot_burst_over_burst": med(hot) / med(burst),
-               "sustained_runs": runs, "burst_all_ms": burst, "sustained_last_ms": sustained, "hot_burst_all_ms": hot}
+               "sustained_runs": runs, "burst_all_ms": burst, "sustained_last_ms": sustained, "hot_burst_all_ms": hot,
+               "sustained_by_second_ms": by_second(every)}
     results = Results(bench=BENCH, path=args.results)
     results.add(f"{args.shape}-T{args.seq_len}", figures,
                 {"shape": args.shape, "seq_len": args.seq_len, "seconds": args.seconds, "repeats": args.repeats,
