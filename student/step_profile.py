@@ -200,17 +200,33 @@ def layer_run(model, shape: tuple[int, int], amp, device: str):
 def load_factor(run, settings: ProfileSettings, device: str = "cuda", gap_s: float = 0.2) -> float:
     """How much longer `run` (a layer's forward and backward on a GPU) takes back to back, as a
     step's layers run, than in bursts with the device idle before each, as `_measure_layers` times
-    them: the median of the last settings.repeats of `loaded_seconds` over settings.load_s, over the median of `burst_seconds`,
-    at least 1. A GPU lowers its clock under sustained load and raises it again within a fraction
-    of a second idle (bench rows `layer_clock/llama-3.1-8b-T8192@b49752c` and
-    `layer_clock/qwen2.5-14b-T8192@b49752c`); below 1 would be launch gaps a burst's events
-    include, which a step's small layers have too."""
+    them: the median of the runs that ended in the last third of `loaded_seconds` over
+    settings.load_s (at least settings.repeats of them), over the median of `burst_seconds`, at
+    least 1. A GPU lowers its clock under sustained load within a few seconds and raises it again
+    within a fraction of a second idle (bench rows `layer_clock/llama-3.1-8b-T8192@b49752c` and
+    `layer_clock/qwen2.5-14b-T8192@b49752c`); single runs under load vary by a few percent, so the
+    whole last third is taken, not a few runs (`layer_clock/llama-3.1-8b-T8192@e13b83b`, its
+    medians by second). Below 1 would be launch gaps a burst's events include, which a step's small
+    layers have too."""
     import statistics
 
     run()  # kernels chosen outside both measurements
     bursts = burst_seconds(run, settings.repeats, gap_s, device)
-    loaded = loaded_seconds(run, settings.load_s, settings.repeats, device)[-settings.repeats:]
+    loaded = last_runs(loaded_seconds(run, settings.load_s, settings.repeats, device), settings.load_s / 3,
+                       settings.repeats)
     return max(statistics.median(loaded) / statistics.median(bursts), 1.0)
+
+
+def last_runs(seconds: list[float], span_s: float, at_least: int) -> list[float]:
+    """The runs of `seconds` (run back to back, in order) that ended within the last `span_s` of
+    their summed time, and at least the last `at_least` runs."""
+    kept, total = [], 0.0
+    for run_s in reversed(seconds):
+        if total >= span_s and len(kept) >= at_least:
+            break
+        kept.append(run_s)
+        total += run_s
+    return kept[::-1]
 
 
 def burst_seconds(run, repeats: int, gap_s: float, device: str) -> list[float]:

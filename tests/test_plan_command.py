@@ -163,3 +163,13 @@ def test_the_plan_table_says_how_the_compute_timings_were_scaled():
     plan = solve(costs, 10**12, 10**12)
     assert "compute timings x1.100 for the clock under a step's load" in plan_table(plan, costs)
     assert "for the clock" not in plan_table(plan, dataclasses.replace(costs, clock_factor=1.0))
+
+
+def test_last_runs_keeps_the_runs_ending_in_the_last_span_and_at_least_some():
+    from student.step_profile import last_runs
+
+    runs = [0.4, 0.1, 0.2, 0.3, 0.5]  # end at 0.4, 0.5, 0.7, 1.0, 1.5 s
+    assert last_runs(runs, 0.6, 1) == [0.3, 0.5]  # ended after 0.9 s
+    assert last_runs(runs, 0.5, 1) == [0.5]
+    assert last_runs(runs, 0.5, 3) == [0.2, 0.3, 0.5]
+    assert last_runs(runs, 10.0, 1) == runs
