@@ -499,28 +499,54 @@ def _ring(costs: CostTable, plan: OffloadPlan, start: float, bwd_end: list[float
 
 def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
     """(GPU peak, host peak) bytes of `plan` (predict's docstring says what they hold)."""
-    c, p, d = costs.layers, plan.layers, plan.prefetch_depth
-    most = lambda values: max(values, default=0)
-    held = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident" or lp.activation == "keep")
-    ring = (d + 1) * most(x.weight_bytes for x, lp in zip(c, p) if lp.params == "stream" and lp.activation != "keep")
-    acts = sum(x.keep_bytes if lp.activation == "keep" else x.boundary_bytes
-               for x, lp in zip(c, p) if lp.activation != "offload")
-    in_flight = 2 * (d + 1) * most(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload")
-    states = sum(x.gpu_state_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "gpu")
-    widened = most(x.gpu_widened_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "gpu")
-    turnaround = (costs.static_gpu_bytes + held + ring + acts + in_flight + states + _fixed_gpu_bytes(costs, d)
-                  + _optimizer_slices(costs, plan.optimizer))
-    resident = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident")
-    optimizer_phase = costs.static_gpu_bytes + resident + states + widened + _optimizer_slices(costs, plan.optimizer)
+    gpu = gpu_peak_terms(costs, plan)
+    c, p = costs.layers, plan.layers
     host = (costs.static_host_bytes + sum(x.host_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "host")
             + sum(costs.offloaded_bytes(x) for x, lp in zip(c, p) if lp.activation == "offload")
             + _widened_host_bytes(costs, plan.optimizer, [lp.states == "host" for lp in p]))
-    return max(turnaround, optimizer_phase), host
+    return max(sum(gpu["turnaround"].values()), sum(gpu["optimizer_phase"].values())), host
+
+
+def gpu_peak_terms(costs: CostTable, plan: OffloadPlan) -> dict[str, dict[str, int]]:
+    """The bytes of the GPU peak's two candidates, the turnaround (end of the forward) and the
+    optimizer phase, term by term (predict's docstring says what each holds); the peak is the
+    larger sum. For reading a measured peak against its prediction (bench_offload_gpu rows)."""
+    c, p, d = costs.layers, plan.layers, plan.prefetch_depth
+    most = lambda values: max(values, default=0)
+    resident = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident")
+    states = sum(x.gpu_state_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "gpu")
+    ring = _optimizer_slices(costs, plan.optimizer)
+    kv, in_turn = _fixed_gpu_bytes_parts(costs, d)
+    largest = max(in_turn, key=in_turn.get)
+    turnaround = {
+        "static": costs.static_gpu_bytes,
+        "weights_held": sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident" or lp.activation == "keep"),
+        "weights_streamed": (d + 1) * most(x.weight_bytes for x, lp in zip(c, p)
+                                           if lp.params == "stream" and lp.activation != "keep"),
+        "activations": sum(x.keep_bytes if lp.activation == "keep" else x.boundary_bytes
+                           for x, lp in zip(c, p) if lp.activation != "offload"),
+        "activations_in_flight": 2 * (d + 1) * most(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload"),
+        "gpu_states": states,
+        "kv_pages": kv,
+        f"in_turn_{largest}": in_turn[largest],
+        "update_ring": ring}
+    optimizer_phase = {
+        "static": costs.static_gpu_bytes, "weights_resident": resident, "gpu_states": states,
+        "widened_gradient": most(x.gpu_widened_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "gpu"),
+        "update_ring": ring}
+    return {"turnaround": turnaround, "optimizer_phase": optimizer_phase}
 
 
 def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
-    """What every plan of this depth holds at the turnaround besides the static bytes: the
-    key/value store's device pages and the largest of what is held one after the other: the
+    """`_fixed_gpu_bytes_parts`: the pages and the largest of the rest."""
+    kv, in_turn = _fixed_gpu_bytes_parts(costs, depth)
+    return kv + max(in_turn.values())
+
+
+def _fixed_gpu_bytes_parts(costs: CostTable, depth: int) -> tuple[int, dict[str, int]]:
+    """What every plan of this depth holds at the turnaround besides the static bytes, as (the
+    key/value store's device pages, by name what is held one after the other, of which the
+    largest counts): the
     head's workspace (while the head runs), a layer's backward (`_backward_gpu_bytes`) and the
     input embedding's gradient as its backward makes it (after the last layer's backward, while
     that layer's gradients may still be on their way out), these two beside a tied head's gradient
@@ -531,8 +557,9 @@ def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
     grads, layer = _backward_gpu_bytes(costs, depth)
     absent = 0 if costs.accumulates else costs.late_grad_bytes  # the .grad before its backward
     held, attention = costs.held_grad_bytes, costs.kv.held_attention_bytes if costs.kv is not None else 0
-    return costs.kv_gpu_bytes + max(costs.loss_workspace_bytes, grads + layer + held + attention,
-                                    grads + held + costs.late_grad_bytes) - absent
+    return costs.kv_gpu_bytes, {"head_workspace": costs.loss_workspace_bytes - absent,
+                                "layer_backward": grads + layer + held + attention - absent,
+                                "embedding_gradient": grads + held + costs.late_grad_bytes - absent}
 
 
 def _backward_gpu_bytes(costs: CostTable, depth: int) -> tuple[int, int]:

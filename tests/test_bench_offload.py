@@ -32,6 +32,8 @@ def test_planned_chunk_recurrent_step_takes_the_planners_chunk_size_and_passes_i
     # fp32 on the CPU: chunk-recurrent training is exact at any chunk size, offloaded or not.
     assert planned["check_loss_error"] == 0 and planned["check_grad_norm_error"] == 0
     assert planned["predicted_step_s"] > 0 and set(planned["phase_s"]) == set(planned["predicted_phase_s"])
+    peak_sums = [sum(terms.values()) for terms in planned["predicted_gpu_peak_terms"].values()]
+    assert max(peak_sums) == planned["predicted_gpu_peak_bytes"]  # the chosen chunk size's table
     assert planned["h2d_gb_s"] > 0 and planned["d2h_gb_s"] > 0 and "h2d_gb_s" not in none  # the profile's
     # On the CPU nothing copies both ways at once: the duplex figures are the rates alone.
     assert (planned["h2d_duplex_gb_s"], planned["d2h_duplex_gb_s"]) == (planned["h2d_gb_s"], planned["d2h_gb_s"])

@@ -104,6 +104,27 @@ def test_predict_peaks_count_what_each_decision_holds():
     assert kept.host_peak_bytes == GiB + 4 * (2 * 2 + 4 + 1) * GiB  # master, grads, states, weight copy
 
 
+def test_the_gpu_peaks_terms_name_what_each_decision_holds_and_the_larger_sum_is_the_peak():
+    from student.offload_cost import gpu_peak_terms
+
+    costs = table([layer(), layer(), layer(), layer()], loss_workspace_bytes=20 * GiB)
+    plan = OffloadPlan((LayerPlan("keep", "resident", "gpu"), LayerPlan("offload", "stream", "host"),
+                        LayerPlan("recompute", "stream", "host"), LayerPlan("recompute", "resident", "host")),
+                       prefetch_depth=1, optimizer="gpu")
+    terms = gpu_peak_terms(costs, plan)
+    turnaround, update = terms["turnaround"], terms["optimizer_phase"]
+    assert turnaround["weights_held"] == 2 * GiB and turnaround["weights_streamed"] == 2 * GiB
+    assert turnaround["activations"] == GiB + 2 * (GiB // 8) and turnaround["activations_in_flight"] == 2 * 2 * (GiB // 8)
+    assert turnaround["in_turn_head_workspace"] == 20 * GiB  # larger than a layer's backward here
+    assert update["weights_resident"] == 2 * GiB
+    assert max(sum(turnaround.values()), sum(update.values())) == predict(costs, plan).gpu_peak_bytes
+    for seed in range(20):  # the sums are the peak for any plan
+        costs = random_table(3, seed, loss_workspace_bytes=(seed % 3) * 4 * GiB, late_grad_bytes=(seed % 2) * GiB)
+        for plan in itertools.islice(every_plan(3, (0, 2)), seed, None, 97):
+            sums = [sum(t.values()) for t in gpu_peak_terms(costs, plan).values()]
+            assert max(sums) == predict(costs, plan).gpu_peak_bytes
+
+
 def test_the_heads_workspace_and_a_layers_backward_are_not_held_at_once():
     """The head's workspace is freed before the layers' backward starts: the GPU peak holds the
     larger of it and a layer's backward transients, and the program prices the same peak."""

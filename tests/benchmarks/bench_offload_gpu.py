@@ -40,7 +40,8 @@ the layers' host bytes, the process itself; harness.host_peak) and the host byte
 offloaded layers; for an offloaded variant the phases of one
 more step (phase_s: forward, head, backward, grads, clip, optimizer, refresh, as the runtime
 measures them); for a planned variant the plan's predicted step time, phases and peaks beside
-them (predicted / measured), so a row says which term of the cost model is off. Before a variant is timed, its plan (its
+them (predicted / measured), and the predicted GPU peak term by term (predicted_gpu_peak_terms,
+offload_cost.gpu_peak_terms), so a row says which term of the cost model is off. Before a variant is timed, its plan (its
 first --check-layers layers) is checked on a student of that many layers: two steps' losses and
 gradient norms against the same student trained without offload, to bf16 tolerance
 (--check-layers 0: not checked, for lengths where those four steps would outlast the timed ones).
@@ -179,7 +180,8 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
     """What `train-student --offload auto` would train with: a config-only student folder and a
     synthetic cache of --seq-len rows for the planner to profile. Returns (plan, figures of the
     profile the floor of a budgeted step rests on: the measured copy bandwidths each way, alone and
-    both at once)."""
+    both at once, and the plan's predicted GPU peak term by term)."""
+    from student.offload_cost import gpu_peak_terms
     from student.planner import make_plan
 
     folder = work / "student"
@@ -196,7 +198,7 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
     return plan, {"h2d_gb_s": costs.h2d_bytes_per_s / 1e9, "d2h_gb_s": costs.d2h_bytes_per_s / 1e9,
                   "h2d_duplex_gb_s": costs.h2d_duplex_bytes_per_s / 1e9,
                   "d2h_duplex_gb_s": costs.d2h_duplex_bytes_per_s / 1e9, "copy_latency_s": costs.copy_latency_s,
-                  "clock_factor": costs.clock_factor}
+                  "clock_factor": costs.clock_factor, "predicted_gpu_peak_terms": gpu_peak_terms(costs, plan)}
 
 
 def step_fn(model: Student, plan: OffloadPlan | None, args, work: Path, batch, chunks_of: OffloadPlan | None = None):
