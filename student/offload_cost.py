@@ -510,7 +510,9 @@ def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
 def gpu_peak_terms(costs: CostTable, plan: OffloadPlan) -> dict[str, dict[str, int]]:
     """The bytes of the GPU peak's two candidates, the turnaround (end of the forward) and the
     optimizer phase, term by term (predict's docstring says what each holds); the peak is the
-    larger sum. For reading a measured peak against its prediction (bench_offload_gpu rows)."""
+    larger sum; of what the turnaround holds one after the other (`_fixed_gpu_bytes_parts`) its
+    largest counts, under its own name. For reading a measured peak against its prediction
+    (bench_offload_gpu rows, `distill plan`'s table)."""
     c, p, d = costs.layers, plan.layers, plan.prefetch_depth
     most = lambda values: max(values, default=0)
     resident = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident")
@@ -528,7 +530,7 @@ def gpu_peak_terms(costs: CostTable, plan: OffloadPlan) -> dict[str, dict[str, i
         "activations_in_flight": 2 * (d + 1) * most(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload"),
         "gpu_states": states,
         "kv_pages": kv,
-        f"in_turn_{largest}": in_turn[largest],
+        largest: in_turn[largest],  # the largest of what is held one after the other
         "update_ring": ring}
     optimizer_phase = {
         "static": costs.static_gpu_bytes, "weights_resident": resident, "gpu_states": states,

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, replace
 
 from distill.configs import ConfigError
 from student.offload_cost import (PHASES, CostTable, LayerCosts, _fixed_gpu_bytes, _optimizer_slices, _peaks,
-                                  _widened_host_bytes, kept_attention, kv_options, kv_residency, predict)
+                                  _widened_host_bytes, gpu_peak_terms, kept_attention, kv_options, kv_residency,
+                                  predict)
 from student.long_context import kept_chunks
 from student.offload_plan import UPDATE_SLOTS, ChunkChoice, LayerPlan, OffloadPlan
 from student.step_profile import ProfileSettings, profile
@@ -609,6 +610,7 @@ def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
                 f"{format_bytes(costs.static_host_bytes)} on the host"] if plan.chunk_tokens is not None else []),
              f"peak GPU memory {format_bytes(predicted.gpu_peak_bytes)}{budget(plan.gpu_memory)}; "
              f"peak host memory {format_bytes(predicted.host_peak_bytes)}{budget(plan.host_memory)}",
+             _peak_text(gpu_peak_terms(costs, plan)),
              f"measured: host->device {costs.h2d_bytes_per_s / 1e9:.1f} GB/s, device->host "
              f"{costs.d2h_bytes_per_s / 1e9:.1f} GB/s (both at once {costs.h2d_duplex_bytes_per_s / 1e9:.1f} and "
              f"{costs.d2h_duplex_bytes_per_s / 1e9:.1f}), host passes over gradients "
@@ -619,6 +621,14 @@ def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
              + (f"; the GPU budget keeps {format_bytes(costs.gpu_reserve_bytes)} beyond the peak for the allocator"
                 if costs.gpu_reserve_bytes else "")]
     return console.file.getvalue() + "\n".join(lines)
+
+
+def _peak_text(terms: dict[str, dict[str, int]]) -> str:
+    """The GPU peak's larger candidate (`gpu_peak_terms`) as a line: what it holds, the largest first."""
+    when, parts = max(terms.items(), key=lambda item: sum(item[1].values()))
+    held = sorted(((n, name) for name, n in parts.items() if n), reverse=True)
+    return f"the GPU peak, at the {when.replace('_', ' ')}: " + ", ".join(
+        f"{name.replace('_', ' ')} {format_bytes(n)}" for n, name in held)
 
 
 def _kept_text(keep: int | None, chunks: int) -> str:

@@ -165,6 +165,16 @@ def test_the_plan_table_says_how_the_compute_timings_were_scaled():
     assert "for the clock" not in plan_table(plan, dataclasses.replace(costs, clock_factor=1.0))
 
 
+def test_the_plan_table_says_what_the_gpu_peak_holds_largest_first():
+    from student.planner import format_bytes, plan_table, solve
+    from test_planner import GiB, random_table
+
+    costs = random_table(3, seed=11, loss_workspace_bytes=40 * GiB)  # the head's workspace outweighs the rest
+    plan = solve(costs, 10**12, 10**12)
+    (line,) = [x for x in plan_table(plan, costs).splitlines() if x.startswith("the GPU peak, at the turnaround: ")]
+    assert line.split(": ", 1)[1].startswith(f"head workspace {format_bytes(40 * GiB)}, ")
+
+
 def test_last_runs_keeps_the_runs_ending_in_the_last_span_and_at_least_some():
     from student.step_profile import last_runs
 

@@ -115,7 +115,7 @@ def test_the_gpu_peaks_terms_name_what_each_decision_holds_and_the_larger_sum_is
     turnaround, update = terms["turnaround"], terms["optimizer_phase"]
     assert turnaround["weights_held"] == 2 * GiB and turnaround["weights_streamed"] == 2 * GiB
     assert turnaround["activations"] == GiB + 2 * (GiB // 8) and turnaround["activations_in_flight"] == 2 * 2 * (GiB // 8)
-    assert turnaround["in_turn_head_workspace"] == 20 * GiB  # larger than a layer's backward here
+    assert turnaround["head_workspace"] == 20 * GiB  # larger than a layer's backward here
     assert update["weights_resident"] == 2 * GiB
     assert max(sum(turnaround.values()), sum(update.values())) == predict(costs, plan).gpu_peak_bytes
     for seed in range(20):  # the sums are the peak for any plan
