@@ -152,6 +152,7 @@ class _Schedule:
     def reach(self, index: int, phase: str) -> None:
         """The runtime is at the start of layer `index`'s forward or backward (`phase`)."""
         self.reached = max(self.reached, self.place_of(index, phase, len(self.runtime.host)))
+        self.runtime._release(before=self.reached - 1)
         self.pump()
 
     def pump(self) -> None:
@@ -320,6 +321,9 @@ class OffloadRuntime:
         self._resident_ready: dict[int, object] = {}
         self._schedule: _Schedule | None = None
         self._offloaded: dict[int, tuple[torch.Tensor, object]] = {}
+        # Device tensors that a copy out on the d2h stream reads, kept until the compute stream has
+        # waited for that copy (`_hold`): (the schedule's place when held, the tensors, the copy's event).
+        self._held: list[tuple[int, list[torch.Tensor], object]] = []
         # The norms of the host layers' gradients (param -> 0-dim fp32 on the device), measured as
         # the sums leave the device; the clip coefficient the update applies to those gradients.
         self._grad_norms: dict[torch.Tensor, torch.Tensor] = {}
@@ -344,6 +348,29 @@ class OffloadRuntime:
         """`stream` (the compute stream by default) waits for `event` (None: nothing to wait for)."""
         if event is not None:
             (stream or torch.cuda.current_stream(self.device)).wait_event(event)
+
+    def _hold(self, tensors: list[torch.Tensor], event) -> None:
+        """Keep device `tensors`, which a copy on a side stream reads (done at `event`), until the
+        compute stream is ordered after that copy (`_release`): freed then, on the compute stream,
+        their blocks are safe to reuse at once. record_stream instead leaves events that torch's
+        caching allocator waits for on the host each time it frees cached memory, as it does
+        again and again under the budget's cap: a stall on the hot path each time."""
+        self._held.append((self._schedule.reached, tensors, event))
+
+    def _release(self, before: float = math.inf) -> None:
+        """Let go of the tensors held at a schedule place before `before` (all of them by default),
+        the compute stream first waiting for their copies. The schedule releases, as it reaches a
+        place, those held two places back: a layer's work has run since, so the copy is normally
+        done and the wait costs nothing."""
+        if not self._held:
+            return
+        keep = []
+        for place, tensors, event in self._held:
+            if place < before:
+                self._wait(event)
+            else:
+                keep.append((place, tensors, event))
+        self._held = keep
 
     def _to_device(self, sources: list[torch.Tensor], targets: list[torch.Tensor], after=None):
         """Copy host tensors into device tensors on the h2d stream once the compute stream has
@@ -387,9 +414,9 @@ class OffloadRuntime:
             self.d2h.wait_stream(torch.cuda.current_stream(self.device))
         with self._side(self.d2h):
             host.copy_(x, non_blocking=True)
-            if self.cuda:
-                x.record_stream(self.d2h)
-        self._offloaded[index] = (host, self._record(self.d2h))
+        event = self._record(self.d2h)
+        self._hold([x], event)
+        self._offloaded[index] = (host, event)
         self._schedule.pump()
 
     # --- layers ----------------------------------------------------------------------------------
@@ -399,6 +426,8 @@ class OffloadRuntime:
         engine's (student/long_context.py) when a chunk runs, passed to the layer's attention; a
         chunk's forward and backward are those of a micro-batch here."""
         if index == 0:
+            if self._schedule is not None:  # the held tensors' places, counted back from the new forward's first
+                self._held = [(place - 2 * len(self.host), tensors, event) for place, tensors, event in self._held]
             self._schedule = _Schedule(self, torch.is_grad_enabled())
             self._offloaded.clear()
         # Timed: the forwards of training, with gradients or (chunk-recurrent pass 1) without.
@@ -475,8 +504,8 @@ class OffloadRuntime:
                 with self._side(self.d2h):
                     for target, source in zip(targets, sources):
                         target.copy_(source, non_blocking=True)
-                        source.record_stream(self.d2h)
                 h.grad_out = self._record(self.d2h)
+                self._hold(sources, h.grad_out)
             else:
                 for target, source in zip(targets, sources):
                     target.copy_(source)
@@ -494,6 +523,7 @@ class OffloadRuntime:
         widened only where the update reads them, into a buffer the next layer's reuses; the
         clipping has their norms)."""
         self._clock.backward_done()
+        self._release()
         if self.plan.optimizer == "cpu":
             for h in self.host:
                 if h.grad_out is not None:

@@ -167,6 +167,43 @@ def test_copies_are_issued_prefetch_depth_layers_ahead_in_the_order_of_use(small
     runtime.close()
 
 
+def test_what_a_copy_out_reads_is_held_two_places_then_released(small):
+    """An offloaded input (and on a GPU a gradient leaving for the host) is kept by the runtime
+    (not record_stream'd) until the compute stream waits for their copy: two places after the one they
+    are held at (a layer's work later), across micro-batches too; nothing is held after
+    finish_grads."""
+    from student.offload import OffloadRuntime
+
+    student, _ = small
+    model = Student.from_pretrained(student)
+    runtime = OffloadRuntime(model, OffloadPlan.load(plan_file(Path(student) / "held-plan.json", "os os rr og", 1,
+                                                               "cpu")), "cpu")
+    held, releases = [], []
+    real_hold, real_release = runtime._hold, runtime._release
+
+    def hold(tensors, event):
+        real_hold(tensors, event)
+        held.append(runtime._schedule.reached)
+
+    def release(before=math.inf):
+        real_release(before)
+        releases.append((runtime._schedule.reached, [place for place, *_ in runtime._held]))
+
+    runtime._hold, runtime._release = hold, release
+    ids = torch.randint(0, VOCAB, (2, 2, 12), generator=torch.Generator().manual_seed(3))
+    for micro in ids:
+        model(micro).pow(2).mean().backward()
+    # Per micro-batch the inputs of layers 0, 1 and 3 (offloaded); the host layers' gradients are
+    # held too where they leave on the d2h stream, on a GPU (on the CPU their copy is a plain one).
+    assert held == [0, 1, 3] * 2
+    for reached, places in releases[:-1]:
+        assert all(reached - 1 <= place <= reached for place in places), (reached, places)
+    assert any(places for _, places in releases)
+    runtime.finish_grads()
+    assert releases[-1][1] == [] and runtime._held == []
+    runtime.close()
+
+
 def test_the_runtime_clips_without_reading_host_gradients(small):
     """The host layers' gradient norms come from the device, measured as the sums left it: with the
     host accumulators poisoned after the backward, the runtime's clip_grad_norm still returns

@@ -439,6 +439,7 @@ def main(argv=None) -> list[dict]:
             plan = {"none": lambda: None, "zero_offload": lambda: fixed_plan(config.num_layers),
                     "file": lambda: OffloadPlan.load(args.plan)}[variant]()
         if plan is not None and args.work is not None:  # kept with the work folder, to train or plan from again
+            args.work.mkdir(parents=True, exist_ok=True)
             plan.save(args.work / f"{variant}-plan.json")
         checks = check_plan(variant, plan, config, args, work) if plan is not None and args.check_layers else {}
         figures = {**measure(plan, config, params, args, work, hf_liger=variant == "hf_liger", name=variant),
