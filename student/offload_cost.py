@@ -4,7 +4,7 @@
 `predict` runs the runtime's queues in order (student/offload.py carries a plan out,
 student/offload_plan.py says what each decision means) and gives the step time, its phases and
 the peak memory on each side. student/planner.py's mixed-integer program encodes `predict`
-exactly; `_peaks`' parts (`_fixed_gpu_bytes`, `_optimizer_slices`) are shared with it.
+exactly; `_peaks`' parts (`_in_turn`, `_optimizer_slices`) are shared with it.
 A leaf beside offload_plan: no torch, no solver.
 """
 
@@ -255,11 +255,11 @@ class CostTable:
     pinned_blocks: bool = False
     # The head's workspace (its logits chunks and the loss's buffers, forward and backward): held
     # only while the head runs, between the forward and the layers' backward, so the GPU peak takes
-    # the larger of it and a layer's backward (`_fixed_gpu_bytes`), not their sum.
+    # the larger of it and a layer's backward (`_in_turn`), not their sum.
     loss_workspace_bytes: int = 0
     # The input embedding's gradient as its backward makes it (a tensor of the parameter's size),
     # after every layer's backward: a step of one backward holds its .grad (in the static bytes)
-    # only from then, several add it to the .grad already there (`_fixed_gpu_bytes`).
+    # only from then, several add it to the .grad already there (`_in_turn`).
     late_grad_bytes: int = 0
     # A tied head's gradient of that same parameter: autograd sums a parameter's gradients from all
     # its uses before accumulating them, so the head's, made first, waits through every layer's
@@ -366,19 +366,20 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
     - GPU peak: the larger of the turnaround (end of the forward) and the optimizer phase.
       Turnaround: static + weights of resident and kept layers + master, gradient and states of
       "gpu" layers (with one micro-batch the gradient in the working dtypes) + (d+1) buffers of the
-      largest streamed layer + kept activations (keep: everything saved; recompute: the input) + 2
-      (d+1) of the largest offloaded input (copies out and back in flight) + with the update on the
-      GPU its ring (the first slots fill in the backward; the slots stay allocated) + the largest of
-      the head's workspace (while it runs), the input embedding's gradient as its backward makes it
-      (at the end of the backward) and a layer's backward transients, these two beside a tied head's
-      gradient waiting for that one (at one backward a step the static bytes hold the embedding's
-      .grad only from the end: less it throughout); a layer's backward transients: (d+1) fp32
-      gradients (2 (d+1) with more than one micro-batch: accumulators coming in) and one
-      compute-dtype gradient of the largest layer (with one micro-batch: (d+1) compute-dtype
-      gradients on their way out and one fp32 sum) + the largest layer's workspace and recomputed
-      activations. Optimizer phase: static + resident weights + "gpu" layers' state + the ring +
-      with one micro-batch the fp32 buffer the "gpu" layers' updates widen their gradients into, one
-      of the largest such layer's master (`LayerCosts.gpu_widened_bytes`; the turnaround's fp32 sum
+      largest streamed layer + 2 (d+1) of the largest offloaded input (copies out and back in
+      flight) + with the update on the GPU its ring (the first slots fill in the backward; the
+      slots stay allocated) + the largest of: every layer's held activations (keep: everything
+      saved; recompute: the input) and the head's workspace (while it runs); the same and the
+      input embedding's gradient as its backward makes it (at the end of the backward); for each
+      layer j, the held activations of layers 0..j (those above are freed by then) and layer j's
+      backward transients. The last two beside a tied head's gradient waiting for the embedding's
+      (at one backward a step the static bytes hold the embedding's .grad only from the end: less
+      it throughout). Layer j's backward transients: (d+1) fp32 gradients (2 (d+1) with more than
+      one micro-batch: accumulators coming in) and one compute-dtype gradient of the largest layer
+      (with one micro-batch: (d+1) compute-dtype gradients on their way out and one fp32 sum) + its
+      workspace + its recomputed activations unless it keeps them. Optimizer phase: static +
+      resident weights + "gpu" layers' state + the ring + with one micro-batch the fp32 buffer
+      the "gpu" layers' updates widen their gradients into, one of the largest such layer's master (`LayerCosts.gpu_widened_bytes`; the turnaround's fp32 sum
       being formed is as large, so it does not raise the peak).
     - Host peak: static + the host layers' master, gradient, states and staging copy + the
       offloaded inputs of one micro-batch (on a GPU each the `pinned_block` torch's allocator
@@ -508,29 +509,30 @@ def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
 
 
 def gpu_peak_terms(costs: CostTable, plan: OffloadPlan) -> dict[str, dict[str, int]]:
-    """The bytes of the GPU peak's two candidates, the turnaround (end of the forward) and the
-    optimizer phase, term by term (predict's docstring says what each holds); the peak is the
-    larger sum; of what the turnaround holds one after the other (`_fixed_gpu_bytes_parts`) its
-    largest counts, under its own name. For reading a measured peak against its prediction
-    (bench_offload_gpu rows, `distill plan`'s table)."""
+    """The bytes of the GPU peak's two candidates, the turnaround (end of the forward, and the
+    backward it starts) and the optimizer phase, term by term (predict's docstring says what each
+    holds); the peak is the larger sum. Of what the turnaround holds one after the other
+    (`_in_turn`) the largest counts: its activations as "activations", the rest under its own
+    name. For reading a measured peak against its prediction (bench_offload_gpu rows, `distill
+    plan`'s table)."""
     c, p, d = costs.layers, plan.layers, plan.prefetch_depth
     most = lambda values: max(values, default=0)
     resident = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident")
     states = sum(x.gpu_state_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "gpu")
     ring = _optimizer_slices(costs, plan.optimizer)
-    kv, in_turn = _fixed_gpu_bytes_parts(costs, d)
-    largest = max(in_turn, key=in_turn.get)
+    in_turn = _in_turn(costs, d, [lp.activation for lp in p])
+    largest = max(in_turn, key=lambda name: sum(in_turn[name]))
+    activations, held = in_turn[largest]
     turnaround = {
         "static": costs.static_gpu_bytes,
         "weights_held": sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident" or lp.activation == "keep"),
         "weights_streamed": (d + 1) * most(x.weight_bytes for x, lp in zip(c, p)
                                            if lp.params == "stream" and lp.activation != "keep"),
-        "activations": sum(x.keep_bytes if lp.activation == "keep" else x.boundary_bytes
-                           for x, lp in zip(c, p) if lp.activation != "offload"),
+        "activations": activations,
         "activations_in_flight": 2 * (d + 1) * most(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload"),
         "gpu_states": states,
-        "kv_pages": kv,
-        largest: in_turn[largest],  # the largest of what is held one after the other
+        "kv_pages": costs.kv_gpu_bytes,
+        largest: held,  # the largest of what is held one after the other
         "update_ring": ring}
     optimizer_phase = {
         "static": costs.static_gpu_bytes, "weights_resident": resident, "gpu_states": states,
@@ -539,42 +541,50 @@ def gpu_peak_terms(costs: CostTable, plan: OffloadPlan) -> dict[str, dict[str, i
     return {"turnaround": turnaround, "optimizer_phase": optimizer_phase}
 
 
-def _fixed_gpu_bytes(costs: CostTable, depth: int) -> int:
-    """`_fixed_gpu_bytes_parts`: the pages and the largest of the rest."""
-    kv, in_turn = _fixed_gpu_bytes_parts(costs, depth)
-    return kv + max(in_turn.values())
+def held_activation_bytes(layer: LayerCosts, activation: str) -> int:
+    """What a layer's forward leaves on the GPU for its backward: all it saves (keep), its input
+    (recompute), nothing (offload: its input is in host memory)."""
+    return {"keep": layer.keep_bytes, "recompute": layer.boundary_bytes, "offload": 0}[activation]
 
 
-def _fixed_gpu_bytes_parts(costs: CostTable, depth: int) -> tuple[int, dict[str, int]]:
-    """What every plan of this depth holds at the turnaround besides the static bytes, as (the
-    key/value store's device pages, by name what is held one after the other, of which the
-    largest counts): the
-    head's workspace (while the head runs), a layer's backward (`_backward_gpu_bytes`) and the
-    input embedding's gradient as its backward makes it (after the last layer's backward, while
-    that layer's gradients may still be on their way out), these two beside a tied head's gradient
-    waiting for the embedding's (`CostTable.held_grad_bytes`). At one backward a step the static
-    bytes' count of the embedding's .grad is taken out: its backward makes it. Chunk-recurrent,
-    a layer's backward comes beside the next layer's attention output, brought ahead for its
-    recomputation (`KVPages.held_attention_bytes`)."""
-    grads, layer = _backward_gpu_bytes(costs, depth)
-    absent = 0 if costs.accumulates else costs.late_grad_bytes  # the .grad before its backward
-    held, attention = costs.held_grad_bytes, costs.kv.held_attention_bytes if costs.kv is not None else 0
-    return costs.kv_gpu_bytes, {"head_workspace": costs.loss_workspace_bytes - absent,
-                                "layer_backward": grads + layer + held + attention - absent,
-                                "embedding_gradient": grads + held + costs.late_grad_bytes - absent}
+def _in_turn(costs: CostTable, depth: int, activations: list[str]) -> dict[str, tuple[int, int]]:
+    """What a plan of this depth (`activations`: its layers' decisions) holds at the turnaround
+    and in the backward besides the static bytes and its other decisions', one after the other, as
+    {name: (held activations, the rest)}: the head's workspace (while the head runs) beside every
+    layer's held activations; the input embedding's gradient as its backward makes it (after the
+    last layer's backward, while that layer's gradients may still be on their way out, beside a
+    tied head's gradient waiting for it), counted beside them too; and the layer whose backward
+    holds the most: its gradients (`_backward_gpu_bytes`), what is beside it (`_beside_backward`),
+    its workspace and its activations recomputed unless it keeps them, beside the held
+    activations of the layers up to it (the backward has freed those above). At one backward a
+    step the static bytes' count of the embedding's .grad is taken out: its backward makes it."""
+    c = costs.layers
+    held = [held_activation_bytes(x, a) for x, a in zip(c, activations)]
+    grads, absent = _backward_gpu_bytes(costs, depth), 0 if costs.accumulates else costs.late_grad_bytes
+    layers = [(sum(held[:j + 1]), grads + _beside_backward(costs) + x.workspace_bytes
+               + (x.keep_bytes if a != "keep" else 0)) for j, (x, a) in enumerate(zip(c, activations))]
+    return {"head_workspace": (sum(held), costs.loss_workspace_bytes - absent),
+            "embedding_gradient": (sum(held), grads + costs.held_grad_bytes + costs.late_grad_bytes - absent),
+            "layer_backward": max(layers, key=sum)}
 
 
-def _backward_gpu_bytes(costs: CostTable, depth: int) -> tuple[int, int]:
-    """A layer's backward at this depth: (gradients: d+1 sums on their way out, in the working dtypes,
-    and the one being formed in fp32; after the first micro-batch d+1 fp32 sums on their way out
-    and d+1 accumulators on their way in, and the compute-dtype one; one layer: its workspace and
-    recomputed activations)."""
+def _beside_backward(costs: CostTable) -> int:
+    """Beside every layer's backward: a tied head's gradient waiting for the embedding's
+    (`CostTable.held_grad_bytes`) and, chunk-recurrent, the next layer's attention output brought
+    ahead for its recomputation (`KVPages.held_attention_bytes`); less, at one backward a step,
+    the embedding's .grad the static bytes count but its backward has not made yet."""
+    attention = costs.kv.held_attention_bytes if costs.kv is not None else 0
+    return costs.held_grad_bytes + attention - (0 if costs.accumulates else costs.late_grad_bytes)
+
+
+def _backward_gpu_bytes(costs: CostTable, depth: int) -> int:
+    """A layer's gradients in its backward at this depth: d+1 sums on their way out, in the working
+    dtypes, and the one being formed in fp32; after the first micro-batch d+1 fp32 sums on their
+    way out and d+1 accumulators on their way in, and the compute-dtype one."""
     master, weights = max(x.master_bytes for x in costs.layers), max(x.weight_bytes for x in costs.layers)
     if not costs.accumulates:  # the sums go out in the working dtypes; the one being formed is fp32
-        grads = (depth + 1) * weights + master
-    else:
-        grads = 2 * (depth + 1) * master + weights
-    return grads, max(x.workspace_bytes + x.keep_bytes for x in costs.layers)
+        return (depth + 1) * weights + master
+    return 2 * (depth + 1) * master + weights
 
 
 def _widened_host_bytes(costs: CostTable, side: str, on_host: list[bool]) -> int:

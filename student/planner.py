@@ -23,9 +23,9 @@ import math
 from dataclasses import dataclass, field, replace
 
 from distill.configs import ConfigError
-from student.offload_cost import (PHASES, CostTable, LayerCosts, _fixed_gpu_bytes, _optimizer_slices, _peaks,
-                                  _widened_host_bytes, gpu_peak_terms, kept_attention, kv_options, kv_residency,
-                                  predict)
+from student.offload_cost import (PHASES, CostTable, LayerCosts, _backward_gpu_bytes, _beside_backward, _in_turn,
+                                  _optimizer_slices, _peaks, _widened_host_bytes, gpu_peak_terms, held_activation_bytes,
+                                  kept_attention, kv_options, kv_residency, predict)
 from student.long_context import kept_chunks
 from student.offload_plan import UPDATE_SLOTS, ChunkChoice, LayerPlan, OffloadPlan
 from student.step_profile import ProfileSettings, profile
@@ -297,12 +297,25 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
     MS = prog.var()
     for i in range(L):
         prog.at_least(MS, None, pick(i, c[i].gpu_widened_bytes(costs.accumulates) * per_byte, st="gpu"))
-    turnaround = _add(const((costs.static_gpu_bytes + _fixed_gpu_bytes(costs, d) + _optimizer_slices(costs, optimizer))
+    # What the turnaround holds one after the other (`_in_turn`), the largest: every layer's held
+    # activations beside the head's workspace or beside the embedding's gradient, or layer j's
+    # backward (recomputing its activations unless it keeps them) beside those of layers 0..j.
+    held = [_add(pick(i, c[i].keep_bytes * per_byte, act="keep"), pick(i, c[i].boundary_bytes * per_byte,
+                                                                       act="recompute")) for i in range(L)]
+    in_turn = _in_turn(costs, d, ["keep"] * L)
+    MT, beside = prog.var(), _backward_gpu_bytes(costs, d) + _beside_backward(costs)
+    up_to = None  # at least the held activations of layers 0..j (a chain of variables keeps the program sparse)
+    for j in range(L):
+        up_to, before = prog.var(), up_to
+        prog.at_least(up_to, before, held[j])
+        prog.at_least(MT, up_to, _add(const((beside + c[j].workspace_bytes) * per_byte),
+                                      *[pick(j, c[j].keep_bytes * per_byte, act=a) for a in ("recompute", "offload")]))
+    for name in ("head_workspace", "embedding_gradient"):
+        prog.at_least(MT, up_to, const(in_turn[name][1] * per_byte))
+    turnaround = _add(const((costs.static_gpu_bytes + costs.kv_gpu_bytes + _optimizer_slices(costs, optimizer))
                             * per_byte),
-                      {MW: d + 1.0, MA: 2.0 * (d + 1)}, *resident, *states,
-                      *[pick(i, c[i].weight_bytes * per_byte, "keep", "stream") for i in range(L)],
-                      *[pick(i, c[i].keep_bytes * per_byte, act="keep") for i in range(L)],
-                      *[pick(i, c[i].boundary_bytes * per_byte, act="recompute") for i in range(L)])
+                      {MW: d + 1.0, MA: 2.0 * (d + 1), MT: 1.0}, *resident, *states,
+                      *[pick(i, c[i].weight_bytes * per_byte, "keep", "stream") for i in range(L)])
     optimizer_phase = _add(const((costs.static_gpu_bytes + _optimizer_slices(costs, optimizer)) * per_byte),
                            {MS: 1.0}, *resident, *states)
     # The fp32 buffer the update on the CPU widens gradients into: the largest host layer's master.
@@ -589,7 +602,7 @@ def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
         table.add_column(column, justify="left" if column in ("activation", "params", "states") else "right")
     predicted = plan.predicted
     for i, (lp, c) in enumerate(zip(plan.layers, costs.layers)):
-        kept = {"keep": c.keep_bytes, "recompute": c.boundary_bytes, "offload": 0}[lp.activation]
+        kept = held_activation_bytes(c, lp.activation)
         seconds = f"{predicted.layer_s[i] * 1e3:.2f} ms" if predicted.layer_s else "-"
         table.add_row(str(i), lp.activation, lp.params, lp.states, size(c.weight_bytes), size(c.boundary_bytes),
                       size(kept), seconds)

@@ -412,7 +412,7 @@ def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_
     import torch
 
     from student.model import rope_cos_sin
-    from student.trainer import _loss
+    from student.trainer import _loss, steps_accumulate
 
     device, cuda = config.device, config.device.startswith("cuda")
     dtype = amp or torch.float32
@@ -471,6 +471,10 @@ def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_
         loss, _ = _loss(hidden, [], batch, model, config, cache_temperature=cache_temperature)
         torch.autograd.backward([loss, x0], [None, torch.ones_like(x0)])
 
+    # Where a step sums several backwards, the static parameters' gradients of an earlier one are
+    # there while the head runs (chunk by chunk, at every chunk but the first): the workspace is
+    # measured beside them, on the run after the first, which made them.
+    measured_run = 1 if steps_accumulate(config) else 0
     seconds = []
     for run in range(settings.repeats + 1):
         leaf = x.detach().requires_grad_(True)
@@ -480,16 +484,18 @@ def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_
             base = torch.cuda.memory_allocated(device)
         with _SavedBytes(static_params) as counted:
             seconds.append(_timed(device, head)[0])
-        if run == 0:
-            # The allocator's peak includes the fp32 gradients the head's backward creates for the
-            # static parameters, which static_gpu_bytes counts already (2 x their bytes): they leave
-            # the workspace here. The peak is at least those gradients (they are alive at the end),
-            # so the static part stays an upper bound: its parameters, states and this peak.
-            grads = sum(p.grad.numel() * p.grad.element_size() for p in static_params if p.grad is not None)
+        if run == measured_run:
+            # static_gpu_bytes counts the static parameters' gradients already (2 x their bytes).
+            # Made in this run, they are alive at its end, so the allocator's peak is at least
+            # them: taken out, static part plus workspace stays an upper bound. Made before it,
+            # they are in `base`.
+            grads = sum(p.grad.numel() * p.grad.element_size() for p in static_params
+                        if p.grad is not None) if run == 0 else 0
             workspace = (torch.cuda.max_memory_allocated(device) - base - grads if cuda
                          else counted.total + 2 * leaf.numel() * leaf.element_size())
-        for p in static_params:
-            p.grad = None
+        if run >= measured_run:
+            for p in static_params:
+                p.grad = None
     return {"layers": layers, "head_s": sorted(seconds[1:])[len(seconds[1:]) // 2], "loss_workspace": workspace}
 
 
