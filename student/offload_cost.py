@@ -368,18 +368,19 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       "gpu" layers (with one micro-batch the gradient in the working dtypes) + (d+1) buffers of the
       largest streamed layer + 2 (d+1) of the largest offloaded input (copies out and back in
       flight) + with the update on the GPU its ring (the first slots fill in the backward; the
-      slots stay allocated) + the largest of: every layer's held activations (keep: everything
-      saved; recompute: the input) and the head's workspace (while it runs); the same and the
-      input embedding's gradient as its backward makes it (at the end of the backward); for each
-      layer j, the held activations of layers 0..j (those above are freed by then) and layer j's
-      backward transients. The last two beside a tied head's gradient waiting for the embedding's
-      (at one backward a step the static bytes hold the embedding's .grad only from the end: less
-      it throughout). Layer j's backward transients: (d+1) fp32 gradients (2 (d+1) with more than
-      one micro-batch: accumulators coming in) and one compute-dtype gradient of the largest layer
-      (with one micro-batch: (d+1) compute-dtype gradients on their way out and one fp32 sum) + its
-      workspace + its recomputed activations unless it keeps them. Optimizer phase: static +
-      resident weights + "gpu" layers' state + the ring + with one micro-batch the fp32 buffer
-      the "gpu" layers' updates widen their gradients into, one of the largest such layer's master (`LayerCosts.gpu_widened_bytes`; the turnaround's fp32 sum
+      slots stay allocated) + the largest of: every layer's held activations (keep: the input and
+      everything saved; recompute: the input) and the head's input and workspace (while it runs);
+      the same and the input embedding's gradient as its backward makes it (at the end of the
+      backward); for each layer j, the held activations of layers 0..j (those above are freed by
+      then) and layer j's backward transients. The last two beside a tied head's gradient waiting
+      for the embedding's (at one backward a step the static bytes hold the embedding's .grad only
+      from the end: less it throughout). Layer j's backward transients: (d+1) fp32 gradients (2
+      (d+1) with more than one micro-batch: accumulators coming in) and one compute-dtype gradient
+      of the largest layer (with one micro-batch: (d+1) compute-dtype gradients on their way out
+      and one fp32 sum) + its workspace + its recomputed activations unless it keeps them.
+      Optimizer phase: static + resident weights + "gpu" layers' state + the ring + with one
+      micro-batch the fp32 buffer the "gpu" layers' updates widen their gradients into, one of the
+      largest such layer's master (`LayerCosts.gpu_widened_bytes`; the turnaround's fp32 sum
       being formed is as large, so it does not raise the peak).
     - Host peak: static + the host layers' master, gradient, states and staging copy + the
       offloaded inputs of one micro-batch (on a GPU each the `pinned_block` torch's allocator
@@ -542,16 +543,18 @@ def gpu_peak_terms(costs: CostTable, plan: OffloadPlan) -> dict[str, dict[str, i
 
 
 def held_activation_bytes(layer: LayerCosts, activation: str) -> int:
-    """What a layer's forward leaves on the GPU for its backward: all it saves (keep), its input
-    (recompute), nothing (offload: its input is in host memory)."""
-    return {"keep": layer.keep_bytes, "recompute": layer.boundary_bytes, "offload": 0}[activation]
+    """What a layer's forward leaves on the GPU for its backward: its input and all it saves
+    (keep: the runtime holds the input with the layer's graph; its saved tensors do not include
+    it), its input (recompute), nothing (offload: its input is in host memory)."""
+    return {"keep": layer.keep_bytes + layer.boundary_bytes, "recompute": layer.boundary_bytes,
+            "offload": 0}[activation]
 
 
 def _in_turn(costs: CostTable, depth: int, activations: list[str]) -> dict[str, tuple[int, int]]:
     """What a plan of this depth (`activations`: its layers' decisions) holds at the turnaround
     and in the backward besides the static bytes and its other decisions', one after the other, as
-    {name: (held activations, the rest)}: the head's workspace (while the head runs) beside every
-    layer's held activations; the input embedding's gradient as its backward makes it (after the
+    {name: (held activations, the rest)}: the head's input (the last layer's output) and workspace
+    (while the head runs) beside every layer's held activations; the input embedding's gradient as its backward makes it (after the
     last layer's backward, while that layer's gradients may still be on their way out, beside a
     tied head's gradient waiting for it), counted beside them too; and the layer whose backward
     holds the most: its gradients (`_backward_gpu_bytes`), what is beside it (`_beside_backward`),
@@ -563,7 +566,7 @@ def _in_turn(costs: CostTable, depth: int, activations: list[str]) -> dict[str, 
     grads, absent = _backward_gpu_bytes(costs, depth), 0 if costs.accumulates else costs.late_grad_bytes
     layers = [(sum(held[:j + 1]), grads + _beside_backward(costs) + x.workspace_bytes
                + (x.keep_bytes if a != "keep" else 0)) for j, (x, a) in enumerate(zip(c, activations))]
-    return {"head_workspace": (sum(held), costs.loss_workspace_bytes - absent),
+    return {"head_workspace": (sum(held), c[-1].boundary_bytes + costs.loss_workspace_bytes - absent),
             "embedding_gradient": (sum(held), grads + costs.held_grad_bytes + costs.late_grad_bytes - absent),
             "layer_backward": max(layers, key=sum)}
 

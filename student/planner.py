@@ -300,8 +300,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
     # What the turnaround holds one after the other (`_in_turn`), the largest: every layer's held
     # activations beside the head's workspace or beside the embedding's gradient, or layer j's
     # backward (recomputing its activations unless it keeps them) beside those of layers 0..j.
-    held = [_add(pick(i, c[i].keep_bytes * per_byte, act="keep"), pick(i, c[i].boundary_bytes * per_byte,
-                                                                       act="recompute")) for i in range(L)]
+    held = [_add(*[pick(i, held_activation_bytes(c[i], a) * per_byte, act=a) for a in ACTIVATIONS]) for i in range(L)]
     in_turn = _in_turn(costs, d, ["keep"] * L)
     MT, beside = prog.var(), _backward_gpu_bytes(costs, d) + _beside_backward(costs)
     up_to = None  # at least the held activations of layers 0..j (a chain of variables keeps the program sparse)

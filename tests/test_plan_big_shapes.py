@@ -31,7 +31,9 @@ def test_the_8b_table_gives_the_peak_the_planner_predicted_from_its_profile():
     # offload/llama-3.1-8b-T8192/planned@a2bce95: FOAM, every layer's states on the GPU, 15 kept.
     plan = plan_of("R R R R R K R R R K K R K R R K K R R R K K K K K K K R K R K R", 0, "cpu")
     costs = big.cost_table(big.LLAMA_8B, "foam", 0.0, what_if="double_count", fp32_gpu_grads=True)
-    assert predict(costs, plan).gpu_peak_bytes == 142_031_005_936
+    # That commit's model did not count a kept layer's input, which the runtime holds with its graph.
+    kept_inputs = 15 * costs.layers[0].boundary_bytes
+    assert predict(costs, plan).gpu_peak_bytes - kept_inputs == 142_031_005_936
 
 
 def test_the_8b_table_gives_the_40gib_peak_under_that_plans_cost_model():
