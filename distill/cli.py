@@ -385,7 +385,8 @@ def plan(**values) -> None:
     """
     from distill.configs import ConfigError
     from student.offload_plan import parse_bytes
-    from student.planner import make_plan, plan_table
+    from student.plan_report import plan_table
+    from student.planner import make_plan
 
     options = {name: value for name, value in values.items() if name in _TRAIN}
     try:

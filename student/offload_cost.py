@@ -3,8 +3,8 @@
 `LayerCosts` and `CostTable` hold a student's measured step (student/step_profile.py fills them);
 `predict` runs the runtime's queues in order (student/offload.py carries a plan out,
 student/offload_plan.py says what each decision means) and gives the step time, its phases and
-the peak memory on each side. student/planner.py's mixed-integer program encodes `predict`
-exactly; `_peaks`' parts (`_in_turn`, `_optimizer_slices`) are shared with it.
+the peak memory on each side (student/offload_peaks.py sums the peaks). student/planner.py's
+mixed-integer program encodes `predict` exactly.
 A leaf beside offload_plan: no torch, no solver.
 """
 
@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, replace
 
 from student.long_context import kept_chunks
+from student.offload_peaks import peaks
 from student.offload_plan import UPDATE_SLOTS, OffloadPlan, Predicted
 
 __all__ = ["PHASES", "LayerCosts", "ChunkSeconds", "KVPages", "CostTable", "predict", "kv_options", "kv_residency",
@@ -255,11 +256,11 @@ class CostTable:
     pinned_blocks: bool = False
     # The head's workspace (its logits chunks and the loss's buffers, forward and backward): held
     # only while the head runs, between the forward and the layers' backward, so the GPU peak takes
-    # the larger of it and a layer's backward (`_in_turn`), not their sum.
+    # the larger of it and a layer's backward (`in_turn`), not their sum.
     loss_workspace_bytes: int = 0
     # The input embedding's gradient as its backward makes it (a tensor of the parameter's size),
     # after every layer's backward: a step of one backward holds its .grad (in the static bytes)
-    # only from then, several add it to the .grad already there (`_in_turn`).
+    # only from then, several add it to the .grad already there (`in_turn`).
     late_grad_bytes: int = 0
     # A tied head's gradient of that same parameter: autograd sums a parameter's gradients from all
     # its uses before accumulating them, so the head's, made first, waits through every layer's
@@ -462,7 +463,7 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
                    grads=(m - 1) * (micro_batch - compute) + start - compute, clip=0.0, optimizer=updated - start,
                    refresh=last - updated)
 
-    gpu_peak, host_peak = _peaks(costs, plan)
+    gpu_peak, host_peak = peaks(costs, plan)
     layer_s = tuple(m * (c[i].forward_s + backward[i] + stall[i]) for i in range(L))
     return Predicted(step_s=step_s, gpu_peak_bytes=gpu_peak, host_peak_bytes=host_peak, layer_s=layer_s,
                      phase_s=phase_s)
@@ -497,111 +498,6 @@ def _ring(costs: CostTable, plan: OffloadPlan, start: float, bwd_end: list[float
         written.append(wb)
         wb_end[i] = wb
     return update, wb_end
-
-
-def _peaks(costs: CostTable, plan: OffloadPlan) -> tuple[int, int]:
-    """(GPU peak, host peak) bytes of `plan` (predict's docstring says what they hold)."""
-    gpu = gpu_peak_terms(costs, plan)
-    c, p = costs.layers, plan.layers
-    host = (costs.static_host_bytes + sum(x.host_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "host")
-            + sum(costs.offloaded_bytes(x) for x, lp in zip(c, p) if lp.activation == "offload")
-            + _widened_host_bytes(costs, plan.optimizer, [lp.states == "host" for lp in p]))
-    return max(sum(gpu["turnaround"].values()), sum(gpu["optimizer_phase"].values())), host
-
-
-def gpu_peak_terms(costs: CostTable, plan: OffloadPlan) -> dict[str, dict[str, int]]:
-    """The bytes of the GPU peak's two candidates, the turnaround (end of the forward, and the
-    backward it starts) and the optimizer phase, term by term (predict's docstring says what each
-    holds); the peak is the larger sum. Of what the turnaround holds one after the other
-    (`_in_turn`) the largest counts: its activations as "activations", the rest under its own
-    name. For reading a measured peak against its prediction (bench_offload_gpu rows, `distill
-    plan`'s table)."""
-    c, p, d = costs.layers, plan.layers, plan.prefetch_depth
-    most = lambda values: max(values, default=0)
-    resident = sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident")
-    states = sum(x.gpu_state_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "gpu")
-    ring = _optimizer_slices(costs, plan.optimizer)
-    in_turn = _in_turn(costs, d, [lp.activation for lp in p])
-    largest = max(in_turn, key=lambda name: sum(in_turn[name]))
-    activations, held = in_turn[largest]
-    turnaround = {
-        "static": costs.static_gpu_bytes,
-        "weights_held": sum(x.weight_bytes for x, lp in zip(c, p) if lp.params == "resident" or lp.activation == "keep"),
-        "weights_streamed": (d + 1) * most(x.weight_bytes for x, lp in zip(c, p)
-                                           if lp.params == "stream" and lp.activation != "keep"),
-        "activations": activations,
-        "activations_in_flight": 2 * (d + 1) * most(x.boundary_bytes for x, lp in zip(c, p) if lp.activation == "offload"),
-        "gpu_states": states,
-        "kv_pages": costs.kv_gpu_bytes,
-        largest: held,  # the largest of what is held one after the other
-        "update_ring": ring}
-    optimizer_phase = {
-        "static": costs.static_gpu_bytes, "weights_resident": resident, "gpu_states": states,
-        "widened_gradient": most(x.gpu_widened_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "gpu"),
-        "update_ring": ring}
-    return {"turnaround": turnaround, "optimizer_phase": optimizer_phase}
-
-
-def held_activation_bytes(layer: LayerCosts, activation: str) -> int:
-    """What a layer's forward leaves on the GPU for its backward: its input and all it saves
-    (keep: the runtime holds the input with the layer's graph; its saved tensors do not include
-    it), its input (recompute), nothing (offload: its input is in host memory)."""
-    return {"keep": layer.keep_bytes + layer.boundary_bytes, "recompute": layer.boundary_bytes,
-            "offload": 0}[activation]
-
-
-def _in_turn(costs: CostTable, depth: int, activations: list[str]) -> dict[str, tuple[int, int]]:
-    """What a plan of this depth (`activations`: its layers' decisions) holds at the turnaround
-    and in the backward besides the static bytes and its other decisions', one after the other, as
-    {name: (held activations, the rest)}: the head's input (the last layer's output) and workspace
-    (while the head runs) beside every layer's held activations; the input embedding's gradient as its backward makes it (after the
-    last layer's backward, while that layer's gradients may still be on their way out, beside a
-    tied head's gradient waiting for it), counted beside them too; and the layer whose backward
-    holds the most: its gradients (`_backward_gpu_bytes`), what is beside it (`_beside_backward`),
-    its workspace and its activations recomputed unless it keeps them, beside the held
-    activations of the layers up to it (the backward has freed those above). At one backward a
-    step the static bytes' count of the embedding's .grad is taken out: its backward makes it."""
-    c = costs.layers
-    held = [held_activation_bytes(x, a) for x, a in zip(c, activations)]
-    grads, absent = _backward_gpu_bytes(costs, depth), 0 if costs.accumulates else costs.late_grad_bytes
-    layers = [(sum(held[:j + 1]), grads + _beside_backward(costs) + x.workspace_bytes
-               + (x.keep_bytes if a != "keep" else 0)) for j, (x, a) in enumerate(zip(c, activations))]
-    return {"head_workspace": (sum(held), c[-1].boundary_bytes + costs.loss_workspace_bytes - absent),
-            "embedding_gradient": (sum(held), grads + costs.held_grad_bytes + costs.late_grad_bytes - absent),
-            "layer_backward": max(layers, key=sum)}
-
-
-def _beside_backward(costs: CostTable) -> int:
-    """Beside every layer's backward: a tied head's gradient waiting for the embedding's
-    (`CostTable.held_grad_bytes`) and, chunk-recurrent, the next layer's attention output brought
-    ahead for its recomputation (`KVPages.held_attention_bytes`); less, at one backward a step,
-    the embedding's .grad the static bytes count but its backward has not made yet."""
-    attention = costs.kv.held_attention_bytes if costs.kv is not None else 0
-    return costs.held_grad_bytes + attention - (0 if costs.accumulates else costs.late_grad_bytes)
-
-
-def _backward_gpu_bytes(costs: CostTable, depth: int) -> int:
-    """A layer's gradients in its backward at this depth: d+1 sums on their way out, in the working
-    dtypes, and the one being formed in fp32; after the first micro-batch d+1 fp32 sums on their
-    way out and d+1 accumulators on their way in, and the compute-dtype one."""
-    master, weights = max(x.master_bytes for x in costs.layers), max(x.weight_bytes for x in costs.layers)
-    if not costs.accumulates:  # the sums go out in the working dtypes; the one being formed is fp32
-        return (depth + 1) * weights + master
-    return 2 * (depth + 1) * master + weights
-
-
-def _widened_host_bytes(costs: CostTable, side: str, on_host: list[bool]) -> int:
-    """With one micro-batch and the update on the CPU: the fp32 buffer the host layers' gradients
-    are widened into for their updates, as large as the largest host layer's master."""
-    if side != "cpu" or costs.accumulates:
-        return 0
-    return max((x.master_bytes for x, h in zip(costs.layers, on_host) if h), default=0)
-
-
-def _optimizer_slices(costs: CostTable, side: str) -> int:
-    """The update's ring on the GPU (UPDATE_SLOTS slots of the largest layer's master, gradient,
-    states and staging casts), held from the backward (the first slots load there) to the update."""
-    return UPDATE_SLOTS * max(x.slot_bytes for x in costs.layers) if side == "gpu" else 0
 
 
 # --- where the key/value pages live ---------------------------------------------------------------

@@ -5,7 +5,8 @@ measures bytes and copy bandwidths into a `CostTable`; `predict` (student/offloa
 model of a plan (student/offload_plan.py says what each decision means); `solve` finds the plan of least predicted step time under a GPU and a
 host memory budget with a mixed-integer program (scipy.optimize.milp, HiGHS) that encodes `predict`
 exactly, so the program's optimum is `predict`'s step time of the plan it returns.
-`plan_for_training` does all three for a TrainConfig (`distill plan`, `train-student --offload auto`).
+`plan_for_training` does all three for a TrainConfig (`distill plan`, `train-student --offload auto`;
+student/plan_report.py prints a plan).
 
 LazyTrain places activation checkpoints on a recomputation path and charges the transfer traffic a
 compute window cannot hide (its eq. 5). Here the windows are the layers' forward and backward
@@ -23,15 +24,14 @@ import math
 from dataclasses import dataclass, field, replace
 
 from distill.configs import ConfigError
-from student.offload_cost import (PHASES, CostTable, LayerCosts, _backward_gpu_bytes, _beside_backward, _in_turn,
-                                  _optimizer_slices, _peaks, _widened_host_bytes, gpu_peak_terms, held_activation_bytes,
-                                  kept_attention, kv_options, kv_residency, predict)
-from student.long_context import kept_chunks
+from student.offload_cost import PHASES, CostTable, LayerCosts, kept_attention, kv_options, kv_residency, predict
+from student.offload_peaks import (backward_gpu_bytes, beside_backward, held_activation_bytes, in_turn, optimizer_slices,
+                                   peaks, widened_host_bytes)
 from student.offload_plan import UPDATE_SLOTS, ChunkChoice, LayerPlan, OffloadPlan
 from student.step_profile import ProfileSettings, profile
 
 __all__ = ["PHASES", "LayerCosts", "CostTable", "SolverSettings", "BudgetError", "ProfileSettings", "predict", "solve",
-           "solve_kept", "smallest_budget", "program_step_s", "profile", "choose_chunks", "make_plan", "plan_for_training", "plan_table"]
+           "solve_kept", "smallest_budget", "program_step_s", "profile", "choose_chunks", "make_plan", "plan_for_training"]
 
 logger = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
                                                 ring_in(L - 1 - k, delay_out) if k >= R else {}))
     step = {T: (costs.micro_batches - 1) / ms, T2: 1.0 / ms}  # seconds
 
-    # Memory (in units): the two GPU peaks of `_peaks` and the host's.
+    # Memory (in units): the two GPU peaks of `peaks` and the host's.
     MW, MA = prog.var(), prog.var()
     for i in range(L):
         prog.at_least(MW, None, _add(pick(i, c[i].weight_bytes * per_byte, "recompute", "stream"),
@@ -297,12 +297,12 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
     MS = prog.var()
     for i in range(L):
         prog.at_least(MS, None, pick(i, c[i].gpu_widened_bytes(costs.accumulates) * per_byte, st="gpu"))
-    # What the turnaround holds one after the other (`_in_turn`), the largest: every layer's held
+    # What the turnaround holds one after the other (`in_turn`), the largest: every layer's held
     # activations beside the head's workspace or beside the embedding's gradient, or layer j's
     # backward (recomputing its activations unless it keeps them) beside those of layers 0..j.
     held = [_add(*[pick(i, held_activation_bytes(c[i], a) * per_byte, act=a) for a in ACTIVATIONS]) for i in range(L)]
-    in_turn = _in_turn(costs, d, ["keep"] * L)
-    MT, beside = prog.var(), _backward_gpu_bytes(costs, d) + _beside_backward(costs)
+    apart = in_turn(costs, d, ["keep"] * L)
+    MT, beside = prog.var(), backward_gpu_bytes(costs, d) + beside_backward(costs)
     up_to = None  # at least the held activations of layers 0..j (a chain of variables keeps the program sparse)
     for j in range(L):
         up_to, before = prog.var(), up_to
@@ -310,16 +310,16 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         prog.at_least(MT, up_to, _add(const((beside + c[j].workspace_bytes) * per_byte),
                                       *[pick(j, c[j].keep_bytes * per_byte, act=a) for a in ("recompute", "offload")]))
     for name in ("head_workspace", "embedding_gradient"):
-        prog.at_least(MT, up_to, const(in_turn[name][1] * per_byte))
-    turnaround = _add(const((costs.static_gpu_bytes + costs.kv_gpu_bytes + _optimizer_slices(costs, optimizer))
+        prog.at_least(MT, up_to, const(apart[name][1] * per_byte))
+    turnaround = _add(const((costs.static_gpu_bytes + costs.kv_gpu_bytes + optimizer_slices(costs, optimizer))
                             * per_byte),
                       {MW: d + 1.0, MA: 2.0 * (d + 1), MT: 1.0}, *resident, *states,
                       *[pick(i, c[i].weight_bytes * per_byte, "keep", "stream") for i in range(L)])
-    optimizer_phase = _add(const((costs.static_gpu_bytes + _optimizer_slices(costs, optimizer)) * per_byte),
+    optimizer_phase = _add(const((costs.static_gpu_bytes + optimizer_slices(costs, optimizer)) * per_byte),
                            {MS: 1.0}, *resident, *states)
     # The fp32 buffer the update on the CPU widens gradients into: the largest host layer's master.
     MH = prog.var()
-    if _widened_host_bytes(costs, optimizer, [True] * L):
+    if widened_host_bytes(costs, optimizer, [True] * L):
         for i in range(L):
             prog.at_least(MH, None, pick(i, c[i].master_bytes * per_byte, st="host"))
     host = _add(const(costs.static_host_bytes * per_byte), {MH: 1.0},
@@ -406,7 +406,7 @@ def smallest_budget(costs: CostTable, which: str, other_budget: int | None, *, t
     if result.x is None:
         return None, None
     plan = _plan_of(result.x, y, 0, "cpu")
-    gpu_peak, host_peak = _peaks(costs, plan)
+    gpu_peak, host_peak = peaks(costs, plan)
     return plan, gpu_peak if which == "gpu" else host_peak
 
 
@@ -584,87 +584,3 @@ def make_plan(config, gpu_memory: int | None = None, host_memory: int | None = N
 def plan_for_training(config, gpu_memory: int | None = None, host_memory: int | None = None) -> OffloadPlan:
     """The plan `train-student --offload auto` trains with: `make_plan` without the costs."""
     return make_plan(config, gpu_memory, host_memory)[0]
-
-
-def plan_table(plan: OffloadPlan, costs: CostTable) -> str:
-    """The plan as a table a person reads: per layer its decisions, bytes and predicted time; then
-    the step's totals against the budgets."""
-    import io
-
-    from rich.console import Console
-    from rich.table import Table
-
-    size = lambda n: format_bytes(n) if n else "-"
-    table = Table(title=f"offload plan: prefetch depth {plan.prefetch_depth}, optimizer update on the "
-                        f"{plan.optimizer.upper()}, {costs.micro_batches} micro-batch(es) a step")
-    for column in ("layer", "activation", "params", "states", "weights", "input", "kept for backward", "predicted"):
-        table.add_column(column, justify="left" if column in ("activation", "params", "states") else "right")
-    predicted = plan.predicted
-    for i, (lp, c) in enumerate(zip(plan.layers, costs.layers)):
-        kept = held_activation_bytes(c, lp.activation)
-        seconds = f"{predicted.layer_s[i] * 1e3:.2f} ms" if predicted.layer_s else "-"
-        table.add_row(str(i), lp.activation, lp.params, lp.states, size(c.weight_bytes), size(c.boundary_bytes),
-                      size(kept), seconds)
-    console = Console(file=io.StringIO(), width=110, color_system=None, force_terminal=False)
-    console.print(table)
-    if plan.chunk_choices:
-        console.print(_choices_table(plan))
-    budget = lambda n: f" of {format_bytes(n)}" if n is not None else ""
-    pages = (f"offloaded to the host, page sets of {plan.offload_pages} on the GPU" if plan.kv_offload
-             else "every page on the GPU")
-    lines = [f"predicted step time {predicted.step_s * 1e3:.2f} ms (compute, recompute and the transfers it "
-             "cannot hide; per layer: all micro-batches)",
-             "phases: " + ", ".join(f"{name} {predicted.phase_s.get(name, 0.0) * 1e3:.2f} ms" for name in PHASES),
-             *([f"chunk-recurrent: {plan.chunk_tokens} tokens a chunk, {costs.chunks} chunks a micro-batch "
-                f"(each a micro-batch above; pass 1 {costs.pass1_s * 1e3:.2f} ms a step, keeping the attention "
-                f"outputs of {_kept_text(plan.keep_attention_chunks, costs.chunks)} for pass 2); {plan.resident_pages} "
-                f"key/value pages resident on the GPU ({format_bytes(costs.kv_gpu_bytes)}; {pages}), "
-                f"{format_bytes(costs.static_host_bytes)} on the host"] if plan.chunk_tokens is not None else []),
-             f"peak GPU memory {format_bytes(predicted.gpu_peak_bytes)}{budget(plan.gpu_memory)}; "
-             f"peak host memory {format_bytes(predicted.host_peak_bytes)}{budget(plan.host_memory)}",
-             _peak_text(gpu_peak_terms(costs, plan)),
-             f"measured: host->device {costs.h2d_bytes_per_s / 1e9:.1f} GB/s, device->host "
-             f"{costs.d2h_bytes_per_s / 1e9:.1f} GB/s (both at once {costs.h2d_duplex_bytes_per_s / 1e9:.1f} and "
-             f"{costs.d2h_duplex_bytes_per_s / 1e9:.1f}), host passes over gradients "
-             f"{costs.host_bytes_per_s / 1e9:.1f} GB/s; static GPU bytes {format_bytes(costs.static_gpu_bytes)}, "
-             f"the head's workspace {format_bytes(costs.loss_workspace_bytes)}"
-             + (f"; compute timings x{costs.clock_factor:.3f} for the clock under a step's load"
-                if costs.clock_factor != 1.0 else "")
-             + (f"; the GPU budget keeps {format_bytes(costs.gpu_reserve_bytes)} beyond the peak for the allocator"
-                if costs.gpu_reserve_bytes else "")]
-    return console.file.getvalue() + "\n".join(lines)
-
-
-def _peak_text(terms: dict[str, dict[str, int]]) -> str:
-    """The GPU peak's larger candidate (`gpu_peak_terms`) as a line: what it holds, the largest first."""
-    when, parts = max(terms.items(), key=lambda item: sum(item[1].values()))
-    held = sorted(((n, name) for name, n in parts.items() if n), reverse=True)
-    return f"the GPU peak, at the {when.replace('_', ' ')}: " + ", ".join(
-        f"{name.replace('_', ' ')} {format_bytes(n)}" for n, name in held)
-
-
-def _kept_text(keep: int | None, chunks: int) -> str:
-    kept = len(kept_chunks(chunks, keep))
-    return f"all {kept} chunks before the last" if kept == chunks - 1 else f"the last {kept} of {chunks - 1} chunks"
-
-
-def _choices_table(plan: OffloadPlan):
-    """The chunk sizes and key/value residencies `choose_chunks` considered, the chosen one marked."""
-    from rich.table import Table
-
-    table = Table(title="chunk sizes and key/value pages considered (--chunk-candidates)")
-    for column in ("chunk tokens", "key/value pages", "pages on GPU", "attention kept", "predicted step", "peak GPU",
-                   "peak host", ""):
-        table.add_column(column, justify="left" if column in ("key/value pages", "") else "right")
-    key = (plan.chunk_tokens, bool(plan.kv_offload), plan.offload_pages, plan.resident_pages)
-    chosen = next((c for c in plan.chunk_choices
-                   if (c.chunk_tokens, c.kv_offload, c.offload_pages, c.resident_pages) == key), None)
-    for c in plan.chunk_choices:
-        fits = c.step_s is not None
-        table.add_row(str(c.chunk_tokens), f"offloaded, sets of {c.offload_pages}" if c.kv_offload else "resident",
-                      "-" if c.resident_pages is None else str(c.resident_pages),
-                      "all" if c.keep_attention_chunks is None else f"last {c.keep_attention_chunks}",
-                      f"{c.step_s * 1e3:.2f} ms" if fits else "-", format_bytes(c.gpu_peak_bytes) if fits else "-",
-                      format_bytes(c.host_peak_bytes) if fits else "-",
-                      "chosen" if c is chosen else ("" if fits else "does not fit"))
-    return table

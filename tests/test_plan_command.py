@@ -143,20 +143,23 @@ def test_load_factor_is_a_runs_time_back_to_back_over_its_time_in_bursts():
         ended = [0.0]
 
         def run():
-            time.sleep(idle_s if time.perf_counter() - ended[0] > 0.02 else loaded_s)
+            time.sleep(idle_s if time.perf_counter() - ended[0] > 0.05 else loaded_s)
             ended[0] = time.perf_counter()
 
         return run
 
-    settings = ProfileSettings(repeats=3, load_s=0.1)
-    assert 1.8 < load_factor(run_taking(0.01, 0.03), settings, "cpu", gap_s=0.05) < 3.5
-    assert load_factor(run_taking(0.03, 0.01), settings, "cpu", gap_s=0.05) == 1.0
+    # Sleeps of tens of milliseconds, so that a busy machine's overshoot (milliseconds) moves the
+    # ratio little (with sleeps of 10 and 30 ms it failed once in a run of several test files).
+    settings = ProfileSettings(repeats=3, load_s=0.3)
+    assert 1.8 < load_factor(run_taking(0.03, 0.09), settings, "cpu", gap_s=0.1) < 3.5
+    assert load_factor(run_taking(0.09, 0.03), settings, "cpu", gap_s=0.1) == 1.0
 
 
 def test_the_plan_table_says_how_the_compute_timings_were_scaled():
     import dataclasses
 
-    from student.planner import plan_table, solve
+    from student.plan_report import plan_table
+    from student.planner import solve
     from test_planner import random_table
 
     costs = random_table(3, seed=11, clock_factor=1.1)
@@ -166,7 +169,8 @@ def test_the_plan_table_says_how_the_compute_timings_were_scaled():
 
 
 def test_the_plan_table_says_what_the_gpu_peak_holds_largest_first():
-    from student.planner import format_bytes, plan_table, solve
+    from student.plan_report import plan_table
+    from student.planner import format_bytes, solve
     from test_planner import GiB, random_table
 
     costs = random_table(3, seed=11, loss_workspace_bytes=40 * GiB)  # the head's workspace outweighs the rest

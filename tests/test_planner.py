@@ -107,7 +107,7 @@ def test_predict_peaks_count_what_each_decision_holds():
 
 
 def test_the_gpu_peaks_terms_name_what_each_decision_holds_and_the_larger_sum_is_the_peak():
-    from student.offload_cost import gpu_peak_terms
+    from student.offload_peaks import gpu_peak_terms
 
     costs = table([layer(), layer(), layer(), layer()], loss_workspace_bytes=20 * GiB)
     plan = OffloadPlan((LayerPlan("keep", "resident", "gpu"), LayerPlan("offload", "stream", "host"),

@@ -41,7 +41,7 @@ offloaded layers; for an offloaded variant the phases of one
 more step (phase_s: forward, head, backward, grads, clip, optimizer, refresh, as the runtime
 measures them); for a planned variant the plan's predicted step time, phases and peaks beside
 them (predicted / measured), and the predicted GPU peak term by term (predicted_gpu_peak_terms,
-offload_cost.gpu_peak_terms), so a row says which term of the cost model is off. Before a variant is timed, its plan (its
+offload_peaks.gpu_peak_terms), so a row says which term of the cost model is off. Before a variant is timed, its plan (its
 first --check-layers layers) is checked on a student of that many layers: two steps' losses and
 gradient norms against the same student trained without offload, to bf16 tolerance
 (--check-layers 0: not checked, for lengths where those four steps would outlast the timed ones).
@@ -181,7 +181,7 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
     synthetic cache of --seq-len rows for the planner to profile. Returns (plan, figures of the
     profile the floor of a budgeted step rests on: the measured copy bandwidths each way, alone and
     both at once, and the plan's predicted GPU peak term by term)."""
-    from student.offload_cost import gpu_peak_terms
+    from student.offload_peaks import gpu_peak_terms
     from student.planner import make_plan
 
     folder = work / "student"
