@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import sys
@@ -11,8 +12,9 @@ from typing import Optional
 
 import typer
 
+from distill.cli_options import config_parameters, with_parameters
 from distill.errors import DistillUserError
-from student.trainer import TrainConfig  # torch-free: only the config, for the option defaults
+from student.train_config import TrainConfig  # torch-free: only the config, for the option defaults
 
 app = typer.Typer(
     add_completion=False,
@@ -183,13 +185,14 @@ def cache_stats(
     """
     from teacher_cache import stats as cache_stats_lib
 
+    plot_file = None if plot is None else cache_stats_lib.plot_file(plot, "cache-stats")  # refused before the pass
     stats = cache_stats_lib.cache_stats(cache)
     if as_json:
         typer.echo(json.dumps(stats, indent=2))
     else:
         typer.echo(cache_stats_lib.render_table(stats))
-    if plot is not None:
-        written = cache_stats_lib.plot(stats, plot)
+    if plot_file is not None:
+        written = cache_stats_lib.plot(stats, plot_file)
         typer.echo(f"wrote {written}", err=True)
 
 
@@ -226,63 +229,32 @@ def import_gguf(
     typer.echo(run(gguf, out, dtype=dtype))
 
 
-# Every train-student option named after a TrainConfig field takes its default from the config
-# (a default is written once; tests/test_cli.py holds them equal). The config modules are torch-free.
-_TRAIN = TrainConfig.flat_defaults()
-
-
-@app.command("train-student")
-def train_student(
-    cache: str = typer.Option(..., "--cache", "-c", help="Teacher cache directory (from cache-teacher), or its fsspec URL (s3://bucket/cache, gs://...)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Run directory (metrics, checkpoints, final student); rerun to resume."),
-    student: Optional[Path] = typer.Option(_TRAIN["student"], help="Initial student HF folder."),
-    teacher: Optional[Path] = typer.Option(_TRAIN["teacher"], help="Prune the initial student from this HF folder (with --num-layers); default: the embedded teacher."),
-    num_layers: Optional[int] = typer.Option(_TRAIN["num_layers"], help="Layers kept when pruning from the teacher (evenly spaced)."),
-    tokenizer: Optional[Path] = typer.Option(_TRAIN["tokenizer"], help="Folder with the tokenizer files (default: the student's or teacher's folder)."),
-    steps: int = typer.Option(_TRAIN["steps"], help="Optimizer steps; rerun a finished run with more to extend it."),
-    batch_size: int = typer.Option(_TRAIN["batch_size"], help="Sequences per micro-batch (under torchrun: over all processes, each takes an equal share)."),
-    grad_accum: int = typer.Option(_TRAIN["grad_accum"], help="Micro-batches per optimizer step."),
-    seq_len: Optional[int] = typer.Option(_TRAIN["seq_len"], help="Crop cached sequences to this many tokens (default: as cached)."),
-    lr: float = typer.Option(_TRAIN["lr"], help="Peak learning rate (linear warmup, then cosine)."),
-    warmup_steps: Optional[int] = typer.Option(_TRAIN["warmup_steps"], help="Linear warmup steps (default: 5% of --steps, at least 1)."),
-    min_lr_ratio: float = typer.Option(_TRAIN["min_lr_ratio"], help="The cosine decay ends at lr x this."),
-    optimizer: str = typer.Option(_TRAIN["optimizer"], help="adamw, foam (block-folded states) or adamw8bit (8-bit states)."),
-    weight_decay: float = typer.Option(_TRAIN["weight_decay"], help="Decoupled weight decay on matrices (not on norms and biases)."),
-    clip_grad: float = typer.Option(_TRAIN["clip_grad"], help="Max global gradient norm (0: no clipping)."),
-    foam_level: int = typer.Option(_TRAIN["foam_level"], help="FOAM: fold moments into blocks of 2**level along each matrix's last dim."),
-    foam_scale: float = typer.Option(_TRAIN["foam_scale"], help="FOAM: update scale of the folded matrices."),
-    foam_fold_embeddings: bool = typer.Option(_TRAIN["foam_fold_embeddings"], "--foam-fold-embeddings/--no-foam-fold-embeddings", help="FOAM: fold the embedding and lm-head too (else plain Adam)."),
-    tail: str = typer.Option(_TRAIN["tail"], help="Teacher mass beyond the top-k: bucket (one extra category), renorm or unnormalized."),
-    temperature: Optional[float] = typer.Option(_TRAIN["temperature"], help="Distillation temperature (KL scaled by T^2; default: the cache's). Another than the cache's needs --tail renorm."),
-    ce_weight: float = typer.Option(_TRAIN["ce_weight"], help="Weight of cross-entropy on the actual tokens; 1.0 = CE only, no teacher."),
-    heldout: int = typer.Option(_TRAIN["heldout"], help="Cached sequences held out for evaluation (evenly spaced, fixed)."),
-    eval_every: int = typer.Option(_TRAIN["eval_every"], help="Evaluate on the held-out sequences every N steps (0: at the start and the end)."),
-    eval_sequences: Optional[int] = typer.Option(_TRAIN["eval_sequences"], help="Held-out sequences each evaluation uses (default: all)."),
-    save_every: int = typer.Option(_TRAIN["save_every"], help="Checkpoint every N steps (and at the end; the last 2 are kept)."),
-    log_every: int = typer.Option(_TRAIN["log_every"], help="A metrics row every N steps."),
-    device: str = typer.Option(_TRAIN["device"], help="auto, cpu, cuda or cuda:N."),
-    dtype: str = typer.Option(_TRAIN["dtype"], help="Autocast dtype: auto (bfloat16 on a GPU, float32 on a CPU), float32 or bfloat16."),
-    seed: int = typer.Option(_TRAIN["seed"], help="Seed of the data order and initialisation."),
-    deterministic: bool = typer.Option(_TRAIN["deterministic"], "--deterministic/--no-deterministic", help="Deterministic kernels (bit-identical resume on a CPU)."),
-    sparse_ffn: bool = typer.Option(_TRAIN["sparse_ffn"], "--sparse-ffn/--no-sparse-ffn", help="Sparse FFN (TwELL): ReLU gate (a SwiGLU student is converted, same weights) and an L1 penalty on its activations; logs per-layer sparsity and dead neurons."),
-    l1: float = typer.Option(_TRAIN["l1"], "--l1", help="L1 coefficient with --sparse-ffn: loss += l1 * mean over layers of (sum over d_ff of |h|, mean over tokens)."),
-    sparse_kernel: str = typer.Option(_TRAIN["sparse_kernel"], "--sparse-kernel", help="With --sparse-ffn on a GPU: dense (matmuls) or twell (a layer switches to the sparse Triton kernels once under 50 non-zeros per token; they pay only on large calls, so raise --batch-size; see RESULTS.md)."),
-    dead_reinit: float = typer.Option(_TRAIN["dead_reinit"], "--dead-reinit", help="With --sparse-ffn: gate rows of neurons silent on every token of a --dead-window move to (1-r) w + r N(0, 0.02^2) when it closes (the paper's App. C.3 uses 0.1); 0 = off."),
-    dead_window: int = typer.Option(_TRAIN["dead_window"], "--dead-window", help="With --dead-reinit: tokens (whole steps) a neuron must stay silent to count as dead; the paper's steps are ~1M tokens."),
-    chunk_tokens: Optional[int] = typer.Option(_TRAIN["chunk_tokens"], "--chunk-tokens", help="Train each sequence in chunks of N tokens, exactly (OOMB chunk-recurrent: keys and values in pages, the activations of one chunk); default: whole sequences."),
-    page_tokens: int = typer.Option(_TRAIN["page_tokens"], "--page-tokens", help="With --chunk-tokens: positions per key/value page (a power of two >= 16)."),
-    kv_offload: bool = typer.Option(_TRAIN["kv_offload"], "--kv-offload/--no-kv-offload", help="With --chunk-tokens on a GPU: keep the pages and their gradients in pinned host memory, streamed to the GPU a page set at a time."),
-    offload_pages: int = typer.Option(_TRAIN["offload_pages"], "--offload-pages", help="With --kv-offload: pages per set streamed to the GPU (two sets are resident at once)."),
-    checkpoint_layers: bool = typer.Option(_TRAIN["checkpoint_layers"], "--checkpoint-layers/--no-checkpoint-layers", help="With --chunk-tokens: keep only each layer's input of a chunk and run the layer again in its backward (less memory, one more forward)."),
-    keep_attention_chunks: Optional[int] = typer.Option(_TRAIN["keep_attention_chunks"], "--keep-attention-chunks", help="With --chunk-tokens: pass 1 keeps the attention outputs of only the last N chunks for pass 2 (in pinned host memory on a GPU) and pass 2 attends again for the others: less host memory at a million tokens, the same results; default: every chunk's, or with --offload auto the most that fit --host-memory."),
-    sparse_pages: Optional[int] = typer.Option(_TRAIN["sparse_pages"], "--sparse-pages", help="With --chunk-tokens: sparse attention (not exact): each chunk attends its own pages plus the N past pages its queries score highest against their mean keys (OOMB's page top-k); default: dense."),
-    offload: str = typer.Option(_TRAIN["offload"], "--offload", help="Train a student bigger than the GPU: none (everything on the GPU), auto (profile a step, plan under --gpu-memory / --host-memory, train with that plan) or PLAN.json (a plan `distill plan` saved). Decoder layers' fp32 weights, gradients and optimizer states then live in host memory; the results are those of --offload none."),
-    gpu_memory: Optional[str] = typer.Option(_TRAIN["gpu_memory"], "--gpu-memory", help="With --offload auto: GPU memory budget, e.g. 40GiB, for the tensors a step holds at once and a reserve for the allocator (default: the device's total). Given, it also caps torch's caching allocator for the run; see the README."),
-    host_memory: Optional[str] = typer.Option(_TRAIN["host_memory"], "--host-memory", help="With --offload auto: host memory budget, e.g. 120GiB (default: the host's available memory)."),
-    chunk_candidates: Optional[str] = typer.Option(_TRAIN["chunk_candidates"], "--chunk-candidates", help="With --offload auto (and in distill plan): chunk sizes the planner chooses among, e.g. 4096,8192,16384; it chooses where the key/value pages live too (--kv-offload, --offload-pages) and the run trains with its choice. Default: --chunk-tokens and the pages as given."),
+def _train_own_options(
     resume_from: Optional[int] = typer.Option(None, "--resume-from", help="Continue from the kept checkpoint of this step instead of the latest (newer ones are deleted)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
+    """train-student's options beside its config's (every TrainConfig field is an option: `config_parameters`)."""
+
+
+def _plan_own_options(
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (what --out saves) instead of a table."),
+    plan_out: Optional[Path] = typer.Option(None, "--out", "-o", help="Save the plan to this JSON file (for train-student --offload PLAN.json); unlike train-student's --out, not a run directory."),
+    time_limit: float = typer.Option(60.0, "--time-limit", help="Seconds the solver may take in all; past it, the best plan found so far."),
+) -> None:
+    """plan's options beside the training options that change the step it plans for."""
+
+
+def _own(options) -> list:
+    return list(inspect.signature(options, eval_str=True).parameters.values())
+
+
+# Options of a run that do not change the step a plan is made for (or are the run's own: --out, --offload).
+_NOT_PLANNED = {"out", "offload", "eval_every", "eval_sequences", "save_every", "log_every"}
+
+
+@app.command("train-student")
+@with_parameters(config_parameters(TrainConfig.flat_fields()), _own(_train_own_options))
+def train_student(**values) -> None:
     """Train a student against a teacher cache; the teacher itself is never loaded.
 
     Examples:
@@ -309,22 +281,22 @@ def train_student(
 
     A rerun may change the schedule and optimizer settings (--lr, --warmup-steps, --clip-grad, more --steps, ...): the run continues under them and metrics.jsonl records each change.
     """
-    options = {name: value for name, value in locals().items() if name in _TRAIN}  # every config option above
     from distill.configs import ConfigError
     from student.trainer import train
 
+    resume_from, quiet = values.pop("resume_from"), values.pop("quiet")
     try:
-        config = _train_config(cache, out, options)
+        config = _train_config(values)
         report = train(config, progress=not quiet, resume_from=resume_from)
     except ConfigError as e:
         raise e.as_option() from None
     resumed = f" (resumed from step {report.resumed_from})" if report.resumed_from else ""
-    typer.echo(f"{out}: {report.steps} steps{resumed}; student saved to {report.student_dir}")
+    typer.echo(f"{values['out']}: {report.steps} steps{resumed}; student saved to {report.student_dir}")
     typer.echo(_eval_table({"teacher": report.teacher_eval, "before": report.initial_eval, "after": report.final_eval}))
 
 
-def _train_config(cache, out, options: dict) -> TrainConfig:
-    """train-student's config from its flat options, after checking where the student starts (a
+def _train_config(options: dict) -> TrainConfig:
+    """TrainConfig from train-student's flat options, after checking where the student starts (a
     ConfigError from the config is the caller's to name as an option)."""
     from pipelines.defaults import default_teacher_dir
 
@@ -336,36 +308,11 @@ def _train_config(cache, out, options: dict) -> TrainConfig:
     if options["student"] is None:
         options["teacher"] = options["teacher"] or default_teacher_dir()
     options = {name: str(value) if isinstance(value, Path) else value for name, value in options.items()}
-    return TrainConfig.from_flat(cache=str(cache), out=str(out), **options)
-
-
-def _plan_own_options(
-    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory budget, e.g. 40GiB, for the tensors a step holds at once and a reserve for the allocator (default: the device's total, less 5%; on a CPU-only machine the host's available memory). The allocator's cached blocks can take more; see the README."),
-    host_memory: Optional[str] = typer.Option(None, "--host-memory", help="Host memory budget, e.g. 120GiB (default: the host's available memory, less 10%)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (what --out saves) instead of a table."),
-    plan_out: Optional[Path] = typer.Option(None, "--out", "-o", help="Save the plan to this JSON file (for train-student --offload PLAN.json)."),
-    time_limit: float = typer.Option(60.0, "--time-limit", help="Seconds the solver may take in all; past it, the best plan found so far."),
-) -> None:
-    """The options of `distill plan` beside train-student's (see `_with_train_options`)."""
-
-
-def _with_train_options(command):
-    """Give `command` (which takes **values) the options of train-student, less a run's own (--out,
-    --resume-from, --quiet, --offload), plus those of `_plan_own_options`: one option set, so a
-    plan is made for exactly the step train-student would run."""
-    import inspect
-
-    own = inspect.signature(_plan_own_options, eval_str=True).parameters
-    skip = {"out", "resume_from", "quiet", "offload", *own}
-    train = [p for name, p in inspect.signature(train_student, eval_str=True).parameters.items() if name not in skip]
-    params = [*train, *own.values()]
-    command.__signature__ = inspect.Signature(params)
-    command.__annotations__ = {p.name: p.annotation for p in params}
-    return command
+    return TrainConfig.from_flat(**options)
 
 
 @app.command("plan")
-@_with_train_options
+@with_parameters(config_parameters(TrainConfig.flat_fields(), skip=_NOT_PLANNED), _own(_plan_own_options))
 def plan(**values) -> None:
     """Profile the training step train-student would run and solve for the fastest offload plan under the memory budgets (a mixed-integer program, LazyTrain-style).
 
@@ -384,27 +331,24 @@ def plan(**values) -> None:
     Train with a saved plan: distill train-student ... --offload plan.json (or --offload auto to plan and train in one go). A budget no plan meets is refused with the smallest one that works. With --chunk-tokens the step measured is chunk-recurrent (a chunk's layers, pass 1, the key/value pages; weights resident) and the plan holds the chunk size and the pages resident on the GPU. With --chunk-candidates the step is measured at each chunk size, each is priced with its pages resident and (on a GPU) offloaded in page sets of a few sizes, and the table lists every pair with its predicted step time and peaks, the chosen one marked; train-student --offload PLAN.json then trains with the plan's chunk size and pages.
     """
     from distill.configs import ConfigError
-    from student.offload_plan import parse_bytes
-    from student.plan_report import plan_table
-    from student.planner import make_plan
+    from student.planner.report import plan_table
+    from student.planner.solve import make_plan
 
-    options = {name: value for name, value in values.items() if name in _TRAIN}
+    as_json, plan_out, time_limit = values.pop("as_json"), values.pop("plan_out"), values.pop("time_limit")
     try:
-        budgets = {name: parse_bytes(values[name], name) if values[name] is not None else None
-                   for name in ("gpu_memory", "host_memory")}
         # `out` is the run directory of a training run; profiling writes nothing there.
-        config = _train_config(values["cache"], "unused-by-plan", options)
-        made, costs = make_plan(config, **budgets, time_limit_s=values["time_limit"])
+        config = _train_config({**values, "out": "unused-by-plan"})
+        made, costs = make_plan(config, time_limit_s=time_limit)
     except ConfigError as e:
         raise e.as_option() from None
-    if values["plan_out"] is not None:
-        made.save(values["plan_out"])
-    if values["as_json"]:
+    if plan_out is not None:
+        made.save(plan_out)
+    if as_json:
         typer.echo(json.dumps(made.to_dict(), indent=2))
     else:
         typer.echo(plan_table(made, costs))
-    if values["plan_out"] is not None:
-        typer.echo(f"wrote {values['plan_out']}", err=True)
+    if plan_out is not None:
+        typer.echo(f"wrote {plan_out}", err=True)
 
 
 @app.command("eval")
@@ -483,11 +427,12 @@ def run_recipe(
 def runs(
     folders: Optional[list[Path]] = typer.Argument(None, help="Folders holding run directories (searched below; default: runs)."),
     cache: Optional[str] = typer.Option(None, "--cache", help="Only the runs of this cache id (a prefix will do)."),
+    wide: bool = typer.Option(False, "--wide", help="The settings that differ as columns of the table, and those every run shares below it."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """A table of the runs under the folders: cache, the settings that differ, steps, held-out KL/CE/top-1, tokens/s, optimizer state, status.
+    """A table of the runs under the folders, each named by its directory: steps trained, the checkpoint a rerun resumes from, held-out KL/CE/top-1, tokens/s, optimizer state, status; below it why a run stopped and the settings that differ.
 
-    Status: finished (final student saved), running (its trainer's pid is alive here, or on another host it wrote recently), or stopped with the reason (a non-finite loss, or interrupted after step N: rerun to resume).
+    Status: finished (final student saved), running (its trainer's pid is alive here, or on another host it wrote recently), or stopped with the reason (a non-finite loss, or interrupted after step N) and the step a rerun resumes from.
 
     Examples:
 
@@ -498,7 +443,7 @@ def runs(
     from pipelines.experiments import find_runs, runs_table
 
     found = find_runs(folders or [Path("runs")], cache_id=cache)
-    typer.echo(json.dumps([r.to_dict() for r in found], indent=2) if as_json else runs_table(found))
+    typer.echo(json.dumps([r.to_dict() for r in found], indent=2) if as_json else runs_table(found, wide=wide))
 
 
 @app.command("compare")
@@ -506,9 +451,10 @@ def compare(
     run_dirs: list[Path] = typer.Argument(..., help="Run directories."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also write curves of training loss and held-out KL against steps and tokens (needs matplotlib; no suffix: .png)."),
     allow_different_caches: bool = typer.Option(False, "--allow-different-caches", help="Compare runs over different caches (their KL numbers are to different teacher targets)."),
+    wide: bool = typer.Option(False, "--wide", help="The settings that differ as columns of the table, and those every run shares below it."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """The runs' held-out metrics side by side, each labelled by the settings that differ.
+    """The runs' held-out metrics side by side, one line a run named by its directory, the settings that differ listed below.
 
     Runs over different caches are refused unless --allow-different-caches: their KL is measured against different teacher targets.
 
@@ -519,11 +465,13 @@ def compare(
       distill compare runs/sweep/* --plot compare.png
     """
     from pipelines.experiments import compare_runs, compare_table, plot_compare
+    from teacher_cache.stats import plot_file
 
+    plot_to = None if plot is None else plot_file(plot, "compare")  # refused before anything is printed
     found = compare_runs(run_dirs, allow_different_caches=allow_different_caches)
-    typer.echo(json.dumps([r.to_dict() for r in found], indent=2) if as_json else compare_table(found))
-    if plot is not None:
-        typer.echo(f"wrote {plot_compare(found, plot)}", err=True)
+    typer.echo(json.dumps([r.to_dict() for r in found], indent=2) if as_json else compare_table(found, wide=wide))
+    if plot_to is not None:
+        typer.echo(f"wrote {plot_compare(found, plot_to)}", err=True)
 
 
 @app.command("quickstart")

@@ -2,7 +2,9 @@
 nothing of ours but `distill.errors`).
 
 Every config is a dataclass beside its owner; its `__post_init__` calls `check_types(self)` and
-then `require(...)` for the rules types cannot say. A bad value raises `ConfigError`, which
+then `require(...)` for the rules types cannot say. A field a command takes as an option is
+declared with `option(default, help)`: the CLI generates the option from it (distill/cli_options.py),
+so its default and help text are written once, on the field. A bad value raises `ConfigError`, which
 knows the field, so each surface names it its own way: the library "`seq_len` must be ...",
 the CLI "--seq-len must be ..." (`as_option`), a recipe "[corpus] seq_len must be ..."
 (`in_section`).
@@ -34,6 +36,14 @@ class ConfigError(DistillUserError):
     def in_section(self, section: str) -> DistillUserError:
         """The same error named as a recipe key (`[corpus] seq_len`)."""
         return DistillUserError(f"[{section}] {self.field} {self.problem}")
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, flags: tuple[str, ...] = (),
+           default_factory: Any = dataclasses.MISSING):
+    """A config field that is also a command-line option: `help` is its one line of documentation
+    (the option's help); flags: the option's names when not only `--field-name` (e.g. ("--cache", "-c"))."""
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={"help": help, "flags": tuple(flags)})
 
 
 def require(field: str, value: Any, ok: bool, allowed: str) -> None:

@@ -4,6 +4,7 @@ shared between users stays readable by them."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -91,3 +92,39 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def try_lock(path: str | os.PathLike, shared: bool = False):
+    """Open `path` (created if missing) and take an flock on it without waiting: returns the open
+    binary file, which holds the lock until it is closed (the kernel also drops it when the process
+    dies, kill -9 included, so a lock is never stale), or None when another holder has it.
+
+    A holder may remove the file before it lets go (`unlock_and_remove`); a lock taken on a file
+    removed meanwhile is let go and taken again on the file now at `path`, so two takers never hold
+    two different files of one name. OSError where the filesystem has no locks (ENOLCK, EOPNOTSUPP)
+    or the folder cannot be written."""
+    path = Path(path)
+    while True:
+        f = open(path, "a+b")
+        try:
+            fcntl.flock(f.fileno(), (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            return None
+        except BaseException:
+            f.close()
+            raise
+        try:
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+                return f
+        except FileNotFoundError:
+            pass
+        f.close()
+
+
+def unlock_and_remove(lock_file, path: str | os.PathLike) -> None:
+    """Remove the lock file at `path` while still holding its lock, then let go (see `try_lock`)."""
+    try:
+        Path(path).unlink(missing_ok=True)
+    finally:
+        lock_file.close()

@@ -51,7 +51,7 @@ def _nextis_power_of_two(value: int) -> int:
 @dataclass(frozen=True)
 class AdamW8bitStepSettings:
     """How the Triton step cuts its work; the defaults are the production path (the step's
-    benchmark rows `optimizer_step/qwen2-0.5b/adamw8bit-*` in tests/benchmarks/RESULTS.md were measured
+    benchmark rows `optimizer_step/qwen2-0.5b/adamw8bit-*` in tests/benchmarks/RESULTS.md, "Optimizers", were measured
     with them)."""
 
     tile_elems: int = 2048  # elements one program updates (whole blocks, padded to a power of two)

@@ -51,7 +51,7 @@ __all__ = ["FoamLaunch", "FoamStepSettings", "foam_launch_key", "foam_moment_sha
 @dataclass(frozen=True)
 class FoamStepSettings:
     """How the Triton step cuts its work; the defaults are the production path (the step's
-    benchmark rows `optimizer_step/qwen2-0.5b/foam-*` in tests/benchmarks/RESULTS.md were measured
+    benchmark rows `optimizer_step/qwen2-0.5b/foam-*` in tests/benchmarks/RESULTS.md, "Optimizers", were measured
     with them)."""
 
     tile_elems: int = 4096  # elements of p one program updates (whole blocks); a power of two:

@@ -1,6 +1,6 @@
 """Causal attention of a chunk of queries over keys and values kept in a pool of pages.
 
-The chunk-recurrent engine (student/long_context.py) keeps each layer's keys and values (after
+The chunk-recurrent engine (student/long_context/) keeps each layer's keys and values (after
 RoPE) in pages: one page is P consecutive positions of one sequence, all kv heads. A table lists,
 per batch row, the slots of N consecutive pages starting at page ``first_page``; the engine calls
 these functions once per page set (the pages resident on the GPU, an offload window, the pages a

@@ -20,7 +20,7 @@ The draws are a pure function of the logits and the uniforms: the caller owns th
 depend on batching or on the device's random number generator. Torch only: per row this costs a
 softmax, a float64 cumulative sum over the vocabulary and S binary searches, which on a GPU is not
 small next to a small teacher's forward (rows `teacher_gpu/*/rs12@b0b7c04` against
-`teacher_gpu/*/default@b0b7c04`, RESULTS.md "Teacher capture"): a fused kernel is the next step. The CDF is
+`teacher_gpu/*/default@b0b7c04`, RESULTS.md, "Teacher capture"): a fused kernel is the next step. The CDF is
 summed in float64 so that the interval of a token of probability p keeps its width down to
 p ~ 1e-16 (float32 would lose ids below ~6e-8 to rounding near the top of the CDF).
 """

@@ -125,7 +125,7 @@ def topk_logprobs_torch(
 
 # --- Triton path (GPU) -------------------------------------------------------------------------
 # The torch reference spends most of its time outside the matmul: the fp32 copy of the logits,
-# the logsumexp passes and a full-width top-k (tests/benchmarks/RESULTS.md, "Teacher pass on the
+# the logsumexp passes and a full-width top-k (tests/benchmarks/notes/capture.md, "Teacher pass on the
 # H200: where the time goes"). Here one kernel reads each row's bf16 logits once and produces the
 # logsumexp, the target logit and the max of every SUB-wide block of the row. The top-k elements
 # of a row lie in its k blocks with the largest maxima (each of the k largest elements lifts its

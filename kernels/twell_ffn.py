@@ -12,7 +12,7 @@ GEMM, and the sparse products of the forward and the backward by blocks of conse
 the tensor cores (kernels in kernels/twell_ffn_triton.py; the section "Triton path" below says
 how and why). It keeps a fraction of the dense path's activations, and it beats dense cuBLAS only
 at very high sparsity (around 99% and above) on calls of many tokens, more on a trained
-student's activations than on random columns; below that it is slower. RESULTS.md, Sparse FFN,
+student's activations than on random columns; below that it is slower. RESULTS.md, "Sparse FFN",
 holds the measurements (tests/benchmarks/bench_twell_ffn_gpu.py, sparse_ffn_real_gpu.py).
 """
 
@@ -56,7 +56,7 @@ def _interpreted() -> bool:
 class TwellSettings:
     """How the Triton path runs (launch shapes and a debug switch); every setting gives the same
     results to rounding. The defaults come from sweeps on the H200 at d 2048 / dff 5632 on
-    synthetic and trained activations (RESULTS.md, Sparse FFN; the sweeps are in its notes);
+    synthetic and trained activations (RESULTS.md, "Sparse FFN"; the sweeps are in notes/sparse-ffn.md);
     a GPU with less shared memory or L2 may want others.
     """
 
@@ -236,7 +236,7 @@ def relu_gated_ffn(x, w_gate, w_up, w_down, *, impl: str = "auto", ell_width: in
 # weight row fetched once a block. Trained activations share neurons between nearby tokens, so
 # there the union is much smaller than the block's non-zeros; on random columns it is not, which
 # is why the kernels gain more on a trained student than on the synthetic benchmark (RESULTS.md,
-# Sparse FFN). A row-per-non-zero gather design was measured and lost on trained activations (git
+# "Sparse FFN"). A row-per-non-zero gather design was measured and lost on trained activations (git
 # history and the notes keep it). The gate GEMM stays dense (cuBLAS), as in the paper. The pack
 # reads the gate once into bit words and per-tile counts, then gives each word its list position,
 # so it costs about one read of the gate whatever the sparsity. Weight gradients by gathers (per

@@ -130,7 +130,7 @@ def _rows_times_union(a_ptr, w_ptr, m, mr, cols, mq, D, BM: tl.constexpr, BN: tl
     product's M is BN: Hopper's wgmma needs M >= 64, and a block's BM is 16; as a w^T (M = 16)
     Triton takes mma.sync, which measured slower in both the up and the dh kernel, while the down
     kernels transposed the same way (M = the d_model slice) measured slower than as they are
-    (RESULTS.md, Sparse FFN; the sweep is in its notes)."""
+    (RESULTS.md, "Sparse FFN"; the sweep is in notes/sparse-ffn.md)."""
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(0, D, BK):
         k = k0 + tl.arange(0, BK)

@@ -1,13 +1,18 @@
 """Many runs over one cache, read from their run directories (no tracking server): `distill runs`
 lists them, `distill compare` sets their held-out metrics side by side and plots their curves.
 
+A run's progress, from its files: the last step trained is the later of its last metrics.jsonl row
+and its latest checkpoint (a run logging every N steps writes no row for the steps in between), and
+a rerun resumes from that checkpoint (student/checkpoint.py), or starts over without one.
+
 A run's status, from its files (student/trainer.py documents them):
   running    run.pid names a live process on this host (the trainer writes it and removes it when
              it returns or raises; a killed trainer leaves a dead pid behind), or one on another
              host that wrote recently (below)
   finished   its final student/ exists
   stopped    otherwise: "non-finite loss at step N" when a {"kind": "stop"} row ends metrics.jsonl,
-             else "interrupted after step N" (the last logged step; a rerun resumes it)
+             else "interrupted after step N" ("or later" when rows are logged every few steps);
+             either says where a rerun resumes (its latest checkpoint), or that it starts over
 
 A run.pid written on another host (a cluster node seen from a login node) names a pid that cannot
 be checked from here, so whether it is alive here says nothing. Such a run counts as running while
@@ -16,19 +21,27 @@ metrics.jsonl row) is recent: within RUNNING_ON_OTHER_HOST_S seconds, or within 
 own intervals between training rows when its steps are slower than that (estimated from the last
 row's tokens, tokens/s and log_every). Past that it reads stopped, and the reason says it is a
 guess: which host, and for how long nothing was written.
+
+Tables fit a terminal: a run is labelled by its directory's name (with parent folders where two
+names clash), the settings that differ among the runs are listed once below the table (with
+`wide`, as columns of their own, and the settings every run shares below), and every column is as
+wide as its longest value.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from distill.errors import DistillUserError
+from student.checkpoint import checkpoint_step, checkpoints
 from student.run_owner import PID_FILE, owner
 
 RUNNING_ON_OTHER_HOST_S = 600
@@ -45,13 +58,15 @@ class RunSummary:
     config: dict[str, Any]  # run.json's flat config
     status: str  # "finished" | "running" | "stopped"
     # Why it stopped ("non-finite loss at step N", "interrupted after step N", or for a run on another
-    # host "nothing written for M min after step N; ..."), or where a run on another host runs ("on HOST").
+    # host "nothing written for M min after step N; ...") and where a rerun resumes, or where a run on
+    # another host runs ("on HOST").
     reason: str | None
-    steps_done: int
+    steps_done: int  # the last step trained: of the last metrics row or the latest checkpoint, the later
     steps_total: int
     eval: dict | None  # the last held-out evaluation {"step", "kl", "ce", "ppl", "top1", "tokens"}
     tok_per_s: float | None  # of the last logged training row
     optimizer_state_bytes: int | None
+    checkpoint_step: int | None = None  # the latest kept checkpoint, where a rerun resumes (None: it starts over)
     differs: dict[str, Any] = field(default_factory=dict)  # the settings that differ among the runs listed
 
     def to_dict(self) -> dict:
@@ -99,8 +114,10 @@ def _quiet_limit_s(config: dict, last_train: dict) -> float:
     return max(RUNNING_ON_OTHER_HOST_S, 3 * config.get("log_every", 1) * tokens / tok_per_s)
 
 
-def _status(run_dir: Path, config: dict, rows: list[dict], steps_done: int) -> tuple[str, str | None]:
-    """(status, reason) of a run; the reason says why it stopped, or where it runs if not here."""
+def _status(run_dir: Path, config: dict, rows: list[dict], steps_done: int,
+            checkpoint: int | None) -> tuple[str, str | None]:
+    """(status, reason) of a run; the reason says why it stopped and where a rerun resumes, or where
+    it runs if not here."""
     claimed, last_train = owner(run_dir), next((r for r in reversed(rows) if r.get("kind") == "train"), {})
     elsewhere = claimed is not None and claimed.get("host") != socket.gethostname()
     if claimed is not None and not elsewhere and _pid_alive(claimed["pid"]):
@@ -111,12 +128,18 @@ def _status(run_dir: Path, config: dict, rows: list[dict], steps_done: int) -> t
             return "running", f"on {claimed.get('host')}"
     if (run_dir / "student").is_dir():
         return "finished", None
+    resume = (f"a rerun resumes from step {checkpoint}" if checkpoint is not None
+              else "no checkpoint: a rerun starts over")
     if rows and rows[-1].get("kind") == "stop":
-        return "stopped", f"non-finite loss at step {rows[-1]['step']}"
+        return "stopped", f"non-finite loss at step {rows[-1]['step']}; {resume}"
     if elsewhere:
         return "stopped", (f"nothing written for {quiet / 60:.0f} min after step {steps_done}; its pid "
-                           f"{claimed['pid']} on {claimed.get('host')} cannot be checked from here")
-    return "stopped", f"interrupted after step {steps_done}"
+                           f"{claimed['pid']} on {claimed.get('host')} cannot be checked from here; {resume}")
+    # Between two logged rows the trainer may have trained steps it wrote nowhere (a kill loses them).
+    exact = config.get("log_every", 1) <= 1 or steps_done >= config.get("steps", steps_done)
+    if not exact and steps_done == 0:
+        return "stopped", f"interrupted before any step was logged or saved; {resume}"
+    return "stopped", f"interrupted after step {steps_done}{'' if exact else ' or later'}; {resume}"
 
 
 def read_run(run_dir: str | Path) -> RunSummary:
@@ -130,15 +153,18 @@ def read_run(run_dir: str | Path) -> RunSummary:
     rows = _metrics(run_dir)
     train_rows = [r for r in rows if r.get("kind") == "train"]
     eval_rows = [r for r in rows if r.get("kind") == "eval"]
-    steps_done = max((r["step"] for r in train_rows + eval_rows), default=0)
-    status, reason = _status(run_dir, run["config"], rows, steps_done)
+    kept = checkpoints(run_dir)
+    checkpoint = checkpoint_step(kept[-1]) if kept else None
+    steps_done = max([r["step"] for r in train_rows + eval_rows] + [checkpoint or 0])
+    status, reason = _status(run_dir, run["config"], rows, steps_done, checkpoint)
     last_eval = eval_rows[-1] if eval_rows else None
     last_train = train_rows[-1] if train_rows else {}
     return RunSummary(
-        path=str(run_dir), name=run_dir.name, cache_id=run["cache_id"], config=run["config"], status=status,
-        reason=reason, steps_done=steps_done, steps_total=run["config"]["steps"],
+        path=str(run_dir), name=Path(os.path.abspath(run_dir)).name, cache_id=run["cache_id"], config=run["config"],
+        status=status, reason=reason, steps_done=steps_done, steps_total=run["config"]["steps"],
         eval={k: last_eval[k] for k in ("step", "kl", "ce", "ppl", "top1", "tokens")} if last_eval else None,
-        tok_per_s=last_train.get("tok_per_s"), optimizer_state_bytes=last_train.get("optimizer_state_bytes"))
+        tok_per_s=last_train.get("tok_per_s"), optimizer_state_bytes=last_train.get("optimizer_state_bytes"),
+        checkpoint_step=checkpoint)
 
 
 def find_runs(folders: list[str | Path], cache_id: str | None = None) -> list[RunSummary]:
@@ -166,32 +192,111 @@ def with_differences(runs: list[RunSummary]) -> list[RunSummary]:
     return runs
 
 
-def label(run: RunSummary) -> str:
-    """The run's name in a table or legend: its differing settings, else its directory name."""
-    return ",".join(f"{k}={v}" for k, v in run.differs.items()) or run.name
+def labels(runs: list[RunSummary]) -> list[str]:
+    """Each run's short name in a table or legend: its directory's name, with as many parent folders
+    as tell it from the other runs of the same name."""
+    parts = [Path(os.path.abspath(r.path)).parts for r in runs]  # "." too has a name
+    depth = [1] * len(runs)
+    while True:
+        names = ["/".join(p[-d:]) for p, d in zip(parts, depth)]
+        clashes = [i for i, n in enumerate(names) if names.count(n) > 1 and depth[i] < len(parts[i])]
+        if not clashes:
+            return names
+        for i in clashes:
+            depth[i] += 1
+
+
+def _setting(value) -> str:
+    return json.dumps(value) if isinstance(value, (bool, type(None))) else str(value)
 
 
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def runs_table(runs: list[RunSummary]) -> str:
-    """The human table of `distill runs`."""
+def _fmt_ppl(value) -> str:
+    """Perplexity: fixed point while it reads, scientific once it would run long (a random student's)."""
+    return _fmt(value, ",.2f" if value is None or value < 1e5 else ".3e")
+
+
+def _table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
+    """Lines of a table whose columns are as wide as their longest cell; the first `left` columns and
+    the last (free text) are aligned left, the numbers between right."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+    last = len(header) - 1
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < left or i == last else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(header), *map(line, rows)]
+
+
+def _wrapped(head: str, text: str, indent: int) -> list[str]:
+    width = max(shutil.get_terminal_size().columns, 60)
+    return textwrap.wrap(text, width, initial_indent=head, subsequent_indent=" " * indent,
+                         break_long_words=False, break_on_hyphens=False) or [head.rstrip()]
+
+
+def _notes(runs: list[RunSummary], names: list[str], wide: bool, shown: tuple[str, ...] = ()) -> list[str]:
+    """What the table leaves out: each stopped run's reason; the settings that differ, one line a
+    run (with `wide` they are columns; the settings every run shares are listed instead); the cache
+    when every run shares one. `shown`: settings the table shows in columns of its own."""
+    lines = []
+    width = max(len(n) for n in names)
+    for r, name in zip(runs, names):
+        if r.reason:
+            text = f"running {r.reason}" if r.status == "running" else r.reason
+            lines += _wrapped(f"{name + ':':<{width + 1}} ", text, width + 2)
+    if wide:
+        shared = {k: v for k, v in runs[0].config.items()
+                  if k not in runs[0].differs and k not in _NOT_SETTINGS and k not in shown}
+        if shared:
+            text = ", ".join(f"{k}={_setting(v)}" for k, v in sorted(shared.items()))
+            lines += _wrapped("settings of every run: ", text, 2)
+    elif set(runs[0].differs) - set(shown):
+        lines.append("settings that differ:")
+        for r, name in zip(runs, names):
+            lines += _wrapped(f"  {name:<{width}}  ", ", ".join(f"{k}={_setting(v)}" for k, v in r.differs.items()
+                                                                 if k not in shown), width + 4)
+    caches = {r.cache_id for r in runs}
+    if len(caches) == 1:
+        lines.append(f"cache {runs[0].cache_id[:12]} (every run)")
+    return lines
+
+
+def _settings_columns(runs: list[RunSummary], wide: bool, caches: bool,
+                      shown: tuple[str, ...] = ()) -> tuple[list[str], list[list[str]]]:
+    """The extra columns: the cache when the runs span several, and with `wide` each differing
+    setting the table does not show already (`shown`)."""
+    keys = [k for k in runs[0].differs if k not in shown] if wide else []
+    header = (["cache"] if caches else []) + keys
+    cells = [([r.cache_id[:12]] if caches else []) + [_setting(r.differs[k]) for k in keys] for r in runs]
+    return header, cells
+
+
+_EVAL_NOTE = "KL, CE, top-1: the last held-out evaluation (KL over the teacher's top-k plus a tail category)"
+
+
+def runs_table(runs: list[RunSummary], wide: bool = False) -> str:
+    """The human table of `distill runs`: one line a run, the stop reasons and the settings that
+    differ below it (`wide`: the settings as columns)."""
     if not runs:
         return "no runs found"
-    header = (f"{'run':<28} {'cache':<12} {'settings':<32} {'steps':>9} {'KL':>8} {'CE':>7} {'top-1':>6} "
-              f"{'tok/s':>8} {'opt MiB':>8}  status")
-    lines = [header]
-    for r in runs:
+    names = labels(runs)
+    shown = ("steps",)  # the steps column says each run's total
+    extra_header, extra = _settings_columns(runs, wide, caches=len({r.cache_id for r in runs}) > 1, shown=shown)
+    header = ["run", *extra_header, "steps", "ckpt", "KL", "CE", "top-1", "tok/s", "opt MiB", "status"]
+    rows = []
+    for r, name, more in zip(runs, names, extra):
         e = r.eval or {}
-        status = r.status + (f" ({r.reason})" if r.reason else "")
         mib = None if r.optimizer_state_bytes is None else r.optimizer_state_bytes / 2**20
-        settings = ",".join(f"{k}={v}" for k, v in r.differs.items()) or "-"
-        lines.append(f"{r.name:<28} {r.cache_id[:12]:<12} {settings:<32} {f'{r.steps_done}/{r.steps_total}':>9} "
-                     f"{_fmt(e.get('kl'), '.4f'):>8} {_fmt(e.get('ce'), '.3f'):>7} {_fmt(e.get('top1'), '.3f'):>6} "
-                     f"{_fmt(r.tok_per_s, ',.0f'):>8} {_fmt(mib, ',.2f'):>8}  {status}")
-    lines.append("KL, CE, top-1: the last held-out evaluation (KL over the teacher's top-k plus a tail category)")
-    return "\n".join(lines)
+        rows.append([name, *more, f"{r.steps_done}/{r.steps_total}", _fmt(r.checkpoint_step, "d"),
+                     _fmt(e.get("kl"), ".4f"), _fmt(e.get("ce"), ".3f"), _fmt(e.get("top1"), ".3f"),
+                     _fmt(r.tok_per_s, ",.0f"), _fmt(mib, ",.2f"), r.status])
+    lines = _table(header, rows, left=1 + len(extra_header))
+    return "\n".join(lines + _notes(runs, names, wide, shown)
+                     + _wrapped("", _EVAL_NOTE + "; ckpt: the latest checkpoint, where a rerun resumes", 0))
 
 
 def compare_runs(paths: list[str | Path], allow_different_caches: bool = False) -> list[RunSummary]:
@@ -208,16 +313,18 @@ def compare_runs(paths: list[str | Path], allow_different_caches: bool = False) 
     return with_differences(runs)
 
 
-def compare_table(runs: list[RunSummary]) -> str:
-    """Held-out metrics side by side, one column per run."""
-    labels = [label(r) for r in runs]
-    width = max(12, *(len(x) for x in labels))
-    lines = [f"{'':<14}" + "".join(f" {x:>{width}}" for x in labels)]
-    for key, spec in (("kl", ".4f"), ("ce", ".3f"), ("ppl", ".2f"), ("top1", ".3f"), ("step", "d")):
-        values = [_fmt((r.eval or {}).get(key), spec) for r in runs]
-        lines.append(f"{'held-out ' + key if key != 'step' else 'at step':<14}" + "".join(f" {v:>{width}}" for v in values))
-    lines.append(f"{'status':<14}" + "".join(f" {r.status:>{width}}" for r in runs))
-    return "\n".join(lines)
+def compare_table(runs: list[RunSummary], wide: bool = False) -> str:
+    """Held-out metrics side by side, one line a run, the settings that differ below (`wide`: as
+    columns)."""
+    names = labels(runs)
+    extra_header, extra = _settings_columns(runs, wide, caches=len({r.cache_id for r in runs}) > 1)
+    header = ["run", *extra_header, "at step", "held-out KL", "CE", "PPL", "top-1", "status"]
+    rows = []
+    for r, name, more in zip(runs, names, extra):
+        e = r.eval or {}
+        rows.append([name, *more, _fmt(e.get("step"), "d"), _fmt(e.get("kl"), ".4f"), _fmt(e.get("ce"), ".3f"),
+                     _fmt_ppl(e.get("ppl")), _fmt(e.get("top1"), ".3f"), r.status])
+    return "\n".join(_table(header, rows, left=1 + len(extra_header)) + _notes(runs, names, wide))
 
 
 def curves(run: RunSummary) -> dict[str, list]:
@@ -234,36 +341,46 @@ def curves(run: RunSummary) -> dict[str, list]:
             "eval_tokens": [r["step"] * per_step for r in eval_rows]}
 
 
+def _legend_label(name: str, run: RunSummary) -> str:
+    """A legend entry: the run's name, and below it the settings that tell it apart unless the name
+    already says them (a sweep point's directory is named after them)."""
+    settings = ", ".join(f"{k}={_setting(v)}" for k, v in run.differs.items())
+    if not settings or settings.replace(", ", ",") in name:
+        return name
+    # Two lines at most, so many runs still fit beside the panels; the table lists them all.
+    return "\n".join([name, *textwrap.wrap(settings, 36, max_lines=2, placeholder=" ...", break_long_words=False,
+                                           break_on_hyphens=False)])
+
+
 def plot_compare(runs: list[RunSummary], path: str | Path) -> Path:
-    """Training loss and held-out KL against steps and against tokens, one line per run labelled by
-    the settings that differ; the suffix picks the format (none: .png)."""
-    try:
-        from matplotlib.figure import Figure  # a bare Figure draws with Agg; no pyplot, no global backend
-    except ImportError as e:
-        raise DistillUserError("compare --plot needs matplotlib: pip install distill[plot]") from e
-    path = Path(path)
-    if not path.suffix:
-        path = path.with_name(path.name + ".png")
-    if not path.parent.is_dir():
-        raise DistillUserError(f"cannot plot to {path}: the folder {path.parent} does not exist; create it first")
-    fig = Figure(figsize=(11, 7), layout="constrained")
+    """Training loss and held-out KL against steps and against tokens, one style per run, named in
+    a legend beside the panels (never over them); the suffix picks the format (none: .png). A run
+    with fewer than three training rows (shorter than its log_every: only its last step is logged)
+    is drawn with markers, so a lone row still shows; one with none yet is left out of the panels
+    against tokens (its tokens per step are estimated from those rows)."""
+    from teacher_cache.stats import new_figure, plot_file, save_figure
+
+    path = plot_file(path, "compare")
+    fig = new_figure("compare", figsize=(13, 7), layout="constrained")
     axes = fig.subplots(2, 2)
-    for run in runs:
-        c, name = curves(run), label(run)
-        axes[0, 0].plot(c["train_step"], c["train_loss"], label=name)
-        axes[0, 1].plot(c["eval_step"], c["eval_kl"], marker="o", label=name)
-        axes[1, 0].plot(c["train_tokens"], c["train_loss"], label=name)
-        axes[1, 1].plot(c["eval_tokens"], c["eval_kl"], marker="o", label=name)
+    handles = []
+    for i, (run, name) in enumerate(zip(runs, labels(runs))):
+        c = curves(run)
+        style = {"color": f"C{i % 10}", "linestyle": ("-", "--", ":", "-.")[i // 10 % 4]}  # past ten runs, dashes
+        train_style = {**style, **({"marker": "o", "markersize": 4} if len(c["train_step"]) < 3 else {})}
+        eval_style = {**style, "marker": "o", "markersize": 4}
+        (handle,) = axes[0, 0].plot(c["train_step"], c["train_loss"], label=_legend_label(name, run), **train_style)
+        axes[0, 1].plot(c["eval_step"], c["eval_kl"], **eval_style)
+        if c["train_step"]:  # the tokens are estimated from the training rows: without one, unknown
+            axes[1, 0].plot(c["train_tokens"], c["train_loss"], **train_style)
+            axes[1, 1].plot(c["eval_tokens"], c["eval_kl"], **eval_style)
+        handles.append(handle)
     for ax, (title, x) in zip(axes.flat, [("training loss", "step"), ("held-out KL", "step"),
                                           ("training loss", "tokens (estimated)"),
                                           ("held-out KL", "tokens (estimated)")]):
         ax.set(title=title, xlabel=x)
         ax.grid(alpha=0.3)
-    axes[0, 1].legend(fontsize="small")
+    fig.legend(handles=handles, loc="outside right upper", fontsize="small")
     caches = sorted({r.cache_id[:12] for r in runs})
     fig.suptitle(f"{len(runs)} run(s) over cache {', '.join(caches)}")
-    try:
-        fig.savefig(path, dpi=100)
-    except ValueError as e:  # an image format matplotlib does not write
-        raise DistillUserError(f"cannot plot to {path}: {e}") from None
-    return path
+    return save_figure(fig, path, dpi=100)

@@ -231,7 +231,7 @@ def _section(cls, body: dict, section: str):
 
 def train_config(recipe: Recipe, teacher_dir: Path):
     """The ``TrainConfig`` of a recipe whose cache is at ``recipe.stage_one.cache.out``; errors name [train] keys."""
-    from student.trainer import TrainConfig
+    from student.train_config import TrainConfig
 
     init: dict[str, Any]
     if recipe.student.source == "teacher":

@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -38,7 +39,7 @@ from teacher_cache.build import (
 from teacher_cache.errors import CacheMismatchError
 from teacher_cache.identity import tokenizer_info
 from teacher_cache.location import RemotePath, write_json
-from teacher_cache.workers import Collective, TorchCollective, Workers, init_torchrun, torchrun_world
+from teacher_cache.workers import Collective, Workers, torchrun_world
 
 log = logging.getLogger(__name__)
 
@@ -93,15 +94,24 @@ class StageOneConfig:
         check_backend_can_sample(self.teacher.backend, self.cache)
 
 
-def cache_teacher(config: StageOneConfig, progress: bool = True) -> BuildReport:
+def cache_teacher(config: StageOneConfig, progress: bool = True, *,
+                  wrap_teacher: Callable | None = None) -> BuildReport:
     """Run the teacher once over the corpus and write (or resume, repair or reuse) the cache.
 
-    progress=False also silences the loading bars of transformers."""
+    progress=False also silences the loading bars of transformers. wrap_teacher: with executor
+    "ray" only, ``wrap_teacher(backend, shard_index) -> backend`` is applied in every Ray task to
+    the teacher before it scores the task's shard (``ray_executor.RayCluster.teacher``; picklable,
+    e.g. a module-level function: tests inject worker deaths and task errors with it); None: the
+    teacher as built.
+    """
+    if wrap_teacher is not None and config.cache.executor != "ray":
+        raise ValueError(f"wrap_teacher is applied in Ray tasks and needs the cache executor 'ray', got "
+                         f"{config.cache.executor!r}")
     with _library_progress_bars(progress):
-        return _cache_teacher(config, progress)
+        return _cache_teacher(config, progress, wrap_teacher)
 
 
-def _cache_teacher(config: StageOneConfig, progress: bool) -> BuildReport:
+def _cache_teacher(config: StageOneConfig, progress: bool, wrap_teacher: Callable | None) -> BuildReport:
     world = torchrun_world()
     if world is not None and config.cache.num_workers > 1:
         raise ConfigError("num_workers", f"is for job arrays, got {config.cache.num_workers} under torchrun "
@@ -114,11 +124,15 @@ def _cache_teacher(config: StageOneConfig, progress: bool) -> BuildReport:
         from teacher_cache.ray_executor import RayConfig, ray_session
 
         with ray_session(RayConfig(address=config.cache.ray_address)) as cluster:
-            return _cache_teacher_as(config, Workers(), cluster.task_device(device), progress, ray=cluster)
+            return _cache_teacher_as(config, Workers(), cluster.task_device(device), progress, ray=cluster,
+                                     wrap_teacher=wrap_teacher)
     if world is None:
         array = config.cache.num_workers > 1  # job-array workers do not talk to each other
         workers = Workers(config.cache.num_workers, config.cache.worker_index, None if array else Collective())
         return _cache_teacher_as(config, workers, device, progress)
+    # torch only here: the CLI imports this module's configs for its option defaults
+    from teacher_cache.torchrun import TorchCollective, init_torchrun, leave_torchrun
+
     rank, world_size, local_rank = world
     if device in ("auto", "cuda") and resolve_device(device).startswith("cuda"):
         device = f"cuda:{local_rank}"  # one GPU per rank
@@ -128,15 +142,13 @@ def _cache_teacher(config: StageOneConfig, progress: bool) -> BuildReport:
                                  progress and rank == 0)
     finally:
         if opened:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+            leave_torchrun()
 
 
 def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, progress: bool,
-                      ray=None) -> BuildReport:
+                      ray=None, wrap_teacher: Callable | None = None) -> BuildReport:
     """ray: the ``ray_executor.RayCluster`` whose tasks load the teacher and write the shards
-    (``device`` is then theirs), or None: this process does."""
+    (``device`` is then theirs), or None: this process does. wrap_teacher: see ``cache_teacher``."""
     from pipelines.defaults import default_teacher_dir
     from teacher_cache.backends import make_backend
     from teacher_cache.manifest import load_manifest, manifest_path
@@ -199,7 +211,8 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
             **backend_options,
         )
         backend = make() if ray is None else ray.teacher(make, teacher, teacher_folder.vocab_size, device,
-                                                         gpus_per_task=config.teacher.tensor_parallel_size)
+                                                         gpus_per_task=config.teacher.tensor_parallel_size,
+                                                         wrap_teacher=wrap_teacher)
         try:
             report = build_cache(corpus.sequences, backend, config.cache, tokenizer=tok_info, data=data,
                                  progress=progress, lock=lock, workers=workers)

@@ -99,7 +99,7 @@ def load_checkpoint(ckpt: Path, model) -> tuple[dict, dict]:
 
     The weights are copied into the model's own parameters wherever they live, one tensor at a
     time from the memory-mapped file: no second model is built, so an offloaded run's decoder
-    layers (in host memory, student/offload.py) never pass through the device."""
+    layers (in host memory, student/offload/runtime.py) never pass through the device."""
     import torch
 
     _check_same_model(ckpt, ckpt / "model" / "config.json", model)

@@ -145,7 +145,7 @@ class _ShardLRU:
         index = self.shard_of(i)
         shard = self.shards.pop(index, None)
         if shard is None:
-            shard = self.reader._load(index)  # noqa: SLF001  (the reader's decode-and-check of one shard)
+            shard = self.reader.load_shard(index)
         self.shards[index] = shard
         while len(self.shards) > self.size:
             self.shards.popitem(last=False)

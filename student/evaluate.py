@@ -26,7 +26,8 @@ from distill.devices import resolve_device, resolve_dtype
 from distill.errors import DistillUserError
 from student.checkpoint import latest_checkpoint
 from student.data import Batch, CacheBatches, split_indices, tokenizer_info_of
-from student.long_context import LongContextConfig, chunked_forward
+from student.long_context.config import LongContextConfig
+from student.long_context.engine import chunked_forward
 from student.loss import LossConfig, distill_loss
 from teacher_cache.reader import CacheReader
 

@@ -33,7 +33,7 @@ _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5
 class KVStore(Protocol):
     """The attention of a chunk that follows earlier ones: it owns the past keys and values of each
     layer (after RoPE) and attends the chunk's queries over them and the chunk's own, causally.
-    ListKVStore is the plain one; student/long_context.py's PagedKVStore keeps them in pages."""
+    ListKVStore is the plain one; student/long_context/store.py's PagedKVStore keeps them in pages."""
 
     def past_length(self) -> int:
         """Positions before the chunk being run (its first position id)."""
@@ -221,7 +221,7 @@ class Student(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         # How each decoder layer runs, when not by itself: runner(index, x, cos, sin, kv_store, row_mask)
-        # -> (x, terms); student/offload.py installs one that streams the layer's weights and places its
+        # -> (x, terms); student/offload/runtime.py installs one that streams the layer's weights and places its
         # activations (it then also decides recomputation: checkpoint_layers is not consulted).
         self.layer_runner = None
         self.reset_parameters()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from distill.configs import check_types, require
+from distill.configs import check_types, option, require
 
 # Warmup when none is given, as a share of the run: it scales with a short run instead of
 # swallowing it (a fixed 100 warmup steps spent half of a 200-step run there), and at the default
@@ -20,9 +20,10 @@ DEFAULT_WARMUP_FRACTION = 0.05
 class ScheduleConfig:
     """How many optimizer steps, and the learning rate's multiplier at each."""
 
-    steps: int = 1000  # optimizer steps; rerunning a run with more steps extends it
-    warmup_steps: int | None = None  # linear warmup steps; None: 5% of `steps` (at least 1), see DEFAULT_WARMUP_FRACTION
-    min_lr_ratio: float = 0.1  # the cosine decay ends at lr * min_lr_ratio
+    steps: int = option(1000, "Optimizer steps; rerun a finished run with more to extend it.")
+    # None: DEFAULT_WARMUP_FRACTION of `steps`
+    warmup_steps: int | None = option(None, "Linear warmup steps (default: 5% of --steps, at least 1).")
+    min_lr_ratio: float = option(0.1, "The cosine decay ends at lr x this.")
 
     def __post_init__(self):
         check_types(self)

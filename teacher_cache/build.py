@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -29,14 +29,13 @@ from distill.configs import ConfigError, check_types, require
 from distill.errors import DistillUserError
 from teacher_cache.backends.base import TeacherBackend
 from teacher_cache.codecs import codec_names
+from teacher_cache.errors import CacheError
 from teacher_cache.location import RemotePath, cache_location
-from teacher_cache.manifest import CacheSpec
+from teacher_cache.manifest import IDENTITY_FIELDS, CacheSpec, identity_diff, load_manifest, manifest_path
 from teacher_cache.store import get_store, shard_name
 from teacher_cache.targets import Sampling, TeacherTargets
-from teacher_cache.workers import Workers
-
-if TYPE_CHECKING:
-    from teacher_cache.writer import CacheLock
+from teacher_cache.workers import Workers, shard_owner
+from teacher_cache.writer import CacheLock, CacheWriter
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ class CacheConfig:
     seed: int = 0  # seed of the draws (sampled, topk+sampled); a sequence's draws depend on it and its index only
     value_codec: str = "sqrt8"  # fp32 | bf16 | fp16 | sqrt8 (see teacher_cache/codecs.py)
     # parquet | zarr (Zarr v3); parquet is the default because it writes cheaper at the same size
-    # (tests/benchmarks/notes/LOG.md, "Stage one end to end on the H200")
+    # (tests/benchmarks/notes/capture.md, "Stage one end to end on the H200")
     storage: Literal["parquet", "zarr"] = "parquet"
     shard_size: int = 64  # sequences per shard
     batch_size: int = 8  # sequences per teacher call
@@ -231,7 +230,7 @@ def build_cache(
         if hasattr(backend, "write_shards"):  # the shards are written elsewhere (ray_executor.RayTeacher)
             backend.write_shards(sequences, lengths, todo, config, writer, report, progress)
         else:
-            _score_and_write(sequences, lengths, todo, backend, config, writer, report, progress)
+            score_and_write(sequences, lengths, todo, backend, config, writer, report, progress)
         if collective is not None:
             if workers.single:
                 writer.finalize()
@@ -247,9 +246,7 @@ def build_cache(
     return report
 
 
-def _open_writer(config: CacheConfig, identity: dict, lock, owned: list[int] | None):
-    from teacher_cache.writer import CacheWriter
-
+def _open_writer(config: CacheConfig, identity: dict, lock, owned: list[int] | None) -> CacheWriter:
     return CacheWriter(config.out, identity, lock=lock, owned_shards=owned)
 
 
@@ -285,11 +282,6 @@ def merge_cache(path: Path, num_workers: int | None = None) -> tuple[str, bool]:
     job array wrote, once every shard is there. Every shard is read once to record its size and
     checksum. Returns (cache_id, already_complete). num_workers: the array's --num-workers, so a
     missing shard's message names the worker that owns it."""
-    from teacher_cache.errors import CacheError
-    from teacher_cache.manifest import load_manifest
-    from teacher_cache.writer import CacheWriter
-    from teacher_cache.workers import shard_owner
-
     if num_workers is not None:
         require("num_workers", num_workers, num_workers >= 1, "an integer >= 1 (the job array's --num-workers)")
     manifest = load_manifest(path)
@@ -342,8 +334,6 @@ def other_cache_diff(existing, teacher: dict, config: CacheConfig, *, tokenizer:
     identity field but the data fingerprint, which is known only once the corpus is tokenised: so
     an --out holding another cache is refused before that work. Entries read "section.key: cache
     value vs asked value"; empty when they all agree."""
-    from teacher_cache.manifest import IDENTITY_FIELDS
-
     asked = {"teacher": teacher, "tokenizer": tokenizer, "data": {"seq_len": seq_len}, **_settings_identity(config)}
     diff = []
     for section, keys in IDENTITY_FIELDS.items():
@@ -358,8 +348,6 @@ def complete_cache_id(out: Path, identity: dict) -> str | None:
 
     Lets a caller skip loading a teacher whose cache exists (``distill run`` reusing a cache).
     """
-    from teacher_cache.manifest import CacheSpec, identity_diff, load_manifest, manifest_path
-
     if not manifest_path(out).exists():
         return None
     existing = load_manifest(out)
@@ -369,11 +357,21 @@ def complete_cache_id(out: Path, identity: dict) -> str | None:
     return existing.cache_id
 
 
-def _score_and_write(sequences, lengths, todo, backend, config, writer, report, progress) -> None:
+def score_and_write(sequences: list[np.ndarray], lengths: np.ndarray, todo: list[int], backend: TeacherBackend,
+                    config: CacheConfig, writer: CacheWriter, report: BuildReport, progress: bool) -> None:
+    """Score the shards ``todo`` with ``backend`` and write each through ``writer`` (an atomic
+    file with its checksum; ``writer.written`` then holds its ShardInfo), adding the tokens scored
+    and the teacher's and writers' time to ``report``.
+
+    sequences / lengths (int64 [num_sequences]): the whole cache's, indexed by position in the
+    cache; only the entries of the shards in ``todo`` are read. The local build and each Ray
+    task (``teacher_cache.ray_executor``, one shard) write shards through this one function, so a
+    shard's bytes do not depend on where it was scored.
+    """
     shard_size = config.shard_size
     # Encoding, compressing and hashing a shard is slower per core than a GPU teacher scores it
     # (most of it outside the GIL), so a fast teacher needs several writers
-    # (tests/benchmarks/notes/LOG.md, "Stage one end to end on the H200").
+    # (tests/benchmarks/notes/capture.md, "Stage one end to end on the H200").
     workers = config.writer_threads or min(8, os.cpu_count() or 1)
     in_flight: deque[Future] = deque()
     total = int(sum(lengths[i * shard_size:(i + 1) * shard_size].sum() for i in todo))

@@ -7,7 +7,7 @@ teacher probability (cache format v1).
 
 Codecs: ``fp32``, ``bf16``, ``fp16`` (ids as int32 in rank order, values as floats) and ``sqrt8``
 (ids delta-coded in ascending order, values quantised uniformly in sqrt(p); see ``SqrtCodec``).
-Measured sizes and distortion on real teacher data: tests/benchmarks/RESULTS.md.
+Measured sizes and distortion on real teacher data: tests/benchmarks/RESULTS.md, "Value codecs".
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class SqrtCodec:
     probability, so their relative order does not change the distribution; among them ids come out
     ascending.
 
-    Why this shape (tests/benchmarks/RESULTS.md, value codecs): sorted-and-delta-coded ids compress
+    Why this shape (tests/benchmarks/RESULTS.md, "Value codecs"): sorted-and-delta-coded ids compress
     far better than rank-ordered int32 ids; the values then lose their rank order, which costs
     less code entropy than rank-ordered ids cost bytes. For small errors KL(p || p_hat) ~=
     2 * sum((sqrt(p) - sqrt(p_hat))^2), so a uniform sqrt(p) grid with step 1/L gives a mean KL ~=

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import time
 from pathlib import Path
+
+import torch
 
 from distill.errors import DistillUserError
 from distill.files import atomic_dir, current_umask
@@ -29,16 +32,17 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     every file readable as the umask allows, like any file the user writes).
 
     dtype: "float32" keeps the dequantised weights exactly; "bfloat16" halves the folder.
-    Raises DistillUserError for a missing file, bad dtype or an ``out_dir`` that is a file,
+    Raises DistillUserError for a missing file, one that is not GGUF or is cut short (see
+    ``check_gguf_file``), bad dtype or an ``out_dir`` that is a file,
     FileExistsError when ``out_dir`` already holds files (also when another process finishes the
     same import first).
     """
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     gguf_path, out_dir = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
     if not gguf_path.is_file():
         raise DistillUserError(f"GGUF file not found: {gguf_path}")
+    check_gguf_file(gguf_path)
     if dtype not in _DTYPES:
         raise DistillUserError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     if out_dir.exists() and not out_dir.is_dir():
@@ -69,6 +73,36 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     return out_dir
 
 
+_GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_file(path: Path) -> None:
+    """Refuse, as a DistillUserError naming the file, one that is not GGUF or does not hold what
+    its header promises: a download cut short or a damaged copy. transformers' reader would fail
+    deep inside with a ValueError or struct.error; gguf's GGUFReader maps the file and reads the
+    header, every metadata field and the tensor table without copying tensor data, and the last
+    tensor must end inside the file."""
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(len(_GGUF_MAGIC))
+    if magic != _GGUF_MAGIC:
+        raise DistillUserError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes); give a "
+                               ".gguf model file")
+    truncated = (f"{path} is a truncated or damaged GGUF file ({size:,} bytes: its header, tensor table or tensor "
+                 "data is cut short); download or copy it again")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, struct.error) as e:  # what gguf raises on a file that ends early
+        if "version" in str(e):  # "Sorry, file appears to be version N which we cannot handle"
+            raise DistillUserError(f"{path} is of a GGUF version the installed gguf package cannot read; upgrade "
+                                   "it (pip install -U gguf)") from None
+        raise DistillUserError(truncated) from None
+    if max((t.data_offset + t.n_bytes for t in reader.tensors), default=0) > size:
+        raise DistillUserError(truncated)
+
+
 def write_hf_folder(model, tokenizer, out_dir: Path, source: str) -> None:
     """Save ``model`` and ``tokenizer`` as the HF folder ``out_dir`` (a temp folder, then a rename),
     with a SOURCE note; every file gets the mode the umask gives a new file, as everything else
@@ -88,8 +122,6 @@ def write_hf_folder(model, tokenizer, out_dir: Path, source: str) -> None:
 def _check_same_logits(reference, copy) -> None:
     """The copy must reproduce the GGUF model's logits on a short input (catches a lost buffer or
     config field, e.g. RoPE scaling, that the state dict does not carry)."""
-    import torch
-
     vocab = reference.config.vocab_size
     ids = (torch.arange(12) * 7919 % vocab)[None]
     with torch.inference_mode():

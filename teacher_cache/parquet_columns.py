@@ -4,7 +4,7 @@ pyarrow's own ``ParquetWriter`` writes.
 pyarrow encodes and compresses the columns of a row group one after another on the calling
 thread. A default shard is one row group whose rows must all have arrived before it is encoded, so
 a build waited, after the teacher's last batch, for every column of its last shard in turn
-(tests/benchmarks/RESULTS.md, "Cache writer tail"). Here pyarrow writes each column of a row group,
+(tests/benchmarks/RESULTS.md, "Teacher capture"). Here pyarrow writes each column of a row group,
 with the same properties, as a one-column Parquet file in memory, each on its own thread (pyarrow
 releases the GIL); their column chunks are then copied into the file in column order, and the
 footer is pyarrow's footer of the whole schema (written for no rows) holding those column chunks'

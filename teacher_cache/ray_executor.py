@@ -3,7 +3,7 @@
 The driver (the `distill` process) claims the cache as a one-process build does (holding
 CACHE/LOCK for the whole build, on behalf of its tasks), submits one task per missing shard and
 writes the manifest last. A task scores its shard's sequences and writes the shard through the
-same code as the local path (``build._score_and_write``: an atomic file, its checksum) and returns
+same code as the local path (``build.score_and_write``: an atomic file, its checksum) and returns
 its ``ShardInfo``. The teacher is loaded once per Ray worker process and kept there for the
 build's later tasks. A task whose worker process dies (killed, out of memory, node lost) is run
 again by Ray (``max_retries``): the build loses at most the shards in flight on that worker, and
@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import socket
-import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -31,16 +30,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from distill.errors import DistillUserError
+from teacher_cache.build import BuildReport, score_and_write
 from teacher_cache.errors import CacheError
+from teacher_cache.location import cache_location
+from teacher_cache.writer import CacheLock, CacheWriter
 
 log = logging.getLogger(__name__)
-
-# Test hook, read by the driver and passed to every task: "<shard>:<exit|raise>:<marker file>".
-# The first attempt at that shard (while the marker file does not exist; the task creates it)
-# exits its worker process (exit: as a crash or a kill would; Ray retries the task) or raises
-# (raise: a task error, which Ray does not retry), after handing the shard's first rows to the
-# writer, so the shard is cut in the middle. tests/test_ray_capture.py sets it.
-FAULT_ENV = "DISTILL_RAY_TEST_FAULT"
 
 # Tasks submitted and not finished. Above the cluster's task slots, so a slot that frees up gets
 # its next shard at once and an autoscaler sees the demand; bounded, so a corpus of millions of
@@ -91,11 +86,13 @@ class RayCluster:
         return "cuda"
 
     def teacher(self, make: Callable, description: dict, vocab_size: int, device: str,
-                gpus_per_task: int = 1) -> "RayTeacher":
+                gpus_per_task: int = 1, wrap_teacher: Callable | None = None) -> "RayTeacher":
         """The stand-in for the backend in ``build_cache``. make: builds the real one in a task
         (picklable, e.g. a functools.partial of ``make_backend``); device: ``task_device``'s;
-        gpus_per_task: GPUs one teacher spans (vLLM's tensor parallelism)."""
-        return RayTeacher(self, make, description, vocab_size, device, gpus_per_task)
+        gpus_per_task: GPUs one teacher spans (vLLM's tensor parallelism); wrap_teacher:
+        ``wrap_teacher(backend, shard_index) -> backend``, applied in each task to the worker's
+        teacher for that task's shard only (picklable; a seam for tests to inject faults), or None."""
+        return RayTeacher(self, make, description, vocab_size, device, gpus_per_task, wrap_teacher=wrap_teacher)
 
 
 @contextlib.contextmanager
@@ -139,22 +136,6 @@ def _check_reachable(address: str | None, timeout_s: float) -> None:
 
 
 @dataclass(frozen=True)
-class _Fault:
-    shard: int
-    mode: str  # exit | raise
-    marker: str
-
-    @classmethod
-    def from_env(cls) -> "_Fault | None":
-        value = os.environ.get(FAULT_ENV)
-        if not value:
-            return None
-        shard, mode, marker = value.split(":", 2)
-        assert mode in ("exit", "raise"), f"{FAULT_ENV}: mode must be exit or raise, got {mode!r}"
-        return cls(int(shard), mode, marker)
-
-
-@dataclass(frozen=True)
 class _ShardJob:
     """What one task needs: the cache, its spec, the shard and the teacher's recipe."""
 
@@ -166,7 +147,7 @@ class _ShardJob:
     num_sequences: int  # in the whole cache
     make: Callable  # builds the teacher backend
     build_id: str  # the teacher a worker keeps belongs to this build
-    fault: _Fault | None = None
+    wrap_teacher: Callable | None = None  # (backend, index) -> the backend that scores this shard
 
 
 @dataclass
@@ -181,6 +162,8 @@ class RayTeacher:
     vocab_size: int
     device: str  # "cuda" (a task reserves gpus_per_task GPUs) or "cpu"
     gpus_per_task: int = 1
+    # (backend, shard index) -> backend, applied in each task (RayCluster.teacher); None: as made
+    wrap_teacher: Callable | None = None
     build_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
@@ -226,7 +209,7 @@ class RayTeacher:
         # a task that reserves a GPU is a new process per task, which would reload the teacher.
         task = ray.remote(max_calls=0)(_write_shard_task).options(**self._task_options())
         out = writer.path if "://" in str(writer.path) else Path(writer.path).resolve()
-        fault, shard_size = _Fault.from_env(), config.shard_size
+        shard_size = config.shard_size
         queue, pending, failed = deque(todo), {}, []
         loads: dict[str, int] = {}  # worker process ("host:pid") -> teachers loaded there
         bar = tqdm(total=int(sum(lengths[i * shard_size:(i + 1) * shard_size].sum() for i in todo)), unit="tok",
@@ -238,7 +221,7 @@ class RayTeacher:
                     job = _ShardJob(out=str(out), spec=writer.spec, config=config, index=index,
                                     sequences=sequences[index * shard_size:(index + 1) * shard_size],
                                     num_sequences=len(sequences), make=self.make, build_id=self.build_id,
-                                    fault=fault)
+                                    wrap_teacher=self.wrap_teacher)
                     pending[task.remote(job)] = index
                 if not pending:
                     break
@@ -307,10 +290,6 @@ def _worker_teacher(job: _ShardJob) -> tuple[object, bool]:
 
 def _write_shard_task(job: _ShardJob) -> dict:
     """A Ray task: score shard ``job.index`` and write it; its ShardInfo and where the time went."""
-    from teacher_cache.build import BuildReport, _score_and_write
-    from teacher_cache.location import cache_location
-    from teacher_cache.writer import CacheLock, CacheWriter
-
     out = cache_location(job.out)
     lock = CacheLock(out, _HeldByDriver(), created=False, shared=True)
     # owned_shards: checks the manifest's identity and removes only this shard's temp files (an
@@ -321,16 +300,15 @@ def _write_shard_task(job: _ShardJob) -> dict:
             return {"info": None, "tokens": 0, "teacher_seconds": 0.0, "writer_seconds": 0.0, "worker": _worker_name(),
                     "loaded": 0}
         backend, loaded = _worker_teacher(job)
-        if job.fault is not None and job.fault.shard == job.index and not os.path.exists(job.fault.marker):
-            Path(job.fault.marker).write_text(str(os.getpid()))
-            backend = _FailingTeacher(backend, job.fault.mode)
+        if job.wrap_teacher is not None:
+            backend = job.wrap_teacher(backend, job.index)
         start = job.index * job.config.shard_size
         # The cache's sequences as build's slicing by global index sees them: only this shard's are here.
         sequences = [None] * start + list(job.sequences)
         lengths = np.zeros(job.num_sequences, dtype=np.int64)
         lengths[start:start + len(job.sequences)] = [len(s) for s in job.sequences]
         report = BuildReport(cache_dir=out, cache_id=writer.cache_id)
-        _score_and_write(sequences, lengths, [job.index], backend, job.config, writer, report, False)
+        score_and_write(sequences, lengths, [job.index], backend, job.config, writer, report, False)
         return {"info": writer.written[job.index], "tokens": report.tokens_scored,
                 "teacher_seconds": report.teacher_seconds, "writer_seconds": report.writer_seconds,
                 "worker": _worker_name(), "loaded": int(loaded)}
@@ -347,24 +325,3 @@ class _HeldByDriver:
 
     def close(self) -> None:
         pass
-
-
-class _FailingTeacher:
-    """The test hook's teacher (FAULT_ENV): fails when asked for the shard's second row block,
-    once the first is handed on (so the shard needs two blocks: two sequences, or a chunked one)."""
-
-    def __init__(self, backend, mode: str):
-        self._backend, self._mode, self._blocks = backend, mode, 0
-
-    def __getattr__(self, name):
-        return getattr(self._backend, name)
-
-    def score_blocks(self, sequences, k, **options):
-        for item in self._backend.score_blocks(sequences, k, **options):
-            self._blocks += 1
-            if self._blocks == 2:
-                time.sleep(0.5)  # lets the writer thread start the shard's temp file
-                if self._mode == "exit":
-                    os._exit(1)
-                raise RuntimeError(f"{FAULT_ENV}: the test fault at this shard")
-            yield item

@@ -38,11 +38,14 @@ class CachedSequence:
 
 
 @dataclass
-class _LoadedShard:
-    index: int
-    input_ids: np.ndarray
-    seq_offsets: np.ndarray
-    targets: TeacherTargets
+class DecodedShard:
+    """One shard decoded and checked against the manifest (``CacheReader.load_shard``); its arrays
+    are read-only, and sequence j is rows seq_offsets[j]:seq_offsets[j + 1] of every one."""
+
+    index: int  # the shard's position in the manifest
+    input_ids: np.ndarray  # int32 [N]
+    seq_offsets: np.ndarray  # int64 [S + 1]
+    targets: TeacherTargets  # N rows
 
 
 def check_target_arrays(targets: TeacherTargets, info: TargetsInfo, name: str) -> None:
@@ -92,7 +95,7 @@ class CacheReader:
         self._codec = get_codec(spec.targets.value_codec)
         self._shard_starts = np.cumsum([0] + [s.sequences for s in shards]).tolist()
         self._verified: set[int] = set()
-        self._last: _LoadedShard | None = None
+        self._last: DecodedShard | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -120,7 +123,10 @@ class CacheReader:
                                         f"{info.checksum[:19]}...); it is damaged: {REPAIR_HINT}")
             self._verified.add(index)
 
-    def _load(self, index: int) -> _LoadedShard:
+    def load_shard(self, index: int) -> DecodedShard:
+        """Shard ``index`` (0 <= index < num_shards) decoded, after its size (and checksum, unless
+        ``verify_checksums=False``) is checked against the manifest; a damaged shard raises
+        ``CorruptShardError`` naming it. The last shard loaded is kept, so loading it again is free."""
         if self._last is not None and self._last.index == index:
             return self._last
         info = self.manifest.shards[index]
@@ -135,7 +141,7 @@ class CacheReader:
         for a in (input_ids, seq_offsets, *targets.arrays):
             if a is not None:
                 a.flags.writeable = False  # sequences are views into this cached shard
-        self._last = _LoadedShard(index, input_ids, seq_offsets, targets)
+        self._last = DecodedShard(index, input_ids, seq_offsets, targets)
         return self._last
 
     def sequence(self, i: int, as_: str = "numpy") -> CachedSequence:
@@ -146,11 +152,12 @@ class CacheReader:
             raise IndexError(f"sequence index must be in [0, {self.num_sequences}), got {i}")
         i %= self.num_sequences
         index = bisect.bisect_right(self._shard_starts, i) - 1
-        shard = self._load(index)
+        shard = self.load_shard(index)
         local = i - self._shard_starts[index]
         start, stop = int(shard.seq_offsets[local]), int(shard.seq_offsets[local + 1])
         parts = (shard.input_ids[start:stop], *shard.targets.slice(start, stop).arrays)
         if as_ == "torch":
+            # here, not at the top: `distill verify` and `cache-stats` read caches without torch
             import torch
 
             parts = tuple(None if p is None else torch.from_numpy(np.array(p)) for p in parts)
@@ -166,5 +173,5 @@ class CacheReader:
     def iter_shards(self) -> Iterator[tuple[int, np.ndarray, np.ndarray, TeacherTargets]]:
         """(shard_index, input_ids int32 [N], seq_offsets int64 [S+1], TeacherTargets of N rows), in order."""
         for index in range(self.num_shards):
-            shard = self._load(index)
+            shard = self.load_shard(index)
             yield index, shard.input_ids, shard.seq_offsets, shard.targets

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from distill.errors import DistillUserError
+from distill.files import atomic_write_bytes
 from teacher_cache.reader import CacheReader
 
 _MASS_BINS = 10_000
@@ -281,27 +282,62 @@ def render_table(stats: dict) -> str:
     return console.file.getvalue()
 
 
-def plot(stats: dict, path: str | os.PathLike) -> Path:
-    """Write the actual-token rank histogram and the top-k mass distribution as an image; returns
-    the file written. The suffix picks the format (.png, .pdf, .svg, ...); a path without one gets
-    ".png". An unsupported suffix or a missing folder is a DistillUserError."""
+def _matplotlib(command: str):
+    """matplotlib's (Figure, FigureCanvasBase), or a PlotDependencyError naming `command`'s --plot
+    and the extra to install."""
     try:
         from matplotlib.backend_bases import FigureCanvasBase
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # a bare Figure draws with Agg: no pyplot, no global backend
     except ImportError as e:
-        raise PlotDependencyError("cache-stats --plot needs matplotlib: pip install distill[plot]") from e
+        raise PlotDependencyError(f"{command} --plot needs matplotlib: pip install distill[plot]") from e
+    return Figure, FigureCanvasBase
 
+
+def new_figure(command: str, **kwargs):
+    """A matplotlib Figure for `command`'s --plot (PlotDependencyError without matplotlib)."""
+    return _matplotlib(command)[0](**kwargs)
+
+
+def plot_file(path: str | os.PathLike, command: str) -> Path:
+    """The file `command`'s --plot writes: `path`, with ".png" when it has no suffix. A missing
+    matplotlib, a format it does not write, or a folder that is not there is a DistillUserError
+    naming --plot: call it before the work the plot shows."""
+    formats = _matplotlib(command)[1].get_supported_filetypes()
     path = Path(path)
     if not path.suffix:
         path = path.with_name(path.name + ".png")
-    formats = FigureCanvasBase.get_supported_filetypes()
     if path.suffix[1:].lower() not in formats:
-        raise DistillUserError(f"cannot plot to {path}: {path.suffix!r} is not an image format matplotlib writes; "
-                               f"end the name in one of {', '.join('.' + f for f in sorted(formats))}")
+        raise DistillUserError(f"--plot {path}: {path.suffix!r} is not an image format matplotlib writes; end the "
+                               f"name in one of {', '.join('.' + f for f in sorted(formats))}")
     if not path.parent.is_dir():
-        raise DistillUserError(f"cannot plot to {path}: the folder {path.parent} does not exist; create it first")
+        problem = ("is a file, not a folder; give a path in a folder" if path.parent.exists() else
+                   "does not exist; create it first, or give a path in a folder that exists")
+        raise DistillUserError(f"--plot {path}: {path.parent} {problem}")
+    return path
 
-    fig = Figure(figsize=(10, 4), layout="constrained")
+
+def save_figure(fig, path: Path, dpi: int) -> Path:
+    """Write `fig` to `path` (from `plot_file`) whole: rendered in memory, then written under a temp
+    name and renamed, so a failed write leaves no partial image. A place that cannot be written
+    (permissions, a read-only filesystem, a full disk, a folder of that name) is a
+    DistillUserError naming --plot."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=path.suffix[1:].lower(), dpi=dpi)
+    try:
+        atomic_write_bytes(path, buffer.getvalue())
+    except OSError as e:
+        raise DistillUserError(f"--plot {path}: cannot write it ({e.strerror or e}); give a path in a folder you can "
+                               "write to") from None
+    return path
+
+
+def plot(stats: dict, path: str | os.PathLike) -> Path:
+    """Write the actual-token rank histogram and the top-k mass distribution as an image; returns
+    the file written. The suffix picks the format (.png, .pdf, .svg, ...); a path without one gets
+    ".png". A missing matplotlib, an unsupported suffix or a place that cannot be written is a
+    DistillUserError."""
+    path = plot_file(path, "cache-stats")
+    fig = new_figure("cache-stats", figsize=(10, 4), layout="constrained")
     ax_rank, ax_mass = fig.subplots(1, 2)
     ranks = stats["actual_token_rank"]
     ax_rank.bar(ranks["buckets"], ranks["fractions"], color="tab:blue")
@@ -312,5 +348,4 @@ def plot(stats: dict, path: str | os.PathLike) -> Path:
     ax_mass.set(title=f"probability mass in the top-{stats['k']}", xlabel="mass", ylabel="positions")
     fig.suptitle(f"cache {stats['cache_id']}: {stats['tokens']:,} tokens, "
                  f"CE {_fmt(stats['teacher_cross_entropy_nats'])} nats")
-    fig.savefig(path, dpi=110)
-    return path
+    return save_figure(fig, path, dpi=110)

@@ -24,9 +24,10 @@ into files and back, losslessly; where each store keeps ``seq_offsets`` is in it
 the README's cache format section.
 
 A shard is written as a stream of row blocks (``write_stream``): consecutive rows of every
-N-axis array, cut anywhere. Stores regroup them into Parquet row groups / Zarr chunks of a size
-fixed by the store alone, so the bytes of a shard do not depend on how its rows arrived, and a
-writer holds about one row group or chunk per array, whatever the length of a sequence.
+N-axis array, cut anywhere. Stores regroup them (``teacher_cache.row_blocks``) into Parquet row
+groups / Zarr chunks of a size fixed by the store alone, so the bytes of a shard do not depend on
+how its rows arrived, and a writer holds about one row group or chunk per array, whatever the
+length of a sequence.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ import numpy as np
 from teacher_cache.codecs import ValueCodec
 from teacher_cache.errors import REPAIR_HINT, CacheError, CorruptShardError
 from teacher_cache.location import RemotePath
+from teacher_cache.store_parquet import ParquetStore
+from teacher_cache.store_zarr import ZarrStore
 from teacher_cache.targets import TeacherTargets, canonical_slots
 
 SHARDS_DIR = "shards"
@@ -84,13 +87,10 @@ class ShardStore(Protocol):
 
 
 def get_store(storage_format: str) -> ShardStore:
+    """The store of ``storage_format`` ("zarr" | "parquet"), with its default settings."""
     if storage_format == "zarr":
-        from teacher_cache.store_zarr import ZarrStore
-
         return ZarrStore()
     if storage_format == "parquet":
-        from teacher_cache.store_parquet import ParquetStore
-
         return ParquetStore()
     raise CacheError(f"storage format must be zarr or parquet, got {storage_format!r}")
 
@@ -165,52 +165,6 @@ def _put_codec_arrays(rows: dict, codec: ValueCodec, ids: np.ndarray, logprobs: 
             f"codec {codec.name} array name {key!r} clashes"
         assert value.shape[0] == num_rows, f"codec {codec.name} array {key} has {value.shape[0]} rows"
         rows[prefix + key] = np.ascontiguousarray(value)
-
-
-class RowBuffer:
-    """Row blocks of one or more arrays in, blocks of a chosen number of rows out (copies only
-    where a block is cut or blocks are joined)."""
-
-    def __init__(self):
-        self._blocks: list[dict[str, np.ndarray]] = []
-        self.rows = 0
-
-    def add(self, block: dict[str, np.ndarray]) -> None:
-        rows = len(next(iter(block.values())))
-        assert all(len(v) == rows for v in block.values()), "a row block's arrays differ in length"
-        if rows:
-            self._blocks.append(block)
-            self.rows += rows
-
-    def take(self, rows: int) -> dict[str, np.ndarray]:
-        """The first ``rows`` rows held (at most ``self.rows``)."""
-        parts = self.take_parts(rows)
-        if len(parts) == 1:
-            return parts[0]
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-
-    def take_parts(self, rows: int) -> list[dict[str, np.ndarray]]:
-        """The first ``rows`` rows held (at most ``self.rows``), as consecutive blocks not yet joined."""
-        assert 0 < rows <= self.rows, (rows, self.rows)
-        parts, got = [], 0
-        while got < rows:
-            block = self._blocks[0]
-            size = len(next(iter(block.values())))
-            if got + size <= rows:
-                parts.append(self._blocks.pop(0))
-                got += size
-            else:
-                cut = rows - got
-                parts.append({k: v[:cut] for k, v in block.items()})
-                self._blocks[0] = {k: v[cut:] for k, v in block.items()}
-                got = rows
-        self.rows -= rows
-        return parts
-
-
-def check_row_count(rows: int, seq_offsets: np.ndarray) -> None:
-    if rows != int(seq_offsets[-1]):
-        raise CacheError(f"shard blocks hold {rows} rows, its sequence offsets {int(seq_offsets[-1])}")
 
 
 def decode_shard(arrays: dict[str, np.ndarray], codec: ValueCodec,

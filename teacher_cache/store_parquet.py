@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from distill.files import atomic_file
-from teacher_cache.store import RowBuffer, check_row_count
+from teacher_cache.row_blocks import RowBuffer, check_row_count
 
 _META_KEY = b"distill.shard"
 # Level 3 compresses top-k data nearly as well as level 9 and writes much faster.
@@ -35,7 +35,7 @@ _ZSTD_LEVEL = 3
 ROW_GROUP_BYTES = 128 << 20
 _MAX_ROW_GROUP_ROWS = 1 << 20
 # One thread per column: a shard has at most about eight, and their encoding is the work a build
-# waits for after the teacher's last batch (tests/benchmarks/RESULTS.md, "Cache writer tail").
+# waits for after the teacher's last batch (tests/benchmarks/RESULTS.md, "Teacher capture").
 _COLUMN_THREADS = 8
 _WRITE_OPTIONS = {"compression": "zstd", "compression_level": _ZSTD_LEVEL, "use_dictionary": False,
                   "use_byte_stream_split": True, "write_statistics": False, "write_page_checksum": True}

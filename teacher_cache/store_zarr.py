@@ -20,7 +20,7 @@ import numpy as np
 
 from distill.files import atomic_dir
 from teacher_cache.errors import CacheError
-from teacher_cache.store import RowBuffer, check_row_count
+from teacher_cache.row_blocks import RowBuffer, check_row_count
 
 # Several chunks per array let Zarr compress them on parallel threads, bound the memory of a
 # write and stay far below Blosc's 2 GiB buffer limit; smaller chunks did not compress worse.

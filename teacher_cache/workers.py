@@ -9,17 +9,20 @@ number of workers resumes at another.
 
 Three ways to run a build (``Workers``):
 - one process: writes every shard, then the manifest;
-- ``torchrun``: ranks of one ``torch.distributed`` group; rank 0 claims the folder (and repairs a
-  damaged cache) while the others wait at a barrier, every rank writes its shards, the ranks'
-  shard records are gathered to rank 0 and rank 0 writes the manifest after a barrier;
+- ``torchrun``: ranks of one ``torch.distributed`` group (``teacher_cache.torchrun``); rank 0
+  claims the folder (and repairs a damaged cache) while the others wait at a barrier, every rank
+  writes its shards, the ranks' shard records are gathered to rank 0 and rank 0 writes the
+  manifest after a barrier;
 - a job array (``--num-workers W --worker-index I``): workers that never talk to each other; each
   writes its shards and no complete manifest, and ``distill cache-merge`` (or one more run without
   the worker options) writes the manifest once every shard is there.
+
+Torch-free: a one-process build, a job-array worker and ``distill cache-merge`` need no torch, and
+the CLI imports the build's config through ``teacher_cache.build``.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -52,29 +55,6 @@ class Collective:
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj``, in rank order, on rank 0 (None on the others)."""
         return [obj]
-
-
-class TorchCollective(Collective):
-    """The ranks of the default ``torch.distributed`` process group."""
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        self._dist = dist
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-
-    def barrier(self) -> None:
-        self._dist.barrier()
-
-    def broadcast(self, obj: Any) -> Any:
-        box = [obj]
-        self._dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        out = [None] * self.world_size if self.rank == 0 else None
-        self._dist.gather_object(obj, out, dst=0)
-        return out
 
 
 @dataclass(frozen=True)
@@ -115,21 +95,3 @@ def torchrun_world() -> tuple[int, int, int] | None:
     if world <= 1:
         return None
     return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def init_torchrun(device: str) -> bool:
-    """Join torchrun's process group (nccl when the teacher runs on CUDA, on ``device``, else
-    gloo) unless one is open already; returns whether this call opened it (so its caller closes it)."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return False
-    device_type = torch.device(device).type
-    if device_type == "cuda":
-        torch.cuda.set_device(torch.device(device))  # nccl's objects go through the rank's own GPU
-    # Ranks wait at the first barrier while rank 0 checks every shard of an existing cache, and
-    # at the last while the slowest rank finishes its shards: far longer than a training step.
-    timeout = datetime.timedelta(hours=12)
-    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", timeout=timeout)
-    return True

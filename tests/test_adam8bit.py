@@ -389,8 +389,8 @@ def test_fused_step_matches_torch_path(block_size):
     assert not torch.equal(params_ref[2], fused_case_params()[2])
     compare_fused_with_torch(params_ref, opt_ref, params, opt, lr=1e-2)
     # Group 0: fp32 (two launches: params[0] missed a step), bf16; group 1: fp16.
-    assert len(opt._plan.launches) == 4
-    assert [p for p, *_ in opt._plan.loose] == [params[-1]]
+    assert len(opt.plans.last.launches) == 4
+    assert [p for p, *_ in opt.plans.last.loose] == [params[-1]]
 
 
 # Every dtype pair aligned and misaligned, weight decay on and off (alignment only picks the launch's
@@ -525,7 +525,7 @@ def test_optimizer_launches_take_its_settings():
     opt = AdamW8bit([p], block_size=64, min_8bit_size=1, fused=True, settings=SMALL_TILES)
     p.grad = torch.randn_like(p)
     opt.step()
-    (_, launch, _), = opt._plan.launches
+    (_, launch, _), = opt.plans.last.launches
     assert launch.tile_b == SMALL_TILES.tile_elems // 64 and launch.table.num_tiles == 2  # 5 blocks
 
 
@@ -577,5 +577,5 @@ def fused_gpu_case(dtype, seed):
         torch.cuda.synchronize()
         if step >= 1:
             assert torch.cuda.max_memory_allocated() - before < params[0].numel()  # < a byte per element
-    assert len(opt._plan.launches) == 1
+    assert len(opt.plans.last.launches) == 1
     compare_fused_with_torch(params_ref, opt_ref, params, opt, lr=1e-3)

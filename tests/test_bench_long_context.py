@@ -84,7 +84,7 @@ def _drop_past_page_gradients(monkeypatch):
     """OOMB's rectangular backend's defect: a chunk's keys and values get no gradient from later chunks."""
     import torch
 
-    from student.long_context import PagedKVStore
+    from student.long_context.store import PagedKVStore
 
     own = PagedKVStore._own
     monkeypatch.setattr(PagedKVStore, "_own", lambda self, pool: torch.zeros_like(own(self, pool)))
@@ -92,10 +92,10 @@ def _drop_past_page_gradients(monkeypatch):
 
 def _chunk_loss_over_its_own_rows(monkeypatch):
     """Each chunk's loss normalised over the chunk instead of the whole sequence."""
-    import student.trainer
+    import student.step
 
-    loss = student.trainer._loss
-    monkeypatch.setattr(student.trainer, "_loss", lambda *a, part=None, **kw: loss(*a, **kw))
+    loss = student.step.micro_batch_loss
+    monkeypatch.setattr(student.step, "micro_batch_loss", lambda *a, part=None, **kw: loss(*a, **kw))
 
 
 @pytest.mark.parametrize("defect", [_drop_past_page_gradients, _chunk_loss_over_its_own_rows])

@@ -43,15 +43,15 @@ def test_planned_chunk_recurrent_step_takes_the_planners_chunk_size_and_passes_i
 
 def test_a_priming_step_runs_on_fewer_tokens_before_the_timed_one(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
-    import student.trainer
+    import student.step
 
-    lengths, backward = [], student.trainer._micro_batch_backward
+    lengths, backward = [], student.step.micro_batch_backward
 
     def recording(model, batch, *args, **kwargs):
         lengths.append(batch.input_ids.shape[1])
         return backward(model, batch, *args, **kwargs)
 
-    monkeypatch.setattr(student.trainer, "_micro_batch_backward", recording)
+    monkeypatch.setattr(student.step, "micro_batch_backward", recording)
     (row,) = bench.main([*SMOKE, "--seq-len", "128", "--prime-tokens", "32", "--variants", "none",
                          "--results", str(tmp_path / "results.jsonl")])
     assert lengths == [32, 128] and row["config"]["prime_tokens"] == 32 and row["figures"]["oom"] is False
@@ -132,7 +132,7 @@ def test_only_a_variant_with_a_plan_and_a_gpu_budget_runs_capped():
     """As train-student caps its allocator: with a plan and --gpu-memory on a GPU (rows `-capped`)."""
     import argparse
 
-    from student.offload_plan import OffloadPlan
+    from student.offload.plan import OffloadPlan
 
     plan = OffloadPlan.uniform(2, "keep", "resident")
     args = lambda **kw: argparse.Namespace(**{"gpu_memory": "1GiB", "device": "cuda", **kw})

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,3 +96,49 @@ def test_plot_without_matplotlib_names_the_extra(built, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(PlotDependencyError, match=r"pip install distill\[plot\]"):
         plot(built[2], tmp_path / "x.png")
+
+
+def _unwritable_folder(tmp_path):
+    """A real folder this process cannot write into: chmod 0500, or, where that does not stop the
+    process (root), /proc, where no one can create a file (Linux)."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        (folder / "probe").write_text("")
+    except PermissionError:
+        return folder
+    (folder / "probe").unlink()
+    if os.path.isdir("/proc/self"):
+        return Path("/proc")
+    pytest.skip("this process writes into a read-only folder (root) and there is no /proc")
+
+
+@pytest.mark.parametrize("place", ["read-only folder", "under a file", "a folder's name"])
+def test_plot_to_a_place_that_cannot_be_written_is_one_error_line(built, tmp_path, capsys, place):
+    """cache-stats --plot to a read-only folder, to a path under a regular file, to a name that is a
+    folder: one `error:` line naming --plot and the path, exit 2, no partial image left behind."""
+    from cli_helpers import one_error_line, run_cli
+
+    _, cache, _ = built
+    if place == "read-only folder":
+        target = _unwritable_folder(tmp_path) / "stats.png"
+    elif place == "under a file":
+        (tmp_path / "somefile").write_text("not a folder")
+        target = tmp_path / "somefile" / "stats.png"
+    else:
+        target = tmp_path / "stats.png"
+        target.mkdir()
+    try:
+        code, out, err = run_cli(["cache-stats", cache, "--plot", target], capsys)
+        line = one_error_line(code, err)
+        assert code == 2 and line.startswith(f"error: --plot {target}:"), line
+        if place == "under a file":
+            assert "is a file, not a folder" in line and not out  # refused before the pass over the cache
+        else:
+            assert "cannot write it" in line and "folder you can write" in line
+        if target.parent.is_dir() and target.parent != Path("/proc"):
+            assert not [p for p in target.parent.iterdir() if p.name.startswith(".stats.png")]  # no temp left
+        assert not target.is_file()
+    finally:
+        (tmp_path / "read-only").exists() and (tmp_path / "read-only").chmod(0o700)

@@ -211,7 +211,7 @@ def _pyarrow_reference(path, store, seq_offsets, blocks) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from teacher_cache.store import RowBuffer
+    from teacher_cache.row_blocks import RowBuffer
     from teacher_cache.store_parquet import _WRITE_OPTIONS, _column, _schema
 
     buffer, schema = RowBuffer(), _schema(blocks[0], seq_offsets)

@@ -136,13 +136,29 @@ def test_train_student_takes_every_default_from_the_config():
     default: a default is written once (a recipe that leaves a key out trains the same)."""
     import typer.main
 
-    from student.trainer import TrainConfig
+    from student.train_config import TrainConfig
 
     params = {p.name: p for p in typer.main.get_command(app).commands["train-student"].params}
     defaults = TrainConfig.flat_defaults()
     assert set(defaults) | {"cache", "out"} <= set(params)
     assert {name: params[name].default for name in defaults} == defaults
     assert params["cache"].required and params["out"].required
+
+
+def test_every_training_option_is_declared_once_on_its_config_field():
+    """The options come from the fields (distill.configs.option): each field has its help text there,
+    and no option of train-student is declared twice or without help."""
+    import typer.main
+
+    from student.train_config import TrainConfig
+
+    fields = TrainConfig.flat_fields()
+    assert [f.name for f, _ in fields if not f.metadata.get("help")] == []
+    command = typer.main.get_command(app).commands["train-student"]
+    names = [opt for p in command.params for opt in p.opts]
+    assert len(names) == len(set(names))
+    helps = {p.name: p.help for p in command.params}
+    assert all(helps[f.name] == f.metadata["help"] for f, _ in fields)
 
 
 def test_help_of_the_stage_two_commands_has_examples(capsys):

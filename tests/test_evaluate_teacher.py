@@ -17,7 +17,7 @@ from cli_helpers import one_error_line, run_cli
 from distill.errors import DistillUserError
 from pipelines.teacher_eval import EvalTeacher
 from student.evaluate import CALIBRATION_BINS, Calibration, evaluate_against_teacher, evaluate_run_or_folder
-from student.long_context import LongContextConfig
+from student.long_context.config import LongContextConfig
 from student.model import Student
 from teacher_cache.reader import CacheReader
 

@@ -329,14 +329,14 @@ def test_batched_step_matches_torch_over_many_params(set_to_none, settings):
     assert opt.state[params[1]]["step"] == num_steps - 1
     # Launches: group 0 fp32 level 2 (n % 4 == 2 and == 0 apart), bf16 level 2 (behind by a step),
     # group 1 fp32 and bf16, group 2 nothing batched (empty and strided params go alone).
-    assert len(opt._plan.launches) == 5
+    assert len(opt.plans.last.launches) == 5
     tiling = settings or FoamStepSettings()
-    assert all(launch.tile_f == tiling.folds_per_tile(launch.block) for _, launch, _ in opt._plan.launches)
-    assert {id(p) for p, _, _ in opt._plan.loose} == {id(params[6]), id(params[7])}
+    assert all(launch.tile_f == tiling.folds_per_tile(launch.block) for _, launch, _ in opt.plans.last.launches)
+    assert {id(p) for p, _, _ in opt.plans.last.loose} == {id(params[6]), id(params[7])}
 
 
 def test_a_plan_is_kept_per_set_of_params_stepped_alone():
-    """The offload ring (student/offload_update.py) steps one layer's params at a time, each set of
+    """The offload ring (student/offload/update.py) steps one layer's params at a time, each set of
     them in place again the next step: each set's plan is built once and kept (rebuilding uploads
     tables, whose small copies wait behind the ring's large ones on the copy engine). A state
     replaced by a tensor at another address gets a new plan; every step equals the torch path."""
@@ -356,14 +356,14 @@ def test_a_plan_is_kept_per_set_of_params_stepped_alone():
                 for i, p in enumerate(params):
                     p.grad = grads[step][i].clone() if i // 2 == half else None
                 opt.step()
-                plans[half].append(opt._plan)
+                plans[half].append(opt.plans.last)
         runs.append((params, opt, plans))
     (ref, _, _), (params, opt, plans) = runs
     for p, r in zip(params, ref):
         torch.testing.assert_close(p, r, **TOL_FP32)
     assert plans[0][0] is plans[0][1] and plans[0][2] is not plans[0][1]
     assert plans[1][0] is plans[1][1] is plans[1][2] and plans[1][0] is not plans[0][0]
-    assert len(opt._plans) == 3
+    assert len(opt.plans) == 3
 
 
 STATE_SHAPES = [(7,), (1, 1), (5, 3), (64, 130), (3, 5, 33), (2, 4, 7), (16, 64), (9, 17)]
@@ -578,7 +578,7 @@ def test_gpu_step_has_no_host_sync_and_matches_torch():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         ref_opt.step()
-    assert len(opt._plan.launches) == 3 and not opt._plan.loose
+    assert len(opt.plans.last.launches) == 3 and not opt.plans.last.loose
     for p, r in zip(params, ref_params):
         torch.testing.assert_close(p, r, **TOL_FP32)
 

@@ -93,3 +93,47 @@ def test_import_refuses_an_out_that_is_a_file(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(DistillUserError, match="is an existing file"):
         import_gguf(default_teacher_gguf(), tmp_path / "file")
+
+
+def test_the_real_gguf_passes_the_file_check():
+    from teacher_cache.gguf_import import check_gguf_file
+
+    check_gguf_file(default_teacher_gguf())  # a whole file: no error
+
+
+def test_a_file_that_is_not_gguf_is_one_error_line(tmp_path, capsys):
+    from cli_helpers import one_error_line, run_cli
+
+    for name, data in (("notes.gguf", b"hello, this is text\n" * 50), ("empty.gguf", b""),
+                       ("model.safetensors", (8).to_bytes(8, "little") + b'{"a": 1}')):
+        (tmp_path / name).write_bytes(data)
+        code, _, err = run_cli(["import-gguf", tmp_path / name, tmp_path / "out"], capsys)
+        line = one_error_line(code, err)
+        assert code == 2 and f"{tmp_path / name} is not a GGUF file" in line, line
+        assert not (tmp_path / "out").exists()
+    (tmp_path / "v99.gguf").write_bytes(b"GGUF" + (99).to_bytes(4, "little") + bytes(64))
+    code, _, err = run_cli(["import-gguf", tmp_path / "v99.gguf", tmp_path / "out"], capsys)
+    assert "GGUF version the installed gguf package cannot read" in one_error_line(code, err)
+
+
+def test_a_truncated_gguf_is_one_error_line_wherever_it_ends(tmp_path, capsys):
+    """Real cut copies of the default teacher's GGUF: inside the fixed header, the metadata, the
+    tensor table, the tensor data and one byte short. Each is one `error:` line naming the file
+    (transformers alone raised struct.error or ValueError), and nothing is written."""
+    import shutil
+
+    from cli_helpers import one_error_line, run_cli
+    from gguf import GGUFReader
+
+    source = default_teacher_gguf()
+    size = source.stat().st_size
+    first_tensor = min(t.data_offset for t in GGUFReader(source).tensors)
+    cut = tmp_path / "cut.gguf"
+    shutil.copyfile(source, cut)
+    # first_tensor - 64: before the alignment padding (< 32 bytes) that ends the tensor table
+    for length in (size - 1, size // 2, first_tensor - 64, 5000, 10):  # shortest last: truncate in place
+        os.truncate(cut, length)
+        code, _, err = run_cli(["import-gguf", cut, tmp_path / "out"], capsys)
+        line = one_error_line(code, err)
+        assert code == 2 and f"{cut} is a truncated or damaged GGUF file ({length:,} bytes" in line, (length, line)
+        assert not (tmp_path / "out").exists()

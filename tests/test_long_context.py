@@ -1,4 +1,4 @@
-"""student/long_context.py: chunk-recurrent training gives the loss and every parameter gradient
+"""student/long_context/: chunk-recurrent training gives the loss and every parameter gradient
 of full backpropagation (fp32, CPU; Llama, Qwen2, Qwen3 with GQA, the sparse FFN on and off,
 chunks and pages that do not divide the sequence), chunked evaluation equals whole-sequence
 evaluation, `--deterministic` training with --chunk-tokens gives the losses of training
@@ -14,8 +14,9 @@ import torch
 
 from distill.configs import ConfigError
 from student.data import Batch
-from student.long_context import (LongContextConfig, Part, _set_bounds, chunk_bounds, chunk_recurrent_backward,
-                                  chunked_forward, kept_attention_from, select_pages)
+from student.long_context.config import LongContextConfig, chunk_bounds
+from student.long_context.engine import Part, chunk_recurrent_backward, chunked_forward, kept_attention_from
+from student.long_context.store import page_set_bounds, select_pages
 from student.loss import LossConfig, distill_loss
 from student.model import Student, to_relu_gate
 from student.sparse_ffn import l1_penalty
@@ -280,11 +281,11 @@ def test_gpu_offloaded_pages_prefetched_across_layers_match_resident_pages(offlo
     layer before attended, is the set that layer reads (the store counts every prefetch used, none
     dropped: pass 1 and the last chunk's forward without grads, pass 2's backward with them, and
     the evaluation's chunked forward), and gradients and hidden states equal resident pages'."""
-    import student.long_context as long_context
+    import student.long_context.engine as engine
 
     stores = []
-    real = long_context._store_for
-    monkeypatch.setattr(long_context, "_store_for", lambda *a, **kw: stores.append(real(*a, **kw)) or stores[-1])
+    real = engine.store_for_model
+    monkeypatch.setattr(engine, "store_for_model", lambda *a, **kw: stores.append(real(*a, **kw)) or stores[-1])
     model = gpu_student()
     L, P, chunk = 4096, 64, 1000
     batch = make_batch([L, 3001], vocab=model.config.vocab_size, k=16, seed=5).to("cuda")
@@ -301,8 +302,8 @@ def test_gpu_offloaded_pages_prefetched_across_layers_match_resident_pages(offlo
     assert_bf16_close(got_loss, got, want_loss, want)
 
     with torch.no_grad():
-        hidden = [[h for _, _, h, _ in long_context.chunked_forward(model, batch.input_ids, batch.mask, config,
-                                                                    autocast_dtype=torch.bfloat16)]
+        hidden = [[h for _, _, h, _ in chunked_forward(model, batch.input_ids, batch.mask, config,
+                                                       autocast_dtype=torch.bfloat16)]
                   for config in (resident, offloaded)]
     assert stores[-1].offload and stores[-1].prefetch_count == Counter({("used", False): layers * sum(past)})
     for want_h, got_h in zip(*hidden):
@@ -316,7 +317,7 @@ def test_offloaded_page_sets_cover_the_pages_and_split_at_the_chunks_first(first
     """The page sets an offloaded attention call reads cover its pages once, in order, at most
     `offload_pages` each, and none holds pages both before and from the chunk's first page: the
     first set, which the layer before prefetches, then holds only pages earlier chunks wrote."""
-    bounds = _set_bounds(first, num, final, step)
+    bounds = page_set_bounds(first, num, final, step)
     assert [j for j0, j1 in bounds for j in range(j0, j1)] == list(range(first, num))
     assert all(0 < j1 - j0 <= step for j0, j1 in bounds)
     assert not any(j0 < final < j1 for j0, j1 in bounds)
@@ -380,7 +381,7 @@ def test_kept_attention_starts_at_the_last_chunks_pass_1_runs():
 def test_the_planner_counts_the_kept_attention_of_the_chunks_pass_1_keeps(tmp_path):
     from types import SimpleNamespace
 
-    from student.step_profile import _kv_pages
+    from student.planner.profile import _kv_pages
 
     _, folder = saved_hf("qwen2", tmp_path)
     model = Student.from_pretrained(folder)
@@ -396,7 +397,7 @@ def test_the_profile_times_pass_2s_forward_on_pass_1s_kept_attention(tmp_path, m
     """step_profile measures a chunk's layer three ways: pass 1 (attends, keeps its output), pass 2
     taking that output (no attention call), and pass 2 attending: two attention calls a run."""
     import kernels.page_attention as page_attention
-    from student.step_profile import CHUNK_KEYS, ProfileSettings, _measure_chunks
+    from student.planner.profile import CHUNK_KEYS, ProfileSettings, _measure_chunks
     from student.trainer import TrainConfig
 
     _, folder = saved_hf("qwen2", tmp_path)
@@ -420,7 +421,7 @@ def test_a_layers_pass_2_forward_is_the_mean_over_chunks_kept_or_attending(keep,
     """Chunk j's seconds interpolate the first and last chunk's; a chunk pass 1 kept takes the kept
     forward, the others (and the last) the attending one; pass 1 is the no-grad forwards of all but
     the last chunk."""
-    from student.step_profile import _chunk_layers
+    from student.planner.profile import _chunk_layers
 
     first = {"forward_s": 10.0, "kept_forward_s": 1.0, "pass1_forward_s": 8.0, "backward_s": 5.0, "keep_bytes": 7}
     last = {"forward_s": 40.0, "kept_forward_s": 4.0, "pass1_forward_s": 38.0, "backward_s": 9.0, "keep_bytes": 11}

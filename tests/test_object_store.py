@@ -112,7 +112,8 @@ def test_job_array_on_s3_ignores_a_partial_upload_then_merges(s3, tiny_teacher, 
 def test_a_training_run_keeps_a_cache_url_as_given():
     """train-student --cache s3://...: the run's config keeps the URL (a local path is made
     absolute; Path.resolve would turn the URL into a local path)."""
-    from student.trainer import TrainConfig, _resolve
+    from student.step import resolve
+    from student.train_config import TrainConfig
 
     config = TrainConfig(cache="s3://bucket/caches/a", out="run", teacher="teacher", num_layers=2, device="cpu")
-    assert _resolve(config).cache == "s3://bucket/caches/a"
+    assert resolve(config).cache == "s3://bucket/caches/a"

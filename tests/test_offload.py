@@ -1,4 +1,4 @@
-"""student/offload.py through the trainer: offloaded training (plans mixing keep / recompute /
+"""student/offload/runtime.py through the trainer: offloaded training (plans mixing keep / recompute /
 offload activations with resident / streamed weights, prefetch depths 0-2, the update on the host
 or in slices on the device) gives the losses, gradient norms, evaluations and final weights of
 training without offload, bit for bit on the CPU, for every optimizer and with grad_accum > 1; a
@@ -16,11 +16,11 @@ import torch
 
 from distill.configs import ConfigError
 from student.model import Student
-from student.offload_plan import LayerPlan, OffloadPlan
-from student.planner import PHASES
+from student.offload.plan import LayerPlan, OffloadPlan
+from student.planner.solve import PHASES
 from student.trainer import TrainConfig, train
 from test_cache_synth import make_corpus, write_cache
-from test_trainer import VOCAB, _train_in_subprocess, make_student, rows, tokenizer_hash
+from test_trainer import KILLED, VOCAB, _train_in_subprocess, make_student, rows, tokenizer_hash
 
 NUM_LAYERS = 4
 TIMING = ("tok_per_s", "offload_step_s", "offload_host_bytes")  # measured, not results
@@ -134,11 +134,11 @@ def test_offloaded_clipping_equals_clipping_without_offload(small, tmp_path, pla
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
 def test_copies_are_issued_prefetch_depth_layers_ahead_in_the_order_of_use(small, depth):
-    """The plan's prefetch_depth counts layers, as the cost model does (student/offload_cost.py):
+    """The plan's prefetch_depth counts layers, as the cost model does (student/planner/costs.py):
     a streamed layer's weights, and in the backward its offloaded input too, are issued when the
     runtime starts the layer `depth` places before it (forward in order, then backward from the
     top), whatever other copies that layer has; a resident layer counts as a place."""
-    from student.offload import OffloadRuntime, _Schedule
+    from student.offload.runtime import OffloadRuntime, _Schedule
 
     student, _ = small
     model = Student.from_pretrained(student)
@@ -153,7 +153,8 @@ def test_copies_are_issued_prefetch_depth_layers_ahead_in_the_order_of_use(small
         return out
 
     runtime._issue = recording
-    order = _Schedule(runtime, True).items  # a step's first micro-batch: no accumulators come in
+    # A step's first micro-batch: no accumulators come in (the order only: nothing is issued here).
+    order = _Schedule(runtime.plan, runtime.host, True, issue=None, release=None, streams=runtime.streams).items
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
     model(ids).pow(2).mean().backward()
     assert [item for item, _ in issued] == order
@@ -172,7 +173,7 @@ def test_what_a_copy_out_reads_is_held_two_places_then_released(small):
     (not record_stream'd) until the compute stream waits for their copy: two places after the one they
     are held at (a layer's work later), across micro-batches too; nothing is held after
     finish_grads."""
-    from student.offload import OffloadRuntime
+    from student.offload.runtime import OffloadRuntime
 
     student, _ = small
     model = Student.from_pretrained(student)
@@ -209,7 +210,7 @@ def test_the_runtime_clips_without_reading_host_gradients(small):
     host accumulators poisoned after the backward, the runtime's clip_grad_norm still returns
     clip_grad_norm_foreach's norm of the model without offload, exactly, and scales the device
     gradients as it does; the update then scales the host gradients (here: their poisoned values)."""
-    from student.offload import OffloadRuntime
+    from student.offload.runtime import OffloadRuntime
     from student.optim.clip import clip_grad_norm_foreach
 
     student, _ = small
@@ -254,13 +255,13 @@ def test_a_checkpoint_right_after_an_offloaded_step_has_the_updated_masters(smal
 
 @pytest.mark.parametrize("killed, resumed", [("mixed-gpu", "none"), ("none", "mixed-cpu")])
 def test_killed_run_resumes_with_or_without_offload(small, tmp_path, tmp_path_factory, killed, resumed):
-    """Killed (os._exit, as SIGKILL would) after step 5 with a checkpoint at 4; the rerun, with the
+    """Killed (SIGKILL) after step 5 with a checkpoint at 4; the rerun, with the
     other offload setting (a change a run may make: the checkpoint format is the same), resumes at
     4 and matches the uninterrupted run without offload exactly."""
     want = reference(small, tmp_path_factory, "adamw")
     setting = lambda name: "none" if name == "none" else plan_file(tmp_path / f"{name}.json", *PLANS[name])
     cfg = config(small, tmp_path / "killed", offload=setting(killed))
-    assert _train_in_subprocess(cfg, exit_after=5) == 17
+    assert _train_in_subprocess(cfg, exit_after=5) == KILLED
     assert [r["step"] for r in rows(cfg.out)][-1] == 5 and not (Path(cfg.out) / "student").exists()
     assert _train_in_subprocess(cfg.with_flat(offload=setting(resumed))) == 0
     keys = ("step", "loss", "kl", "lr", "grad_norm", "tokens", "epoch")
@@ -296,8 +297,8 @@ def test_a_missing_plan_file_and_unsupported_combinations_are_refused(small, tmp
 
 
 def test_offload_auto_trains_with_the_planners_plan(small, tmp_path, tmp_path_factory):
-    """Needs student/planner.py (the planner branch); skipped until it is there."""
-    pytest.importorskip("student.planner")
+    """Needs student/planner/solve.py (the planner branch); skipped until it is there."""
+    pytest.importorskip("student.planner.solve")
     want = reference(small, tmp_path_factory, "adamw")
     out = tmp_path / "run"
     train(config(small, out, offload="auto", gpu_memory="1GiB", host_memory="4GiB"), progress=False)
@@ -311,12 +312,12 @@ def test_a_gpu_peak_past_the_plans_budget_is_told_once(caplog):
     import dataclasses
     import logging
 
-    from student.offload_plan import Predicted
-    from student.offload_run import told_over_budget
+    from student.offload.plan import Predicted
+    from student.offload.run import told_over_budget
 
     plan = dataclasses.replace(OffloadPlan.uniform(2, "keep", "resident"), gpu_memory=7 * 2**30,
                                predicted=Predicted(step_s=1.0, gpu_peak_bytes=7 * 10**9, host_peak_bytes=0))
-    with caplog.at_level(logging.WARNING, logger="student.offload_run"):
+    with caplog.at_level(logging.WARNING, logger="student.offload.run"):
         assert not told_over_budget(plan, None)
         assert not told_over_budget(plan, 7 * 2**30)
         assert not told_over_budget(dataclasses.replace(plan, gpu_memory=None), 8 * 2**30)
@@ -327,7 +328,7 @@ def test_a_gpu_peak_past_the_plans_budget_is_told_once(caplog):
 
 
 def test_running_out_of_memory_under_the_cap_is_told_in_one_line_naming_the_option():
-    from student.offload_run import over_cap_message
+    from student.offload.run import over_cap_message
 
     message = over_cap_message("7GiB")
     assert "--gpu-memory 7GiB" in message and "expandable_segments:True" in message and "\n" not in message
@@ -356,7 +357,7 @@ def test_gpu_offloaded_training_matches_within_bf16_and_its_peak_is_predicted(sm
         train(config(small, out, offload=plan_file(tmp_path / f"{name}.json", *spec), **gpu), progress=False)
         assert [r["loss"] for r in rows(out)] == pytest.approx(want, rel=2e-2), name
     try:
-        import student.planner  # noqa: F401
+        import student.planner.solve  # noqa: F401
     except ImportError:
         return
     for grad_accum in (2, 1):  # one backward a step: the input embedding's gradient comes after the layers'
@@ -412,7 +413,7 @@ def test_gpu_update_slots_wait_for_the_compute_streams_last_use_of_their_memory(
     copies in are still waiting 50 ms later, and once done the slot holds the layer's master."""
     import time
 
-    from student.offload import OffloadRuntime
+    from student.offload.runtime import OffloadRuntime
     from student.optim import build_optimizer
 
     student, _ = small
@@ -442,7 +443,7 @@ def test_resuming_an_offloaded_run_loads_the_layers_in_place_on_the_host(small, 
     views of its host buffers stay), never through the device the embeddings live on: here a
     device that holds no data (meta), so a detour there would lose the layers' weights."""
     from student.checkpoint import load_checkpoint, save_checkpoint
-    from student.offload import OffloadRuntime
+    from student.offload.runtime import OffloadRuntime
 
     student, _ = small
     saved = Student.from_pretrained(student)
@@ -479,8 +480,8 @@ def test_bf16_offloaded_training_at_one_micro_batch_keeps_bf16_gradients_and_equ
     made for the update), the vectors' fp32; the run's losses, gradient norms, evaluations and weights are
     those of training without offload, bit for bit (the widening is exact). At grad_accum 2 every
     gradient is an fp32 sum, with the same results."""
-    from student.offload import OffloadRuntime
-    from student.trainer import steps_accumulate
+    from student.offload.runtime import OffloadRuntime
+    from student.step import steps_accumulate
 
     bf16 = dict(optimizer=optimizer, dtype="bfloat16", grad_accum=grad_accum, clip_grad=1e-2, save_every=0,
                 eval_every=3)
@@ -508,7 +509,7 @@ def test_one_backward_leaves_the_matrices_without_grad_and_clips_and_steps_as_wi
     .grad are fp32 and those of the model without offload before clipping (the clip coefficient is
     applied as the update widens them); clip_grad_norm gives clip_grad_norm_foreach's norm of that
     model and the step its AdamW weights, exactly."""
-    from student.offload import OffloadRuntime
+    from student.offload.runtime import OffloadRuntime
     from student.optim.clip import clip_grad_norm_foreach
 
     student, _ = small

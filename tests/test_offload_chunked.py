@@ -1,4 +1,4 @@
-"""student/offload.py with the chunk-recurrent engine (student/long_context.py): offloaded
+"""student/offload/runtime.py with the chunk-recurrent engine (student/long_context/): offloaded
 chunk-recurrent training gives the losses, gradient norms, evaluations and final weights of
 chunk-recurrent training without offload, bit for bit on the CPU (a chunk size that does not divide
 the sequences, two micro-batches a step, the states on either side, the update on either side,
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from distill.configs import ConfigError
-from student.offload_plan import OffloadPlan
-from student.planner import PHASES
+from student.offload.plan import OffloadPlan
+from student.planner.solve import PHASES
 from student.trainer import train
 from test_offload import config, plan_file, results, same_weights, small  # noqa: F401 (small: the fixture)
 from test_trainer import rows
@@ -171,8 +171,8 @@ def test_the_cost_table_accumulates_as_the_runtime_does_even_at_one_chunk(small,
     """The runtime keeps a host layer's gradient in fp32 whenever chunks are on (a batch's chunk
     count is known only when it runs), so the profile's table says so even when every sequence
     fits one chunk; without chunks and at one micro-batch the gradients are the working dtypes'."""
-    from student.step_profile import profile
-    from student.trainer import steps_accumulate
+    from student.planner.profile import profile
+    from student.step import steps_accumulate
 
     one_chunk = config(small, tmp_path / "a", grad_accum=1, chunk_tokens=32, page_tokens=16)  # sequences of 24
     costs = profile(one_chunk)

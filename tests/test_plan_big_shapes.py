@@ -12,8 +12,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent / "benchmarks"))
 import plan_big_shapes as big  # noqa: E402
 
-from student.offload_cost import predict  # noqa: E402
-from student.offload_plan import LayerPlan, OffloadPlan  # noqa: E402
+from student.planner.costs import predict  # noqa: E402
+from student.offload.plan import LayerPlan, OffloadPlan  # noqa: E402
 
 
 def plan_of(codes: str, depth: int, optimizer: str) -> OffloadPlan:
@@ -38,7 +38,7 @@ def test_the_8b_table_gives_the_peak_the_planner_predicted_from_its_profile():
 
 def test_the_8b_table_gives_the_40gib_peak_under_that_plans_cost_model():
     # offload/llama-3.1-8b-T8192-gpu40GiB/planned@7e71169, whose peak was the turnaround of that
-    # commit's student/planner.py: (d + 1) fp32 gradients in flight, no ring in the turnaround.
+    # commit's student/planner/solve.py: (d + 1) fp32 gradients in flight, no ring in the turnaround.
     plan = plan_of("O o os rs os os os os os os os os os os os os os O os O os os O os O os os os os os os o", 1, "gpu")
     costs = big.cost_table(big.LLAMA_8B, "foam", 1.0, what_if="double_count", fp32_gpu_grads=True)
     c, d = costs.layers[0], plan.prefetch_depth

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from cli_helpers import one_error_line, run_cli
-from student.offload_plan import OffloadPlan
+from student.offload.plan import OffloadPlan
 from test_trainer import tiny  # noqa: F401  (the module-scoped fixture: a tiny student and cache)
 
 GiB = 2**30
@@ -47,24 +47,27 @@ def test_distill_plan_refuses_a_budget_in_one_line_with_the_smallest(tiny, capsy
 
 
 def test_distill_plan_takes_train_students_options_and_has_examples(capsys):
-    """One option set: every option of train-student but a run's own is an option of plan, with the
-    same default, so a plan is made for the step train-student runs."""
+    """One option set: every option of train-student that changes the step is an option of plan, with
+    the same names, default and help (the budgets too: one declaration), so a plan is made for the
+    step train-student runs; those that only say how often a run logs, evaluates or saves are not."""
     import typer.main
 
     from distill.cli import app
 
     commands = typer.main.get_command(app).commands
-    params = lambda name: {p.name: (p.opts, p.default) for p in commands[name].params}
+    params = lambda name: {p.name: (p.opts, p.default, p.help) for p in commands[name].params}
     train, plan = params("train-student"), params("plan")
-    for name in set(train) - {"out", "resume_from", "quiet", "offload", "gpu_memory", "host_memory"}:
+    run_only = {"out", "resume_from", "quiet", "offload", "eval_every", "eval_sequences", "save_every", "log_every"}
+    for name in set(train) - run_only:
         assert plan[name] == train[name], name
+    assert not (run_only - {"out"}) & set(plan)
     assert {"gpu_memory", "host_memory", "as_json", "plan_out"} <= set(plan)
     code, out, _ = run_cli(["plan", "--help"], capsys)
     assert code == 0 and "Example" in out and "--gpu-memory" in out
 
 
 def test_plan_for_training_takes_the_budgets_as_bytes(tiny, tmp_path):  # noqa: F811
-    from student.planner import plan_for_training
+    from student.planner.solve import plan_for_training
     from student.trainer import TrainConfig
 
     student, cache, _ = tiny
@@ -105,7 +108,7 @@ def test_on_a_gpu_the_profile_times_each_update_with_the_optimizer_the_trainer_b
     at more than three times its measured phase)."""
     import torch
 
-    from student.step_profile import ProfileSettings, profile
+    from student.planner.profile import ProfileSettings, profile
     from student.trainer import TrainConfig
 
     if not torch.cuda.is_available():
@@ -137,7 +140,7 @@ def test_load_factor_is_a_runs_time_back_to_back_over_its_time_in_bursts():
     gaps) leave the timings as they are (1)."""
     import time
 
-    from student.step_profile import ProfileSettings, load_factor
+    from student.planner.profile import ProfileSettings, load_factor
 
     def run_taking(idle_s: float, loaded_s: float):
         ended = [0.0]
@@ -158,8 +161,8 @@ def test_load_factor_is_a_runs_time_back_to_back_over_its_time_in_bursts():
 def test_the_plan_table_says_how_the_compute_timings_were_scaled():
     import dataclasses
 
-    from student.plan_report import plan_table
-    from student.planner import solve
+    from student.planner.report import plan_table
+    from student.planner.solve import solve
     from test_planner import random_table
 
     costs = random_table(3, seed=11, clock_factor=1.1)
@@ -169,8 +172,9 @@ def test_the_plan_table_says_how_the_compute_timings_were_scaled():
 
 
 def test_the_plan_table_says_what_the_gpu_peak_holds_largest_first():
-    from student.plan_report import plan_table
-    from student.planner import format_bytes, solve
+    from student.planner.report import plan_table
+    from student.offload.config import format_bytes
+    from student.planner.solve import solve
     from test_planner import GiB, random_table
 
     costs = random_table(3, seed=11, loss_workspace_bytes=40 * GiB)  # the head's workspace outweighs the rest
@@ -181,7 +185,7 @@ def test_the_plan_table_says_what_the_gpu_peak_holds_largest_first():
 
 
 def test_last_runs_keeps_the_runs_ending_in_the_last_span_and_at_least_some():
-    from student.step_profile import last_runs
+    from student.planner.profile import last_runs
 
     runs = [0.4, 0.1, 0.2, 0.3, 0.5]  # end at 0.4, 0.5, 0.7, 1.0, 1.5 s
     assert last_runs(runs, 0.6, 1) == [0.3, 0.5]  # ended after 0.9 s

@@ -1,4 +1,4 @@
-"""student/planner.py: the cost model, the mixed-integer program against brute force on hand-made
+"""student/planner/solve.py: the cost model, the mixed-integer program against brute force on hand-made
 cost tables and budget errors (`distill plan` itself: tests/test_plan_command.py)."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from typing import NamedTuple
 import pytest
 
 from distill.configs import ConfigError
-from student.offload_plan import LayerPlan, OffloadPlan, parse_bytes
-from student.planner import (CHOICES, PHASES, BudgetError, CostTable, LayerCosts, SolverSettings, predict, program_step_s,
+from student.offload.config import parse_bytes
+from student.offload.plan import LayerPlan, OffloadPlan
+from student.planner.solve import (CHOICES, PHASES, BudgetError, CostTable, LayerCosts, SolverSettings, predict, program_step_s,
                              smallest_budget, solve, solve_fixed)
 
 GiB = 2**30
@@ -107,7 +108,7 @@ def test_predict_peaks_count_what_each_decision_holds():
 
 
 def test_the_gpu_peaks_terms_name_what_each_decision_holds_and_the_larger_sum_is_the_peak():
-    from student.offload_peaks import gpu_peak_terms
+    from student.planner.peaks import gpu_peak_terms
 
     costs = table([layer(), layer(), layer(), layer()], loss_workspace_bytes=20 * GiB)
     plan = OffloadPlan((LayerPlan("keep", "resident", "gpu"), LayerPlan("offload", "stream", "host"),
@@ -187,7 +188,7 @@ def test_autograd_adds_a_tied_heads_gradient_only_after_every_layers_backward():
 
     from student.config import StudentConfig
     from student.model import Student
-    from student.step_profile import _grad_bytes_of_embedding
+    from student.planner.profile import _grad_bytes_of_embedding
 
     for tied in (True, False):
         config = StudentConfig(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2,
@@ -345,7 +346,7 @@ def test_the_program_encodes_predicts_bus_for_any_plan():
 def test_the_profiles_duplex_rates_undo_the_later_copys_part_alone():
     """step_profile._duplex_rates on the times of two copies of n bytes each way started together,
     as the bus runs them: both at their duplex rates until the first ends, the other then alone."""
-    from student.step_profile import _duplex_rates
+    from student.planner.profile import _duplex_rates
 
     n, alone, duplex = 64 * 2**20, (54e9, 55e9), (30e9, 38e9)
     t_out = n / duplex[1]  # the copy out ends first

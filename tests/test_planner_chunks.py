@@ -12,9 +12,11 @@ import pytest
 
 from cli_helpers import one_error_line, run_cli
 from distill.configs import ConfigError
-from student.offload_cost import ChunkSeconds, CostTable, KVPages, kept_attention, kv_options, kv_residency
-from student.offload_plan import OffloadConfig, OffloadPlan
-from student.planner import (BudgetError, SolverSettings, choose_chunks, predict, program_step_s, smallest_budget, solve,
+from student.planner.costs import kept_attention, kv_options, kv_residency
+from student.planner.table import ChunkSeconds, CostTable, KVPages
+from student.offload.config import OffloadConfig
+from student.offload.plan import OffloadPlan
+from student.planner.solve import (BudgetError, SolverSettings, choose_chunks, predict, program_step_s, smallest_budget, solve,
                              solve_kept)
 from test_plan_command import plan_args
 from test_planner import GiB, MS, layer, table

@@ -1,10 +1,13 @@
 """Stage one on Ray (`cache-teacher --executor ray`): a local Ray of 2 CPUs, started once for the
-module, builds caches with the tiny teacher. A worker killed in the middle of a shard is retried
-by Ray, and the cache still equals the one-process build (same cache_id, byte-identical shards,
-so every array is equal); a failed Ray run resumes. Skipped where ray is not installed."""
+module, builds caches with the tiny teacher. A worker killed (SIGKILL) in the middle of a shard is
+retried by Ray, and the cache still equals the one-process build (same cache_id, byte-identical
+shards, so every array is equal); a failed Ray run resumes. The faults come through
+``cache_teacher``'s ``wrap_teacher`` seam (tests/ray_faults.py). Skipped where ray is not
+installed."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -14,10 +17,10 @@ import numpy as np
 import pytest
 
 from cli_helpers import one_error_line, run_cli, run_cli_ok
-from teacher_cache.ray_executor import FAULT_ENV
+from ray_faults import fail_shard
 
 # 7 sequences in shards of 2: 4 shards, the last one short. batch-size 1: a shard's two sequences
-# are scored one after the other, so the fault hook cuts it between them.
+# are scored one after the other, so a fault (tests/ray_faults.py) cuts it between them.
 SMALL = ["--max-sequences", "7", "--seq-len", "32", "-k", "8", "--shard-size", "2", "--batch-size", "1", "-q"]
 
 
@@ -31,9 +34,10 @@ def one_process(tmp_path_factory, tiny_teacher) -> Path:
 @pytest.fixture(scope="module")
 def local_ray():
     ray = pytest.importorskip("ray")
-    # The workers import this checkout's packages, as the driver does.
-    root = str(Path(__file__).resolve().parents[1])
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+    # The workers import this checkout's packages, as the driver does, and tests/ray_faults.py.
+    here = Path(__file__).resolve().parent
+    paths = (str(here.parent), str(here), os.environ.get("PYTHONPATH"))
+    env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p),
            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, logging_level="ERROR")
     yield ray
@@ -68,23 +72,22 @@ def test_unreachable_cluster_is_one_line(tiny_teacher, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_worker_killed_mid_shard_is_retried_and_cache_equals_one_process(local_ray, one_process, tiny_teacher,
-                                                                        tmp_path, capsys, monkeypatch):
+                                                                        tmp_path):
     from pipelines.stage_one import StageOneConfig, TeacherConfig, cache_teacher
     from pipelines.corpus import CorpusConfig
     from teacher_cache.build import CacheConfig
     from teacher_cache.reader import CacheReader
 
     marker = tmp_path / "killed"
-    monkeypatch.setenv(FAULT_ENV, f"1:exit:{marker}")
     out = tmp_path / "cache"
     config = StageOneConfig(
         teacher=TeacherConfig(model=tiny_teacher),
         corpus=CorpusConfig(seq_len=32, max_sequences=7),
         cache=CacheConfig(out=out, k=8, shard_size=2, batch_size=1, executor="ray"))
-    report = cache_teacher(config, progress=False)
+    report = cache_teacher(config, progress=False, wrap_teacher=fail_shard(1, "kill", marker))
     killed = int(marker.read_text())  # shard 1's first attempt ran, in this worker process
     with pytest.raises(ProcessLookupError):
-        os.kill(killed, 0)  # which exited in the middle of the shard
+        os.kill(killed, 0)  # which was killed in the middle of the shard
     assert report.finalized and report.written_shards == 4
     # One teacher load per worker process that returned shards, whatever number it wrote.
     assert report.extra["ray"]["teacher_loads"] == len(report.extra["ray"]["workers"])
@@ -102,8 +105,12 @@ def test_failed_ray_run_resumes_and_equals_one_process(local_ray, one_process, t
                                                       monkeypatch):
     """A task that raises is not retried: the run fails in one line naming the shard, keeps the
     shards written, and the same command afterwards scores only the missing one."""
+    import pipelines.stage_one
+
     out = tmp_path / "cache"
-    monkeypatch.setenv(FAULT_ENV, f"2:raise:{tmp_path / 'raised'}")
+    # The CLI calls pipelines.stage_one.cache_teacher; this one passes the fault to the Ray tasks.
+    monkeypatch.setattr(pipelines.stage_one, "cache_teacher", functools.partial(
+        pipelines.stage_one.cache_teacher, wrap_teacher=fail_shard(2, "raise", tmp_path / "raised")))
     code, _, err = _build(tiny_teacher, out, capsys)
     line = one_error_line(code, err)
     assert "shard 2 " in line and "rerun the same command to resume" in line and "RuntimeError" in line
@@ -169,3 +176,14 @@ def test_sampled_cache_on_ray_equals_one_process(local_ray, tiny_teacher, tmp_pa
     assert code == 0, err
     assert _shards(tmp_path / "ray") == _shards(tmp_path / "one")
     assert json.loads((tmp_path / "ray" / "manifest.json").read_text())["targets"]["kind"] == "sampled"
+
+
+def test_wrap_teacher_needs_the_ray_executor(tmp_path):
+    """The fault seam reaches only Ray tasks: asked of a local build, it is refused before any work."""
+    from pipelines.stage_one import StageOneConfig, cache_teacher
+    from teacher_cache.build import CacheConfig
+
+    config = StageOneConfig(cache=CacheConfig(out=tmp_path / "c"))
+    with pytest.raises(ValueError, match="wrap_teacher .* needs the cache executor 'ray', got 'local'"):
+        cache_teacher(config, wrap_teacher=fail_shard(0, "raise", tmp_path / "m"))
+    assert not (tmp_path / "c").exists()

@@ -20,7 +20,8 @@ from student.data import CacheBatches
 from student.evaluate import evaluate_run_or_folder, evaluate_student
 from student.model import Student, to_relu_gate
 from student.sparse_ffn import SparseFFNPolicy
-from student.trainer import TrainConfig, _loss, _resolve, train
+from student.step import micro_batch_loss, resolve
+from student.trainer import TrainConfig, train
 from distill.errors import DistillUserError
 from teacher_cache.reader import CacheReader
 from test_trainer import config, rows, tiny  # noqa: F401  (the module-scoped fixture)
@@ -124,11 +125,11 @@ def test_step_loss_adds_l1_times_the_mean_layer_l1(tiny, tmp_path):  # noqa: F81
     model = to_relu_gate(Student.from_pretrained(student))
     batch = next(iter(CacheBatches(CacheReader(cache), range(24), 4)))
     hidden, terms = model(batch.input_ids, token_mask=batch.mask, return_ffn_terms=True)
-    dense_loss, kl = _loss(hidden, terms, batch, model, _resolve(config(tiny, tmp_path / "a")), cache_temperature=1.0)
+    dense_loss, kl = micro_batch_loss(hidden, terms, batch, model, resolve(config(tiny, tmp_path / "a")), cache_temperature=1.0)
     penalty = torch.stack([l1 for l1, _ in terms]).mean()
-    cfg = _resolve(config(tiny, tmp_path / "b", sparse_ffn=True, l1=0.5))
+    cfg = resolve(config(tiny, tmp_path / "b", sparse_ffn=True, l1=0.5))
     policy = SparseFFNPolicy(cfg.sparse, model, "cpu", seed=0)
-    loss, kl2 = _loss(hidden, terms, batch, model, cfg, cache_temperature=1.0, policy=policy)
+    loss, kl2 = micro_batch_loss(hidden, terms, batch, model, cfg, cache_temperature=1.0, policy=policy)
     torch.testing.assert_close(loss, dense_loss + 0.5 * penalty)
     torch.testing.assert_close(kl2, kl)
     assert policy.window.calls == 1  # the policy saw what the model measured
@@ -138,7 +139,7 @@ def test_sparse_run_converts_logs_sparsity_and_saves_a_relu_student(tiny, tmp_pa
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    with caplog.at_level(logging.INFO, logger="student.trainer"):
+    with caplog.at_level(logging.INFO, logger="student"):
         report = train(config(tiny, out, steps=4, sparse_ffn=True, l1=0.1, log_every=2), progress=False)
     assert "now has a ReLU gate, same weights; L1 coefficient 0.1" in caplog.text
     run = json.loads((out / "run.json").read_text())

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -210,29 +211,30 @@ import json, sys
 from student.trainer import TrainConfig, train
 train(TrainConfig.from_flat(**json.loads(sys.argv[1])), progress=False)
 """
+KILLED = -signal.SIGKILL  # the return code of a child that tests/kill_after_step.py killed
 
 
 def _train_in_subprocess(cfg: TrainConfig, exit_after: int | None = None) -> int:
+    """Train `cfg` in a child process; with exit_after, the child is SIGKILLed right after that step
+    (tests/kill_after_step.py). Returns its return code (0 or KILLED)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("DISTILL_TEST_EXIT_AFTER_STEP", None)
-    if exit_after is not None:
-        env["DISTILL_TEST_EXIT_AFTER_STEP"] = str(exit_after)
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(cfg.to_flat())], env=env,
+    kill = [] if exit_after is None else [str(REPO / "tests" / "kill_after_step.py"), str(exit_after)]
+    proc = subprocess.run([sys.executable, *kill, "-c", _CHILD, json.dumps(cfg.to_flat())], env=env,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode in (0, 17), proc.stderr[-2000:]
+    assert proc.returncode in (0, KILLED), proc.stderr[-2000:]
     return proc.returncode
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "foam", "adamw8bit"])
 def test_killed_run_resumes_to_the_same_losses_bit_for_bit(tiny, tmp_path, optimizer):
-    """Killed (os._exit, as SIGKILL would) after step 5 with a checkpoint at 4, and its metric row
+    """Killed (SIGKILL) after step 5 with a checkpoint at 4, and its metric row
     for step 5 already written; the rerun drops that row, resumes at 4 and matches exactly. Two
     micro-batches per step and 8 steps of 6 sequences cross two epochs of the 20 train sequences.
     For every optimizer: their states (folded, 8-bit) must survive the checkpoint exactly."""
     kw = dict(steps=8, grad_accum=2, save_every=4, eval_every=4, optimizer=optimizer, foam_level=1)
     clean = train(config(tiny, tmp_path / "clean", **kw), progress=False)
     cfg = config(tiny, tmp_path / "killed", **kw)
-    assert _train_in_subprocess(cfg, exit_after=5) == 17
+    assert _train_in_subprocess(cfg, exit_after=5) == KILLED
     assert [r["step"] for r in rows(cfg.out)][-1] == 5 and not (Path(cfg.out) / "student").exists()
     assert _train_in_subprocess(cfg) == 0
     keys = ("step", "loss", "kl", "lr", "grad_norm", "tokens", "epoch")
@@ -255,7 +257,7 @@ def test_resumed_sparse_run_matches_bit_for_bit(tiny, tmp_path):
               dead_reinit=0.1, dead_window=1)
     clean = train(config(tiny, tmp_path / "clean", **kw), progress=False)
     cfg = config(tiny, tmp_path / "killed", **kw)
-    assert _train_in_subprocess(cfg, exit_after=5) == 17
+    assert _train_in_subprocess(cfg, exit_after=5) == KILLED
     assert [r["step"] for r in rows(cfg.out)] == [3]
     assert _train_in_subprocess(cfg) == 0
     drop = lambda r: {k: v for k, v in r.items() if k != "tok_per_s"}
@@ -269,7 +271,7 @@ def test_resumed_sparse_run_matches_bit_for_bit(tiny, tmp_path):
 
 def test_ce_only_baseline_and_mixing_follow_the_kernel_terms(tiny, tmp_path):
     from kernels.fused_topk_kl import fused_topk_kl
-    from student.trainer import _loss, _resolve
+    from student.step import micro_batch_loss, resolve
 
     student, cache, _ = tiny
     model = Student.from_pretrained(student)
@@ -282,8 +284,8 @@ def test_ce_only_baseline_and_mixing_follow_the_kernel_terms(tiny, tmp_path):
     kl = fused_topk_kl(hidden, model.lm_head_weight, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass,
                        mask=batch.mask, tail=LossConfig().tail)
     for weight, expected in ((1.0, ce), (0.25, 0.75 * kl + 0.25 * ce), (0.0, kl)):
-        cfg = _resolve(config(tiny, tmp_path / "x", ce_weight=weight))
-        loss, kl_metric = _loss(hidden_BLD, [], batch, model, cfg, cache_temperature=1.0)
+        cfg = resolve(config(tiny, tmp_path / "x", ce_weight=weight))
+        loss, kl_metric = micro_batch_loss(hidden_BLD, [], batch, model, cfg, cache_temperature=1.0)
         torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(kl_metric, kl.detach(), rtol=1e-5, atol=1e-6)
     report = train(config(tiny, tmp_path / "ce", ce_weight=1.0, steps=2), progress=False)
@@ -323,7 +325,7 @@ def test_the_loss_config_offers_the_kernels_tails():
     import typing
 
     from kernels.fused_topk_kl import TAIL_MODES
-    from student.loss import TailMode
+    from student.loss_config import TailMode
 
     assert set(typing.get_args(TailMode)) == set(TAIL_MODES)
 
@@ -580,7 +582,6 @@ def test_two_runs_read_one_cache_at_the_same_time(tiny, tmp_path):
     _, cache, _ = tiny
     before = {p: p.read_bytes() for p in sorted(Path(cache).rglob("*")) if p.is_file()}
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("DISTILL_TEST_EXIT_AFTER_STEP", None)
     procs = [subprocess.Popen([sys.executable, "-c", _CHILD,
                                json.dumps(config(tiny, tmp_path / f"run{i}", seed=i).to_flat())],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]

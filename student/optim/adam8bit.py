@@ -53,7 +53,7 @@ from distill.errors import DistillUserError
 from kernels.adamw8bit_step import (AdamW8bitLaunch, AdamW8bitStepSettings, adamw8bit_launch_key, adamw8bit_step,
                                     adamw_step_scalars)
 from kernels.multi_tensor import TRITON_DTYPE_NAMES, GradTable, triton_can_run
-from student.optim.plans import current_plan, forget_plans
+from student.optim.plans import PlanCache
 from student.optim.shards import is_sharded, largest_shard_numel, like, local
 
 try:
@@ -131,7 +131,7 @@ class AdamW8bit(torch.optim.Optimizer):
         self.fused = fused
         self.settings = settings or AdamW8bitStepSettings()
         self._warned: set[str] = set()
-        forget_plans(self)  # the batched launches of recent steps (see _Plan, current_plan)
+        self.plans = PlanCache()  # the batched launches of recent steps (see _Plan)
         _check("lr", lr, isinstance(lr, (int, float)) and lr >= 0, "a number >= 0")
         _check("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "two numbers in [0, 1)")
         _check("eps", eps, isinstance(eps, (int, float)) and eps >= 0, "a number >= 0")
@@ -241,7 +241,7 @@ class AdamW8bit(torch.optim.Optimizer):
                 loss = closure()
         params = [p for group in self.param_groups for p in group["params"]]
         key = (id(self.state), tuple(p.grad is not None for p in params), tuple(local(p).data_ptr() for p in params))
-        plan = current_plan(self, key)
+        plan = self.plans.current(self, key, self._build_plan)
         for state in plan.fused_states:
             state["step"] += 1
         for index, (group_index, launch, states) in enumerate(plan.launches):
@@ -288,7 +288,7 @@ class AdamW8bit(torch.optim.Optimizer):
         into floats and round fp32 scales of bf16 parameters.
         """
         super().load_state_dict(state_dict)
-        forget_plans(self)
+        self.plans.forget()
         saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for pid, p in zip(saved_ids, params):

@@ -11,7 +11,7 @@ have foreach kernels.
 Unlike torch.nn.utils.clip_grad_norm_, a non-finite total norm leaves the gradients as they are
 (torch multiplies them by NaN), so the caller can inspect the returned norm and skip the step.
 
-The pieces are public for the offload runtime (student/offload.py), which measures the norms of
+The pieces are public for the offload runtime (student/offload/runtime.py), which measures the norms of
 its host layers' gradients on the device as they pass and scales those gradients inside its update:
 `total_grad_norm` takes such norms as known, `clip_coefficient` gives the coefficient to apply
 later, `scale_grads_` scales the rest now. `clip_grad_norm_foreach` is the three in a row.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from distill.configs import check_types, require
+from distill.configs import check_types, option, require
 
 OptimizerName = Literal["adamw", "foam", "adamw8bit"]
 
@@ -14,13 +14,14 @@ OptimizerName = Literal["adamw", "foam", "adamw8bit"]
 class OptimizerConfig:
     """Which optimizer, and its hyperparameters; `build_optimizer` (student/optim) makes it."""
 
-    optimizer: OptimizerName = "adamw"  # "adamw" | "foam" (block-folded states) | "adamw8bit" (block-wise 8-bit states)
-    lr: float = 3e-4  # peak learning rate (linear warmup, then cosine: student/schedule.py)
-    weight_decay: float = 0.1  # decoupled decay on matrices (not on norms and biases)
-    clip_grad: float = 1.0  # max global gradient norm (0: no clipping)
-    foam_level: int = 2  # FOAM: moments folded into blocks of 2**foam_level along each matrix's last dim
-    foam_scale: float = 0.25  # FOAM: the update scale alpha of folded matrices (the authors' default)
-    foam_fold_embeddings: bool = False  # FOAM: fold the embedding / lm-head too (else plain Adam)
+    optimizer: OptimizerName = option("adamw", "adamw, foam (block-folded states) or adamw8bit (8-bit states).")
+    lr: float = option(3e-4, "Peak learning rate (linear warmup, then cosine).")
+    weight_decay: float = option(0.1, "Decoupled weight decay on matrices (not on norms and biases).")
+    clip_grad: float = option(1.0, "Max global gradient norm (0: no clipping).")
+    foam_level: int = option(2, "FOAM: fold moments into blocks of 2**level along each matrix's last dim.")
+    # FOAM: the update scale alpha of folded matrices (the authors' default)
+    foam_scale: float = option(0.25, "FOAM: update scale of the folded matrices.")
+    foam_fold_embeddings: bool = option(False, "FOAM: fold the embedding and lm-head too (else plain Adam).")
 
     def __post_init__(self):
         check_types(self)

@@ -36,7 +36,7 @@ import torch
 from distill.errors import DistillUserError
 from kernels.foam_step import FoamLaunch, FoamStepSettings, foam_launch_key, foam_moment_shape, foam_step
 from kernels.multi_tensor import TRITON_DTYPE_NAMES, GradTable, triton_can_run
-from student.optim.plans import current_plan, forget_plans
+from student.optim.plans import PlanCache
 from student.optim.shards import like, local
 
 try:
@@ -147,7 +147,7 @@ class FOAM(torch.optim.Optimizer):
         self.fused = fused
         self.settings = settings or FoamStepSettings()
         self._warned_no_triton = False
-        forget_plans(self)  # the batched launches of recent steps (see _Plan, current_plan)
+        self.plans = PlanCache()  # the batched launches of recent steps (see _Plan)
         betas = tuple(betas) if isinstance(betas, (tuple, list)) else betas  # checked in add_param_group
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, level=level, scale=scale,
                         rho=rho)
@@ -240,7 +240,7 @@ class FOAM(torch.optim.Optimizer):
                 loss = closure()
         params = [p for group in self.param_groups for p in group["params"]]
         key = self._plan_key(params)
-        plan = current_plan(self, key)
+        plan = self.plans.current(self, key, self._build_plan)
         for state in plan.fused_states:
             state["step"] += 1
         for index, (group_index, launch, states) in enumerate(plan.launches):
@@ -259,7 +259,7 @@ class FOAM(torch.optim.Optimizer):
         """torch's loader casts every float state tensor to its param's dtype; FOAM's moments stay
         fp32, so they are taken again from ``state_dict`` after the torch load."""
         super().load_state_dict(state_dict)
-        forget_plans(self)
+        self.plans.forget()
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for param_id, p in zip(saved_ids, params):

@@ -23,19 +23,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.sample_targets import sample_targets
 from kernels.topk_logprobs import topk_logprobs
-from teacher_cache.backends import (
+from teacher_cache.backends.base import (
     PREFILL_TOKENS,
     canonical_dtype,
     check_k,
-    check_model_dir,
     check_sequences,
     check_temperature,
     split_rows,
-    weights_hash,
 )
+from teacher_cache.backends.folder import check_model_dir, weights_hash
 from distill.devices import resolve_device
 from distill.errors import DistillUserError
 from teacher_cache.targets import Sampling, TeacherTargets
@@ -61,7 +61,7 @@ class HFBackend:
     impl: lm-head top-k path, "auto" (Triton on a GPU) | "torch" | "triton". compile: run the
     model body of whole-sequence batches through torch.compile (fuses its element-wise work); None
     compiles on a GPU, where it pays off once a run is longer than the compilation (rows
-    `teacher_gpu/*/default@a2bce95`, RESULTS.md Teacher capture), and not on a CPU. Chunked prefill always runs the eager body:
+    `teacher_gpu/*/default@a2bce95`, RESULTS.md, "Teacher capture"), and not on a CPU. Chunked prefill always runs the eager body:
     its growing KV cache would take a compilation per length.
     prefill_tokens: longest sequence run in one forward; a longer one is prefilled alone in
     chunks of this many tokens through the teacher's KV cache (see the module doc).
@@ -97,6 +97,7 @@ class HFBackend:
         self.prefill_tokens = prefill_tokens
         self.device = torch.device(resolve_device(device))
         self._weights_hash: str | None = None
+        self._chunk_attention_set = False  # the model runs _chunk_attention (after the first chunked prefill)
         _warn_if_slow_half_precision(self.device, self.dtype)
 
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.dtype))
@@ -183,9 +184,10 @@ class HFBackend:
         from transformers import DynamicCache
 
         _refuse_windowed_attention(self.model.config, self.model_dir, len(seq), self.prefill_tokens)
-        if self.model.config._attn_implementation != _CHUNK_ATTENTION:
+        if not self._chunk_attention_set:
             _register_chunk_attention()
             self.model.set_attn_implementation(_CHUNK_ATTENTION)
+            self._chunk_attention_set = True
         ids = torch.from_numpy(seq).to(self.device)
         next_ids = torch.cat([ids[1:], ids.new_full((1,), -1)])  # the last row has no next token
         cache = DynamicCache(config=self.model.config)
@@ -337,8 +339,6 @@ def _chunk_attention(module, query, key, value, attention_mask, dropout: float =
     query i sees keys 0..S-C+i. SDPA runs it without a mask tensor (flash on a GPU), so a chunk
     late in a long sequence costs no [C, S] mask.
     """
-    from torch.nn.attention.bias import causal_lower_right
-
     groups = query.shape[1] // key.shape[1]
     q_len, kv_len = query.shape[2], key.shape[2]
     # Flash takes grouped heads as they are; SDPA's other lower-right kernel on a GPU does not.
@@ -376,7 +376,7 @@ def _refuse_windowed_attention(config, model_dir: Path, length: int, prefill_tok
 
 def _warn_if_slow_half_precision(device: torch.device, dtype: str) -> None:
     # Without AVX-512 (bf16/fp16 instructions), torch emulates half-precision matmuls on x86, many
-    # times slower than float32 (tests/benchmarks/RESULTS.md, teacher capture, the CPU table).
+    # times slower than float32 (tests/benchmarks/RESULTS.md, "Teacher capture", the CPU table).
     if device.type == "cpu" and dtype != "float32" and torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT"):
         log.warning(
             "dtype=%s on a CPU without AVX-512 (torch reports %s): half-precision matmuls are "

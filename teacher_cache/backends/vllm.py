@@ -19,14 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from teacher_cache.backends import (
-    PREFILL_TOKENS,
-    canonical_dtype,
-    check_k,
-    check_model_dir,
-    check_sequences,
-    weights_hash,
-)
+from teacher_cache.backends.base import PREFILL_TOKENS, canonical_dtype, check_k, check_sequences
+from teacher_cache.backends.folder import check_model_dir, weights_hash
 from distill.errors import DistillUserError
 from teacher_cache.targets import TeacherTargets, tail_logmass_from_topk
 

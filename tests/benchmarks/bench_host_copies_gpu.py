@@ -1,15 +1,15 @@
 """Host <-> device copy rates as the offload runtime meets them, beside those the planner's profile
 measures (issue 18: the cost model's copy rates).
 
-The profile (student/step_profile.py, `_bandwidths`) copies one 64 MiB buffer from torch's pinned
-allocator again and again; the runtime (student/offload_update.py) copies gigabytes of distinct
+The profile (student/planner/profile.py, `_bandwidths`) copies one 64 MiB buffer from torch's pinned
+allocator again and again; the runtime (student/offload/update.py) copies gigabytes of distinct
 host memory, page-locked in place (cudaHostRegister), both ways at once in the update's ring. On
 the H200 the ring's copies ran slower than the profile's rates both alone and both ways at once
 (RESULTS.md, Offloaded training); these cases separate the candidate causes.
 
 Cases `host_copies/<memory>-<span>/<direction>`:
   memory     pinned: torch.empty(pin_memory=True), as the profile; registered: the runtime's own
-             host buffers (student.offload_update.host_empty)
+             host buffers (student.offload.update.host_empty)
   span       64MiBx1: one 64 MiB buffer, copied each time (the profile); 1GiBx8: eight distinct
              1 GiB buffers, each copied once in turn (streaming a student's layers)
   direction  h2d, d2h, or both: the same copies each way at once on two side streams
@@ -26,7 +26,7 @@ import argparse
 import torch
 from harness import Results, add_results_arg, gbps, time_gpu
 
-from student.offload_update import host_empty, unpin
+from student.offload.update import host_empty, unpin
 
 BENCH = "host_copies"
 SPANS = {"64MiBx1": (64 * 2**20, 1), "1GiBx8": (2**30, 8)}

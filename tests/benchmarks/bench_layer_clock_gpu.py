@@ -1,9 +1,9 @@
 """One decoder layer's forward and backward timed as the planner's profile times it (in bursts, the
 device idle in between) and under a sustained load (back to back for --seconds), in one run
 (issue 18: the step predictions at 8B and 14B ran 0.79-0.87 of the measured steps, and nvidia-smi
-showed the SM clock lower in a step than during the profile; LOG.md, twelfth session).
+showed the SM clock lower in a step than during the profile; notes/offload.md, "The clock under load").
 
-The layer is built as student/step_profile.py builds a layer's working copy: the shape's decoder
+The layer is built as student/planner/profile.py builds a layer's working copy: the shape's decoder
 layer, random init, matrices in bf16 and vectors in fp32, run under bf16 autocast on one sequence
 of --seq-len tokens. Three phases, in this order:
   burst      --repeats runs, each its forward and backward timed alone with CUDA events, the host
@@ -21,7 +21,7 @@ Row `layer_clock/<shape>-T<tokens>`: the median milliseconds of each phase, sust
 hot_burst / burst (and copying / sustained, with the copies' rates each way while the layer ran).
 A sustained / burst above 1 is what a profile timing in bursts misses of a step; copying /
 sustained above 1 what the profile's cost model misses by letting copies not slow compute
-(student/offload_cost.py's predict).
+(student/planner/costs.py's predict).
 
     PYTHONPATH=. python tests/benchmarks/bench_layer_clock_gpu.py --shape llama-3.1-8b --results $OUT/results.jsonl
 """
@@ -36,13 +36,13 @@ from bench_offload_gpu import shape_config
 from harness import Results, add_results_arg
 
 from student.model import Student
-from student.step_profile import burst_seconds, layer_run, loaded_seconds
+from student.planner.profile import burst_seconds, layer_run, loaded_seconds
 
 BENCH = "layer_clock"
 
 
 def working_layer(shape: str, seq_len: int, device: str, seed: int):
-    """`run()`: one layer of `shape` as the profile's working copy (student.step_profile.layer_run),
+    """`run()`: one layer of `shape` as the profile's working copy (student.planner.profile.layer_run),
     its forward and backward on one sequence of `seq_len` tokens."""
     torch.manual_seed(seed)
     model = Student(shape_config(shape, seq_len).replace(num_layers=1))

@@ -11,8 +11,8 @@ with a model and optimizer built afresh; an out-of-memory error becomes a row wi
                 SwiGLU, fused linear cross-entropy), gradient checkpointing, bf16 weights, fused
                 torch AdamW, loss = model(input_ids, labels=input_ids).loss (ENVIRONMENT.md's recipe)
   ours          student.model.Student with fp32 master weights under bf16 autocast, one micro-batch
-                through the trainer's own path (student.trainer._micro_batch_backward: with
-                --chunk-tokens, student.long_context.chunk_recurrent_backward and the fused top-k KL
+                through the trainer's own path (student.step.micro_batch_backward: with
+                --chunk-tokens, student.long_context.engine.chunk_recurrent_backward and the fused top-k KL
                 normalised over the whole sequence), k = 32 random valid teacher targets built on the
                 device, the optimizer of student.optim.build_optimizer (--optimizer)
   ours_offload  ours with kv_offload=True: pages and their gradients in pinned host memory
@@ -134,10 +134,10 @@ def build_ours(config: StudentConfig, device: str, seed: int) -> Student:
 
 def ours_backward(model, batch, config) -> torch.Tensor:
     """The trainer's forward and backward of one micro-batch; its loss, detached."""
-    from student.trainer import _micro_batch_backward
+    from student.step import micro_batch_backward
 
     amp_dtype = torch.bfloat16 if config.dtype == "bfloat16" else None
-    loss, _ = _micro_batch_backward(model, batch, config, amp_dtype, cache_temperature=1.0)
+    loss, _ = micro_batch_backward(model, batch, config, amp_dtype, cache_temperature=1.0)
     return loss
 
 

@@ -17,7 +17,7 @@ becomes a row with "oom": true):
                 states on the device
   zero_offload  a fixed plan (the ZeRO-Offload / MegaTrain recipe): every layer's weights streamed
                 (prefetch 1), every layer's input offloaded, the update on the CPU
-  planned       student.planner.make_plan's plan under --gpu-memory / --host-memory (when
+  planned       student.planner.solve.make_plan's plan under --gpu-memory / --host-memory (when
                 the planner is there; it profiles and plans against a synthetic cache this script
                 writes, as `distill train-student --offload auto` would); its row adds the
                 profile's copy bandwidths each way alone (h2d_gb_s, d2h_gb_s) and both at once
@@ -26,8 +26,8 @@ becomes a row with "oom": true):
   hf_liger      bench_long_context_gpu's transformers + Liger step (bf16 weights, gradient
                 checkpointing, fused AdamW; qwen2 shapes only): the long-context issue's baseline,
                 so that a planned long-context row and its baseline come from one run
-Each offloaded step is the trainer's: student.trainer._micro_batch_backward through the
-student.offload.OffloadRuntime, finish_grads, the runtime's clip_grad_norm at 1.0 (the trainer's
+Each offloaded step is the trainer's: student.step.micro_batch_backward through the
+student.offload.runtime.OffloadRuntime, finish_grads, the runtime's clip_grad_norm at 1.0 (the trainer's
 clipping, its host layers' norms taken on the device), runtime.step, zero_grad.
 
 Rows `offload/<shape>-T<tokens>/<variant>`: median step seconds over --repeats after --warmup
@@ -55,11 +55,11 @@ under the allocator's history (memory_peak.py): DIR/VARIANT-peak.json lists what
 step's peak by where it was allocated, where a GPU peak differs from the plan's prediction.
 
 With --gpu-memory on a GPU, the variants that train with a plan run with torch's caching allocator
-capped at the budget, as train-student caps it (student.offload_run.cap_allocator; rows
+capped at the budget, as train-student caps it (student.offload.run.cap_allocator; rows
 `...-capped/...`): the plan budgets allocated bytes, the cap holds the reserved ones
 (max_memory_reserved) within the budget too.
 
-With --chunk-tokens every variant's step is chunk-recurrent (student/long_context.py), its pages
+With --chunk-tokens every variant's step is chunk-recurrent (student/long_context/), its pages
 resident or, with --kv-offload, in pinned host memory; `planned` plans together with the chunk
 engine (with --chunk-candidates the planner chooses the chunk size and where the pages live, and
 the step takes its choice, as train-student does). Such rows also give model TFLOP/s counting
@@ -95,8 +95,9 @@ from harness import (Results, add_results_arg, ceilings, check_close, free_memor
 
 from student.config import StudentConfig
 from student.model import Student, rope_inv_freq
-from student.offload_plan import OffloadPlan, parse_bytes
-from student.offload_run import cap_allocator, cuda_index
+from student.offload.config import parse_bytes
+from student.offload.plan import OffloadPlan
+from student.offload.run import cap_allocator, cuda_index
 
 BENCH = "offload"
 VARIANTS = ("none", "zero_offload", "planned", "file", "hf_liger")
@@ -181,8 +182,8 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
     synthetic cache of --seq-len rows for the planner to profile. Returns (plan, figures of the
     profile the floor of a budgeted step rests on: the measured copy bandwidths each way, alone and
     both at once, and the plan's predicted GPU peak term by term)."""
-    from student.offload_peaks import gpu_peak_terms
-    from student.planner import make_plan
+    from student.planner.peaks import gpu_peak_terms
+    from student.planner.solve import make_plan
 
     folder = work / "student"
     folder.mkdir(parents=True, exist_ok=True)
@@ -204,10 +205,10 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
 def step_fn(model: Student, plan: OffloadPlan | None, args, work: Path, batch, chunks_of: OffloadPlan | None = None):
     """The trainer's step (module docstring); returns (step, runtime, optimizer). chunks_of: the plan
     whose chunk settings a step without offload takes (default `plan`'s)."""
-    from student.offload import OffloadRuntime
+    from student.offload.runtime import OffloadRuntime
     from student.optim import build_optimizer
     from student.optim.clip import clip_grad_norm_foreach
-    from student.trainer import _micro_batch_backward, steps_accumulate
+    from student.step import micro_batch_backward, steps_accumulate
 
     cfg = with_plan(train_config(args, work), chunks_of or plan)
     amp = torch.bfloat16 if args.device == "cuda" else None
@@ -217,7 +218,7 @@ def step_fn(model: Student, plan: OffloadPlan | None, args, work: Path, batch, c
     losses = []
 
     def step(batch=batch):
-        loss, _ = _micro_batch_backward(model, batch, cfg, amp, cache_temperature=1.0)
+        loss, _ = micro_batch_backward(model, batch, cfg, amp, cache_temperature=1.0)
         if runtime is not None:
             runtime.finish_grads()
         norm = runtime.clip_grad_norm(1.0) if runtime is not None else clip_grad_norm_foreach(model.parameters(), 1.0)
@@ -411,9 +412,9 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"--num-layers must be >= 1, got {args.num_layers}")
     if "planned" in variants:
         try:
-            import student.planner  # noqa: F401
+            import student.planner.solve  # noqa: F401
         except ImportError:
-            print("planned skipped: student.planner does not import here", flush=True)
+            print("planned skipped: student.planner.solve does not import here", flush=True)
             variants.remove("planned")
     config = shape_config(args.shape, args.seq_len)
     name = args.shape

@@ -34,7 +34,7 @@ import torch
 from harness import Results, add_results_arg, check_close, time_cpu
 
 # Mean |log-prob - the float32 teacher's| allowed at the returned ids: float32 agrees to rounding;
-# bfloat16 logits move log-probs by their rounding (the spread measured in notes/LOG.md, "Teacher
+# bfloat16 logits move log-probs by their rounding (the spread measured in notes/capture.md, "Teacher
 # pass on the CPU"). Both bounds sit far below the nats a misaligned row or a wrong id costs.
 FIRST_CALL_TOL = {"float32": 1e-3, "bfloat16": 0.15}
 STDLIB_FILES = ("textwrap.py", "json/decoder.py", "argparse.py", "csv.py", "heapq.py", "bisect.py", "shlex.py")

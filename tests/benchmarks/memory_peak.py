@@ -7,7 +7,7 @@ repository (else the innermost frame). Blocks allocated before the step (weights
 key/value store's pools) are one line, "before the step". Python stacks only (cheap to record):
 what the autograd engine allocates on its device thread outside a Python Function's backward has
 no frames and is summed as "unknown". A row whose predicted GPU peak misses
-the measured one then says which of the cost model's terms is off (student/offload_peaks.py's
+the measured one then says which of the cost model's terms is off (student/planner/peaks.py's
 `peaks` names them). bench_offload_gpu.py's --memory-peak writes one JSON file a variant.
 """
 

@@ -1,7 +1,7 @@
-"""Issue 18's big shapes on paper: the planner (student/planner.py) on cost tables built from the
+"""Issue 18's big shapes on paper: the planner (student/planner/solve.py) on cost tables built from the
 shapes and from figures measured on the H200, for Qwen2.5-14B and -32B with fp32 master weights and
 AdamW or FOAM states at 8K tokens a step, under the device's GPU budget and host budgets of 111 and
-120 GiB. No GPU runs here: the tables are what student/step_profile.py would measure, by its
+120 GiB. No GPU runs here: the tables are what student/planner/profile.py would measure, by its
 arithmetic, where its measurement can be reproduced (bytes), and scaled from the Llama-3.1-8B
 shape's recorded profile where it cannot (seconds, allocator workspace).
 
@@ -48,8 +48,9 @@ import argparse
 import json
 from dataclasses import dataclass
 
-from student.offload_cost import CostTable, LayerCosts
-from student.planner import BudgetError, GiB, format_bytes, predict, solve
+from student.planner.table import CostTable, LayerCosts
+from student.offload.config import format_bytes
+from student.planner.solve import BudgetError, GiB, predict, solve
 
 TOKENS = 8192
 H2D = D2H = 54.6e9

@@ -1,8 +1,8 @@
 """An offload plan: what of a student's training step lives where (LazyTrain, arXiv 2608.11919).
 
-The contract between the planner (student/planner.py: profiles a step, solves a mixed-integer
+The contract between the planner (student/planner/solve.py: profiles a step, solves a mixed-integer
 program for the fastest schedule under GPU and host memory budgets) and the runtime
-(student/offload.py: carries the schedule out). A plan is a JSON file a person can read and edit;
+(student/offload/runtime.py: carries the schedule out). A plan is a JSON file a person can read and edit;
 `distill plan` writes one, `distill train-student --offload PLAN.json` uses it. A leaf: it imports
 nothing of torch.
 
@@ -36,8 +36,8 @@ from typing import Literal
 from distill.configs import ConfigError, check_types
 from distill.files import atomic_write_json
 
-__all__ = ["PLAN_VERSION", "UPDATE_SLOTS", "READABLE_VERSIONS", "ChunkChoice", "LayerPlan", "OffloadConfig", "OffloadPlan",
-           "Predicted", "parse_bytes", "parse_chunk_candidates"]
+__all__ = ["PLAN_VERSION", "UPDATE_SLOTS", "READABLE_VERSIONS", "ChunkChoice", "LayerPlan", "OffloadPlan",
+           "Predicted"]
 
 PLAN_VERSION = 2
 # Host layers updated on the GPU pass through a ring of this many device slots (master, gradient,
@@ -46,63 +46,6 @@ PLAN_VERSION = 2
 # cost model and peak both use it.
 UPDATE_SLOTS = 2
 READABLE_VERSIONS = (1, 2)  # a version-1 plan has no `states`: every layer's are on the host
-
-
-@dataclass
-class OffloadConfig:
-    """Whether and how a training run offloads (the `offload` part of TrainConfig; flat names are
-    the CLI options of `distill train-student` and `distill plan`)."""
-
-    # "none": everything on the GPU (today's behaviour); "auto": profile a step, plan under the
-    # budgets below, train with that plan; a path: train with the plan saved there (`distill plan`).
-    offload: str = "none"
-    gpu_memory: str | None = None  # GPU memory budget, e.g. "40GiB" (None: the device's total)
-    host_memory: str | None = None  # host memory budget, e.g. "120GiB" (None: the host's available memory)
-    # Chunk sizes the planner chooses among with chunk-recurrent training, comma-separated, e.g.
-    # "4096,8192,16384"; it chooses where the key/value pages live too (kv_offload, offload_pages).
-    # None: the run's chunk_tokens and pages as set (the planner decides the layers only).
-    chunk_candidates: str | None = None
-
-    def __post_init__(self):
-        check_types(self)
-        for name in ("gpu_memory", "host_memory"):
-            if getattr(self, name) is not None:
-                parse_bytes(getattr(self, name), name)
-        if self.chunk_candidates is not None:
-            parse_chunk_candidates(self.chunk_candidates)
-
-    @property
-    def candidates(self) -> tuple[int, ...] | None:
-        """chunk_candidates as chunk sizes, ascending (None when not given)."""
-        return None if self.chunk_candidates is None else parse_chunk_candidates(self.chunk_candidates)
-
-
-def parse_bytes(text: str, field_name: str = "memory") -> int:
-    """'40GiB', '1.5 TB', '512MiB', '1000000' -> bytes (binary units with an i, decimal without)."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    t = text.strip().upper().replace(" ", "")
-    number = t.rstrip("KMGTIB")
-    unit = t[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in units or value <= 0:
-        raise ConfigError(field_name, f"is {text!r}; give a size such as 40GiB, 512MiB or 1.5TB")
-    return int(value * units[unit])
-
-
-def parse_chunk_candidates(text: str) -> tuple[int, ...]:
-    """'4096,8192, 16384' -> (4096, 8192, 16384): distinct chunk sizes >= 1, ascending."""
-    try:
-        sizes = [int(part) for part in text.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
-        raise ConfigError("chunk_candidates", f"is {text!r}; give distinct chunk sizes in tokens separated by commas, "
-                                              "e.g. 4096,8192,16384")
-    return tuple(sorted(sizes))
 
 
 @dataclass(frozen=True)
@@ -127,7 +70,7 @@ class Predicted:
     host_peak_bytes: int = 0
     layer_s: tuple[float, ...] = ()  # per layer: forward + backward + recompute + exposed transfers
     # The step in phases, seconds, summing to step_s; the runtime measures the same names
-    # (OffloadRuntime.phase_s): student/planner.py's PHASES says what each holds.
+    # (OffloadRuntime.phase_s): student/planner/solve.py's PHASES says what each holds.
     phase_s: dict[str, float] = field(default_factory=dict, hash=False)
 
 
@@ -154,7 +97,7 @@ class OffloadPlan:
     layers: tuple[LayerPlan, ...]
     prefetch_depth: int = 1
     optimizer: Literal["gpu", "cpu"] = "cpu"
-    # Long-context engine (student/long_context.py), when it is on: the chunk size the plan was
+    # Long-context engine (student/long_context/), when it is on: the chunk size the plan was
     # made for and how many key/value pages (of every row) the GPU holds at once over all layers:
     # every page without kv_offload, three page sets of offload_pages with it (the rest in host
     # memory). None: whole sequences. A run with another chunk size is refused, unless the planner

@@ -1,12 +1,12 @@
 """The offload planner (LazyTrain, arXiv 2608.11919 §3.2): measure a step, solve for the fastest plan.
 
-`profile` (student/step_profile.py) times one real micro-batch of the student layer by layer and
-measures bytes and copy bandwidths into a `CostTable`; `predict` (student/offload_cost.py) is the cost
-model of a plan (student/offload_plan.py says what each decision means); `solve` finds the plan of least predicted step time under a GPU and a
+`profile` (student/planner/profile.py) times one real micro-batch of the student layer by layer and
+measures bytes and copy bandwidths into a `CostTable`; `predict` (student/planner/costs.py) is the cost
+model of a plan (student/offload/plan.py says what each decision means); `solve` finds the plan of least predicted step time under a GPU and a
 host memory budget with a mixed-integer program (scipy.optimize.milp, HiGHS) that encodes `predict`
 exactly, so the program's optimum is `predict`'s step time of the plan it returns.
 `plan_for_training` does all three for a TrainConfig (`distill plan`, `train-student --offload auto`;
-student/plan_report.py prints a plan).
+student/planner/report.py prints a plan).
 
 LazyTrain places activation checkpoints on a recomputation path and charges the transfer traffic a
 compute window cannot hide (its eq. 5). Here the windows are the layers' forward and backward
@@ -24,11 +24,13 @@ import math
 from dataclasses import dataclass, field, replace
 
 from distill.configs import ConfigError
-from student.offload_cost import PHASES, CostTable, LayerCosts, kept_attention, kv_options, kv_residency, predict
-from student.offload_peaks import (backward_gpu_bytes, beside_backward, held_activation_bytes, in_turn, optimizer_slices,
+from student.planner.costs import PHASES, kept_attention, kv_options, kv_residency, predict
+from student.planner.peaks import (backward_gpu_bytes, beside_backward, held_activation_bytes, in_turn, optimizer_slices,
                                    peaks, widened_host_bytes)
-from student.offload_plan import UPDATE_SLOTS, ChunkChoice, LayerPlan, OffloadPlan
-from student.step_profile import ProfileSettings, profile
+from student.offload.config import format_bytes, parse_bytes
+from student.offload.plan import UPDATE_SLOTS, ChunkChoice, LayerPlan, OffloadPlan
+from student.planner.profile import ProfileSettings, profile
+from student.planner.table import CostTable, LayerCosts
 
 __all__ = ["PHASES", "LayerCosts", "CostTable", "SolverSettings", "BudgetError", "ProfileSettings", "predict", "solve",
            "solve_kept", "smallest_budget", "program_step_s", "profile", "choose_chunks", "make_plan", "plan_for_training"]
@@ -63,15 +65,6 @@ class BudgetError(ConfigError):
         self.budget, self.smallest_bytes = budget, smallest
         super().__init__(field_name, f"{format_bytes(budget)} cannot hold this student's step; the smallest that "
                                      f"can is {format_bytes(smallest)}")
-
-
-def format_bytes(n: int) -> str:
-    """Bytes as GiB (or MiB, KiB below one) with one decimal, rounded up: the text given back as a
-    budget (`parse_bytes` reads it) is never below `n`."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size or unit == "KiB":
-            return f"{math.ceil(n / size * 10 - 1e-9) / 10:.1f} {unit}"
-    raise AssertionError("unreachable")
 
 
 # --- the mixed-integer program ------------------------------------------------------------------
@@ -488,8 +481,6 @@ def _raise_budget_error(costs, gpu_memory, host_memory, time_limit_s, settings):
 
 
 def _rounded_up(n: int) -> int:
-    from student.offload_plan import parse_bytes
-
     return parse_bytes(format_bytes(n).replace(" ", ""))
 
 
@@ -564,14 +555,13 @@ def make_plan(config, gpu_memory: int | None = None, host_memory: int | None = N
     (OffloadConfig) the step is profiled at each candidate chunk size and `choose_chunks` chooses
     the chunk size and key/value residency too. Returns (plan, costs)."""
     from distill.devices import resolve_device
-    from student.offload_plan import parse_bytes
-    from student.step_profile import default_budgets, profile
+    from student.planner.profile import default_budgets, profile
 
     offload = getattr(config, "offload", None)
-    if gpu_memory is None and offload is not None and offload.gpu_memory is not None:
-        gpu_memory = parse_bytes(offload.gpu_memory, "gpu_memory")
-    if host_memory is None and offload is not None and offload.host_memory is not None:
-        host_memory = parse_bytes(offload.host_memory, "host_memory")
+    if gpu_memory is None and offload is not None:
+        gpu_memory = offload.gpu_memory_bytes
+    if host_memory is None and offload is not None:
+        host_memory = offload.host_memory_bytes
     default_gpu, default_host = default_budgets(resolve_device(config.device))
     gpu_memory, host_memory = gpu_memory or default_gpu, host_memory or default_host
     candidates = _chunk_candidates(config)

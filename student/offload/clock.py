@@ -1,5 +1,5 @@
-"""The offload runtime's clock: the step's phases (student/offload_cost.py's PHASES, which the
-planner predicts) as student/offload.py's OffloadRuntime goes through them."""
+"""The offload runtime's clock: the step's phases (student/planner/costs.py's PHASES, which the
+planner predicts) as student/offload/runtime.py's OffloadRuntime goes through them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ __all__ = ["PhaseClock"]
 
 
 class PhaseClock:
-    """The step's phases as the runtime goes through them (the names of student/planner.py's
+    """The step's phases as the runtime goes through them (the names of student/planner/solve.py's
     PHASES, which the planner predicts): points on the device are CUDA events on the compute
     stream, read once the host waits for them anyway; points on the host are perf_counter
     readings; on a CPU device every point is a perf_counter reading."""

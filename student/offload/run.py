@@ -1,5 +1,5 @@
-"""The trainer's side of offloaded training (student/trainer.py calls these; student/offload.py is the
-runtime, student/planner.py the planner): the plan a run trains with, the figures its metrics rows
+"""The trainer's side of offloaded training (student/trainer.py calls these; student/offload/runtime.py is the
+runtime, student/planner/solve.py the planner): the plan a run trains with, the figures its metrics rows
 carry, the cap of torch's allocator at the budget the user gave, and the warning when a step's GPU peak
 passes the plan's budget."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from distill.configs import ConfigError
-from student.offload_plan import OffloadPlan
+from student.offload.plan import OffloadPlan
 
 __all__ = ["cap_allocator", "caps_allocator", "cuda_index", "offload_figures", "over_cap_message", "plan_for_run",
            "told_over_budget"]
@@ -29,9 +29,9 @@ def plan_for_run(config) -> OffloadPlan | None:
         return None
     if config.offload.offload == "auto":
         try:
-            from student.planner import plan_for_training
+            from student.planner.solve import plan_for_training
         except ImportError:
-            raise ConfigError("offload", "is 'auto' but this distill has no planner (student/planner.py); give a "
+            raise ConfigError("offload", "is 'auto' but this distill has no planner (student/planner/solve.py); give a "
                                          "plan file `distill plan` wrote, or --offload none") from None
         plan = plan_for_training(config)
     else:
@@ -71,7 +71,7 @@ def told_over_budget(plan, peak_bytes: int | None) -> bool:
     the cost model missed something the step holds, and the run may not fit beside other work."""
     if peak_bytes is None or plan.gpu_memory is None or peak_bytes <= plan.gpu_memory:
         return False
-    from student.planner import format_bytes
+    from student.offload.config import format_bytes
 
     logger.warning("the GPU peak %s passed the plan's --gpu-memory %s (it predicted %s): the planner's cost model "
                    "misses something this step holds; lower --gpu-memory by the difference to stay within the "

@@ -1,21 +1,22 @@
 """The offload planner's memory model: the GPU and host peaks of a plan over a cost table.
 
-`peaks` is what `student.offload_cost.predict` reports; student/planner.py's mixed-integer
+`peaks` is what student/planner/costs.py's `predict` reports; student/planner/solve.py's mixed-integer
 program encodes the same sums from the parts below (`in_turn`, `backward_gpu_bytes`,
 `beside_backward`, `optimizer_slices`, `widened_host_bytes`), and `gpu_peak_terms` names each
 term for reading a measured peak against its prediction. What each term holds is in `predict`'s
-docstring ("GPU peak", "Host peak"). A leaf beside offload_cost: no torch, no solver.
+docstring ("GPU peak", "Host peak"). Below the cost model: it reads the cost table
+(student/planner/table.py), not costs.py; no torch, no solver.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from student.offload_plan import UPDATE_SLOTS
+from student.offload.plan import UPDATE_SLOTS
 
 if TYPE_CHECKING:
-    from student.offload_cost import CostTable, LayerCosts
-    from student.offload_plan import OffloadPlan
+    from student.offload.plan import OffloadPlan
+    from student.planner.table import CostTable, LayerCosts
 
 __all__ = ["peaks", "gpu_peak_terms", "held_activation_bytes", "in_turn", "beside_backward", "backward_gpu_bytes",
            "widened_host_bytes", "optimizer_slices"]

@@ -1,117 +1,48 @@
-"""Chunk-recurrent training of long sequences with a paged key/value store (OOMB, arXiv 2602.02108).
+"""The paged key/value store of chunk-recurrent training (student/long_context/engine.py runs it).
 
-A micro-batch of sequences of L positions is cut into chunks of `chunk_tokens`. The gradient is
-that of full backpropagation, exactly, while the activations held at once are those of one chunk:
+`PagedKVStore` holds every layer's keys and values (after RoPE) of one micro-batch in pages, and
+attends a chunk's queries over them: it is the attention seam of `student.model.Student` (its
+`kv_store` argument), so the model has one forward for whole sequences, inference with a cache,
+and both passes of the engine. Attention over pages is kernels/page_attention.py (cuDNN's fused
+attention on a GPU, its torch reference elsewhere); with gradients its backward adds the gradients
+of every key and value a chunk read into that page's gradient accumulator.
 
-  pass 1, no gradients, chunks in order (all but the last): every layer writes the chunk's keys
-          and values (after RoPE) into pages of a `PagedKVStore` and attends over the pages so far,
-          keeping the attention output and lse (pinned host memory on a GPU) for pass 2, which
-          would compute the same again;
-  pass 2, chunks in reverse: the chunk runs again with gradients against the stored pages; its
-          loss (the fused top-k KL on its cached rows, normalised by the micro-batch's real
-          tokens, so the chunks' losses sum to the full-sequence loss) is backpropagated. The page
-          attention's backward adds the gradients of every key and value it read into that page's
-          gradient accumulator, and hands the chunk's own keys and values their accumulated
-          gradient: what this chunk's queries and every later chunk's (already run) sent them.
-          Parameter gradients accumulate over the chunks.
-
-The store is the attention seam of `student.model.Student` (its `kv_store` argument), so the model
-has one forward for whole sequences, inference with a cache, and both passes here. Attention over
-pages is kernels/page_attention.py (cuDNN's fused attention on a GPU, its torch reference elsewhere). With
-`kv_offload` the pages live in pinned host memory and only the pages an attention call reads come
-to the GPU, a page set at a time (`offload_pages`), copied on a side stream ahead of use: within a
-layer the next set while the current one is read, and across layers the first set of the layer
-that reads pages next (layer + 1 in a forward, layer - 1 in pass 2's backward), of the pages
+With `kv_offload` the pages live in pinned host memory and only the pages an attention call reads
+come to the GPU, a page set at a time (`offload_pages`), copied on a side stream ahead of use:
+within a layer the next set while the current one is read, and across layers the first set of the
+layer that reads pages next (layer + 1 in a forward, layer - 1 in pass 2's backward), of the pages
 already final when the chunk began. The GPU then holds up to three page sets at once: the two of
-the current layer and the next layer's first.
-
-The paper's reference code moves a whole layer's pages between host and GPU at once and its
-rectangular backend drops the past pages' gradients; neither is done here.
+the current layer and the next layer's first. The paper's reference code moves a whole layer's
+pages between host and GPU at once; that is not done here.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from distill.configs import ConfigError, check_types, require
+import torch
 
-if TYPE_CHECKING:
-    from student.data import Batch
+# The module, not its functions: they are looked up when called, so a test's spy on
+# page_attention.page_attention_forward sees every call.
+from kernels import page_attention
+from student.long_context.config import LongContextConfig
 
 logger = logging.getLogger(__name__)
 _WARNED = {"offload": False}  # warn once a process
 
-__all__ = ["LongContextConfig", "PagedKVStore", "Part", "select_pages", "chunk_bounds", "chunk_recurrent_backward", "chunked_forward"]
+__all__ = ["PagedKVStore", "page_set_bounds", "select_pages", "store_for_model"]
 
 
-@dataclass
-class LongContextConfig:
-    """How sequences are cut into chunks and where their keys and values live."""
-
-    # Tokens per chunk: a micro-batch's sequences run chunk by chunk (exact gradients; activation
-    # memory of one chunk). None: whole sequences at once.
-    chunk_tokens: int | None = None
-    page_tokens: int = 64  # positions per page of the key/value store (a power of two >= 16)
-    kv_offload: bool = False  # keep pages (and their gradients) in pinned host memory, not on the GPU
-    # Pages that come to the GPU at once when offloaded (one page set of an attention call); up to
-    # three sets are resident: one read, the next copied, and the next layer's first prefetched.
-    offload_pages: int = 1024
-    # Pass 2 keeps only each layer's input and attention output for the backward and runs the rest
-    # of the layer again there: the activations held are one layer's of one chunk, for one more
-    # forward of every layer's projections and MLP (not of its attention).
-    checkpoint_layers: bool = True
-    # Sparse attention (not exact): each chunk attends its own pages causally plus this many past
-    # pages, those its queries score highest against the pages' mean keys (OOMB's page top-k).
-    # None: dense attention over every past page.
-    sparse_pages: int | None = None
-    # Pass 1 keeps each layer's attention output (and lse) of a chunk for pass 2, which then takes
-    # it instead of attending again (attention is most of a long chunk's layer): of the last this
-    # many chunks before the final one, whose attention costs most (None: every chunk; 0: none).
-    # On a GPU they wait in pinned host memory, layers x heads x (head_dim x 2 + 4) bytes a token:
-    # at a million tokens more than the pages themselves, so a host that cannot hold them all keeps
-    # fewer and pays one more attention forward for each chunk it does not keep.
-    keep_attention_chunks: int | None = None
-
-    def __post_init__(self):
-        check_types(self)
-        require("chunk_tokens", self.chunk_tokens, self.chunk_tokens is None or self.chunk_tokens >= 1,
-                "None or an integer >= 1")
-        p = self.page_tokens
-        require("page_tokens", p, p >= 16 and p & (p - 1) == 0, "a power of two >= 16")
-        require("offload_pages", self.offload_pages, self.offload_pages >= 1, "an integer >= 1")
-        require("keep_attention_chunks", self.keep_attention_chunks,
-                self.keep_attention_chunks is None or self.keep_attention_chunks >= 0, "None or an integer >= 0")
-        require("sparse_pages", self.sparse_pages, self.sparse_pages is None or self.sparse_pages >= 1,
-                "None or an integer >= 1")
-        if self.sparse_pages is not None and self.chunk_tokens is None:
-            raise ConfigError("sparse_pages", "selects past pages for each chunk of chunk-recurrent training: give "
-                                              "--chunk-tokens too, or drop --sparse-pages")
-        if self.kv_offload and self.chunk_tokens is None:
-            raise ConfigError("kv_offload", "keeps the pages of chunk-recurrent training in host memory: give "
-                                            "--chunk-tokens too, or drop --kv-offload")
-
-
-class Part(NamedTuple):
-    """What a chunk is of its micro-batch: the micro-batch's real rows and rows with a next token
-    (student.loss.distill_loss's `whole`), and the chunk's share of the real rows (for means over
-    tokens such as the sparse FFN's L1 penalty)."""
-
-    rows: int
-    target_rows: int
-    share: float
-
-    @property
-    def whole(self) -> tuple[int, int]:
-        return self.rows, self.target_rows
-
-
-def chunk_bounds(length: int, chunk_tokens: int | None) -> list[tuple[int, int]]:
-    """[(start, end)] of the chunks of `length` positions, in order; the last may be shorter."""
-    step = length if chunk_tokens is None else chunk_tokens
-    return [(s, min(s + step, length)) for s in range(0, length, step)]
+def store_for_model(model, batch_size: int, seq_len: int, config: LongContextConfig, dtype, device) -> PagedKVStore:
+    """An empty `PagedKVStore` for `batch_size` sequences of `seq_len` positions of `model` (a
+    student.model.Student: its layers, key/value heads and head size), with pages of `dtype` (the
+    attention's: the autocast dtype, else the weights') on `device` or, with config.kv_offload on
+    a GPU, in pinned host memory; page size, offloaded page sets and sparse selection as `config`."""
+    c = model.config
+    return PagedKVStore(c.num_layers, batch_size, seq_len, c.num_kv_heads, c.head_dim, page_tokens=config.page_tokens,
+                        dtype=dtype, device=device, offload=config.kv_offload, offload_pages=config.offload_pages,
+                        sparse_pages=config.sparse_pages)
 
 
 class PagedKVStore:
@@ -126,14 +57,13 @@ class PagedKVStore:
     into `dk[l]`, `dv[l]` (fp32) and returns the chunk's own keys and values their accumulated
     gradient. Pages are written before they are read (pass 1 in order, then the last chunk in
     pass 2), and gradient pages are zeroed on the GPU when first touched, by the last chunk,
-    which reads every page: nothing is cleared on the host.
+    which reads every page: nothing is cleared on the host. `store_for_model` builds one for a
+    Student and a LongContextConfig.
     """
 
     def __init__(self, num_layers: int, batch_size: int, seq_len: int, num_kv_heads: int, head_dim: int, *,
                  page_tokens: int, dtype, device, offload: bool = False, offload_pages: int = 1024,
                  sparse_pages: int | None = None):
-        import torch
-
         self.P, self.B, self.seq_len = page_tokens, batch_size, seq_len
         self.num_pages = -(-seq_len // page_tokens)
         self.dtype, self.device = dtype, torch.device(device)
@@ -157,7 +87,7 @@ class PagedKVStore:
         self.selected: dict[tuple[int, int], object] = {}
         # Training: each (layer, chunk)'s attention output and lse from pass 1 (in pinned host memory
         # on a GPU, so the GPU holds one chunk's), used by pass 2's run and by the recomputation of
-        # its checkpointed layer instead of attending again; the backward drops it (AttendPages).
+        # its checkpointed layer instead of attending again; the backward drops it (`_AttendPages`).
         # Pass 2 keeps its own there too for the recomputation. On a GPU an output comes back on the
         # side stream (`_bring`), the next layer's ahead of use: layer + 1's while a forward uses
         # this one, layer - 1's when a backward begins; `_brought` holds those copies and their events.
@@ -169,14 +99,12 @@ class PagedKVStore:
         self.grad = False
         # Offload: the next layer's first page set, copied ahead (`_prefetch`), and how prefetched
         # sets ended, by (outcome, with_grads): "used", or "dropped" (not the set its layer read).
-        self._prefetched: tuple | None = None
+        self.prefetched: tuple | None = None  # (key, page sets) copied ahead by `_prefetch`, or None
         self.prefetch_count: Counter = Counter()
         slots = torch.arange(self.num_pages * batch_size, dtype=torch.int32, device=self.device)
         self.table = slots.view(self.num_pages, batch_size).T.contiguous()  # [B, num_pages]: row b's page j -> its slot
 
     def _pool(self, dtype):
-        import torch
-
         shape = (self.num_pages * self.B, *self.page_shape)
         if self.offload:
             return torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -206,11 +134,43 @@ class PagedKVStore:
             self.kept_attention[(layer, self.start)] = self._stash(out), self._stash(lse)
         return out
 
+    def attention_forward(self, layer: int, q):
+        """(out, lse) of the chunk's queries `q` over `layer`'s pages: _AttendPages's forward."""
+        # Pass 1 attended with the same queries and pages (the last chunk's first run did, under
+        # layer checkpointing, for its recomputation): take that output instead of attending
+        # again (attention is the costly part of a long chunk's layer). The backward drops it.
+        # The device holds it only while this layer uses it: a forward brings layer + 1's ahead.
+        key = (layer, self.start)
+        kept = self._bring(key)
+        if kept is None:
+            out, lse = self._forward(layer, q)
+            out = out.to(q.dtype)
+            if self.keep_attention:
+                self.kept_attention[key] = self._stash(out), self._stash(lse)
+        else:
+            out, lse = kept
+        self._bring((layer + 1, self.start), ahead=True)
+        return out, lse
+
+    def attention_backward(self, layer: int, q, out, lse, dout):
+        """(dq, dk, dv) of the chunk's attention over `layer`'s pages, the pages' gradient
+        accumulators filled on the way: _AttendPages's backward."""
+        self.kept_attention.pop((layer, self.start), None)
+        self._brought.pop((layer, self.start), None)  # brought for a recomputation that did not come
+        self._bring((layer - 1, self.start), ahead=True)  # its recomputation comes next
+        dq, dout = None, dout.contiguous()
+        with _no_autocast(q):
+            for k, v, dk, dv, table, first in self._page_sets(layer, with_grads=True):
+                part = page_attention.page_attention_backward(q, dout, out, lse, k, v, dk, dv, table,
+                                                              first_page=first, q_start=self.start)
+                dq = part if dq is None else dq + part
+        # Complete now: later chunks ran before this one and this chunk's queries just added theirs.
+        dk, dv = self._own(self.dk[layer]), self._own(self.dv[layer])
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+
     def _stash(self, x):
         """x, or on a GPU a pinned host copy of it, copied on the side stream after the work queued
         so far on the current one (which made x); `_bring` copies it back on that stream, after."""
-        import torch
-
         if self.device.type != "cuda":
             return x
         side = _side_stream(self.device)
@@ -225,8 +185,6 @@ class PagedKVStore:
         """The kept (out, lse) of (layer, chunk start) on the device, for the current stream: the
         copy brought ahead when there is one, else one copied now on the side stream; None when
         nothing is kept for it. ahead=True: start the copy and keep it for a later call."""
-        import torch
-
         kept = self.kept_attention.get(key)
         if kept is None or self.device.type != "cuda":
             return None if ahead else kept  # elsewhere the kept output is used where it is
@@ -261,8 +219,6 @@ class PagedKVStore:
         """Store x [B, Hkv, end - start, D] at positions start..end of every row; the rest of the
         chunk's last page is zeros (finite: the attention masks it, but 0 * NaN would leak). With
         `mean_k`, also each written page's mean key (over its P positions)."""
-        import torch
-
         j0, j1 = self._page_range()
         lo = self.start - j0 * self.P
         region = torch.zeros(self.B, x.shape[1], (j1 - j0) * self.P, x.shape[-1], dtype=pool.dtype, device=x.device)
@@ -293,8 +249,6 @@ class PagedKVStore:
         dense, pages 0 .. the chunk's last; sparse, the selected past pages (given as pages 0..N-1
         of the set: every one lies before the chunk, so all are visible to its queries) and then
         the chunk's own pages. Resident pools give one set per kind; dk/dv are None without grads."""
-        import torch
-
         j0, num = self._page_range()
         if with_grads and self.dk[layer] is None:
             if self.offload and self.sparse_pages is not None:  # the last chunk does not read every page
@@ -321,14 +275,12 @@ class PagedKVStore:
         yield from _offloaded_sets(self, layer, j0, num, with_grads)
 
     def _forward(self, layer: int, q):
-        from kernels.page_attention import merge_partials, page_attention_forward
-
         merged = None
         with _no_autocast(q):  # the kernels take their dtypes from the pages; lse and out stay fp32
             for k, v, _, _, table, first in self._page_sets(layer, with_grads=False):
-                part = page_attention_forward(q, k, v, table, first_page=first, q_start=self.start)
+                part = page_attention.page_attention_forward(q, k, v, table, first_page=first, q_start=self.start)
                 # Merged as they come: two partial outputs of the chunk's queries at a time, not one a set.
-                merged = part if merged is None else merge_partials([merged, part])
+                merged = part if merged is None else page_attention.merge_partials([merged, part])
         return merged
 
 
@@ -338,8 +290,6 @@ def select_pages(q, mean_k, budget: int):
     group, no 1/sqrt(D), as OOMB scores) against the pages' mean keys mean_k [J, B, Hkv, D],
     summed over queries and heads. OOMB selects per block of 128 queries; here one selection
     serves the whole chunk, so one page table serves every query."""
-    import torch
-
     Hkv = mean_k.shape[2]
     with torch.no_grad():
         q_group = q.float().unflatten(1, (Hkv, q.shape[1] // Hkv)).sum(2)  # [B, Hkv, T, D]
@@ -358,15 +308,13 @@ def _offloaded_sets(store: PagedKVStore, layer: int, first_page: int, num_pages:
     reads pages next is prefetched: up to three sets on the GPU at once. With grads, each set's
     gradient pages come along (zeros the first time a layer's are touched: the sequence's last
     chunk reads every page) and go back to the host after the caller has added to them."""
-    import torch
-
     B = store.B
     compute, side = torch.cuda.current_stream(store.device), _side_stream(store.device)
     fresh = with_grads and layer not in store.grads_touched
     assert not fresh or first_page == 0, "the first backward of a layer (the last chunk's) reads every page"
     if with_grads:
         store.grads_touched.add(layer)
-    bounds = _set_bounds(first_page, num_pages, store.start // store.P, store.offload_pages)
+    bounds = page_set_bounds(first_page, num_pages, store.start // store.P, store.offload_pages)
 
     def issue(i: int):
         pending = _take_prefetched(store, (layer, with_grads, fresh, *bounds[0])) if i == 0 else None
@@ -398,10 +346,11 @@ def _offloaded_sets(store: PagedKVStore, layer: int, first_page: int, num_pages:
         _prefetch(store, layer - 1, with_grads=True)
 
 
-def _set_bounds(first_page: int, num_pages: int, final: int, step: int) -> list[tuple[int, int]]:
-    """[(j0, j1)] of the page sets covering pages first_page..num_pages-1, `step` pages at a time,
-    split at `final` (the chunk's first page): the first set then holds only pages that earlier
-    chunks wrote, which the layer before may prefetch (`_prefetch`)."""
+def page_set_bounds(first_page: int, num_pages: int, final: int, step: int) -> list[tuple[int, int]]:
+    """The page sets an offloaded attention call reads, in order: [(j0, j1)] covering pages
+    first_page..num_pages-1, `step` pages (LongContextConfig.offload_pages) at a time, split at
+    `final` (the chunk's first page): the first set then holds only pages that earlier chunks
+    wrote, which the layer before may prefetch (`_prefetch`)."""
     cut = min(max(first_page, final), num_pages)
     return ([(j, min(j + step, cut)) for j in range(first_page, cut, step)]
             + [(j, min(j + step, num_pages)) for j in range(cut, num_pages, step)])
@@ -411,8 +360,6 @@ def _fetch(store: PagedKVStore, layer: int, j0: int, j1: int, *, with_grads: boo
     """Copy pages j0..j1-1 of `layer` (of every row; with grads their gradient pages too, zeros
     when `fresh`) to the GPU on the side stream, after the work queued so far on the compute stream:
     ([k, v] or [k, v, dk, dv], an event recorded when the copies are done)."""
-    import torch
-
     B = store.B
     pools = [store.k[layer], store.v[layer]]
     if with_grads and not fresh:
@@ -432,8 +379,6 @@ def _copy_in(sources, device):
     kept memory reserved that the compute stream could not reuse (`--memory-peak`'s
     reserved_by_stream). Marked used on the side stream, so a copy dropped before the compute
     stream waits for it (a prefetch not taken) is not reused before it is written."""
-    import torch
-
     side = _side_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     copies = [torch.empty(x.shape, dtype=x.dtype, device=device) for x in sources]
@@ -447,8 +392,8 @@ def _copy_in(sources, device):
 
 
 def _prefetch(store: PagedKVStore, layer: int, with_grads: bool) -> None:
-    """Start copying `layer`'s first page set (`_set_bounds`) ahead of its attention, keeping it on
-    the store for `_offloaded_sets`. Only pages before the chunk's first are final now (the
+    """Start copying `layer`'s first page set (`page_set_bounds`) ahead of its attention, keeping it
+    on the store for `_offloaded_sets`. Only pages before the chunk's first are final now (the
     chunk's own are written by that layer's `attend`, later), so none without a past page, past
     the first or last layer, or for a layer that reads its selected pages first (sparse)."""
     final = store.start // store.P
@@ -459,13 +404,13 @@ def _prefetch(store: PagedKVStore, layer: int, with_grads: bool) -> None:
     _take_prefetched(store, None)
     fresh = with_grads and layer not in store.grads_touched
     key = (layer, with_grads, fresh, 0, min(store.offload_pages, final))
-    store._prefetched = key, _fetch(store, layer, *key[3:], with_grads=with_grads, fresh=fresh)
+    store.prefetched = key, _fetch(store, layer, *key[3:], with_grads=with_grads, fresh=fresh)
 
 
 def _take_prefetched(store: PagedKVStore, key):
     """The prefetched copy when it is of `key` (layer, with_grads, fresh, j0, j1), else None; a
     prefetched copy of anything else is dropped (never read as other pages)."""
-    held, store._prefetched = store._prefetched, None
+    held, store.prefetched = store.prefetched, None
     if held is None:
         return None
     if held[0] == key:
@@ -479,8 +424,6 @@ def _selected_set(store: PagedKVStore, layer: int, picked, with_grads: bool):
     """The selected past pages of an offloaded sparse chunk, gathered on the host into one page set
     (with their gradient pages, scattered back after the caller added to them). The host gather
     waits for the device (a sync per call): simple, and sparse mode reads few pages."""
-    import torch
-
     B = store.B
     slots = (picked * B + torch.arange(B, device=picked.device)[:, None]).reshape(-1).cpu()  # syncs
     torch.cuda.synchronize(store.device)  # pending writes of these pages (pass 1, gradient write-backs) land
@@ -498,179 +441,28 @@ _SIDE_STREAMS: dict = {}
 
 
 def _side_stream(device):
-    import torch
-
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     return _SIDE_STREAMS[device]
 
 
-def _attend_backward(store: PagedKVStore, layer: int, q, out, lse, dout):
-    from kernels.page_attention import page_attention_backward
-
-    dq = None
-    with _no_autocast(q):
-        for k, v, dk, dv, table, first in store._page_sets(layer, with_grads=True):
-            part = page_attention_backward(q, dout, out, lse, k, v, dk, dv, table, first_page=first,
-                                           q_start=store.start)
-            dq = part if dq is None else dq + part
-    return dq
-
-
 def _no_autocast(tensor):
-    import torch
-
     return torch.autocast(tensor.device.type, enabled=False)
 
 
-def _make_attend_function():
-    import torch
+class _AttendPages(torch.autograd.Function):
+    """The chunk's attention over its layer's pages; backward fills the page accumulators
+    (PagedKVStore.attention_forward / attention_backward do the work)."""
 
-    class AttendPages(torch.autograd.Function):
-        """The chunk's attention over its layer's pages; backward fills the page accumulators."""
+    @staticmethod
+    def forward(ctx, q, k, v, store: PagedKVStore, layer: int):
+        out, lse = store.attention_forward(layer, q)
+        ctx.store, ctx.layer = store, layer
+        ctx.save_for_backward(q, out, lse)
+        return out
 
-        @staticmethod
-        def forward(ctx, q, k, v, store: PagedKVStore, layer: int):
-            # Pass 1 attended with the same queries and pages (the last chunk's first run did, under
-            # layer checkpointing, for its recomputation): take that output instead of attending
-            # again (attention is the costly part of a long chunk's layer). The backward drops it.
-            # The device holds it only while this layer uses it: a forward brings layer + 1's ahead.
-            key = (layer, store.start)
-            kept = store._bring(key)
-            if kept is None:
-                out, lse = store._forward(layer, q)
-                out = out.to(q.dtype)
-                if store.keep_attention:
-                    store.kept_attention[key] = store._stash(out), store._stash(lse)
-            else:
-                out, lse = kept
-            store._bring((layer + 1, store.start), ahead=True)
-            ctx.store, ctx.layer = store, layer
-            ctx.save_for_backward(q, out, lse)
-            return out
-
-        @staticmethod
-        def backward(ctx, dout):
-            q, out, lse = ctx.saved_tensors
-            store, layer = ctx.store, ctx.layer
-            store.kept_attention.pop((layer, store.start), None)
-            store._brought.pop((layer, store.start), None)  # brought for a recomputation that did not come
-            store._bring((layer - 1, store.start), ahead=True)  # its recomputation comes next
-            dq = _attend_backward(store, layer, q, out, lse, dout.contiguous())
-            # Complete now: later chunks ran before this one and this chunk's queries just added theirs.
-            dk, dv = store._own(store.dk[layer]), store._own(store.dv[layer])
-            return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None
-
-    return AttendPages
-
-
-class _LazyFunction:
-    """Builds the autograd Function on first use, so importing this module does not import torch."""
-
-    def __init__(self, make):
-        self.make, self.fn = make, None
-
-    def apply(self, *args):
-        if self.fn is None:
-            self.fn = self.make()
-        return self.fn.apply(*args)
-
-
-_AttendPages = _LazyFunction(_make_attend_function)
-
-
-def kept_chunks(chunks: int, keep: int | None) -> range:
-    """The chunks (indexes among a micro-batch's `chunks`) whose attention output pass 1 keeps for
-    pass 2 (LongContextConfig.keep_attention_chunks): the last `keep` of those before the final one,
-    all of them when None. Pass 2 attends again for the others; pass 1 never runs the final one.
-    The one rule: the engine keeps by it and the planner (student/offload_cost.py) prices it."""
-    before = chunks - 1
-    kept = before if keep is None else min(keep, before)
-    return range(before - kept, before)
-
-
-def kept_attention_from(bounds: list[tuple[int, int]], keep_chunks: int | None) -> int:
-    """The first position whose chunk's attention pass 1 keeps (LongContextConfig.keep_attention_chunks):
-    the last `keep_chunks` of the chunks before the final one (all when None); past the sequence
-    when none."""
-    kept = kept_chunks(len(bounds), keep_chunks)
-    return bounds[kept.start][0] if kept else bounds[-1][1]
-
-
-def _store_for(model, batch_size: int, seq_len: int, config: LongContextConfig, dtype, device) -> PagedKVStore:
-    c = model.config
-    return PagedKVStore(c.num_layers, batch_size, seq_len, c.num_kv_heads, c.head_dim, page_tokens=config.page_tokens,
-                        dtype=dtype, device=device, offload=config.kv_offload, offload_pages=config.offload_pages,
-                        sparse_pages=config.sparse_pages)
-
-
-def _attention_dtype(model, autocast_dtype):
-    return autocast_dtype if autocast_dtype is not None else model.embed_tokens.weight.dtype
-
-
-def chunked_forward(model, input_ids, token_mask, config: LongContextConfig, *, autocast_dtype=None):
-    """Without gradients: yield (start, end, hidden [B, end - start, d], ffn terms) of each chunk of
-    input_ids [B, L] in order (one chunk of the whole sequence when chunk_tokens is None)."""
-    import torch
-
-    B, L = input_ids.shape
-    device = input_ids.device
-    amp = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
-    bounds = chunk_bounds(L, config.chunk_tokens)
-    store = None if len(bounds) == 1 else _store_for(model, B, L, config, _attention_dtype(model, autocast_dtype),
-                                                      device)
-    mask_BL = token_mask.view(B, L)
-    with torch.no_grad():
-        for s, e in bounds:
-            if store is not None:
-                store.begin(s, e, grad=False)
-            with amp:
-                hidden, terms = model(input_ids[:, s:e], kv_store=store, token_mask=mask_BL[:, s:e],
-                                      return_ffn_terms=True)
-            yield s, e, hidden, terms
-
-
-def chunk_recurrent_backward(model, batch: Batch, chunk_loss: Callable, config: LongContextConfig, *,
-                             device, autocast_dtype=None, grad_scale: float = 1.0,
-                             whole: tuple[int, int] | None = None):
-    """Backpropagate the loss of micro-batch `batch` chunk by chunk (module docstring); returns the
-    sum over chunks of what `chunk_loss` returned, detached.
-
-    batch: a student.data.Batch, on the host or the device (each chunk's rows go to `device` as
-    they are needed). chunk_loss(hidden [B, T, d], rows: Batch of the chunk, terms, part: Part)
-    -> (loss, *logged): the chunk's part of the micro-batch's loss, such that the chunks' losses
-    sum to it (student.loss.distill_loss's `whole` argument does this for the fused loss);
-    `loss * grad_scale` is backpropagated and the rest summed. Parameter .grad accumulate as for
-    a plain backward. whole: the (real rows, rows with a next token) of the micro-batch of which
-    `batch` is one process's part (student/distributed.py; default: `batch` is the whole).
-    """
-    import torch
-
-    input_ids = batch.input_ids.to(device, non_blocking=True)
-    B, L = input_ids.shape
-    mask_BL = batch.mask.view(B, L)
-    real_L = mask_BL.sum(0).tolist()  # one host sync (none when the batch is on the host)
-    if whole is None:
-        whole = (sum(real_L), int((mask_BL & (batch.target_ids.view(B, L) >= 0)).sum()))
-    bounds = chunk_bounds(L, config.chunk_tokens)
-    store = _store_for(model, B, L, config, _attention_dtype(model, autocast_dtype), device)
-    store.keep_attention = True
-    store.keep_from = kept_attention_from(bounds, config.keep_attention_chunks)
-    mask_BL = mask_BL.to(device, non_blocking=True)
-    amp = torch.autocast(torch.device(device).type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
-    with torch.no_grad(), amp:
-        for s, e in bounds[:-1]:  # pass 1: the last chunk writes its own pages in pass 2
-            store.begin(s, e, grad=False)
-            model(input_ids[:, s:e], kv_store=store, token_mask=mask_BL[:, s:e])
-    sums = None
-    for s, e in reversed(bounds):  # pass 2
-        store.begin(s, e, grad=True)
-        rows = batch.positions(s, e).to(device, non_blocking=True)
-        with amp:
-            hidden, terms = model(input_ids[:, s:e], kv_store=store, token_mask=mask_BL[:, s:e],
-                                  return_ffn_terms=True, checkpoint_layers=config.checkpoint_layers)
-        loss, *logged = chunk_loss(hidden, rows, terms, Part(*whole, share=sum(real_L[s:e]) / whole[0]))
-        (loss * grad_scale).backward()
-        values = [loss.detach(), *[x.detach() for x in logged]]
-        sums = values if sums is None else [a + b for a, b in zip(sums, values)]
-    return tuple(sums)
+    @staticmethod
+    def backward(ctx, dout):
+        q, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.store.attention_backward(ctx.layer, q, out, lse, dout)
+        return dq, dk, dv, None, None

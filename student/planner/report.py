@@ -1,13 +1,14 @@
-"""`distill plan`'s report: a plan as tables and lines a person reads (student/planner.py makes
+"""`distill plan`'s report: a plan as tables and lines a person reads (student/planner/solve.py makes
 the plan; this only prints it)."""
 
 from __future__ import annotations
 
-from student.long_context import kept_chunks
-from student.offload_cost import PHASES, CostTable
-from student.offload_peaks import gpu_peak_terms, held_activation_bytes
-from student.offload_plan import OffloadPlan
-from student.planner import format_bytes
+from student.long_context.config import kept_chunks
+from student.planner.costs import PHASES
+from student.planner.peaks import gpu_peak_terms, held_activation_bytes
+from student.planner.table import CostTable
+from student.offload.plan import OffloadPlan
+from student.offload.config import format_bytes
 
 __all__ = ["plan_table"]
 

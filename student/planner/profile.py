@@ -1,7 +1,7 @@
-"""Measuring a student's training step for the offload planner (student/planner.py): per decoder
+"""Measuring a student's training step for the offload planner (student/planner/solve.py): per decoder
 layer forward and backward seconds and bytes on one real micro-batch, copy bandwidth each way, one
 optimizer update on each side, and the default memory budgets of this machine. With chunk-recurrent
-training (--chunk-tokens, student/long_context.py) the layers are measured on a chunk attending its
+training (--chunk-tokens, student/long_context/engine.py) the layers are measured on a chunk attending its
 key/value store, and the store's bytes and pass 1's forwards are counted (`profile` says how).
 
 torch is imported inside the functions (the planner's cost model and program need none of it).
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from student.offload_cost import CostTable, KVPages
+    from student.planner.costs import CostTable, KVPages
 
 __all__ = ["ProfileSettings", "profile", "default_budgets", "available_host_bytes"]
 
@@ -56,12 +56,12 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     import torch
 
     from student.data import CacheBatches, split_indices, tokenizer_info_of
-    from student.offload_cost import ChunkSeconds, CostTable, LayerCosts
+    from student.planner.costs import ChunkSeconds, CostTable, LayerCosts
     from student.optim import build_optimizer
-    from student.trainer import _initial_student, _resolve, steps_accumulate
+    from student.step import initial_student, resolve, steps_accumulate
     from teacher_cache.reader import CacheReader
 
-    config = _resolve(config)
+    config = resolve(config)
     device, cuda = config.device, config.device.startswith("cuda")
     tok = tokenizer_info_of(config.tokenizer)
     reader = CacheReader(config.cache, expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])
@@ -71,7 +71,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     train_idx, _ = split_indices(reader.num_sequences, config.heldout)
     data = CacheBatches(reader, train_idx, config.batch_size, seq_len=config.seq_len, seed=config.seed)
     batches = [batch for batch, _ in zip(data, range(micro_batches))]
-    model, _ = _initial_student(config, "cpu")  # the layers come to the device one at a time
+    model, _ = initial_student(config, "cpu")  # the layers come to the device one at a time
     amp = torch.bfloat16 if config.dtype == "bfloat16" else None
     for name in ("embed_tokens", "norm", "lm_head"):
         if getattr(model, name) is not None:
@@ -313,15 +313,16 @@ def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_
     Its recomputation in the backward takes pass 2's own output in every chunk (priced by the kept
     forwards: `LayerCosts.recompute_s`). Adds `chunks` (per micro-batch) and `pass1_s`: pass 1's no-grad
     forwards of every chunk but the last, interpolated the same way."""
-    from student.long_context import _store_for, chunk_bounds
+    from student.long_context.config import chunk_bounds
+    from student.long_context.store import store_for_model
 
     bounds = chunk_bounds(batch.input_ids.shape[1], config.long.chunk_tokens)
     if len(bounds) == 1:
         return {**_measure_layers(model, batch, config, amp, settings, cache_temperature), "chunks": 1, "pass1_s": 0.0}
     ends = []
     for s, e in (bounds[0], bounds[-1]):
-        store = _store_for(model, batch.input_ids.shape[0], batch.input_ids.shape[1], config.long,
-                           amp or model.embed_tokens.weight.dtype, config.device)
+        store = store_for_model(model, batch.input_ids.shape[0], batch.input_ids.shape[1], config.long,
+                                amp or model.embed_tokens.weight.dtype, config.device)
         for pool in store.k + store.v:
             pool.zero_()  # the past pages' values do not matter to the timing, only that they are finite
         store.begin(s, e, grad=True)
@@ -342,7 +343,7 @@ def _chunk_layers(first: list[dict], last: list[dict], bounds: list[tuple[int, i
     four figures the layer carries as CHUNK_KEYS); its other seconds their mean, its bytes their
     largest; pass 1 the no-grad forwards of every chunk but the last, chunk j's seconds
     interpolated between the first and last chunk's."""
-    from student.offload_cost import ChunkSeconds
+    from student.planner.costs import ChunkSeconds
 
     n = len(bounds)
     layers, pass1_s = [], 0.0
@@ -365,11 +366,11 @@ CHUNK_KEYS = ("first_forward_s", "last_forward_s", "first_kept_forward_s", "last
 
 def _kv_pages(model, config, shape, amp) -> KVPages:
     """The chunk-recurrent engine's key/value store for micro-batches of `shape` [B, L]
-    (student/long_context.py's PagedKVStore), as config.long places it: per layer its key and value
+    (student/long_context/store.py's PagedKVStore), as config.long places it: per layer its key and value
     pages in the attention dtype and their fp32 gradient pages (`KVPages.bytes` says where they
     live), and pass 1's kept attention outputs (and their fp32 lse) of the chunks it keeps
     (config.long.keep_attention_chunks of those before the last: all full chunks)."""
-    from student.offload_cost import KVPages
+    from student.planner.costs import KVPages
 
     c, long = model.config, config.long
     B, L = shape
@@ -412,7 +413,7 @@ def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_
     import torch
 
     from student.model import rope_cos_sin
-    from student.trainer import _loss, steps_accumulate
+    from student.step import micro_batch_loss, steps_accumulate
 
     device, cuda = config.device, config.device.startswith("cuda")
     dtype = amp or torch.float32
@@ -468,7 +469,7 @@ def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_
         with autocast():
             x0 = model.embed_tokens(ids)
             hidden = model.norm(leaf)
-        loss, _ = _loss(hidden, [], batch, model, config, cache_temperature=cache_temperature)
+        loss, _ = micro_batch_loss(hidden, [], batch, model, config, cache_temperature=cache_temperature)
         torch.autograd.backward([loss, x0], [None, torch.ones_like(x0)])
 
     # Where a step sums several backwards, the static parameters' gradients of an earlier one are

@@ -1,5 +1,7 @@
-"""The offloaded layers' fp32 state and its update on the GPU, for student/offload.py's
-OffloadRuntime, which builds both and drives them (this module imports the runtime for type hints only).
+"""The offloaded layers' fp32 state and its update on the GPU, for student/offload/runtime.py's
+OffloadRuntime, which builds both and drives them (this module does not import the runtime: the
+ring is handed the host layers, the resident working weights and the stream helpers when it is
+built, and the clip coefficient with each update).
 
 HostLayer: one decoder layer's flat master and gradient buffers (the layer's parameters and their
     gradients are views of them), its staging copies in the compute dtype and the host buffers of
@@ -7,14 +9,14 @@ HostLayer: one decoder layer's flat master and gradient buffers (the layer's par
     for a layer whose plan puts its states on the GPU. The runtime fills the gradients in the
     backward and, with plan.optimizer "cpu", updates the layers itself.
 UpdateRing: plan.optimizer "gpu". The host layers, last to first, pass through a ring of
-    UPDATE_SLOTS device slots (student/offload_plan.py): master, gradient and states come in on an
+    UPDATE_SLOTS device slots (student/offload/plan.py): master, gradient and states come in on an
     upload stream (the first slots' in the backward, once their layer's backward is done: they do
-    not depend on the clipping; the runtime's `_grads_ready` calls `preload`), the gradient is
+    not depend on the clipping; the runtime's backward calls `preload`), the gradient is
     scaled and the same optimizer steps that slice there, the resident working weights and the
     staging casts are written from the updated master, then master, states and staging go out on
     a writeback stream; a slot is loaded again once its copies out are done (`update`, from the
     runtime's step, before the device parameters step). The copies out overlap the next step:
-    what reads those host buffers next waits for them on its stream (student/offload.py: the next
+    what reads those host buffers next waits for them on its stream (student/offload/runtime.py: the next
     weights' and gradients' copies, the next update), the host in the runtime's `synchronize()`.
 """
 
@@ -22,14 +24,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from student.offload_plan import UPDATE_SLOTS
-
-if TYPE_CHECKING:
-    from student.offload import OffloadRuntime
+from student.offload.plan import UPDATE_SLOTS
+from student.offload.streams import Streams
 
 __all__ = ["HostLayer", "UpdateRing", "host_empty", "unpin"]
 
@@ -78,6 +77,7 @@ class HostLayer:
     def __init__(self, layer: torch.nn.Module, compute_dtype: torch.dtype, pin: bool, device=None,
                  narrow_grads: bool = False):
         self.on_device = device is not None
+        self.pinned = pin and not self.on_device  # its host buffers are page-locked (until `unpin_buffers`)
         # The step's gradient is one backward's (no sum of micro-batches): the layer keeps its
         # compute-dtype groups' gradients in that dtype, on the host or on the device as its states
         # (the values are that dtype's: widening is exact).
@@ -128,6 +128,24 @@ class HostLayer:
         self.state_flats: dict[torch.dtype, torch.Tensor] | None = None
         self.state_entries: list[tuple] = []
 
+    def needs_update(self, held: dict) -> bool:
+        """Whether the layer has gradients to update with (`held`: each parameter's .grad, as the
+        optimizer holds them): a narrow layer's matrices have no .grad (the runtime's
+        `finish_grads`), its `has_grad` flag says."""
+        return self.has_grad if self.narrow else any(held.get(p) is not None for p in self.params)
+
+    def unpin_buffers(self) -> None:
+        """Give back the page-locking of the layer's host buffers (masters, gradients, staging
+        copies, optimizer states; they stay, pageable); nothing when they are not pinned."""
+        if not self.pinned:
+            return
+        flats = list(self.state_flats.values()) if self.state_flats is not None else []
+        grads = self.grads if self.narrow else [self.grad]
+        for tensor in (self.master, *grads, *(s for _, s in self.separate_staging()), *flats):
+            if tensor.numel():
+                unpin(tensor)
+        self.pinned = False
+
     def separate_staging(self):
         """(group, staging) of the groups whose staging is not the master itself."""
         return [(g, s) for g, s in zip(self.groups, self.staging) if g.dtype != torch.float32]
@@ -166,17 +184,17 @@ class _Slot:
 
 class UpdateRing:
     """The update on the GPU of the runtime's host layers through UPDATE_SLOTS slots (this module's
-    docstring). The runtime builds it right after its own streams, calls `preload` from
-    `_grads_ready` for the `preloaded` layers, `update` in its step on the GPU and `end_step` after
-    every step; the ring copies with the runtime's helpers and reads its clip coefficient."""
+    docstring). The runtime builds it right after its own streams, with its host layers (`host`,
+    one per decoder layer), the working weights of its resident layers (`resident`: layer index ->
+    one device tensor per group) and its stream helpers; it calls `preload` in the backward for the
+    `preloaded` layers, `update` in its step on the GPU and `end_step` after every step."""
 
-    def __init__(self, runtime: OffloadRuntime):
-        self.runtime = runtime
-        self.host, self.device, self.cuda, self.resident = runtime.host, runtime.device, runtime.cuda, runtime.resident
-        self._side, self._record, self._wait = runtime._side, runtime._record, runtime._wait
+    def __init__(self, host: list[HostLayer], resident: dict[int, list[torch.Tensor]], streams: Streams):
+        self.host, self.resident, self.streams = host, resident, streams
+        self.device, self.cuda = streams.device, streams.cuda
+        self._side, self._record, self._wait = streams.side, streams.record, streams.wait
         # The update's side streams, which run beside the step's copies instead of queueing behind them.
-        stream = lambda: torch.cuda.Stream(self.device) if self.cuda else None
-        self.upload, self.writeback = stream(), stream()
+        self.upload, self.writeback = streams.new(), streams.new()
         # The host layers last to first (the order their backwards end) through the ring: a layer in
         # position k of that order waits for the copies out of position k - UPDATE_SLOTS; the first
         # UPDATE_SLOTS positions load during the backward.
@@ -185,21 +203,22 @@ class UpdateRing:
         self._slots: list[_Slot] = []
         self.optimizer = None  # the optimizer of the last step (its states' layouts are checked against it)
 
-    def update(self, optimizer, held: dict) -> None:
+    def update(self, optimizer, held: dict, coef: torch.Tensor | None) -> None:
         """The host layers with gradients (`held`: each parameter's gradient, its .grad None
-        meanwhile), last to first, through the slots (`_load`, `_update_layer`); nothing here
-        waits on the host. A layer's copies out overlap the next layers' updates and the next step
-        (what reads them waits for them on its stream)."""
+        meanwhile), last to first, through the slots (`_load`, `_update_layer`), each gradient
+        scaled by the clip coefficient `coef` (a 0-dim fp32 device tensor; None: not scaled);
+        nothing here waits on the host. A layer's copies out overlap the next layers' updates and
+        the next step (what reads them waits for them on its stream)."""
         self.optimizer = optimizer
         written = []  # per position in the order: the last copies out so far (an event, or None)
         for k, index in enumerate(reversed(range(len(self.host)))):
             h = self.host[index]
-            if not h.on_device and self.runtime._has_grads(h, held):
+            if not h.on_device and h.needs_update(held):
                 slot = self._slot(index)
                 if slot.layer != index:
                     self._load(index, slot, gradient=True,
                                after=written[k - UPDATE_SLOTS] if k >= UPDATE_SLOTS else None)
-                self._update_layer(index, slot, optimizer)
+                self._update_layer(index, slot, optimizer, coef)
             written.append(h.written if not h.on_device and h.written is not None else
                            (written[-1] if written else None))
 
@@ -293,9 +312,9 @@ class UpdateRing:
                 and all(optimizer.state[p][key].data_ptr() == _view(h.state_flats, *rest).data_ptr()
                         for p, key, *rest in h.state_entries))
 
-    def _update_layer(self, index: int, slot: _Slot, optimizer) -> None:
+    def _update_layer(self, index: int, slot: _Slot, optimizer, coef: torch.Tensor | None) -> None:
         """One host layer's update in its slot, on the compute stream once its copies in are done:
-        the gradient scaled by the clip coefficient, the optimizer's step over its parameters, the
+        the gradient scaled by the clip coefficient `coef`, the optimizer's step over its parameters, the
         resident working weights and the staging casts from the updated master; then master, states
         and staging copies go out on the writeback stream."""
         h = self.host[index]
@@ -305,8 +324,8 @@ class UpdateRing:
             with torch.no_grad():
                 for (g, _), narrow in zip(h.separate_staging(), slot.staged):
                     grad[g.span].copy_(narrow[:g.numel])  # exact: the widening
-        if self.runtime._clip_coef is not None:
-            grad.mul_(self.runtime._clip_coef)
+        if coef is not None:
+            grad.mul_(coef)
         for p, (span, shape) in zip(h.params, h.spans):
             p.data, p.grad = master[span].view(shape), grad[span].view(shape)
             for key, value in optimizer.state[p].items():
@@ -354,11 +373,11 @@ class UpdateRing:
                 entries.append((p, key, v.dtype, sizes.get(v.dtype, 0), v.shape))
                 sizes[v.dtype] = sizes.get(v.dtype, 0) + v.numel()
             if h.state_flats is not None:
-                self.runtime.synchronize()  # nothing still reads or writes the old buffers
+                self.streams.synchronize()  # nothing still reads or writes the old buffers
                 for flat in h.state_flats.values():
-                    if self.runtime._pinned and flat.numel():
+                    if h.pinned and flat.numel():
                         unpin(flat)
-            h.state_flats = {dtype: host_empty(n, dtype, self.runtime._pinned) for dtype, n in sizes.items()}
+            h.state_flats = {dtype: host_empty(n, dtype, h.pinned) for dtype, n in sizes.items()}
             h.state_entries = entries
         for p, key, *at in h.state_entries:
             _view(h.state_flats, *at).copy_(optimizer.state[p][key], non_blocking=self.cuda)

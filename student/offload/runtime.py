@@ -1,10 +1,11 @@
 """The offload runtime: trains a Student whose decoder layers live in host memory, carrying out an
-OffloadPlan (student/offload_plan.py says what each decision means; the planner, student/planner.py,
+OffloadPlan (student/offload/plan.py says what each decision means; the planner, student/planner/solve.py,
 makes plans). LazyTrain's executor (arXiv 2608.11919, after MegaTrain): layers stream through the
 GPU, the host keeps the fp32 state. The runtime owns the streams of the step's copies, their
 schedule, the layer autograd Function, the gradients, the clipping and the update on the CPU;
-student/offload_update.py owns the layers' fp32 buffers (HostLayer) and the update on the GPU
-(UpdateRing), which the runtime builds and calls.
+student/offload/update.py owns the layers' fp32 buffers (HostLayer) and the update on the GPU
+(UpdateRing), which the runtime builds and calls; student/offload/streams.py the stream helpers
+both use.
 
 Where things live:
   host (pinned when the device is CUDA), per decoder layer whose plan says states "host": its fp32
@@ -61,7 +62,7 @@ A step:
             reads the coefficient once and the host layers update one after another on the CPU,
             each one's gradient scaled, staging copy cast and, when resident, its working weights
             sent to the device right after its update. "gpu": the host layers, last to first, pass
-            through the update ring (student/offload_update.py: UPDATE_SLOTS device slots, the
+            through the update ring (student/offload/update.py: UPDATE_SLOTS device slots, the
             first loaded in the backward), then the device parameters step. The ring's copies out
             overlap the next step: what reads those host buffers next waits for them on its stream
             (the next weights' and gradients' copies, the next update), the host in
@@ -73,13 +74,13 @@ A step:
             on the CPU into one host buffer, in its ring slot on the GPU; a "gpu" layer's, after
             the other device parameters' step, into one device buffer the "gpu" layers share.
   phase_s() the last step's phases (forward, head, backward, grads, clip, optimizer, refresh), as the
-            planner predicts them (student/planner.py's PHASES).
+            planner predicts them (student/planner/solve.py's PHASES).
 
 On a CPU device there are no streams: every copy is a plain copy, the same code path otherwise, so
 the CPU tests hold offloaded training to the losses of training without it, bit for bit (the same
 fp32 sums, norms and products, in the same order: clip.total_grad_norm stacks the per-parameter
 norms in the parameters' order whoever measured them).
-Chunk-recurrent training (student/long_context.py): the engine runs each chunk through
+Chunk-recurrent training (student/long_context/): the engine runs each chunk through
 Student.forward, so through `run_layer`, which hands the layer its key/value store. Pass 1's
 forwards run without gradients (the plain no-grad path, as evaluation's); pass 2 runs each chunk
 forward and backward, last chunk first, and the runtime takes each chunk as it takes a micro-batch:
@@ -95,16 +96,16 @@ reinitialisation would have to cross the layer Function).
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 from torch.func import functional_call
 
 from distill.configs import ConfigError
-from student.offload_clock import PhaseClock
-from student.offload_plan import OffloadPlan
-from student.offload_update import HostLayer, UpdateRing, unpin
+from student.offload.clock import PhaseClock
+from student.offload.plan import OffloadPlan
+from student.offload.streams import Streams
+from student.offload.update import HostLayer, UpdateRing
 from student.optim.clip import check_max_norm, clip_coefficient, scale_grads_, total_grad_norm
 
 __all__ = ["OffloadRuntime"]
@@ -120,10 +121,13 @@ class _Schedule:
     work is queued), so they overlap the `depth` layers between. Weight items pass through the
     ring's depth + 1 slots (the item depth + 1 before in a slot is at least one place earlier:
     its reader's work is queued before the copy, which waits for it); the forward weights of a
-    kept layer get their own buffer (they live until its backward)."""
+    kept layer get their own buffer (they live until its backward).
+    The runtime hands it `issue(schedule, k)` (starts copy k: (device tensors, event), or None when
+    its source is not there yet), `release(before)` (lets go of what copies out read, held at
+    places before `before`) and its stream helpers (taking a copy waits for its event)."""
 
-    def __init__(self, runtime: OffloadRuntime, grad: bool):
-        layers, depth = runtime.plan.layers, runtime.plan.prefetch_depth
+    def __init__(self, plan: OffloadPlan, host: list[HostLayer], grad: bool, issue, release, streams: Streams):
+        layers, depth = plan.layers, plan.prefetch_depth
         items = [("w", i, "fwd") for i, lp in enumerate(layers) if lp.params == "stream"]
         if grad:
             for i in reversed(range(len(layers))):
@@ -131,10 +135,11 @@ class _Schedule:
                     items.append(("x", i, "bwd"))
                 if layers[i].params == "stream" and layers[i].activation != "keep":
                     items.append(("w", i, "bwd"))
-                h = runtime.host[i]
+                h = host[i]
                 if h.has_grad and not h.on_device:  # not the step's first micro-batch: its sum so far comes in
                     items.append(("g", i, "bwd"))
-        self.runtime, self.depth, self.items = runtime, depth, items
+        self.issue, self.release, self.streams = issue, release, streams
+        self.num_layers, self.depth, self.items = len(layers), depth, items
         self.position = {item: k for k, item in enumerate(items)}
         self.place = [self.place_of(i, phase, len(layers)) for _, i, phase in items]
         self.reached = -1
@@ -151,14 +156,14 @@ class _Schedule:
 
     def reach(self, index: int, phase: str) -> None:
         """The runtime is at the start of layer `index`'s forward or backward (`phase`)."""
-        self.reached = max(self.reached, self.place_of(index, phase, len(self.runtime.host)))
-        self.runtime._release(before=self.reached - 1)
+        self.reached = max(self.reached, self.place_of(index, phase, self.num_layers))
+        self.release(before=self.reached - 1)
         self.pump()
 
     def pump(self) -> None:
         """Issue the items up to `depth` places past the one reached (stopping at one not ready yet)."""
         while self.next < len(self.items) and self.place[self.next] <= self.reached + self.depth:
-            issued = self.runtime._issue(self, self.next)
+            issued = self.issue(self, self.next)
             if issued is None:
                 return
             self.issued[self.next] = issued
@@ -170,58 +175,22 @@ class _Schedule:
         self.pump()
         assert k in self.issued, f"copy {item} is issued before it is taken"
         tensors, event = self.issued.pop(k)
-        self.runtime._wait(event)
+        self.streams.wait(event)
         return tensors
 
 
 class _LayerFunction(torch.autograd.Function):
-    """One decoder layer with offloaded weights: forward and backward per its LayerPlan."""
+    """One decoder layer with offloaded weights, as one autograd node: the runtime's
+    `_forward_layer` and `_backward_layer` (forward and backward per its LayerPlan), which the
+    runtime passes in (`forward_layer`, a bound method; it leaves the backward on `ctx`)."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, row_mask, runtime: OffloadRuntime, index: int, kv_store):
-        activation = runtime.plan.layers[index].activation
-        weights = runtime._weights(index, "fwd")
-        ctx.runtime, ctx.index, ctx.graph, ctx.kv_store = runtime, index, None, kv_store
-        ctx.amp = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
-        if activation == "keep":
-            with torch.enable_grad():
-                x_ = x.detach().requires_grad_()
-                flats = [w.detach().requires_grad_() for w in weights]
-                y = runtime._call(index, flats, x_, cos, sin, row_mask, kv_store)
-            ctx.graph = (x_, flats, y)
-            ctx.save_for_backward()
-            return y.detach()
-        y = runtime._call(index, weights, x, cos, sin, row_mask, kv_store)
-        ctx.save_for_backward(x if activation == "recompute" else None, cos, sin, row_mask)
-        if activation == "offload":
-            runtime._offload_input(index, x)
-        return y
+    def forward(ctx, x, cos, sin, row_mask, forward_layer, index: int, kv_store):
+        return forward_layer(ctx, x, cos, sin, row_mask, index, kv_store)
 
     @staticmethod
     def backward(ctx, dy):
-        runtime, index = ctx.runtime, ctx.index
-        if index == len(runtime.host) - 1:
-            runtime._clock.mark("bwd0")
-        runtime._schedule.reach(index, "bwd")  # before its input or weights are taken
-        if ctx.graph is not None:
-            x_, flats, y = ctx.graph
-            ctx.graph = None
-        else:
-            x, cos, sin, row_mask = ctx.saved_tensors
-            if x is None:
-                x = runtime._schedule.take(("x", index, "bwd"))[0]
-            weights = runtime._weights(index, "bwd")
-            enabled, dtype = ctx.amp
-            with torch.enable_grad(), torch.autocast(runtime.device.type, dtype=dtype, enabled=enabled):
-                x_ = x.detach().requires_grad_()
-                flats = [w.detach().requires_grad_() for w in weights]
-                y = runtime._call(index, flats, x_, cos, sin, row_mask, ctx.kv_store)
-            ctx.kv_store = None
-        dx, *dflats = torch.autograd.grad(y, [x_, *flats], dy)
-        runtime._grads_ready(index, dflats)
-        if index == 0:
-            runtime._clock.mark("bwd1")
-        return dx, None, None, None, None, None, None
+        return ctx.backward_layer(ctx, dy), None, None, None, None, None, None
 
 
 class OffloadRuntime:
@@ -253,7 +222,6 @@ class OffloadRuntime:
                                narrow_grads=not accumulates)
                      for layer, lp in zip(model.layers, plan.layers)]
         self._widened: torch.Tensor | None = None  # the update on the CPU: a narrow layer's fp32 gradient
-        self._pinned = self.cuda  # the host buffers are page-locked until `close`
         self._host_params = {p for h in self.host if not h.on_device for p in h.params}
         self._narrow_params = {p for h in self.host if h.narrow for p in h.params}
         # The working weights of resident layers; a layer with its states on the device reads its staging copies.
@@ -267,9 +235,9 @@ class OffloadRuntime:
                      for _ in range(plan.prefetch_depth + 1)] if streamed else []
         # Side streams: the step's copies in and out (weights, inputs, gradients); the update ring
         # (plan.optimizer "gpu") makes its own two, which run beside these instead of queueing behind them.
-        stream = lambda: torch.cuda.Stream(self.device) if self.cuda else None
-        self.h2d, self.d2h = stream(), stream()
-        self._update_ring = UpdateRing(self)
+        self.streams = Streams(self.device)  # the stream helpers, shared with the ring
+        self.h2d, self.d2h = self.streams.new(), self.streams.new()
+        self._update_ring = UpdateRing(self.host, self.resident, self.streams)
         self._resident_ready: dict[int, object] = {}
         self._schedule: _Schedule | None = None
         self._offloaded: dict[int, tuple[torch.Tensor, object]] = {}
@@ -285,21 +253,6 @@ class OffloadRuntime:
         model.layer_runner = self.run_layer
 
     # --- copies ----------------------------------------------------------------------------------
-
-    def _side(self, stream):
-        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
-
-    def _record(self, stream):
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
-
-    def _wait(self, event, stream=None) -> None:
-        """`stream` (the compute stream by default) waits for `event` (None: nothing to wait for)."""
-        if event is not None:
-            (stream or torch.cuda.current_stream(self.device)).wait_event(event)
 
     def _hold(self, tensors: list[torch.Tensor], event) -> None:
         """Keep device `tensors`, which a copy on a side stream reads (done at `event`), until the
@@ -319,7 +272,7 @@ class OffloadRuntime:
         keep = []
         for place, tensors, event in self._held:
             if place < before:
-                self._wait(event)
+                self.streams.wait(event)
             else:
                 keep.append((place, tensors, event))
         self._held = keep
@@ -330,11 +283,11 @@ class OffloadRuntime:
         sources' last writer) has happened; returns the event."""
         if self.cuda:
             self.h2d.wait_stream(torch.cuda.current_stream(self.device))
-            self._wait(after, self.h2d)
-        with self._side(self.h2d):
+            self.streams.wait(after, self.h2d)
+        with self.streams.side(self.h2d):
             for target, source in zip(targets, sources):
                 target.copy_(source, non_blocking=True)
-        return self._record(self.h2d)
+        return self.streams.record(self.h2d)
 
     def _issue(self, schedule: _Schedule, k: int):
         """Start copy k of the schedule: (device tensors, event), or None when its source is not there yet."""
@@ -364,9 +317,9 @@ class OffloadRuntime:
         host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.cuda)
         if self.cuda:
             self.d2h.wait_stream(torch.cuda.current_stream(self.device))
-        with self._side(self.d2h):
+        with self.streams.side(self.d2h):
             host.copy_(x, non_blocking=True)
-        event = self._record(self.d2h)
+        event = self.streams.record(self.d2h)
         self._hold([x], event)
         self._offloaded[index] = (host, event)
         self._schedule.pump()
@@ -375,30 +328,79 @@ class OffloadRuntime:
 
     def run_layer(self, index: int, x, cos, sin, kv_store, row_mask):
         """Student.forward's layer runner: (layer output, None). kv_store: the chunk-recurrent
-        engine's (student/long_context.py) when a chunk runs, passed to the layer's attention; a
+        engine's (student/long_context/) when a chunk runs, passed to the layer's attention; a
         chunk's forward and backward are those of a micro-batch here."""
         if index == 0:
             if self._schedule is not None:  # the held tensors' places, counted back from the new forward's first
                 self._held = [(place - 2 * len(self.host), tensors, event) for place, tensors, event in self._held]
-            self._schedule = _Schedule(self, torch.is_grad_enabled())
+            self._schedule = _Schedule(self.plan, self.host, torch.is_grad_enabled(), self._issue, self._release,
+                                       self.streams)
             self._offloaded.clear()
         # Timed: the forwards of training, with gradients or (chunk-recurrent pass 1) without.
         timed = torch.is_grad_enabled() or (kv_store is not None and self.model.training)
         if timed and index == 0:
             self._clock.mark("fwd0")
         if torch.is_grad_enabled():
-            y = _LayerFunction.apply(x, cos, sin, row_mask, self, index, kv_store)
+            y = _LayerFunction.apply(x, cos, sin, row_mask, self._forward_layer, index, kv_store)
         else:
             y = self._call(index, self._weights(index, "fwd"), x, cos, sin, row_mask, kv_store)
         if timed and index == len(self.host) - 1:
             self._clock.mark("fwd1")
         return y, None
 
+    def _forward_layer(self, ctx, x, cos, sin, row_mask, index: int, kv_store) -> torch.Tensor:
+        """_LayerFunction's forward (`ctx`: its context): layer `index`'s output, and what its
+        backward needs kept as the plan's activation decision says."""
+        activation = self.plan.layers[index].activation
+        weights = self._weights(index, "fwd")
+        ctx.backward_layer, ctx.index, ctx.graph, ctx.kv_store = self._backward_layer, index, None, kv_store
+        ctx.amp = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
+        if activation == "keep":
+            with torch.enable_grad():
+                x_ = x.detach().requires_grad_()
+                flats = [w.detach().requires_grad_() for w in weights]
+                y = self._call(index, flats, x_, cos, sin, row_mask, kv_store)
+            ctx.graph = (x_, flats, y)
+            ctx.save_for_backward()
+            return y.detach()
+        y = self._call(index, weights, x, cos, sin, row_mask, kv_store)
+        ctx.save_for_backward(x if activation == "recompute" else None, cos, sin, row_mask)
+        if activation == "offload":
+            self._offload_input(index, x)
+        return y
+
+    def _backward_layer(self, ctx, dy) -> torch.Tensor:
+        """_LayerFunction's backward: the gradient of the layer's input; its weight gradients go to
+        `_grads_ready`."""
+        index = ctx.index
+        if index == len(self.host) - 1:
+            self._clock.mark("bwd0")
+        self._schedule.reach(index, "bwd")  # before its input or weights are taken
+        if ctx.graph is not None:
+            x_, flats, y = ctx.graph
+            ctx.graph = None
+        else:
+            x, cos, sin, row_mask = ctx.saved_tensors
+            if x is None:
+                x = self._schedule.take(("x", index, "bwd"))[0]
+            weights = self._weights(index, "bwd")
+            enabled, dtype = ctx.amp
+            with torch.enable_grad(), torch.autocast(self.device.type, dtype=dtype, enabled=enabled):
+                x_ = x.detach().requires_grad_()
+                flats = [w.detach().requires_grad_() for w in weights]
+                y = self._call(index, flats, x_, cos, sin, row_mask, ctx.kv_store)
+            ctx.kv_store = None
+        dx, *dflats = torch.autograd.grad(y, [x_, *flats], dy)
+        self._grads_ready(index, dflats)
+        if index == 0:
+            self._clock.mark("bwd1")
+        return dx
+
     def _weights(self, index: int, phase: str) -> list[torch.Tensor]:
         """Layer `index`'s working weights on the device, one flat tensor per group, ready to read."""
         self._schedule.reach(index, phase)
         if index in self.resident:
-            self._wait(self._resident_ready.pop(index, None))
+            self.streams.wait(self._resident_ready.pop(index, None))
             return self.resident[index]
         return self._schedule.take(("w", index, phase))
 
@@ -453,10 +455,10 @@ class OffloadRuntime:
             targets = h.grads if h.narrow else [h.grad]
             if self.cuda and not h.on_device:
                 self.d2h.wait_stream(torch.cuda.current_stream(self.device))
-                with self._side(self.d2h):
+                with self.streams.side(self.d2h):
                     for target, source in zip(targets, sources):
                         target.copy_(source, non_blocking=True)
-                h.grad_out = self._record(self.d2h)
+                h.grad_out = self.streams.record(self.d2h)
                 self._hold(sources, h.grad_out)
             else:
                 for target, source in zip(targets, sources):
@@ -486,11 +488,6 @@ class OffloadRuntime:
                 for p, view in zip(h.params, h.grad_views):
                     if view.dtype == p.dtype:  # a narrow gradient is widened where an update reads it
                         p.grad = view
-
-    def _has_grads(self, h: HostLayer, held: dict) -> bool:
-        """Whether host layer `h` has gradients to update with (`held`: each parameter's .grad):
-        a narrow layer's matrices have no .grad (`finish_grads`), its flag says."""
-        return h.has_grad if h.narrow else any(held.get(p) is not None for p in h.params)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """student.optim.clip.clip_grad_norm_foreach over the model's parameters, with no host pass
@@ -539,7 +536,7 @@ class OffloadRuntime:
         self._step_device_params(optimizer, held)
         coef = self._clip_coef.to("cpu") if self._clip_coef is not None else None  # after the device's work is queued
         for index, h in enumerate(self.host):
-            if h.on_device or not self._has_grads(h, held):
+            if h.on_device or not h.needs_update(held):
                 continue
             if h.narrow:
                 self._step_widened(optimizer, h, held, self._widened_buffer(), coef)
@@ -594,7 +591,7 @@ class OffloadRuntime:
         held = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
         for p in held:
             p.grad = None
-        self._update_ring.update(optimizer, held)
+        self._update_ring.update(optimizer, held, self._clip_coef)
         self._step_device_params(optimizer, held)
         for p in held:
             p.grad = held[p] if p not in self._host_params else None
@@ -626,7 +623,7 @@ class OffloadRuntime:
                         staging.copy_(h.master[g.span])
 
     def phase_s(self) -> dict[str, float]:
-        """The last step's phases, seconds (student/planner.py's PHASES; the plan's predicted.phase_s
+        """The last step's phases, seconds (student/planner/solve.py's PHASES; the plan's predicted.phase_s
         has the same names): call right after `step`, on the steps whose figures are logged: it
         waits for the step's work on the device (a host sync). {} before a step."""
         return self._clock.phases(self.plan.optimizer)
@@ -634,8 +631,7 @@ class OffloadRuntime:
     def synchronize(self) -> None:
         """Every copy done: the host masters, states and gradients may be read (a checkpoint, the
         end of training; the update's copies out are otherwise still in flight after `step`)."""
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+        self.streams.synchronize()
 
     def host_bytes(self, optimizer=None) -> int:
         """Bytes the offloaded layers hold in host memory: masters, gradients, separate staging copies
@@ -653,13 +649,5 @@ class OffloadRuntime:
         weights stay in host memory)."""
         self.synchronize()
         self.model.layer_runner = None
-        if self._pinned:
-            for h in self.host:
-                if h.on_device:
-                    continue
-                flats = list(h.state_flats.values()) if h.state_flats is not None else []
-                grads = h.grads if h.narrow else [h.grad]
-                for tensor in (h.master, *grads, *(s for _, s in h.separate_staging()), *flats):
-                    if tensor.numel():
-                        unpin(tensor)
-            self._pinned = False
+        for h in self.host:
+            h.unpin_buffers()

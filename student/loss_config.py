@@ -1,0 +1,57 @@
+"""What the student is trained to match (the `loss` part of TrainConfig): torch-free, for the CLI.
+student/loss.py computes it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from distill.configs import ConfigError, check_types, option, require
+
+__all__ = ["LossConfig", "TailMode"]
+
+TailMode = Literal["bucket", "renorm", "unnormalized"]  # kernels.fused_topk_kl.TAIL_MODES (a test holds them equal)
+
+
+@dataclass
+class LossConfig:
+    """What the student is trained to match: the teacher's cached top-k (and tail), and or the actual tokens."""
+
+    # How the teacher's mass beyond the top-k counts (kernels/fused_topk_kl.py has the formulas);
+    # a sampled cache has no top-k and always trains with its estimator (module docstring).
+    # "bucket" is the default: "renorm" never moves the student's mass into the teacher's top-k and
+    # learned worst of the three on real data (RESULTS.md, "Quality", bench_kd_vs_ce.py).
+    tail: TailMode = option("bucket", "Teacher mass beyond the top-k: bucket (one extra category), renorm or "
+                                      "unnormalized.")
+    # With tail "bucket" or "unnormalized" it must equal the cache's (student/loss.py's docstring).
+    temperature: float | None = option(None, "Distillation temperature (KL scaled by T^2; default: the cache's). "
+                                             "Another than the cache's needs --tail renorm.")
+    ce_weight: float = option(0.0, "Weight of cross-entropy on the actual tokens; 1.0 = CE only, no teacher.")
+
+    def __post_init__(self):
+        check_types(self)
+        require("temperature", self.temperature,
+                self.temperature is None or (math.isfinite(self.temperature) and self.temperature > 0),
+                "None (the cache's) or a number > 0")
+        require("ce_weight", self.ce_weight, 0 <= self.ce_weight <= 1, "in [0, 1]")
+
+    def distillation_temperature(self, cache_temperature: float) -> float:
+        return cache_temperature if self.temperature is None else self.temperature
+
+    def check_cache_temperature(self, cache_temperature: float, kind: str = "topk") -> None:
+        """Refuse a temperature this tail, or a cache of targets `kind` ("topk" | "sampled" |
+        "topk+sampled", the manifest's targets.kind), cannot compose with a cache at `cache_temperature`."""
+        temperature = self.distillation_temperature(cache_temperature)
+        if kind != "topk" and temperature != cache_temperature:
+            raise ConfigError("temperature", (
+                f"is {temperature:g} but the cache holds ids sampled from the teacher at temperature "
+                f"{cache_temperature:g}, and sampled targets estimate the teacher only at the temperature they were "
+                f"drawn at; leave out --temperature (the cache's), or sample a cache at temperature {temperature:g} "
+                f"(distill cache-teacher --targets {kind} --temperature {temperature:g})"))
+        if self.tail != "renorm" and temperature != cache_temperature:
+            raise ConfigError("temperature", (
+                f"is {temperature:g} but the cache holds the teacher at temperature {cache_temperature:g}, and the "
+                f"{self.tail!r} tail cannot re-temper the cached tail mass; cache the teacher at temperature "
+                f"{temperature:g} (distill cache-teacher --temperature {temperature:g}), or use the 'renorm' tail "
+                "(--tail renorm), which composes exactly"))
