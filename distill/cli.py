@@ -12,8 +12,9 @@ from typing import Optional
 
 import typer
 
-from distill.cli_options import config_parameters, with_parameters
+from distill.cli_options import config_parameters, option_error, with_parameters
 from distill.errors import DistillUserError
+from pipelines.stage_one import DEFAULT_CACHE_DIR, StageOneConfig  # torch-free: the configs, for the options
 from student.train_config import TrainConfig  # torch-free: only the config, for the option defaults
 
 app = typer.Typer(
@@ -24,63 +25,32 @@ app = typer.Typer(
 )
 
 
-def _stage_one_default(section: str, name: str):
-    """The default of a stage-one config field, so the CLI and a recipe share one value."""
-    from pipelines.corpus import CorpusConfig
-    from pipelines.stage_one import StageOneConfig, TeacherConfig
-    from teacher_cache.build import CacheConfig
-
-    cls = {"teacher": TeacherConfig, "corpus": CorpusConfig, "cache": CacheConfig, "stage_one": StageOneConfig}[section]
-    field = cls.__dataclass_fields__[name]
-    return field.default_factory() if callable(field.default_factory) else field.default
-
-
-# Stage-one config fields whose CLI option is not --field-name, and those only a recipe sets.
-_STAGE_ONE_OPTIONS = {"paths": "--corpus", "file_glob": "--glob", "value_codec": "--codec", "k": "-k"}
+# Stage-one config fields only a recipe sets: cache-teacher has no option for them.
 _RECIPE_ONLY = {"add_eos", "exclude_dirs", "writer_threads"}
 
 
 def _stage_one_option_error(error) -> DistillUserError:
-    """A stage-one ConfigError named as the cache-teacher option that sets the field."""
+    """A stage-one ConfigError named as the cache-teacher option that sets the field (its first flag: `-k`,
+    `--corpus`); a recipe-only field keeps its config name."""
     if error.field in _RECIPE_ONLY:
         return error
-    option = _STAGE_ONE_OPTIONS.get(error.field)
-    return DistillUserError(f"{option} {error.problem}") if option else error.as_option()
+    return option_error(error, StageOneConfig.flat_fields())
+
+
+def _cache_teacher_own_options(
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars (also none of transformers' loading bars)."),
+) -> None:
+    """cache-teacher's option beside its config's."""
 
 
 @app.command("cache-teacher")
-def cache_teacher(
-    out: str = typer.Option(str(_stage_one_default("stage_one", "cache").out), "--out", "-o", help="Cache directory to write (resumed if interrupted, repaired if damaged), or an fsspec URL (s3://bucket/prefix, gs://..., file://...)."),
-    model: Optional[Path] = typer.Option(None, help="Teacher HF folder; default: the embedded SmolLM2-135M-Instruct."),
-    backend: str = typer.Option(_stage_one_default("teacher", "backend"), help="hf (transformers, CPU or GPU) or vllm."),
-    dtype: str = typer.Option(_stage_one_default("teacher", "dtype"), help="Teacher dtype: auto (bfloat16 on a GPU, float32 on a CPU), bfloat16, float16, float32."),
-    device: str = typer.Option(_stage_one_default("teacher", "device"), help="auto, cpu, cuda or cuda:N (hf backend)."),
-    compile: Optional[bool] = typer.Option(_stage_one_default("teacher", "compile"), "--compile/--no-compile", help="torch.compile the teacher body (hf). Default: on a GPU, where it pays off once the run outlasts the compilation (tens of seconds); off on a CPU."),
-    prefill_tokens: int = typer.Option(_stage_one_default("teacher", "prefill_tokens"), help="Longest sequence run in one teacher forward; a longer one (a long --seq-len) is prefilled in chunks of this many tokens through the teacher's KV cache, so memory follows the KV, not the length."),
-    tensor_parallel_size: int = typer.Option(_stage_one_default("teacher", "tensor_parallel_size"), help="GPUs one vllm teacher is split over (vLLM's tensor_parallel_size), for a teacher larger than one GPU (--backend vllm)."),
-    corpus: Optional[list[Path]] = typer.Option(None, help="Files or folders of text (repeatable); default: the Python standard library."),
-    corpus_format: str = typer.Option(_stage_one_default("corpus", "format"), "--format", help="auto, text, json, jsonl, parquet, arrow or hf-dataset."),
-    text_field: str = typer.Option(_stage_one_default("corpus", "text_field"), help="Column holding the text (json, parquet, arrow, hf-dataset)."),
-    glob: str = typer.Option(_stage_one_default("corpus", "file_glob"), help="Which files of a folder to read."),
-    encoding_errors: str = typer.Option(_stage_one_default("corpus", "encoding_errors"), help="Text files that are not UTF-8 text (binary files, other encodings): skip (and count them), strict (refuse), replace or ignore (decode the bad bytes lossily; binary files are still skipped)."),
-    seq_len: int = typer.Option(_stage_one_default("corpus", "seq_len"), help="Tokens per packed sequence (>= 2)."),
-    max_sequences: Optional[int] = typer.Option(None, help="Stop after this many sequences (default: the whole corpus)."),
-    targets: str = typer.Option(_stage_one_default("cache", "targets"), help="topk: the teacher's k likeliest ids per position; sampled: RS-KD, --samples ids drawn per position from the teacher (unique ids with counts: an unbiased estimate of the full-vocabulary KL; hf backend only); topk+sampled: the exact top --k, then --samples ids drawn from the teacher outside them (hf backend only)."),
-    k: int = typer.Option(_stage_one_default("cache", "k"), "-k", "--k", help="Top-k entries cached per position (--targets topk; topk+sampled: the exact head before the draws)."),
-    samples: int = typer.Option(_stage_one_default("cache", "samples"), help="Ids drawn per position, with replacement (--targets sampled or topk+sampled; at most 255)."),
-    proposal_temperature: Optional[float] = typer.Option(_stage_one_default("cache", "proposal_temperature"), help="Draw from softmax(logits / this) instead of the cached teacher (--targets sampled; topk+sampled: restricted to the ids outside the top --k and renormalised); the cache then also stores the proposal's log-probs, for importance weights. Default: the cache --temperature."),
-    seed: int = typer.Option(_stage_one_default("cache", "seed"), help="Seed of the draws (--targets sampled or topk+sampled); a sequence's draws depend only on it and the sequence's index, not on batching, shards or workers."),
-    codec: str = typer.Option(_stage_one_default("cache", "value_codec"), help="Value codec: fp32, bf16, fp16 or sqrt8 (compressed)."),
-    storage: str = typer.Option(_stage_one_default("cache", "storage"), help="parquet or zarr (Zarr v3)."),
-    shard_size: int = typer.Option(_stage_one_default("cache", "shard_size"), help="Sequences per shard."),
-    batch_size: int = typer.Option(_stage_one_default("cache", "batch_size"), help="Sequences per teacher call."),
-    temperature: float = typer.Option(_stage_one_default("cache", "temperature"), help="Cache temperature: stored log-probs are log_softmax(logits / T)."),
-    num_workers: int = typer.Option(_stage_one_default("cache", "num_workers"), help="A job array of this many workers (Slurm array or any scheduler): this process writes only its shards (shard i belongs to worker i mod W) and no manifest; `distill cache-merge` writes it. Under torchrun the ranks are the workers: leave it at 1."),
-    worker_index: int = typer.Option(_stage_one_default("cache", "worker_index"), help="This worker's index in [0, --num-workers) (e.g. $SLURM_ARRAY_TASK_ID)."),
-    executor: str = typer.Option(_stage_one_default("cache", "executor"), help="local (this process scores every shard) or ray (one Ray task per shard on a Ray cluster; a task whose worker dies is retried; needs the `ray` extra)."),
-    ray_address: Optional[str] = typer.Option(_stage_one_default("cache", "ray_address"), help="The Ray cluster (--executor ray), e.g. 10.0.0.1:6379; default: RAY_ADDRESS, else a cluster started on this machine by `ray start`, else a new local one."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars (also none of transformers' loading bars)."),
-) -> None:
+@with_parameters(
+    # no --corpus: None, and the command leaves the corpus to the config (the help names it, not this machine's path)
+    config_parameters(StageOneConfig.flat_fields(), skip=_RECIPE_ONLY,
+                      defaults={"out": str(DEFAULT_CACHE_DIR), "paths": None}),
+    inspect.signature(_cache_teacher_own_options, eval_str=True).parameters.values(),
+)
+def cache_teacher(**values) -> None:
     """Run a teacher once over a corpus and write its top-k (or sampled) next-token log-probs to a cache.
 
     Examples:
@@ -104,26 +74,13 @@ def cache_teacher(
     Re-running the same command after an interruption resumes where it stopped (also at another number of workers or ranks); on a complete cache it checks every shard and rebuilds exactly the damaged ones.
     """
     from distill.configs import ConfigError
-    from pipelines.corpus import CorpusConfig
-    from pipelines.stage_one import StageOneConfig, TeacherConfig, cache_teacher as run
-    from teacher_cache.build import CacheConfig
+    from pipelines.stage_one import cache_teacher as run
 
-    corpus_kwargs = {} if not corpus else {"paths": tuple(str(p) for p in corpus)}
+    quiet, out, num_workers = values.pop("quiet"), values["out"], values["num_workers"]
+    if not values["paths"]:
+        del values["paths"]  # no --corpus: the config's default corpus
     try:
-        config = StageOneConfig(
-            teacher=TeacherConfig(model=model, backend=backend, dtype=dtype, device=device, compile=compile,
-                                  prefill_tokens=prefill_tokens, tensor_parallel_size=tensor_parallel_size),
-            corpus=CorpusConfig(
-                **corpus_kwargs, format=corpus_format, text_field=text_field, file_glob=glob,
-                encoding_errors=encoding_errors, seq_len=seq_len, max_sequences=max_sequences,
-            ),
-            cache=CacheConfig(
-                out=out, targets=targets, k=k, samples=samples, proposal_temperature=proposal_temperature, seed=seed,
-                value_codec=codec, storage=storage, shard_size=shard_size,
-                batch_size=batch_size, temperature=temperature, num_workers=num_workers, worker_index=worker_index,
-                executor=executor, ray_address=ray_address,
-            ),
-        )
+        config = StageOneConfig.from_flat(**values)
         report = run(config, progress=not quiet)
     except ConfigError as e:
         raise _stage_one_option_error(e) from None
@@ -439,6 +396,8 @@ def runs(
       distill runs
 
       distill runs runs/sweep --cache 3f2a9c --json
+
+      distill runs runs/sweep --wide   # each setting that differs in a column of its own
     """
     from pipelines.experiments import find_runs, runs_table
 

@@ -14,7 +14,6 @@ temperatures are in kernels/fused_topk_kl_torch.py's docstring; how each path ru
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 
 import torch
@@ -28,6 +27,7 @@ from kernels.fused_topk_kl_torch import (
     fused_topk_kl_torch,
     reduce_kl,
 )
+from kernels.temperature_rule import temperature_problem
 
 try:
     from kernels import fused_topk_kl_triton as _triton_path
@@ -202,12 +202,10 @@ def _validated(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids
         if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 < value < float("inf")):
             raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     if target_weights is not None:
-        _check_sampled(target_weights, (num_rows, k), dev, tail, temperature, cache_temperature)
-    if tail != "renorm" and not math.isclose(temperature, cache_temperature, rel_tol=1e-6):
-        raise ValueError(
-            f"tail={tail!r} uses the cached tail mass, which is at cache_temperature={cache_temperature} and cannot "
-            f"be tempered to temperature={temperature} (the tail is many tokens); distill from a cache written at "
-            f"temperature {temperature}, or use tail='renorm', which tempers the cached top-k exactly")
+        _check_sampled(target_weights, (num_rows, k), dev, tail)
+    problem = temperature_problem(tail, temperature, cache_temperature, "topk" if target_weights is None else "sampled")
+    if problem is not None:
+        raise ValueError(f"temperature {problem}")
     if isinstance(ce_weight, bool) or not (isinstance(ce_weight, (int, float)) and 0.0 <= ce_weight <= 1.0):
         raise ValueError(f"ce_weight must be in [0, 1], got {ce_weight!r}")
     if ce_weight > 0 and target_ids is None:
@@ -221,17 +219,13 @@ def _validated(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids
     return LossSpec(tail, float(temperature), float(cache_temperature), float(ce_weight), reduction)
 
 
-def _check_sampled(target_weights, shape, device, tail, temperature, cache_temperature) -> None:
-    """Sampled targets: their shape, and the only loss they estimate (unnormalized, at T = T_c)."""
+def _check_sampled(target_weights, shape, device, tail) -> None:
+    """Sampled targets: their shape, and the only loss form they estimate (unnormalized; the temperature
+    is temperature_rule's)."""
     _check_float("target_weights", target_weights, shape, device)
     if tail != "unnormalized":
         raise ValueError(f"target_weights (sampled targets) need tail='unnormalized', the form whose estimate is "
                          f"unbiased, got tail={tail!r}; pass tail='unnormalized'")
-    if not math.isclose(temperature, cache_temperature, rel_tol=1e-6):
-        raise ValueError(
-            f"target_weights (sampled targets) estimate the teacher at cache_temperature={cache_temperature}, the "
-            f"temperature its ids were drawn at, and cannot be tempered to temperature={temperature}; distill at "
-            f"temperature {cache_temperature}, or from a cache sampled at temperature {temperature}")
 
 
 def _check_run_options(hidden, chunk_size, impl, settings) -> None:

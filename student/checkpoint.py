@@ -12,41 +12,35 @@ resumes at any world size (`load_sharded_checkpoint`).
 
 Every folder is written under a temp name and renamed into place (distill.files.atomic_dir), so a
 kill leaves whole checkpoints and temp folders that `remove_stale_temps` clears on the next run.
-torch and numpy are imported inside the functions: the CLI imports the trainer (and so this
-module) for its option defaults without loading torch.
+The checkpoint folders are found by student/checkpoint_dirs.py, torch-free for `distill runs`; its
+names are imported here too, where the trainer and student/run_dir.py take them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
 from pathlib import Path
 
-from distill.errors import DistillUserError
+import numpy as np
+import torch
+import torch.distributed as tdist
+from safetensors import safe_open
+
 from distill.files import atomic_dir, atomic_write_text, remove_stale_temps
+from student.checkpoint_dirs import RunDirError, checkpoint_step, checkpoints, latest_checkpoint
+from student.distributed import load_full_into_sharded, load_sharded, save_sharded
+from student.model import Student
+
+__all__ = ["RunDirError", "checkpoints", "latest_checkpoint", "checkpoint_step", "remove_stale", "save_checkpoint",
+           "load_checkpoint", "is_sharded_checkpoint", "save_sharded_checkpoint", "load_sharded_checkpoint", "rewind",
+           "rewind_metrics", "save_student"]
 
 KEEP_CHECKPOINTS = 2  # the newest ones; an older one is deleted when a new one is written
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
-
-
-class RunDirError(DistillUserError):
-    """The run directory holds another run, or a checkpoint of another model."""
-
-
-def checkpoints(out) -> list[Path]:
-    """The run's checkpoint folders, oldest first."""
-    return sorted((Path(out) / "checkpoints").glob("step-[0-9]*"))
-
-
-def latest_checkpoint(out) -> Path | None:
-    found = checkpoints(out)
-    return found[-1] if found else None
-
-
-def checkpoint_step(ckpt: Path) -> int:
-    return int(ckpt.name.removeprefix("step-"))
 
 
 def remove_stale(out) -> None:
@@ -57,9 +51,6 @@ def remove_stale(out) -> None:
 
 
 def _rng_state() -> dict:
-    import numpy as np
-    import torch
-
     np_state = np.random.get_state()
     return {"python": random.getstate(), "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),
             "torch": torch.get_rng_state(),
@@ -67,9 +58,6 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
-    import numpy as np
-    import torch
-
     random.setstate(state["python"])
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
@@ -81,8 +69,6 @@ def _set_rng_state(state: dict) -> None:
 def save_checkpoint(out, step: int, model, trainer_state: dict, data_state: dict) -> Path:
     """Write checkpoint `step` (the model, `trainer_state` plus the RNG states, `data_state`) and
     delete all but the newest KEEP_CHECKPOINTS."""
-    import torch
-
     final = Path(out) / "checkpoints" / f"step-{step:06d}"
     with atomic_dir(final) as tmp:
         model.save_pretrained(tmp / "model")
@@ -100,8 +86,6 @@ def load_checkpoint(ckpt: Path, model) -> tuple[dict, dict]:
     The weights are copied into the model's own parameters wherever they live, one tensor at a
     time from the memory-mapped file: no second model is built, so an offloaded run's decoder
     layers (in host memory, student/offload/runtime.py) never pass through the device."""
-    import torch
-
     _check_same_model(ckpt, ckpt / "model" / "config.json", model)
     _copy_weights_into(model, ckpt / "model" / "model.safetensors")
     state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
@@ -127,13 +111,6 @@ def save_sharded_checkpoint(out, step: int, model, optimizer, trainer_state: dic
     """A sharded run's checkpoint `step` (module docstring): every rank writes its shards into rank
     0's temp folder, then rank 0 the rest, renames it into place and deletes all but the newest
     KEEP_CHECKPOINTS; every rank returns once it exists. `trainer_state` holds no optimizer."""
-    import contextlib
-
-    import torch
-    import torch.distributed as tdist
-
-    from student.distributed import save_sharded
-
     final = Path(out) / "checkpoints" / f"step-{step:06d}"
     with (atomic_dir(final) if dist.main else contextlib.nullcontext()) as tmp:
         shared = [str(tmp) if dist.main else None]
@@ -161,12 +138,6 @@ def load_sharded_checkpoint(ckpt: Path, model, optimizer) -> tuple[dict, dict]:
     without the optimizer, data_state). Refuses an optimizer whose states' layout follows the world
     size (`world_size_bound`: the 8-bit AdamW's blocks) at another world size than the one that
     wrote them."""
-    import torch
-    import torch.distributed as tdist
-
-    from student.distributed import load_full_into_sharded, load_sharded
-    from student.model import Student
-
     sharded = is_sharded_checkpoint(ckpt)
     _check_same_model(ckpt, ckpt / ("config.json" if sharded else "model/config.json"), model)
     state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
@@ -187,9 +158,6 @@ def load_sharded_checkpoint(ckpt: Path, model, optimizer) -> tuple[dict, dict]:
 
 def _copy_weights_into(model, file: Path) -> None:
     """Each tensor of `file` (written by Student.save_pretrained) into the parameter of that name."""
-    import torch
-    from safetensors import safe_open
-
     own = model.state_dict()  # the parameters' own storage
     seen = set()
     with safe_open(str(file), framework="pt", device="cpu") as f, torch.no_grad():

@@ -30,15 +30,14 @@ import torch
 
 from distill.configs import require
 from distill.errors import DistillUserError
+from teacher_cache.identity import tokenizer_info
 from teacher_cache.reader import CacheReader
 
 
 def tokenizer_info_of(folder) -> dict:
     """The identity (hash, vocab size, special ids) of the tokenizer in HF folder `folder`: a cache is
     read only by students of the tokenizer it was built with (CacheReader's expect_* arguments)."""
-    from transformers import AutoTokenizer
-
-    from teacher_cache.identity import tokenizer_info
+    from transformers import AutoTokenizer  # seconds to import; only loading a tokenizer needs it
 
     try:
         return tokenizer_info(AutoTokenizer.from_pretrained(folder))

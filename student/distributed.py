@@ -31,8 +31,6 @@ Checkpoints written by a sharded run hold `dcp/` (the model and optimizer throug
 get_state_dict, so they reshard to any world size) beside trainer_state.pt and data.json
 (student/checkpoint.py); a one-process run reads them with the same calls, and a sharded run
 reads a one-process checkpoint (an HF folder and a full optimizer state) through full state dicts.
-
-torch is imported inside the functions: the trainer imports this module only when it runs.
 """
 
 from __future__ import annotations
@@ -40,6 +38,13 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from distill.configs import ConfigError
 from distill.errors import DistillUserError
@@ -85,9 +90,6 @@ def check_config(config, dist: Dist) -> None:
 
 def setup(dist: Dist, device: str) -> None:
     """Join the process group (gloo on a CPU, nccl on GPUs); on GPUs make LOCAL_RANK's the current one."""
-    import torch
-    import torch.distributed as tdist
-
     if device.startswith("cuda"):
         torch.cuda.set_device(dist.local_rank)
     if not tdist.is_initialized():
@@ -95,8 +97,6 @@ def setup(dist: Dist, device: str) -> None:
 
 
 def teardown() -> None:
-    import torch.distributed as tdist
-
     if tdist.is_initialized():
         tdist.destroy_process_group()
 
@@ -105,8 +105,6 @@ def shard_model(model) -> None:
     """FSDP2 over `model` (a Student), in place: each decoder layer its own unit, then the root. The
     root keeps its parameters gathered after the forward: the loss reads the lm-head outside the
     model's forward. Gradients are summed over ranks, not averaged (module docstring)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model, reshard_after_forward=False)
@@ -118,37 +116,29 @@ def shard_model(model) -> None:
 
 def global_rows(batch, device: str) -> tuple[int, int]:
     """(real rows, rows with a next token) of the micro-batch of which `batch` is this rank's part."""
-    import torch
-
     counts = torch.tensor([int(batch.mask.sum()), int((batch.mask & (batch.target_ids >= 0)).sum())],
                           dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(counts)
+    tdist.all_reduce(counts)
     return int(counts[0]), int(counts[1])
 
 
 def padded_to_longest_part(batch, device: str):
     """`batch` padded to the longest rank's part of its micro-batch (one all-reduce): chunk-recurrent
     training then cuts every rank's part into the same chunks, so their collectives pair up."""
-    import torch
-
     longest = torch.tensor([batch.input_ids.shape[1]], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+    tdist.all_reduce(longest, op=tdist.ReduceOp.MAX)
     return batch.padded_to(int(longest))
 
 
 def all_sum(values: list[float], device: str) -> list[float]:
     """The sums over ranks of `values` (float64)."""
-    import torch
-
     summed = torch.tensor(values, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(summed)
+    tdist.all_reduce(summed)
     return summed.tolist()
 
 
 def sum_over_ranks_(tensor):
     """`tensor` summed over the ranks, in place (one all-reduce); returns it."""
-    import torch.distributed as tdist
-
     tdist.all_reduce(tensor)
     return tensor
 
@@ -158,7 +148,6 @@ def rank0_first(dist: Dist | None, work):
     every rank (so all stop with the same line, none waits in a collective)."""
     if dist is None:
         return work()
-    import torch.distributed as tdist
 
     shared = [None]
     if dist.main:
@@ -189,16 +178,11 @@ def unsharded_root(model, sharded: bool):
 
 def full_model_state(model) -> dict:
     """The whole model state dict on rank 0's host (gathered from every rank; others get {})."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def save_sharded(folder, model, optimizer) -> None:
     """Write the model and optimizer (each rank its shards) to `folder` through DCP."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
 
@@ -206,9 +190,6 @@ def save_sharded(folder, model, optimizer) -> None:
 def load_sharded(folder, model, optimizer) -> None:
     """Load `save_sharded`'s model and optimizer into `model` (sharded or not, any world size),
     keeping the optimizer's hyperparameters (a resumed run may change them)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     settings = _settings(optimizer)
     model_state, optim_state = get_state_dict(model, optimizer)  # allocates the optimizer's states to load into
     state = {"model": model_state, "optim": optim_state}
@@ -220,8 +201,6 @@ def load_sharded(folder, model, optimizer) -> None:
 def load_full_into_sharded(model, optimizer, model_state: dict, optim_state: dict) -> None:
     """Load a one-process checkpoint (full model state dict; optimizer.state_dict() of the same
     optimizer over the unsharded model, keyed by parameter index) into the sharded `model`."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
     names = {id(p): name for name, p in model.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     saved_ids = [i for group in optim_state["param_groups"] for i in group["params"]]

@@ -21,14 +21,16 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from distill.devices import resolve_device, resolve_dtype
 from distill.errors import DistillUserError
-from student.checkpoint import latest_checkpoint
+from student.checkpoint_dirs import latest_checkpoint
 from student.data import Batch, CacheBatches, split_indices, tokenizer_info_of
 from student.long_context.config import LongContextConfig
 from student.long_context.engine import chunked_forward
 from student.loss import LossConfig, distill_loss
+from student.model import Student
 from teacher_cache.reader import CacheReader
 
 # Bytes of one [rows, V] fp32 logits block: the row chunk of the vocabulary-wide metrics (CE, top-1,
@@ -235,8 +237,6 @@ def _evaluate(model, teacher, reader: CacheReader, indices, *, batch_size: int, 
               progress: bool) -> tuple[_Sums, Calibration | None]:
     """The loop of evaluate_student / evaluate_against_teacher: (the student's sums, the teacher's
     Calibration, None without a teacher)."""
-    from tqdm.auto import tqdm
-
     models = [m for m in (model, teacher) if m is not None]
     was_training = [m.training for m in models]
     for m in models:
@@ -326,8 +326,6 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
     teacher's row (its cache numbers) gains its own calibration_error and full_vocab_kl 0, and
     "full_vocab_note" (FULL_VOCAB_NOTE) is added. progress: a progress bar over the sequences.
     """
-    from student.model import Student
-
     path = Path(path)
     device = resolve_device(device)
     initial = None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from distill.configs import ConfigError, check_types, option, require
+from kernels.temperature_rule import temperature_problem
 
 __all__ = ["LossConfig", "TailMode"]
 
@@ -41,17 +42,9 @@ class LossConfig:
 
     def check_cache_temperature(self, cache_temperature: float, kind: str = "topk") -> None:
         """Refuse a temperature this tail, or a cache of targets `kind` ("topk" | "sampled" |
-        "topk+sampled", the manifest's targets.kind), cannot compose with a cache at `cache_temperature`."""
-        temperature = self.distillation_temperature(cache_temperature)
-        if kind != "topk" and temperature != cache_temperature:
-            raise ConfigError("temperature", (
-                f"is {temperature:g} but the cache holds ids sampled from the teacher at temperature "
-                f"{cache_temperature:g}, and sampled targets estimate the teacher only at the temperature they were "
-                f"drawn at; leave out --temperature (the cache's), or sample a cache at temperature {temperature:g} "
-                f"(distill cache-teacher --targets {kind} --temperature {temperature:g})"))
-        if self.tail != "renorm" and temperature != cache_temperature:
-            raise ConfigError("temperature", (
-                f"is {temperature:g} but the cache holds the teacher at temperature {cache_temperature:g}, and the "
-                f"{self.tail!r} tail cannot re-temper the cached tail mass; cache the teacher at temperature "
-                f"{temperature:g} (distill cache-teacher --temperature {temperature:g}), or use the 'renorm' tail "
-                "(--tail renorm), which composes exactly"))
+        "topk+sampled", the manifest's targets.kind), cannot compose with a cache at `cache_temperature`
+        (kernels/temperature_rule.py: the rule the loss's kernel checks too)."""
+        problem = temperature_problem(self.tail, self.distillation_temperature(cache_temperature), cache_temperature,
+                                      kind)
+        if problem is not None:
+            raise ConfigError("temperature", problem)

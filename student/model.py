@@ -8,7 +8,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.utils.checkpoint
@@ -19,10 +19,8 @@ from torch import nn
 from distill.configs import require
 from distill.errors import DistillUserError
 from distill.files import atomic_dir
+from kernels.twell_ffn import FFNStats, relu_gated_ffn
 from student.config import StudentConfig
-
-if TYPE_CHECKING:
-    from kernels.twell_ffn import FFNStats
 
 __all__ = ["StudentConfig", "Student", "FFNTerms", "KVStore", "ListKVStore", "prune_layers", "evenly_spaced_layers", "to_relu_gate"]
 
@@ -176,7 +174,6 @@ class MLP(nn.Module):
     def forward(self, x, row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, FFNTerms | None]:
         if self.hidden_act == "silu":
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), None
-        from kernels.twell_ffn import relu_gated_ffn
 
         weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         if torch.is_autocast_enabled(x.device.type):  # as nn.Linear would under autocast: run in its dtype

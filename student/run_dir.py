@@ -14,23 +14,32 @@ from pathlib import Path
 
 from distill.configs import ConfigError
 from distill.files import atomic_write_json
+from student import run_owner
 from student.checkpoint import RunDirError, checkpoint_step, rewind_metrics
 from student.train_config import CHANGEABLE, FREE, TrainConfig
 
-__all__ = ["MetricsLog", "check_run_dir", "diverged_message", "eval_row"]
+__all__ = ["MetricsLog", "check_run_dir", "diverged_message", "eval_row", "make_run_dir"]
+
+
+def make_run_dir(out: Path) -> None:
+    """Create the run directory `out` (refusing a file there, or a place that cannot be written)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError("out", f"is an existing file ({out}); give a new or empty directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError("out", f"cannot be written ({out}: {e.strerror or e}); give a directory you can "
+                                 "write to") from None
 
 
 def check_run_dir(out: Path, run: dict) -> dict:
-    """In a new run dir write run.json and return {}; in an existing one refuse another run, and
-    return the CHANGEABLE settings that differ, {name: [old, new]}."""
+    """In a new run dir (`make_run_dir`'s, holding at most the lock) write run.json and return {}; in an
+    existing one refuse another run, and return the CHANGEABLE settings that differ, {name: [old, new]}."""
     path = out / "run.json"
-    if out.exists() and not out.is_dir():
-        raise ConfigError("out", f"is an existing file ({out}); give a new or empty directory")
     if not path.exists():
-        if out.exists() and any(out.iterdir()):
-            raise RunDirError(f"{out} is not empty and holds no run.json; give `out` a new or empty directory")
+        if any(entry.name != run_owner.PID_FILE for entry in out.iterdir()):
+            raise RunDirError(f"{out} is not empty and holds no run.json; give --out a new or empty directory")
         try:
-            out.mkdir(parents=True, exist_ok=True)
             atomic_write_json(path, run)
         except OSError as e:
             raise ConfigError("out", f"cannot be written ({out}: {e.strerror or e}); give a directory you can "

@@ -1,4 +1,5 @@
-"""The sparse FFN (TwELL) in training: its config and the policy built on what the model measures.
+"""The sparse FFN (TwELL) in training: the policy built on what the model measures (its config,
+torch-free for the CLI, is student/sparse_ffn_config.py's SparseFFNConfig).
 
 A ReLU-gated student's MLPs measure each forward (Student.forward(..., return_ffn_terms=True)
 returns per layer an FFNTerms: the differentiable l1 and kernels.twell_ffn.FFNStats); the model
@@ -10,17 +11,14 @@ Under FSDP2 (student/distributed.py) each rank measures its part of every micro-
 sums the ranks' measurements at the end of each step (`reduce`), so every rank holds the whole
 step's statistics, writes the same metrics, routes the layers alike and moves the same dead
 neurons; each rank moves the gate rows of its own shard, with the noise one process would draw.
-
-torch is imported inside the functions: the CLI imports `SparseFFNConfig` for its option
-defaults without loading torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import torch
 
-from distill.configs import ConfigError, check_types, option, require
+from student.optim.shards import local, local_rows
+from student.sparse_ffn_config import SparseFFNConfig
 
 # The authors route a layer to their sparse kernels once its mean non-zeros per token fall under 50
 # (`sparsity_l0_cutoff` in SakanaAI/sparser-faster-llms' configs). Our kernels break even with dense
@@ -31,58 +29,9 @@ TWELL_MAX_NNZ = 50
 DEAD_REINIT_STD = 0.02
 
 
-@dataclass
-class SparseFFNConfig:
-    """The sparse FFN: a ReLU gate made sparse by an L1 penalty on its activations, and how it runs."""
-
-    # A SwiGLU student gets the ReLU gate (same weights), and the loss adds l1 * the mean over layers
-    # of (sum over d_ff of |h|, mean over tokens), the authors' code normalisation.
-    sparse_ffn: bool = option(False, (
-        "Sparse FFN (TwELL): ReLU gate (a SwiGLU student is converted, same weights) and an L1 penalty on its "
-        "activations; logs per-layer sparsity and dead neurons."))
-    # the L1 coefficient (used only with sparse_ffn); the paper's conservative value
-    l1: float = option(2e-5, (
-        "L1 coefficient with --sparse-ffn: loss += l1 * mean over layers of (sum over d_ff of |h|, mean over "
-        "tokens)."))
-    # How a ReLU-gated FFN computes: "dense" (three matmuls) or "twell": at each logging step, layers
-    # whose mean non-zeros per token fell under TWELL_MAX_NNZ switch to kernels/twell_ffn.py's sparse
-    # Triton kernels on a GPU (less activation memory), the others stay dense; metrics rows record each
-    # layer's choice as ffn_kernel. Dense is the default: the kernels pay only on large calls
-    # (batch_size x seq_len tokens), not at the trainer's usual sizes (RESULTS.md, "Sparse FFN", through
-    # the trainer).
-    sparse_kernel: Literal["dense", "twell"] = option("dense", (
-        "With --sparse-ffn on a GPU: dense (matmuls) or twell (a layer switches to the sparse Triton kernels "
-        "once under 50 non-zeros per token; they pay only on large calls, so raise --batch-size; see "
-        "RESULTS.md)."))
-    # Dead-neuron mitigation (App. C.3): the paper calls a neuron dead when it fires on no token of a
-    # ~1M-token step, and after each such step moves its gate row to (1 - r) w + r N(0, 0.02^2),
-    # r = 0.1. Here the judgement covers windows of whole steps holding at least dead_window real
-    # tokens: after the step that closes a window, the neurons silent over all of it move. Judged over
-    # single small steps it moves many neurons silent only by chance (notes/sparse-ffn.md, "Sparse FFN
-    # dead-neuron mitigation judged over windows"). 0 turns it off.
-    dead_reinit: float = option(0.0, (
-        "With --sparse-ffn: gate rows of neurons silent on every token of a --dead-window move to (1-r) w + r "
-        "N(0, 0.02^2) when it closes (the paper's App. C.3 uses 0.1); 0 = off."))
-    # tokens (whole steps) a neuron must stay silent to count as dead
-    dead_window: int = option(1_000_000, (
-        "With --dead-reinit: tokens (whole steps) a neuron must stay silent to count as dead; the paper's "
-        "steps are ~1M tokens."))
-
-    def __post_init__(self):
-        check_types(self)
-        require("l1", self.l1, self.l1 >= 0, "a number >= 0")
-        require("dead_reinit", self.dead_reinit, 0 <= self.dead_reinit <= 1, "a number in [0, 1]")
-        require("dead_window", self.dead_window, self.dead_window >= 1, "an integer >= 1 (tokens)")
-        if self.dead_reinit and not self.sparse_ffn:
-            raise ConfigError("dead_reinit", "acts on the sparse FFN's gate: turn on sparse_ffn (--sparse-ffn) "
-                                             "or set it to 0")
-
-
 def l1_penalty(terms: list):
     """Mean over layers of each layer's l1 (sum over d_ff of |h|, mean over tokens); differentiable.
     terms: per layer FFNTerms (l1, stats) of one forward."""
-    import torch
-
     return torch.stack([l1 for l1, _ in terms]).mean()
 
 
@@ -94,8 +43,6 @@ class FFNWindow:
     measurements of the step apart until `end_step` adds the ranks' sum. None: one process."""
 
     def __init__(self, num_layers: int, d_ff: int, device, reduce=None):
-        import torch
-
         self.reduce = reduce
         self._pending = FFNWindow(num_layers, d_ff, device) if reduce is not None else None  # this rank's step
         self.d_ff = d_ff
@@ -114,8 +61,6 @@ class FFNWindow:
     def add(self, terms: list, share: float = 1.0) -> None:
         """terms: per layer FFNTerms (l1, FFNStats) of one micro-batch, or of a chunk of it holding
         `share` of its real tokens (the means then add up over the chunks)."""
-        import torch
-
         if self._pending is not None:
             self._pending.add(terms, share)
             return
@@ -132,8 +77,6 @@ class FFNWindow:
         """Close the step of `tokens` real tokens. When that closes a dead window (at least
         `dead_window` tokens since it began), returns the neurons active over the window (bool
         [L, d_ff]) and starts the next; else None."""
-        import torch
-
         if self._pending is not None:
             self._add_pending_over_ranks()
         self.l1_last = self.l1_step / grad_accum
@@ -147,8 +90,6 @@ class FFNWindow:
 
     def _add_pending_over_ranks(self) -> None:
         """Add the step's measurements summed over the ranks (one all-reduce) and clear this rank's."""
-        import torch
-
         mine, (num_layers, d_ff) = self._pending, self.active_LF.shape
         calls = torch.tensor([float(mine.calls)], device=mine.nnz_L.device)
         parts = (mine.l1_step.view(1), mine.nnz_L, mine.overflow_L, mine.fallback_L, mine.active_LF.flatten(), calls)
@@ -204,10 +145,6 @@ def reinit_dead_gates(model, active_LF, rate: float, seed: int, step: int):
     the noise from a generator seeded by (seed, step), so a resumed run draws the same. Returns the
     number moved per layer (int64 [L], on the device; no host sync). A gate sharded by FSDP2 moves
     this rank's rows, with their rows of the whole gate's noise (active_LF is then every rank's)."""
-    import torch
-
-    from student.optim.shards import local, local_rows
-
     gen = torch.Generator(device=active_LF.device).manual_seed(seed * 1_000_003 + step)
     with torch.no_grad():
         for layer, active_F in zip(model.layers, active_LF):

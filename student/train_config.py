@@ -20,7 +20,7 @@ from student.loss_config import LossConfig
 from student.offload.config import OffloadConfig
 from student.optim.config import OptimizerConfig
 from student.schedule import ScheduleConfig
-from student.sparse_ffn import SparseFFNConfig
+from student.sparse_ffn_config import SparseFFNConfig
 
 __all__ = ["CHANGEABLE", "FREE", "TrainConfig"]
 

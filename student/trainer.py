@@ -28,8 +28,9 @@ Run directory (`out`):
                       [old, new]}} where a rerun continued the run with other settings; {"kind":
                       "stop", step, reason: "non-finite", message} when a non-finite loss stopped the
                       run (a rerun resumes from its checkpoint and drops the row)
-  run.pid             the process training the run (student/run_owner.py), removed when it returns
-                      or raises; one left behind by a killed process names a dead pid
+  run.pid             the process training the run (student/run_owner.py), which holds an flock on it
+                      for the run's life (a second trainer into the same directory is refused),
+                      removed when it returns or raises; one a killed process left is taken over
   initial_eval.json   the step-0 student on the evaluation sequences
   eval.json           initial / final student and teacher reference at the end
   checkpoints/, student/   see student/checkpoint.py
@@ -73,8 +74,8 @@ from student.distributed import Dist, check_config, setup, teardown, world_from_
 from student.evaluate import EvalResult, evaluate_student, kl_note, teacher_reference
 from student.executors import LocalExecutor, make_executor
 from student.offload.run import caps_allocator, cuda_index, over_cap_message
-from student.optim import build_optimizer, load_state_keeping_settings, state_bytes
-from student.run_dir import MetricsLog, check_run_dir, diverged_message, eval_row
+from student.optim.build import build_optimizer, load_state_keeping_settings, state_bytes
+from student.run_dir import MetricsLog, check_run_dir, diverged_message, eval_row, make_run_dir
 from student.schedule import lr_factor
 from student.step import autocast_dtype, initial_student, model_policy, peak_gpu_bytes, resolve
 from student.train_config import CHANGEABLE, TrainConfig
@@ -276,10 +277,12 @@ def _open_cache(config: TrainConfig) -> tuple[CacheReader, dict, TrainConfig]:
 
 
 def _prepare_run_dir(out: Path, run: dict, resume_from: int | None) -> dict:
-    """Claim `out` for this run (refusing another run's directory), rewind it to `resume_from` when
+    """Claim `out` for this run (the lock first, so that a second trainer is refused before it reads or
+    writes anything there; then refusing another run's directory), rewind it to `resume_from` when
     given, clear what a killed run left half-written; the CHANGEABLE settings a rerun changed."""
-    changes = check_run_dir(out, run)
+    make_run_dir(out)
     run_owner.claim(out)
+    changes = check_run_dir(out, run)
     if resume_from is not None:
         rewind(out, resume_from)
     remove_stale(out)

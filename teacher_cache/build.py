@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 from tqdm.auto import tqdm
 
-from distill.configs import ConfigError, check_types, require
+from distill.configs import ConfigError, check_types, option, require
 from distill.errors import DistillUserError
 from teacher_cache.backends.base import TeacherBackend
 from teacher_cache.codecs import codec_names
@@ -49,38 +49,50 @@ _HANDOFF_BYTES = 1 << 30
 class CacheConfig:
     """How stage one writes its cache."""
 
-    # cache directory (created; an interrupted run there is resumed, a damaged one repaired), or
-    # an fsspec URL of an object store prefix (s3://, gs://; teacher_cache/location.py)
-    out: Path | RemotePath
-    # topk: the teacher's k most probable ids per position; sampled: RS-KD, `samples` ids drawn
-    # per position with replacement (unique ids with counts; an unbiased estimate of the full KL);
-    # topk+sampled: the exact top-k, then `samples` ids drawn from the teacher outside them
-    targets: Literal["topk", "sampled", "topk+sampled"] = "topk"
-    k: int = 100  # top-k entries stored per position (targets topk; topk+sampled: the exact head)
-    # ids drawn per position (targets sampled, topk+sampled); the RS-KD paper's choice, about a dozen
-    samples: int = 12
-    # temperature of the distribution the ids are drawn from (targets sampled; topk+sampled: restricted
-    # to the ids outside the top-k); None: the cache temperature, so the stored counts alone weight
-    # the ids (no proposal log-probs stored)
-    proposal_temperature: float | None = None
-    seed: int = 0  # seed of the draws (sampled, topk+sampled); a sequence's draws depend on it and its index only
-    value_codec: str = "sqrt8"  # fp32 | bf16 | fp16 | sqrt8 (see teacher_cache/codecs.py)
-    # parquet | zarr (Zarr v3); parquet is the default because it writes cheaper at the same size
+    # a URL is resolved by teacher_cache/location.py
+    out: str | Path | RemotePath = option(help=(
+        "Cache directory to write (resumed if interrupted, repaired if damaged), or an fsspec URL "
+        "(s3://bucket/prefix, gs://..., file://...)."), flags=("--out", "-o"))
+    targets: Literal["topk", "sampled", "topk+sampled"] = option("topk", (
+        "topk: the teacher's k likeliest ids per position; sampled: RS-KD, --samples ids drawn per position from "
+        "the teacher (unique ids with counts: an unbiased estimate of the full-vocabulary KL; hf backend only); "
+        "topk+sampled: the exact top --k, then --samples ids drawn from the teacher outside them (hf backend "
+        "only)."))
+    k: int = option(100, "Top-k entries cached per position (--targets topk; topk+sampled: the exact head before "
+                         "the draws).", flags=("-k", "--k"))
+    # 12: the RS-KD paper's choice, about a dozen
+    samples: int = option(12, "Ids drawn per position, with replacement (--targets sampled or topk+sampled; at "
+                              "most 255).")
+    # None: the stored counts alone weight the ids (no proposal log-probs stored)
+    proposal_temperature: float | None = option(None, (
+        "Draw from softmax(logits / this) instead of the cached teacher (--targets sampled; topk+sampled: "
+        "restricted to the ids outside the top --k and renormalised); the cache then also stores the proposal's "
+        "log-probs, for importance weights. Default: the cache --temperature."))
+    seed: int = option(0, (
+        "Seed of the draws (--targets sampled or topk+sampled); a sequence's draws depend only on it and the "
+        "sequence's index, not on batching, shards or workers."))
+    # see teacher_cache/codecs.py
+    value_codec: str = option("sqrt8", "Value codec: fp32, bf16, fp16 or sqrt8 (compressed).", flags=("--codec",))
+    # parquet is the default because it writes cheaper at the same size
     # (tests/benchmarks/notes/capture.md, "Stage one end to end on the H200")
-    storage: Literal["parquet", "zarr"] = "parquet"
-    shard_size: int = 64  # sequences per shard
-    batch_size: int = 8  # sequences per teacher call
-    temperature: float = 1.0  # cache temperature: stored log-probs are log_softmax(logits / T)
+    storage: Literal["parquet", "zarr"] = option("parquet", "parquet or zarr (Zarr v3).")
+    shard_size: int = option(64, "Sequences per shard.")
+    batch_size: int = option(8, "Sequences per teacher call.")
+    temperature: float = option(1.0, "Cache temperature: stored log-probs are log_softmax(logits / T).")
     writer_threads: int = 0  # shards encoded and written in parallel; 0 = min(8, CPU count)
-    # A job array: this process writes only the shards of worker `worker_index` of `num_workers`
-    # (teacher_cache/workers.py) and no complete manifest; `distill cache-merge` writes it.
-    num_workers: int = 1
-    worker_index: int = 0
-    # local: this process scores every shard; ray: one Ray task per shard on a Ray cluster, with
-    # Ray's retries (teacher_cache/ray_executor.py), at `ray_address` (None: RAY_ADDRESS, else a
-    # local Ray on this machine)
-    executor: Literal["local", "ray"] = "local"
-    ray_address: str | None = None
+    # see teacher_cache/workers.py
+    num_workers: int = option(1, (
+        "A job array of this many workers (Slurm array or any scheduler): this process writes only its shards "
+        "(shard i belongs to worker i mod W) and no manifest; `distill cache-merge` writes it. Under torchrun the "
+        "ranks are the workers: leave it at 1."))
+    worker_index: int = option(0, "This worker's index in [0, --num-workers) (e.g. $SLURM_ARRAY_TASK_ID).")
+    # see teacher_cache/ray_executor.py
+    executor: Literal["local", "ray"] = option("local", (
+        "local (this process scores every shard) or ray (one Ray task per shard on a Ray cluster; a task whose "
+        "worker dies is retried; needs the `ray` extra)."))
+    ray_address: str | None = option(None, (
+        "The Ray cluster (--executor ray), e.g. 10.0.0.1:6379; default: RAY_ADDRESS, else a cluster started on "
+        "this machine by `ray start`, else a new local one."))
 
     def __post_init__(self) -> None:
         check_types(self)

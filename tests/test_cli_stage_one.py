@@ -227,31 +227,64 @@ def test_broken_teacher_folder_is_one_error_line(damage, tiny_teacher, tmp_path,
     assert expected in line and str(teacher) in line
 
 
-def test_cli_defaults_are_the_config_defaults():
+def test_every_cache_teacher_option_takes_its_default_and_help_from_its_config_field():
+    """Each option that sets a stage-one config field is declared once, on the field
+    (distill.configs.option): its names, default and help are the field's, so the CLI and a recipe
+    that leaves a key out build the same cache. Only the recipe-only fields have no option."""
     import typer.main
 
     from distill.cli import app
-    from pipelines.corpus import CorpusConfig
-    from pipelines.stage_one import StageOneConfig, TeacherConfig
-    from teacher_cache.build import CacheConfig
+    from pipelines.stage_one import StageOneConfig
 
-    command = typer.main.get_command(app).commands["cache-teacher"]
-    defaults = {p.name: p.default for p in command.params}
-    fields = {
-        "backend": (TeacherConfig, "backend"), "dtype": (TeacherConfig, "dtype"), "device": (TeacherConfig, "device"),
-        "compile": (TeacherConfig, "compile"), "corpus_format": (CorpusConfig, "format"),
-        "text_field": (CorpusConfig, "text_field"), "glob": (CorpusConfig, "file_glob"),
-        "encoding_errors": (CorpusConfig, "encoding_errors"), "seq_len": (CorpusConfig, "seq_len"),
-        "max_sequences": (CorpusConfig, "max_sequences"), "k": (CacheConfig, "k"),
-        "codec": (CacheConfig, "value_codec"), "storage": (CacheConfig, "storage"),
-        "shard_size": (CacheConfig, "shard_size"), "batch_size": (CacheConfig, "batch_size"),
-        "temperature": (CacheConfig, "temperature"), "targets": (CacheConfig, "targets"),
-        "samples": (CacheConfig, "samples"), "proposal_temperature": (CacheConfig, "proposal_temperature"),
-        "seed": (CacheConfig, "seed"),
-    }
-    for option, (cls, name) in fields.items():
-        assert defaults[option] == cls.__dataclass_fields__[name].default, option
-    assert Path(defaults["out"]) == StageOneConfig().cache.out
+    params = {p.name: p for p in typer.main.get_command(app).commands["cache-teacher"].params}
+    fields = {f.name: f for f, _ in StageOneConfig.flat_fields()}
+    assert len(fields) == len(StageOneConfig.flat_fields())  # names unique across teacher, corpus, cache
+    recipe_only = {"add_eos", "exclude_dirs", "writer_threads"}
+    assert set(params) == set(fields) - recipe_only | {"quiet"}
+    assert [name for name in recipe_only if "help" in fields[name].metadata] == []
+    for name in set(fields) - recipe_only:
+        field, param = fields[name], params[name]
+        assert field.metadata["help"] and param.help == field.metadata["help"], name
+        flags = field.metadata["flags"] or (f"--{name.replace('_', '-')}",)
+        if name == "compile":  # unset unless asked: --compile or --no-compile
+            assert (param.opts, param.secondary_opts, param.default) == (["--compile"], ["--no-compile"], None)
+        elif name == "paths":  # no --corpus: the config's default corpus (CorpusConfig's default_factory)
+            assert (param.opts, param.multiple, param.default) == (["--corpus"], True, None)
+            assert "default: the Python standard library" in param.help
+        elif name == "out":  # CacheConfig has no default out; StageOneConfig's is cache-teacher's
+            assert param.opts == ["--out", "-o"] and Path(param.default) == StageOneConfig().cache.out
+        else:
+            assert param.opts == list(flags) and param.default == field.default, name
+    expected = {"paths": "--corpus", "file_glob": "--glob", "value_codec": "--codec", "k": "-k", "format": "--format"}
+    assert {name: params[name].opts[0] for name in expected} == expected
+
+
+def test_options_reach_their_config_fields(tiny_teacher, tmp_path, capsys, monkeypatch):
+    """The options named unlike their field (-k, --codec, --glob, --format, repeated --corpus) set
+    that field; those not given leave the config's defaults."""
+    import pipelines.stage_one
+    from pipelines.stage_one import StageOneConfig
+
+    built = []
+
+    def capture(config, progress):
+        built.append(config)
+        raise SystemExit(0)  # the config is all this test checks
+
+    monkeypatch.setattr(pipelines.stage_one, "cache_teacher", capture)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b.jsonl").write_text('{"text": "x"}\n')
+    args = ["cache-teacher", "--model", tiny_teacher, "-o", tmp_path / "c", "-k", "7", "--codec", "bf16",
+            "--glob", "*.txt", "--format", "jsonl", "--corpus", tmp_path / "a", "--corpus", tmp_path / "b.jsonl", "-q"]
+    assert run_cli(args, capsys)[0] == 0
+    code, _, err = run_cli(["cache-teacher", "--model", tiny_teacher, "-q"], capsys)
+    assert code == 0, err
+    given, default = built
+    assert (given.cache.k, given.cache.value_codec) == (7, "bf16")
+    assert (given.corpus.file_glob, given.corpus.format) == ("*.txt", "jsonl")
+    assert given.corpus.paths == (tmp_path / "a", tmp_path / "b.jsonl") and given.cache.out == tmp_path / "c"
+    expected = StageOneConfig(teacher=default.teacher)
+    assert (default.corpus, default.cache) == (expected.corpus, expected.cache)
 
 
 # --- cache-stats, verify, import-gguf ---

@@ -248,7 +248,7 @@ def test_sparse_ffn_under_two_processes_matches_one(tiny, tmp_path):
 def test_settings_a_sharded_run_cannot_take_are_refused_in_one_line(tiny, tmp_path, monkeypatch, change, option):
     """As torchrun would start rank 0 of 2, but no process group is ever joined: the check comes first."""
     monkeypatch.setenv("WORLD_SIZE", "2"), monkeypatch.setenv("RANK", "0"), monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr("student.distributed.setup", lambda *a: pytest.fail("joined a process group"))
+    monkeypatch.setattr("student.trainer.setup", lambda *a: pytest.fail("joined a process group"))
     if change.get("device", "").startswith("cuda"):
         monkeypatch.setattr("student.step.resolve_device", lambda device: device)
     with pytest.raises(ConfigError) as error:

@@ -15,7 +15,7 @@ import torch
 from kernels.foam_step import FoamStepSettings, foam_launch_key, foam_moment_shape, foam_step
 from student.config import StudentConfig
 from student.model import Student
-from student.optim import state_bytes
+from student.optim.build import state_bytes
 from student.optim.foam import FOAM, foam_param_groups, foam_state_bytes_formula
 
 # Tolerances in one place. fp32: kernel and reference differ only in summation order of the

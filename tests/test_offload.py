@@ -414,7 +414,7 @@ def test_gpu_update_slots_wait_for_the_compute_streams_last_use_of_their_memory(
     import time
 
     from student.offload.runtime import OffloadRuntime
-    from student.optim import build_optimizer
+    from student.optim.build import build_optimizer
 
     student, _ = small
     model = Student.from_pretrained(student)

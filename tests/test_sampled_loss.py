@@ -220,9 +220,8 @@ def _valid(**change):
     (dict(tail="bucket"), r"target_weights \(sampled targets\) need tail='unnormalized'.*got tail='bucket'; "
                           r"pass tail='unnormalized'"),
     (dict(tail="renorm"), "need tail='unnormalized'"),
-    (dict(temperature=2.0), r"at cache_temperature=1.0, the temperature its ids were drawn at, and cannot be "
-                            r"tempered to temperature=2.0; distill at temperature 1.0, or from a cache sampled at "
-                            r"temperature 2.0"),
+    (dict(temperature=2.0), r"temperature is 2 but the cache holds ids sampled from the teacher at temperature 1, "
+                            r"and sampled targets estimate the teacher only at the temperature they were drawn at"),
     (dict(target_weights=torch.ones(6, 4)), r"target_weights must have shape \(6, 5\)"),
     (dict(target_weights=torch.ones(6, 5, dtype=torch.int64)), "target_weights must be a floating-point tensor"),
 ])

@@ -333,7 +333,7 @@ def test_the_loss_config_offers_the_kernels_tails():
 def test_flat_names_address_every_field_of_the_parts():
     from student.optim.config import OptimizerConfig
     from student.schedule import ScheduleConfig
-    from student.sparse_ffn import SparseFFNConfig
+    from student.sparse_ffn_config import SparseFFNConfig
 
     cfg = TrainConfig.from_flat(cache="c", out="o", student="s", steps=7, warmup_steps=2, lr=4e-3, optimizer="foam",
                                 tail="renorm", temperature=2.0, sparse_ffn=True, l1=1e-4, batch_size=3)
@@ -462,7 +462,7 @@ def test_a_finished_run_is_extended_and_an_older_checkpoint_resumed(tiny, tmp_pa
 def test_a_resumed_optimizer_keeps_its_new_settings_and_its_saved_moments(tiny, name, changed):
     """Loading a checkpoint's optimizer state restores its moments but not its old hyperparameters: a
     continued run trains with the settings it was given."""
-    from student.optim import build_optimizer, load_state_keeping_settings
+    from student.optim.build import build_optimizer, load_state_keeping_settings
     from student.optim.config import OptimizerConfig
 
     model = Student.from_pretrained(tiny[0])

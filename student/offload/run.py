@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from distill.configs import ConfigError
+from student.offload.config import format_bytes
 from student.offload.plan import OffloadPlan
+from student.planner.solve import plan_for_training
 
 __all__ = ["cap_allocator", "caps_allocator", "cuda_index", "offload_figures", "over_cap_message", "plan_for_run",
            "told_over_budget"]
@@ -28,11 +32,6 @@ def plan_for_run(config) -> OffloadPlan | None:
     if config.offload.offload == "none":
         return None
     if config.offload.offload == "auto":
-        try:
-            from student.planner.solve import plan_for_training
-        except ImportError:
-            raise ConfigError("offload", "is 'auto' but this distill has no planner (student/planner/solve.py); give a "
-                                         "plan file `distill plan` wrote, or --offload none") from None
         plan = plan_for_training(config)
     else:
         plan = OffloadPlan.load(config.offload.offload)
@@ -71,7 +70,6 @@ def told_over_budget(plan, peak_bytes: int | None) -> bool:
     the cost model missed something the step holds, and the run may not fit beside other work."""
     if peak_bytes is None or plan.gpu_memory is None or peak_bytes <= plan.gpu_memory:
         return False
-    from student.offload.config import format_bytes
 
     logger.warning("the GPU peak %s passed the plan's --gpu-memory %s (it predicted %s): the planner's cost model "
                    "misses something this step holds; lower --gpu-memory by the difference to stay within the "
@@ -93,8 +91,6 @@ def cap_allocator(budget_bytes: int, device: str) -> None:
     reserves more, and a step that still cannot fit fails with out of memory instead of taking
     the rest of the device. The step's speed held under the cap in row
     `offload/qwen2-0.5b-T131072-gpu7.25GiB-chunks32768-kvoffload-capped/planned@a6a3681`."""
-    import torch
-
     index = cuda_index(device)
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.empty_cache()  # what is cached from before the run counts against the cap too
@@ -104,8 +100,6 @@ def cap_allocator(budget_bytes: int, device: str) -> None:
 def cuda_index(device: str) -> int:
     """The index of a CUDA device string ("cuda" is the current device), as torch's memory-fraction
     calls take it."""
-    import torch
-
     index = torch.device(device).index
     return torch.cuda.current_device() if index is None else index
 

@@ -3,18 +3,28 @@ layer forward and backward seconds and bytes on one real micro-batch, copy bandw
 optimizer update on each side, and the default memory budgets of this machine. With chunk-recurrent
 training (--chunk-tokens, student/long_context/engine.py) the layers are measured on a chunk attending its
 key/value store, and the store's bytes and pass 1's forwards are counted (`profile` says how).
-
-torch is imported inside the functions (the planner's cost model and program need none of it).
 """
 
 from __future__ import annotations
 
+import copy
 import gc
+import logging
+import os
+import statistics
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from student.planner.costs import CostTable, KVPages
+import torch
+
+from student.data import CacheBatches, split_indices, tokenizer_info_of
+from student.long_context.config import chunk_bounds
+from student.long_context.store import store_for_model
+from student.model import rope_cos_sin
+from student.optim.build import build_optimizer, state_bytes
+from student.planner.table import ChunkSeconds, CostTable, KVPages, LayerCosts
+from student.step import initial_student, micro_batch_loss, resolve, steps_accumulate
+from teacher_cache.reader import CacheReader
 
 __all__ = ["ProfileSettings", "profile", "default_budgets", "available_host_bytes"]
 
@@ -53,14 +63,6 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     reports a peak, it is estimated as the largest saved tensor plus two layer inputs (the
     gradients flowing in and out). All decoder layers of a student have one shape, so the update
     is timed on layer 0 and scaled by parameter count."""
-    import torch
-
-    from student.data import CacheBatches, split_indices, tokenizer_info_of
-    from student.planner.costs import ChunkSeconds, CostTable, LayerCosts
-    from student.optim import build_optimizer
-    from student.step import initial_student, resolve, steps_accumulate
-    from teacher_cache.reader import CacheReader
-
     config = resolve(config)
     device, cuda = config.device, config.device.startswith("cuda")
     tok = tokenizer_info_of(config.tokenizer)
@@ -153,10 +155,6 @@ def _grad_bytes_of_embedding(model) -> tuple[int, int]:
 
 def _timed(device: str, fn):
     """(seconds, fn()) with the device's work finished."""
-    import time
-
-    import torch
-
     if device.startswith("cuda"):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -172,12 +170,6 @@ def _timed(device: str, fn):
 def layer_run(model, shape: tuple[int, int], amp, device: str):
     """`run()`: decoder layer 0's forward and backward on the device as the profile's working copy
     runs them (matrices in the compute dtype, under autocast), on random input of (rows, tokens)."""
-    import copy
-
-    import torch
-
-    from student.model import rope_cos_sin
-
     dtype = amp or torch.float32
     working = copy.deepcopy(model.layers[0]).to(device)
     for p in working.parameters():
@@ -208,8 +200,6 @@ def load_factor(run, settings: ProfileSettings, device: str = "cuda", gap_s: flo
     whole last third is taken, not a few runs (`layer_clock/llama-3.1-8b-T8192@e13b83b`, its
     medians by second). Below 1 would be launch gaps a burst's events include, which a step's small
     layers have too."""
-    import statistics
-
     run()  # kernels chosen outside both measurements
     bursts = burst_seconds(run, settings.repeats, gap_s, device)
     loaded = last_runs(loaded_seconds(run, settings.load_s, settings.repeats, device), settings.load_s / 3,
@@ -232,10 +222,6 @@ def last_runs(seconds: list[float], span_s: float, at_least: int) -> list[float]
 def burst_seconds(run, repeats: int, gap_s: float, device: str) -> list[float]:
     """Seconds of `repeats` runs of `run`, each timed alone after the device finished everything
     and then idled `gap_s`."""
-    import time
-
-    import torch
-
     seconds = []
     for _ in range(repeats):
         if device.startswith("cuda"):
@@ -249,10 +235,6 @@ def loaded_seconds(run, load_s: float, min_runs: int, device: str) -> list[float
     """Seconds of every run of `run` queued back to back for `load_s` seconds (and at least
     `min_runs` runs), in order; on a GPU timed by CUDA events read once the queue has drained, so
     that nothing waits between the runs."""
-    import time
-
-    import torch
-
     cuda = device.startswith("cuda")
     timed, start = [], time.perf_counter()
     while time.perf_counter() - start < load_s or len(timed) < min_runs:
@@ -279,8 +261,6 @@ class _SavedBytes:
         self.storages: dict[int, int] = {}
 
     def __enter__(self):
-        import torch
-
         def pack(t):
             storage = t.untyped_storage()
             if storage.data_ptr() not in self.skip:
@@ -313,9 +293,6 @@ def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_
     Its recomputation in the backward takes pass 2's own output in every chunk (priced by the kept
     forwards: `LayerCosts.recompute_s`). Adds `chunks` (per micro-batch) and `pass1_s`: pass 1's no-grad
     forwards of every chunk but the last, interpolated the same way."""
-    from student.long_context.config import chunk_bounds
-    from student.long_context.store import store_for_model
-
     bounds = chunk_bounds(batch.input_ids.shape[1], config.long.chunk_tokens)
     if len(bounds) == 1:
         return {**_measure_layers(model, batch, config, amp, settings, cache_temperature), "chunks": 1, "pass1_s": 0.0}
@@ -343,8 +320,6 @@ def _chunk_layers(first: list[dict], last: list[dict], bounds: list[tuple[int, i
     four figures the layer carries as CHUNK_KEYS); its other seconds their mean, its bytes their
     largest; pass 1 the no-grad forwards of every chunk but the last, chunk j's seconds
     interpolated between the first and last chunk's."""
-    from student.planner.costs import ChunkSeconds
-
     n = len(bounds)
     layers, pass1_s = [], 0.0
     for a, b in zip(first, last):
@@ -370,8 +345,6 @@ def _kv_pages(model, config, shape, amp) -> KVPages:
     pages in the attention dtype and their fp32 gradient pages (`KVPages.bytes` says where they
     live), and pass 1's kept attention outputs (and their fp32 lse) of the chunks it keeps
     (config.long.keep_attention_chunks of those before the last: all full chunks)."""
-    from student.planner.costs import KVPages
-
     c, long = model.config, config.long
     B, L = shape
     size = (amp or model.embed_tokens.weight.dtype).itemsize
@@ -387,8 +360,6 @@ def _pass1_then_kept(device: str, forward, store, autocast, kept: list[float]) -
     """A chunk's layer as the engine runs it twice: pass 1's no-grad forward, its attention output
     kept (the seconds returned), then pass 2's forward with gradients taking that output (its
     seconds appended to `kept`; the store forgets the output again, as pass 2's backward would)."""
-    import torch
-
     store.keep_attention, store.grad = True, False
     with torch.no_grad(), autocast():
         seconds, _ = _timed(device, forward)
@@ -408,13 +379,6 @@ def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_
     also gives pass1_forward_s, its no-grad forward as pass 1 runs it (keeping its attention
     output), and kept_forward_s, its forward with gradients taking that output, as pass 2 does;
     forward_s is the forward with gradients attending (pass 2 of a chunk whose output is not kept)."""
-    import copy
-
-    import torch
-
-    from student.model import rope_cos_sin
-    from student.step import micro_batch_loss, steps_accumulate
-
     device, cuda = config.device, config.device.startswith("cuda")
     dtype = amp or torch.float32
     autocast = lambda: torch.autocast(torch.device(device).type, dtype=amp, enabled=amp is not None)
@@ -506,12 +470,6 @@ def _update_seconds(module, build, device: str, settings: ProfileSettings, copy_
     `build(module)` makes, then a cast of its matrices into a staging copy of dtype `cast_to` if
     given, as OffloadRuntime's refresh casts them; the optimizer's state bytes after it): the first
     update (which creates the states) is not timed."""
-    import copy
-
-    import torch
-
-    from student.optim import state_bytes
-
     module = copy.deepcopy(module).to(device=device, dtype=torch.float32) if copy_first else module
     optimizer = build(module)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -540,8 +498,6 @@ def _bandwidths(device: str, settings: ProfileSettings) -> tuple[float, float, f
     bytes over the bandwidth. Both at once: `_duplex` on a GPU; on the CPU the rates alone, since
     the runtime copies there on the calling thread, one copy after another, never both ways at
     once (and the cost model then charges nothing for it: offload_cost.predict's bus)."""
-    import torch
-
     cuda = device.startswith("cuda")
     median = lambda dst, src: sorted([_timed(device, lambda: dst.copy_(src, non_blocking=cuda))[0]
                                       for _ in range(settings.repeats + 1)][1:])[settings.repeats // 2]
@@ -564,8 +520,6 @@ def _duplex(device: str, settings: ProfileSettings, h2d: float, d2h: float) -> t
     settings.copy_bytes each way on two side streams, started together after one event, each
     timed to its own end with CUDA events (medians of settings.repeats after a warm-up), then
     `_duplex_rates` with the rates alone `h2d`, `d2h`."""
-    import torch
-
     n = settings.copy_bytes
     host_in, host_out = (torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(2))
     dev_in, dev_out = (torch.empty(n, dtype=torch.uint8, device=device) for _ in range(2))
@@ -595,8 +549,6 @@ def _duplex_rates(n: int, t_in: float, t_out: float, h2d: float, d2h: float) -> 
     n - rate_alone x (t_long - t_short), over t_short. Where timing noise makes that not
     positive (its tail alone took longer than a whole copy alone), n over its own time, with a
     warning."""
-    import logging
-
     t, alone = (max(t_in, 1e-9), max(t_out, 1e-9)), (h2d, d2h)
     short = 0 if t[0] <= t[1] else 1
     long_ = 1 - short
@@ -615,10 +567,6 @@ def _host_pass_rate(settings: ProfileSettings) -> float:
     """Bytes a second the host reads and writes in a pass over fp32 gradients: `a += b` (read a,
     read b, write a) on buffers of settings.host_pass_bytes, on the threads torch uses here (the
     runtime's accumulation and the trainer's clipping run on them too)."""
-    import time
-
-    import torch
-
     n = settings.host_pass_bytes // 4
     a, b = torch.zeros(n), torch.ones(n)
     seconds = []
@@ -631,8 +579,6 @@ def _host_pass_rate(settings: ProfileSettings) -> float:
 
 def available_host_bytes() -> int:
     """The host's available memory (MemAvailable of /proc/meminfo; free pages where there is none)."""
-    import os
-
     try:
         for line in open("/proc/meminfo"):
             if line.startswith("MemAvailable:"):
@@ -648,6 +594,4 @@ def default_budgets(device: str, settings: ProfileSettings = ProfileSettings()) 
     host = int(available_host_bytes() * (1 - settings.host_headroom))
     if not device.startswith("cuda"):
         return host, host
-    import torch
-
     return int(torch.cuda.get_device_properties(device).total_memory * (1 - settings.gpu_headroom)), host

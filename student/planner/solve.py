@@ -23,14 +23,18 @@ import logging
 import math
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from distill.configs import ConfigError
+from distill.devices import resolve_device
 from student.planner.costs import PHASES, kept_attention, kv_options, kv_residency, predict
 from student.planner.peaks import (backward_gpu_bytes, beside_backward, held_activation_bytes, in_turn, optimizer_slices,
                                    peaks, widened_host_bytes)
 from student.offload.config import format_bytes, parse_bytes
 from student.offload.plan import UPDATE_SLOTS, ChunkChoice, LayerPlan, OffloadPlan
-from student.planner.profile import ProfileSettings, profile
+from student.planner.profile import ProfileSettings, default_budgets, profile
 from student.planner.table import CostTable, LayerCosts
+from teacher_cache.reader import CacheReader
 
 __all__ = ["PHASES", "LayerCosts", "CostTable", "SolverSettings", "BudgetError", "ProfileSettings", "predict", "solve",
            "solve_kept", "smallest_budget", "program_step_s", "profile", "choose_chunks", "make_plan", "plan_for_training"]
@@ -101,8 +105,9 @@ class _Program:
         self.rows.append((coefs, -math.inf, bound - terms.get(None, 0.0)))
 
     def solve(self, time_limit_s: float, mip_rel_gap: float):
-        import numpy as np
-        from scipy.optimize import LinearConstraint, milp
+        # scipy takes most of a second to import: the trainer imports this module (student/offload/run.py)
+        # on every run, and only a run that plans solves a program
+        from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import coo_array
 
         cols = len(self.objective)
@@ -111,8 +116,6 @@ class _Program:
         lb, ub = np.array([row[1] for row in self.rows]), np.array([row[2] for row in self.rows])
         integer = np.array(self.integer)
         upper = np.where(integer == 1, 1.0, np.inf)
-        from scipy.optimize import Bounds
-
         return milp(np.array(self.objective), constraints=LinearConstraint(A, lb, ub), integrality=integer,
                     bounds=Bounds(np.zeros(cols), upper),
                     options={"time_limit": max(time_limit_s, 1e-3), "mip_rel_gap": mip_rel_gap})
@@ -534,7 +537,6 @@ def _chunk_candidates(config) -> tuple[int, ...] | None:
     if chunk is not None and chunk not in candidates:
         raise ConfigError("chunk_candidates", f"is {text!r}, without the run's --chunk-tokens {chunk}; add it to the "
                                               "candidates, or drop --chunk-tokens to let the planner choose")
-    from teacher_cache.reader import CacheReader
 
     length = CacheReader(config.cache).manifest.spec.data.seq_len
     length = min(length, config.seq_len) if config.seq_len is not None else length
@@ -554,9 +556,6 @@ def make_plan(config, gpu_memory: int | None = None, host_memory: int | None = N
     when TrainConfig has that part and it sets one, else `default_budgets`). With chunk_candidates
     (OffloadConfig) the step is profiled at each candidate chunk size and `choose_chunks` chooses
     the chunk size and key/value residency too. Returns (plan, costs)."""
-    from distill.devices import resolve_device
-    from student.planner.profile import default_budgets, profile
-
     offload = getattr(config, "offload", None)
     if gpu_memory is None and offload is not None:
         gpu_memory = offload.gpu_memory_bytes

@@ -143,7 +143,7 @@ def ours_backward(model, batch, config) -> torch.Tensor:
 
 def ours_step_fn(model, batch, config):
     """One training step on `batch`, or on the batch it is given (a priming step's)."""
-    from student.optim import build_optimizer
+    from student.optim.build import build_optimizer
     from student.optim.clip import clip_grad_norm_foreach
 
     optimizer = build_optimizer(model, config.optim, config.device)

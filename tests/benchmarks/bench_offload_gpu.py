@@ -206,7 +206,7 @@ def step_fn(model: Student, plan: OffloadPlan | None, args, work: Path, batch, c
     """The trainer's step (module docstring); returns (step, runtime, optimizer). chunks_of: the plan
     whose chunk settings a step without offload takes (default `plan`'s)."""
     from student.offload.runtime import OffloadRuntime
-    from student.optim import build_optimizer
+    from student.optim.build import build_optimizer
     from student.optim.clip import clip_grad_norm_foreach
     from student.step import micro_batch_backward, steps_accumulate
 

@@ -31,7 +31,7 @@ import torch
 from harness import Results, add_results_arg, ceilings, check_close, gbps, time_cpu, time_gpu
 from student.config import StudentConfig
 from student.model import Student
-from student.optim import state_bytes
+from student.optim.build import state_bytes
 from student.optim.adam8bit import AdamW8bit
 from student.optim.clip import clip_grad_norm_foreach
 from student.optim.foam import FOAM, foam_param_groups

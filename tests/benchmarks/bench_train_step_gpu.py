@@ -182,7 +182,7 @@ def check_against_hf(variant: str, model, batch, loss_kw, amp, reference) -> dic
 
 def time_steps(variant, model, batches, config, loss_kw, amp, device, warmup, repeats):
     """One whole step per call; (timing, absolute peak GiB)."""
-    from student.optim import build_optimizer
+    from student.optim.build import build_optimizer
 
     optimizer = build_optimizer(model, config.optim, device)
     params = [p for p in model.parameters() if p.requires_grad]
