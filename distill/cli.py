@@ -38,7 +38,7 @@ def _stage_one_option_error(error) -> DistillUserError:
 
 
 def _cache_teacher_own_options(
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars (also none of transformers' loading bars)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ) -> None:
     """cache-teacher's option beside its config's."""
 
@@ -206,7 +206,7 @@ def _own(options) -> list:
 
 
 # Options of a run that do not change the step a plan is made for (or are the run's own: --out, --offload).
-_NOT_PLANNED = {"out", "offload", "eval_every", "eval_sequences", "save_every", "log_every"}
+_NOT_PLANNED = {"out", "offload", "eval_every", "eval_sequences", "save_every", "log_every", "keep_checkpoints"}
 
 
 @app.command("train-student")
@@ -248,7 +248,7 @@ def train_student(**values) -> None:
     except ConfigError as e:
         raise e.as_option() from None
     resumed = f" (resumed from step {report.resumed_from})" if report.resumed_from else ""
-    typer.echo(f"{values['out']}: {report.steps} steps{resumed}; student saved to {report.student_dir}")
+    typer.echo(f"{values['out']}: {_count(report.steps, 'step')}{resumed}; student saved to {report.student_dir}")
     typer.echo(_eval_table({"teacher": report.teacher_eval, "before": report.initial_eval, "after": report.final_eval}))
 
 
@@ -288,6 +288,7 @@ def plan(**values) -> None:
     Train with a saved plan: distill train-student ... --offload plan.json (or --offload auto to plan and train in one go). A budget no plan meets is refused with the smallest one that works. With --chunk-tokens the step measured is chunk-recurrent (a chunk's layers, pass 1, the key/value pages; weights resident) and the plan holds the chunk size and the pages resident on the GPU. With --chunk-candidates the step is measured at each chunk size, each is priced with its pages resident and (on a GPU) offloaded in page sets of a few sizes, and the table lists every pair with its predicted step time and peaks, the chosen one marked; train-student --offload PLAN.json then trains with the plan's chunk size and pages.
     """
     from distill.configs import ConfigError
+    from distill.devices import resolve_device
     from student.planner.report import plan_table
     from student.planner.solve import make_plan
 
@@ -303,14 +304,15 @@ def plan(**values) -> None:
     if as_json:
         typer.echo(json.dumps(made.to_dict(), indent=2))
     else:
-        typer.echo(plan_table(made, costs))
+        typer.echo(plan_table(made, costs, device=resolve_device(config.device)))
     if plan_out is not None:
         typer.echo(f"wrote {plan_out}", err=True)
 
 
 @app.command("eval")
 def evaluate(
-    path: Path = typer.Argument(..., help="A run directory (from train-student), or a student HF folder with --cache."),
+    path: Path = typer.Argument(..., metavar="run_or_student",
+                                help="A run directory (from train-student), or a student HF folder with --cache."),
     cache: Optional[Path] = typer.Option(None, "--cache", "-c", help="Teacher cache (default: the run's)."),
     heldout: Optional[int] = typer.Option(None, help="Held-out sequences (default: the run's split)."),
     tokenizer: Optional[Path] = typer.Option(None, help="The student's tokenizer folder (default: the student folder, or the run's)."),
@@ -339,8 +341,11 @@ def evaluate(
     from distill.configs import ConfigError
     from pipelines.teacher_eval import EvalTeacher
     from student.evaluate import evaluate_run_or_folder
+    from student.long_context.config import LongContextConfig
 
     try:
+        if chunk_tokens is not None:  # train-student's rule, before a run's own value stands in for a 0
+            LongContextConfig(chunk_tokens=chunk_tokens)
         results = evaluate_run_or_folder(path, cache=cache, heldout=heldout, tokenizer=tokenizer,
                                          chunk_tokens=chunk_tokens, device=device, progress=not quiet,
                                          teacher=EvalTeacher(teacher) if teacher is not None else None)
@@ -482,11 +487,11 @@ def _eval_table(results: dict) -> str:
              + (f" {'full-vocab KL':>13} {'ECE':>7}" if full else "")]
     fmt = lambda value, width, spec: f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
     for label, r in rows:
-        lines.append(f"{label:<16} {r.kl:>16.4f} {r.ce:>7.3f} {r.ppl:>9.2f} {r.top1:>11.3f} {r.tokens:>8,}"
+        lines.append(f"{label:<16} {r.kl:>16.4f} {r.ce:>7.3f} {_ppl_text(r.ppl):>9} {r.top1:>11.3f} {r.tokens:>8,}"
                      + (f" {fmt(r.full_vocab_kl, 13, '.4f')} {fmt(r.calibration_error, 7, '.4f')}" if full else ""))
-    lines.append(results.get("kl_note", KL_NOTE))
+    lines.append(_table_note(results.get("kl_note", KL_NOTE)))
     if full:
-        lines.append(results["full_vocab_note"] + "; the teacher row's ECE is the --teacher's own")
+        lines.append(_table_note(results["full_vocab_note"]) + "; the teacher row's ECE is the --teacher's own")
     for label, r in _eval_rows(results):
         if getattr(r, "ffn_sparsity", None) is not None:
             percent = lambda values: " ".join(f"{100 * v:.1f}" for v in values)
@@ -494,13 +499,31 @@ def _eval_table(results: dict) -> str:
                          f"dead neurons (%) {percent(r.ffn_dead)}")
     run = results.get("run")
     if run and run.get("optimizer_state_bytes") is not None:
-        lines.append(f"run: {run['steps']} steps, optimizer {run['optimizer']}, "
+        lines.append(f"run: {_count(run['steps'], 'step')}, optimizer {run['optimizer']}, "
                      f"state {run['optimizer_state_bytes'] / 2**20:,.1f} MiB")
     if run and run.get("ffn_overflow_rows") is not None:
         penalty = f"L1 {run['l1']:g}" if run.get("sparse_ffn") else "no L1 penalty"
         lines.append(f"run: sparse FFN, {penalty}; kernel overflow rows {sum(run['ffn_overflow_rows']):,}, "
                      f"fallback rows {sum(run['ffn_fallback_rows']):,} (all layers, all logged steps)")
     return "\n".join(lines)
+
+
+def _ppl_text(ppl: float) -> str:
+    """Perplexity in at most 9 characters (the column's width): an untrained student's is in the millions."""
+    return f"{ppl:.2f}" if ppl < 1e6 else f"{ppl:.3e}"
+
+
+# The notes name the JSON's fields (`kl`, `full_vocab_kl`); under the table they begin with its columns' names.
+_NOTE_SUBJECTS = {"kl": "KL", "full_vocab_kl": "Full-vocab KL"}
+
+
+def _table_note(note: str) -> str:
+    subject, _, rest = note.partition(" ")
+    return f"{_NOTE_SUBJECTS.get(subject, subject[:1].upper() + subject[1:])} {rest}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def _jsonable_eval(results: dict) -> dict:

@@ -103,7 +103,9 @@ def _describe(hint) -> str:
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in args)
+        # None is how the library leaves a field out; neither an option nor a TOML key can be given None
+        described = " or ".join(_describe(a) for a in args if a is not type(None))
+        return f"{described}, or leave it out" if type(None) in args else described
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a path",
              type(None): "None"}
     if hint in names:

@@ -86,7 +86,7 @@ class CorpusConfig:
             require(name, value, value != "", "a non-empty string")
         require("seq_len", self.seq_len, self.seq_len >= 2, "an integer >= 2 (an input and its next token)")
         require("max_sequences", self.max_sequences, self.max_sequences is None or self.max_sequences >= 1,
-                "None (the whole corpus) or an integer >= 1")
+                "a positive integer, or leave it out (the whole corpus)")
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,9 @@ def prepare_corpus(config: CorpusConfig, tokenizer, progress: bool = True) -> Pa
     skipped_note = ""
     if skipped:
         skipped_note = f"{len(skipped)} file(s) skipped as not UTF-8 text (e.g. {skipped[0]})"
-        log.warning("corpus %s: %s; set encoding_errors to 'strict' to refuse them instead", source, skipped_note)
+        # a warning has no surface to name the setting after, so it names both
+        log.warning("corpus %s: %s; pass --encoding-errors strict (in a recipe: [corpus] encoding_errors = "
+                    "\"strict\") to refuse them instead", source, skipped_note)
     if not packer.doc_starts:
         raise DistillUserError(
             f"corpus {source} holds no non-empty documents{f' ({skipped_note})' if skipped else ''}; "

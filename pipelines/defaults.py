@@ -3,6 +3,7 @@ every Python install carries. Nothing is downloaded at run time."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sysconfig
@@ -40,7 +41,8 @@ def default_teacher_dir() -> Path:
     out = distill_home() / "teachers" / DEFAULT_TEACHER_NAME
     if not (out / "config.json").exists():
         try:
-            import_gguf(default_teacher_gguf(), out)
+            with without_library_bars():
+                import_gguf(default_teacher_gguf(), out)
         except OSError:
             # Another process imported it at the same time and renamed its folder in first.
             if not (out / "config.json").exists():
@@ -51,3 +53,18 @@ def default_teacher_dir() -> Path:
 def default_corpus_dir() -> Path:
     """The running interpreter's standard library (its .py files are the default corpus)."""
     return Path(sysconfig.get_paths()["stdlib"])
+
+
+@contextlib.contextmanager
+def without_library_bars():
+    """transformers' own progress bars (loading weights, writing an imported teacher) off while the
+    block runs: the commands show their work with their own bars, or none under --quiet."""
+    from transformers.utils import logging as hf_logging  # a few seconds to import: only when used
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

@@ -29,7 +29,7 @@ import dataclasses
 import itertools
 import tomllib
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -174,7 +174,8 @@ def _build(path: Path, doc: dict) -> Recipe:
         raise DistillUserError(f"name must be a string, got {name!r}")
     unknown = sorted(set(doc) - set(SECTIONS))
     if unknown:
-        raise DistillUserError(f"unknown section(s) {unknown}; allowed: {', '.join(SECTIONS)}")
+        allowed = ", ".join(f"[{s}]" for s in (*SECTIONS, "sweep"))  # load_recipe took [sweep] out before
+        raise DistillUserError(f"unknown section(s) {unknown}; allowed: {allowed} (and a top-level name)")
     sections = {s: doc.get(s, {}) for s in SECTIONS}
     for s, body in sections.items():
         if not isinstance(body, dict):
@@ -298,6 +299,14 @@ def run_points(recipe: Recipe, teacher_dir: str | Path, progress: bool = True) -
     return results
 
 
+def _stage_one_error(error: ConfigError) -> DistillUserError:
+    """A stage-one ConfigError named as the recipe key that sets its field (`out` -> [cache] out)."""
+    for section, part in (("teacher", TeacherConfig), ("corpus", CorpusConfig), ("cache", CacheConfig)):
+        if error.field in {f.name for f in fields(part)}:
+            return error.in_section(section)
+    return error
+
+
 def run_recipe(recipe: Recipe, progress: bool = True) -> RecipeReport:
     """Stage one (reusing a complete matching cache), then training (resuming), then evaluation;
     for a sweep, stage one once and then every point (run_points)."""
@@ -311,7 +320,10 @@ def run_recipe(recipe: Recipe, progress: bool = True) -> RecipeReport:
     teacher_dir = recipe.stage_one.teacher.model or default_teacher_dir()
     config = train_config(recipe, teacher_dir)  # load_recipe has checked it, before the teacher runs
     start = time.perf_counter()
-    built = cache_teacher(recipe.stage_one, progress=progress)
+    try:
+        built = cache_teacher(recipe.stage_one, progress=progress)
+    except ConfigError as e:  # e.g. [cache] out holds another cache
+        raise _stage_one_error(e) from None
     cache_seconds = time.perf_counter() - start
     start = time.perf_counter()
     if recipe.points:

@@ -33,13 +33,13 @@ from typing import Any, Literal
 from distill.configs import ConfigError, check_types, option, require
 from distill.devices import resolve_device, resolve_dtype
 from distill.errors import DistillUserError
+from pipelines.defaults import without_library_bars
 from pipelines.corpus import CorpusConfig, prepare_corpus
 from teacher_cache.backends import PREFILL_TOKENS, canonical_dtype, open_teacher_folder, weights_hash
 from teacher_cache.build import (
     BuildReport, CacheConfig, build_cache, cache_identity, check_backend_can_sample, check_targets_fit,
     complete_cache_id, other_cache_diff,
 )
-from teacher_cache.errors import CacheMismatchError
 from teacher_cache.identity import tokenizer_info
 from teacher_cache.location import RemotePath, write_json
 from teacher_cache.workers import Collective, Workers, torchrun_world
@@ -131,7 +131,7 @@ def cache_teacher(config: StageOneConfig, progress: bool = True, *,
                   wrap_teacher: Callable | None = None) -> BuildReport:
     """Run the teacher once over the corpus and write (or resume, repair or reuse) the cache.
 
-    progress=False also silences the loading bars of transformers. wrap_teacher: with executor
+    transformers' own loading bars stay off either way. wrap_teacher: with executor
     "ray" only, ``wrap_teacher(backend, shard_index) -> backend`` is applied in every Ray task to
     the teacher before it scores the task's shard (``ray_executor.RayCluster.teacher``; picklable,
     e.g. a module-level function: tests inject worker deaths and task errors with it); None: the
@@ -140,7 +140,7 @@ def cache_teacher(config: StageOneConfig, progress: bool = True, *,
     if wrap_teacher is not None and config.cache.executor != "ray":
         raise ValueError(f"wrap_teacher is applied in Ray tasks and needs the cache executor 'ray', got "
                          f"{config.cache.executor!r}")
-    with _library_progress_bars(progress):
+    with without_library_bars():  # our own bars show the work
         return _cache_teacher(config, progress, wrap_teacher)
 
 
@@ -204,9 +204,9 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
             diff = other_cache_diff(existing.spec, teacher, config.cache, tokenizer=tok_info,
                                     seq_len=config.corpus.seq_len)
             if diff:
-                raise CacheMismatchError(
-                    f"{out} holds another cache (cache_id {existing.cache_id}); differs in {'; '.join(diff)} "
-                    "(cache vs asked): choose another --out or delete that directory yourself")
+                raise ConfigError(
+                    "out", f"{out} holds another cache (cache_id {existing.cache_id}); differs in {'; '.join(diff)} "
+                           "(cache vs asked): choose another folder, or delete that one yourself")
         elif workers.single:  # workers: another may have claimed it meanwhile; the writer checks
             check_claimable(out)
         corpus = prepare_corpus(config.corpus, teacher_folder.tokenizer, progress=progress)
@@ -226,7 +226,7 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
                         out, cache_id, len(damaged))
         if lock is None:
             raise ConfigError("out", f"{out} holds a cache that is not complete and whole, and you cannot write to "
-                                     "it; ask its owner to rerun the command that built it, or choose another --out")
+                                     "it; ask its owner to rerun the command that built it, or choose another folder")
         backend_options = {"compile": config.teacher.compile} if config.teacher.backend == "hf" else {}
         if config.teacher.tensor_parallel_size > 1:
             backend_options["engine_kwargs"] = {"tensor_parallel_size": config.teacher.tensor_parallel_size}
@@ -275,19 +275,6 @@ def _lock_unless_reusing(out: Path, shared: bool = False):
         raise
 
 
-@contextlib.contextmanager
-def _library_progress_bars(enabled: bool):
-    """transformers' own bars (loading weights, writing an imported teacher) follow `enabled`."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    if not enabled:
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled and not enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _jsonable(obj):

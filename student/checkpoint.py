@@ -1,9 +1,26 @@
 """Checkpoints of a stage-two run directory: save, load, find the latest, rewind to an older one,
 and the final student folder. Imported by the trainer and by evaluation (never the other way).
 
-  RUN/checkpoints/step-NNNNNN/  model/ (HF folder), trainer_state.pt (step, optimizer, RNG, the loss
-                                of that step, sparse FFN state), data.json (the data position)
+  RUN/checkpoints/step-NNNNNN/  one checkpoint: what a resume needs to continue bit for bit
+    model/                      the weights as an HF folder: model.safetensors (every parameter once,
+                                in its training dtype: the fp32 masters, also under bf16 autocast; a
+                                tied lm-head is the embedding, not saved twice) and config.json
+    trainer_state.pt            the step, the loss of that step, the optimizer's state_dict (its
+                                moments as the optimizer holds them: AdamW two fp32 tensors per
+                                parameter, FOAM folded ones, 8-bit AdamW uint8 blocks and their fp32
+                                scales; each tensor once), the RNG states (Python, NumPy, torch, CUDA:
+                                a few KB) and, for a sparse FFN student, its statistics window and
+                                each layer's kernel
+    data.json                   the data position (epoch, offset in its order, seed, sequences)
   RUN/student/                  the final student: HF folder with the tokenizer's files
+
+So a one-process AdamW checkpoint of P parameters is about 4P bytes of weights plus 8P of moments
+(a 4-layer student pruned from SmolLM2-135M: 42.5M parameters, 170 MB + 340 MB). `--keep-checkpoints`
+(TrainConfig.keep_checkpoints) says how many are kept: the newest, an older one deleted once a newer
+one is written. In a one-process run the final student's model.safetensors is a hard link to the
+last checkpoint's (the same weights: `save_student`), so the run holds those weights once; a
+checkpoint whose linked weights file was written to afterwards (`cp` over RUN/student's writes into
+it) is refused on resume, not loaded.
 
 A run sharded over processes (student/distributed.py) writes instead, per checkpoint, dcp/ (the
 model and optimizer shards through torch.distributed.checkpoint), config.json (the model's HF
@@ -20,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
 import random
 import shutil
 from pathlib import Path
@@ -38,7 +57,8 @@ __all__ = ["RunDirError", "checkpoints", "latest_checkpoint", "checkpoint_step",
            "load_checkpoint", "is_sharded_checkpoint", "save_sharded_checkpoint", "load_sharded_checkpoint", "rewind",
            "rewind_metrics", "save_student"]
 
-KEEP_CHECKPOINTS = 2  # the newest ones; an older one is deleted when a new one is written
+logger = logging.getLogger(__name__)
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
@@ -66,17 +86,21 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(out, step: int, model, trainer_state: dict, data_state: dict) -> Path:
+def save_checkpoint(out, step: int, model, trainer_state: dict, data_state: dict, *, keep: int | None = None) -> Path:
     """Write checkpoint `step` (the model, `trainer_state` plus the RNG states, `data_state`) and
-    delete all but the newest KEEP_CHECKPOINTS."""
+    delete all but the newest `keep` (None: delete none)."""
     final = Path(out) / "checkpoints" / f"step-{step:06d}"
     with atomic_dir(final) as tmp:
         model.save_pretrained(tmp / "model")
         torch.save({"step": step, **trainer_state, "rng": _rng_state()}, tmp / "trainer_state.pt")
         (tmp / "data.json").write_text(json.dumps(data_state, indent=2) + "\n")
-    for old in checkpoints(out)[:-KEEP_CHECKPOINTS]:
-        shutil.rmtree(old)
+    _delete_older(out, keep)
     return final
+
+
+def _delete_older(out, keep: int | None) -> None:
+    for old in checkpoints(out)[:-keep] if keep else []:
+        shutil.rmtree(old)
 
 
 def load_checkpoint(ckpt: Path, model) -> tuple[dict, dict]:
@@ -87,6 +111,7 @@ def load_checkpoint(ckpt: Path, model) -> tuple[dict, dict]:
     time from the memory-mapped file: no second model is built, so an offloaded run's decoder
     layers (in host memory, student/offload/runtime.py) never pass through the device."""
     _check_same_model(ckpt, ckpt / "model" / "config.json", model)
+    _check_weights_unchanged(ckpt)
     _copy_weights_into(model, ckpt / "model" / "model.safetensors")
     state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
     _set_rng_state(state["rng"])
@@ -107,10 +132,11 @@ def is_sharded_checkpoint(ckpt: Path) -> bool:
     return (ckpt / "dcp").is_dir()
 
 
-def save_sharded_checkpoint(out, step: int, model, optimizer, trainer_state: dict, data_state: dict, dist) -> Path:
+def save_sharded_checkpoint(out, step: int, model, optimizer, trainer_state: dict, data_state: dict, dist, *,
+                            keep: int | None = None) -> Path:
     """A sharded run's checkpoint `step` (module docstring): every rank writes its shards into rank
     0's temp folder, then rank 0 the rest, renames it into place and deletes all but the newest
-    KEEP_CHECKPOINTS; every rank returns once it exists. `trainer_state` holds no optimizer."""
+    `keep` (None: none); every rank returns once it exists. `trainer_state` holds no optimizer."""
     final = Path(out) / "checkpoints" / f"step-{step:06d}"
     with (atomic_dir(final) if dist.main else contextlib.nullcontext()) as tmp:
         shared = [str(tmp) if dist.main else None]
@@ -125,8 +151,7 @@ def save_sharded_checkpoint(out, step: int, model, optimizer, trainer_state: dic
                        tmp / "trainer_state.pt")
             (tmp / "data.json").write_text(json.dumps(data_state, indent=2) + "\n")
     if dist.main:
-        for old in checkpoints(out)[:-KEEP_CHECKPOINTS]:
-            shutil.rmtree(old)
+        _delete_older(out, keep)
     tdist.barrier()  # renamed into place before any rank goes on
     return final
 
@@ -150,10 +175,25 @@ def load_sharded_checkpoint(ckpt: Path, model, optimizer) -> tuple[dict, dict]:
     if sharded:
         load_sharded(ckpt / "dcp", model, optimizer)
     else:
+        _check_weights_unchanged(ckpt)
         weights = Student.from_pretrained(ckpt / "model").state_dict()
         load_full_into_sharded(model, optimizer, weights, state.pop("optimizer"))
     _set_rng_state(state["rng"])
     return state, json.loads((ckpt / "data.json").read_text())
+
+
+def _check_weights_unchanged(ckpt: Path) -> None:
+    """Refuse a checkpoint whose weights file, shared with the final student (a hard link:
+    `save_student`), was written to after the checkpoint (whose trainer_state.pt is written after the
+    weights): `cp` over the student's file writes into it. Resuming would continue from other weights
+    than its optimizer's."""
+    weights = ckpt / "model" / "model.safetensors"
+    stat = weights.stat()
+    if stat.st_nlink > 1 and stat.st_mtime_ns > (ckpt / "trainer_state.pt").stat().st_mtime_ns:
+        raise RunDirError(f"checkpoint {ckpt} cannot be resumed: its weights file {weights} is also the final "
+                          "student's model.safetensors (a hard link, so the run holds those weights once) and was "
+                          "rewritten after the checkpoint (a copy over the student's file writes into both); resume "
+                          "from an older checkpoint (--resume-from STEP) or train into a new --out")
 
 
 def _copy_weights_into(model, file: Path) -> None:
@@ -203,10 +243,30 @@ def _row_step(line: str) -> float:
         return float("inf")
 
 
-def save_student(model, folder: Path, tokenizer_dir: str) -> None:
-    """The final student as an HF folder with the tokenizer's files, renamed into place whole."""
+def save_student(model, folder: Path, tokenizer_dir: str, checkpoint: Path | None = None) -> None:
+    """The final student as an HF folder with the tokenizer's files, renamed into place whole.
+
+    checkpoint: a one-process checkpoint that holds exactly `model`'s weights (the run's last one,
+    written or loaded at the final step): its model.safetensors becomes the student's too, a hard
+    link instead of a second copy; where no link can be made (another file system, or one without
+    links) the weights are written, with a warning. None, or a sharded checkpoint: written."""
+    weights = None if checkpoint is None else checkpoint / "model" / "model.safetensors"
     with atomic_dir(folder) as tmp:
-        model.save_pretrained(tmp)  # replaces the (empty) temp folder whole
+        if weights is not None and weights.is_file() and _linked(weights, tmp / "model.safetensors"):
+            shutil.copy2(weights.parent / "config.json", tmp / "config.json")
+        else:
+            model.save_pretrained(tmp)  # replaces the (empty) temp folder whole
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).is_file():
                 shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
+
+
+def _linked(source: Path, link: Path) -> bool:
+    """Hard-link `source` at `link`; False (and a warning) where the file system refuses."""
+    try:
+        os.link(source, link)
+        return True
+    except OSError as error:
+        logger.warning("could not hard-link %s into the student folder (%s): writing a second copy of the weights",
+                       source, error)
+        return False

@@ -204,7 +204,8 @@ def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, de
     sequence to its first seq_len rows. With `long.chunk_tokens` the sequences run chunk by chunk
     against a paged key/value store, as in training (same results, the memory of one chunk). A
     ReLU-gated student also gets ffn_nnz / ffn_sparsity / ffn_dead per layer, counted over the real
-    tokens of the batches (padding of ragged sequences left out).
+    tokens of the batches (padding of ragged sequences left out). progress: a bar over the sequences
+    while it runs, gone once done.
     """
     sums, _ = _evaluate(model, None, reader, indices, batch_size=batch_size, device=device, seq_len=seq_len,
                         autocast_dtype=autocast_dtype, row_chunk=row_chunk, long=long, progress=progress)
@@ -250,7 +251,8 @@ def _evaluate(model, teacher, reader: CacheReader, indices, *, batch_size: int, 
     row_chunk = row_chunk or rows_per_block(max(weight.shape[0], vocab))
     cache_temperature = reader.manifest.spec.targets.temperature
     long = long or LongContextConfig()
-    bar = tqdm(total=len(data.indices), disable=not progress, desc="eval", unit="seq")
+    # Gone once done (leave=False): the result's line follows, and inside training the step bar stays alone.
+    bar = tqdm(total=len(data.indices), disable=not progress, desc="eval", unit="seq", leave=False)
     for whole in data.epoch_batches():
         input_ids, mask = whole.input_ids.to(device), whole.mask.to(device)
         chunks = chunked_forward(model, input_ids, mask, long, autocast_dtype=autocast_dtype)
@@ -336,7 +338,7 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
         cache = cache or cfg["cache"]
         seq_len = seq_len if seq_len is not None else cfg["seq_len"]
         batch_size = batch_size or cfg.get("batch_size")  # the trainer's own evaluations batch so
-        chunk_tokens = chunk_tokens or cfg.get("chunk_tokens")
+        chunk_tokens = chunk_tokens if chunk_tokens is not None else cfg.get("chunk_tokens")
         if tokenizer is not None:
             tok = tokenizer_info_of(tokenizer)
             reader = CacheReader(cache, expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])

@@ -82,7 +82,7 @@ class LocalExecutor:
     def save(self, out: Path, step: int, optimizer, trainer_state: dict, data_state: dict) -> Path:
         """Checkpoint `step` (student/checkpoint.py); its folder."""
         return save_checkpoint(out, step, self.model, {**trainer_state, "optimizer": optimizer.state_dict()},
-                               data_state)
+                               data_state, keep=self.config.keep_checkpoints)
 
     def load(self, ckpt: Path, optimizer) -> tuple[dict, dict]:
         """Load checkpoint `ckpt` into the model (and, where sharded, the optimizer); (trainer state, data
@@ -99,8 +99,10 @@ class LocalExecutor:
         """What this executor adds to a metrics row (step_s: mean seconds of the window's steps)."""
         return {}
 
-    def save_student(self, folder: Path, tokenizer_dir: str) -> None:
-        save_student(self.model, folder, tokenizer_dir)
+    def save_student(self, folder: Path, tokenizer_dir: str, checkpoint: Path | None = None) -> None:
+        """The final student; `checkpoint`: the run's last, which holds these weights (linked, not written
+        again: student/checkpoint.py's save_student)."""
+        save_student(self.model, folder, tokenizer_dir, checkpoint)
 
     def close(self) -> None:
         """Every copy done; the model runs by itself again."""
@@ -138,7 +140,8 @@ class ShardedExecutor(LocalExecutor):
         return clip_grad_norm_foreach(self.model.parameters(), max_norm).full_tensor().item()
 
     def save(self, out, step, optimizer, trainer_state, data_state):
-        return save_sharded_checkpoint(out, step, self.model, optimizer, trainer_state, data_state, self.dist)
+        return save_sharded_checkpoint(out, step, self.model, optimizer, trainer_state, data_state, self.dist,
+                                       keep=self.config.keep_checkpoints)
 
     def load(self, ckpt, optimizer):
         return load_sharded_checkpoint(ckpt, self.model, optimizer)
@@ -146,8 +149,9 @@ class ShardedExecutor(LocalExecutor):
     def evaluating(self):
         return unsharded_root(self.model, True)
 
-    def save_student(self, folder, tokenizer_dir):
-        """The full weights gathered to rank 0, which writes them."""
+    def save_student(self, folder, tokenizer_dir, checkpoint=None):
+        """The full weights gathered to rank 0, which writes them (a sharded checkpoint has no weights
+        file to link)."""
         state = full_model_state(self.model)  # collective: every rank takes part
         if self.main:
             with torch.device("meta"):  # no initialisation: the gathered weights are assigned

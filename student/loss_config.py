@@ -34,7 +34,7 @@ class LossConfig:
         check_types(self)
         require("temperature", self.temperature,
                 self.temperature is None or (math.isfinite(self.temperature) and self.temperature > 0),
-                "None (the cache's) or a number > 0")
+                "a finite number > 0, or leave it out (the cache's)")
         require("ce_weight", self.ce_weight, 0 <= self.ce_weight <= 1, "in [0, 1]")
 
     def distillation_temperature(self, cache_temperature: float) -> float:

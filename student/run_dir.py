@@ -90,17 +90,18 @@ def eval_row(path: Path, step: int) -> dict:
 def diverged_message(step: int, loss: float, grad_norm: float, last_saved, kept: list[Path]) -> str:
     """The one line a run stops with when its loss or gradient norm is not finite. last_saved: (the
     last checkpoint, the loss of its step) or None; kept: the checkpoints kept."""
+    stopped = f"loss {loss} / grad norm {grad_norm} is not finite at step {step}; stopped without saving"
     if last_saved is None:
-        where = "there is no checkpoint yet, so a rerun starts over"
-    else:
-        ckpt, ckpt_loss = last_saved
-        loss_text = f", loss {ckpt_loss:.4g}" if ckpt_loss is not None else ""
-        where = (f"the last checkpoint is {ckpt} (step {checkpoint_step(ckpt)}{loss_text}: the last "
-                 "saved with a finite loss, which does not mean the weights are sound; the grad_norm rows of "
-                 "metrics.jsonl show where it began to diverge)")
+        return (f"{stopped}; there is no checkpoint yet, so a rerun starts over: rerun with a lower --lr or more "
+                "--warmup-steps (or --clip-grad)")
+    ckpt, ckpt_loss = last_saved
+    loss_text = f", loss {ckpt_loss:.4g}" if ckpt_loss is not None else ""
+    where = (f"the last checkpoint is {ckpt} (step {checkpoint_step(ckpt)}{loss_text}: the last saved with a finite "
+             "loss, which does not mean the weights are sound; the grad_norm rows of metrics.jsonl show where it "
+             "began to diverge)")
     kept_steps = [checkpoint_step(c) for c in kept]
     older = (f", or --resume-from STEP for an older kept checkpoint (kept: {', '.join(map(str, kept_steps))})"
              if kept_steps else "")
-    return (f"loss {loss} / grad norm {grad_norm} is not finite at step {step}; stopped without saving; {where}. "
+    return (f"{stopped}; {where}. "
             f"Rerun with a lower --lr or more --warmup-steps (or --clip-grad) to continue from it{older}; "
             "metrics.jsonl records each change")

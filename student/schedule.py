@@ -29,7 +29,7 @@ class ScheduleConfig:
         check_types(self)
         require("steps", self.steps, self.steps >= 1, "an integer >= 1")
         require("warmup_steps", self.warmup_steps, self.warmup_steps is None or self.warmup_steps >= 0,
-                "None or an integer >= 0")
+                "an integer >= 0, or leave it out")
         require("min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
 
     @property

@@ -4,6 +4,7 @@ comments name (TWELL_MAX_NNZ, DEAD_REINIT_STD)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,7 +50,7 @@ class SparseFFNConfig:
 
     def __post_init__(self):
         check_types(self)
-        require("l1", self.l1, self.l1 >= 0, "a number >= 0")
+        require("l1", self.l1, math.isfinite(self.l1) and self.l1 >= 0, "a finite number >= 0")
         require("dead_reinit", self.dead_reinit, 0 <= self.dead_reinit <= 1, "a number in [0, 1]")
         require("dead_window", self.dead_window, self.dead_window >= 1, "an integer >= 1 (tokens)")
         if self.dead_reinit and not self.sparse_ffn:

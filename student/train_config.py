@@ -35,7 +35,7 @@ CHANGEABLE = ("cache", "steps", "warmup_steps", "min_lr_ratio", "lr", "weight_de
               "offload_pages", "checkpoint_layers", "sparse_pages", "keep_attention_chunks", "offload", "gpu_memory",
               "host_memory", "chunk_candidates")
 # Settings of how often things are logged, evaluated or saved, and where: free to change, not recorded.
-FREE = ("out", "eval_every", "eval_sequences", "save_every", "log_every")
+FREE = ("out", "eval_every", "eval_sequences", "save_every", "keep_checkpoints", "log_every")
 
 
 @dataclass
@@ -64,7 +64,10 @@ class TrainConfig:
     heldout: int = option(16, "Cached sequences held out for evaluation (evenly spaced, fixed).")
     eval_every: int = option(100, "Evaluate on the held-out sequences every N steps (0: at the start and the end).")
     eval_sequences: int | None = option(None, "Held-out sequences each evaluation uses (default: all).")
-    save_every: int = option(200, "Checkpoint every N steps (and at the end; the last 2 are kept).")
+    save_every: int = option(200, "Checkpoint every N steps (and at the end; the newest --keep-checkpoints are kept).")
+    keep_checkpoints: int = option(
+        2, "Checkpoints kept, the newest; an older one is deleted once a newer one is written (each holds the "
+           "weights and the optimizer state: a rerun resumes from the newest, --resume-from from any kept).")
     log_every: int = option(10, "A metrics row every N steps.")
     device: str = option("auto", "auto, cpu, cuda or cuda:N.")
     dtype: Literal["auto", "float32", "bfloat16"] = option(
@@ -86,15 +89,15 @@ class TrainConfig:
         if self.teacher is not None and self.num_layers is None:
             raise DistillUserError("`num_layers` is required with `teacher` (how many layers the student keeps)")
         require("num_layers", self.num_layers, self.num_layers is None or self.num_layers >= 1,
-                "None or an integer >= 1")
-        for name in ("batch_size", "grad_accum", "log_every"):
+                "a positive integer, or leave it out")
+        for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints"):
             require(name, getattr(self, name), getattr(self, name) >= 1, "an integer >= 1")
         for name in ("eval_every", "save_every", "seed"):
             require(name, getattr(self, name), getattr(self, name) >= 0, "an integer >= 0")
         require("heldout", self.heldout, self.heldout >= 1, "an integer >= 1 (evaluation needs held-out sequences)")
-        require("seq_len", self.seq_len, self.seq_len is None or self.seq_len >= 2, "None or an integer >= 2")
+        require("seq_len", self.seq_len, self.seq_len is None or self.seq_len >= 2, "an integer >= 2, or leave it out")
         require("eval_sequences", self.eval_sequences, self.eval_sequences is None or self.eval_sequences >= 1,
-                "None or an integer >= 1")
+                "a positive integer, or leave it out")
         if self.offload.offload != "none" and self.sparse.sparse_ffn:
             raise ConfigError("offload", f"is {self.offload.offload!r}: offloaded training does not run the sparse "
                                          "FFN yet; drop --sparse-ffn or use --offload none")

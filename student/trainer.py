@@ -148,7 +148,7 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
             with executor.evaluating():
                 result = evaluate_student(model, reader, eval_idx, batch_size=config.batch_size, device=config.device,
                                           seq_len=config.seq_len, autocast_dtype=autocast_dtype(config),
-                                          long=config.long)
+                                          long=config.long, progress=progress and main)
             if main:
                 logger.info("eval at step %d: %s", at_step, result.summary())
             return result
@@ -220,7 +220,7 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
                                                   "final": final.to_dict(), "teacher": teacher.to_dict(),
                                                   "kl_note": kl_note(reader)})
         executor.close()
-        executor.save_student(out / "student", config.tokenizer)
+        executor.save_student(out / "student", config.tokenizer, last_saved[0])  # its weights are the model's
         return TrainReport(str(out), str(out / "student"), step, resumed_from, loss_value, initial, final, teacher)
 
 

@@ -5,6 +5,9 @@ from distill.errors import DistillUserError
 # How a damaged shard is fixed: a rerun re-checks every shard and rebuilds exactly the bad ones.
 REPAIR_HINT = ("rerun `distill cache-teacher` with the options that built the cache (its stage_one_config.json "
                "records them) to rebuild the damaged shards")
+# Where a cache that cannot go into its folder goes instead: a CacheError has no surface to name the
+# setting after (a ConfigError does: distill/configs.py), so it names both.
+OTHER_OUT = "another folder for the cache (--out; in a recipe, [cache] out)"
 
 
 class CacheError(DistillUserError):

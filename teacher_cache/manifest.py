@@ -376,6 +376,12 @@ def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
     """Read and validate CACHE/manifest.json; every problem is a one-line ``CacheError``."""
     path = manifest_path(cache_dir)
     if not path.is_file():
+        if not path.parent.exists():
+            raise CacheError(f"{cache_dir} does not exist; check the path, or build a cache there with "
+                             "`distill cache-teacher`")
+        if not path.parent.is_dir():
+            raise CacheError(f"{cache_dir} is a file, not a cache folder; give the folder `distill cache-teacher` "
+                             "wrote")
         raise CacheError(f"{cache_dir} holds no {MANIFEST_NAME}: not a teacher cache; build one with "
                          "`distill cache-teacher` or check the path")
     try:

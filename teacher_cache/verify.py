@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distill.files import TEMP_MARK
-from teacher_cache.errors import REPAIR_HINT, CacheError, CorruptShardError
+from teacher_cache.errors import OTHER_OUT, REPAIR_HINT, CacheError, CorruptShardError
 from teacher_cache.location import cache_location
 from teacher_cache.manifest import load_manifest
 from teacher_cache.store import SHARDS_DIR, decode_shard, get_store, read_shard, shard_checksum, shard_name
@@ -61,7 +61,7 @@ class VerifyReport:
         if self.status != "complete":
             hint = ""  # the status problem says how to finish the cache
         elif self.problems:
-            hint = "; the manifest does not match its shards: build the cache again into a new --out"
+            hint = f"; the manifest does not match its shards: build the cache again into {OTHER_OUT}"
         else:
             hint = f"; {REPAIR_HINT}"
         return f"{self.path}: cache {self.cache_id} FAILED: " + "; ".join(parts) + hint

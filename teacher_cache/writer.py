@@ -36,7 +36,7 @@ import numpy as np
 from distill.configs import ConfigError
 from distill.files import TEMP_MARK, fsync_dir, remove_stale_temps
 from teacher_cache.codecs import get_codec
-from teacher_cache.errors import CacheError, CacheLockedError, CacheMismatchError
+from teacher_cache.errors import OTHER_OUT, CacheError, CacheLockedError, CacheMismatchError
 from teacher_cache.location import RemotePath, cache_location, present, write_json
 from teacher_cache.manifest import (
     MANIFEST_NAME, CacheSpec, Manifest, ShardInfo, StorageInfo, identity_diff, load_manifest,
@@ -92,7 +92,7 @@ class CacheLock:
             path.mkdir(parents=True, exist_ok=True)
             lock_file = open(path / LOCK_NAME, "a+")
         except OSError as e:
-            raise CacheError(f"cannot create the cache folder {path}: {e.strerror}; choose another --out") from None
+            raise ConfigError("out", f"{path}: cannot create the cache folder ({e.strerror}); choose another") from None
         try:
             fcntl.flock(lock_file.fileno(), (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -101,8 +101,8 @@ class CacheLock:
             lock_file.close()
             who = (f"another process (pid {pid})" if pid else
                    "the workers of a multi-process build (--num-workers or torchrun)")
-            raise CacheLockedError(f"cache {path} is being written by {who}; wait for it or choose another "
-                                   "--out") from None
+            raise CacheLockedError(f"cache {path} is being written by {who}; wait for it or choose "
+                                   f"{OTHER_OUT}") from None
         if shared:  # several holders: no pid to record
             return cls(path, lock_file, created, shared=True)
         lock_file.seek(0)
@@ -147,7 +147,7 @@ def check_claimable(path: str | os.PathLike) -> None:
     if others or (shards_dir.exists() and any(shards_dir.iterdir())):
         shown = others[:3] or [SHARDS_DIR]
         raise CacheError(f"{path} is not empty ({', '.join(shown)} ...) and holds no {MANIFEST_NAME}; "
-                         "choose a new or empty directory for --out")
+                         f"choose {OTHER_OUT}, new or empty")
 
 
 def _is_own_manifest_temp(name: str) -> bool:
@@ -223,7 +223,7 @@ class CacheWriter:
             if diff:
                 raise CacheMismatchError(
                     f"{self.path} holds another cache (cache_id {existing.cache_id}, asked for {self.cache_id}); "
-                    f"differs in {'; '.join(diff)} (cache vs asked): choose another --out or delete that "
+                    f"differs in {'; '.join(diff)} (cache vs asked): choose {OTHER_OUT} or delete that "
                     "directory yourself")
             same_totals = (existing.spec.data.sequences, existing.spec.data.tokens) == (
                 self.spec.data.sequences, self.spec.data.tokens)
@@ -232,7 +232,7 @@ class CacheWriter:
                     f"{self.path}: cache {self.cache_id} has {existing.spec.data.sequences} sequences / "
                     f"{existing.spec.data.tokens} tokens but the same data fingerprint now gives "
                     f"{self.spec.data.sequences} / {self.spec.data.tokens}; the data fingerprint is not "
-                    "stable: choose another --out")
+                    f"stable: choose {OTHER_OUT}")
             self._remove_stale_temps()
             return existing
         check_claimable(self.path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -76,6 +77,11 @@ def test_manifest_loading_is_strict(tmp_path, corpus, edit, expected):
 def test_missing_or_garbled_manifest_is_a_clear_error(tmp_path):
     with pytest.raises(CacheError, match="holds no manifest.json"):
         load_manifest(tmp_path)
+    with pytest.raises(CacheError, match="^" + re.escape(f"{tmp_path / 'nope'} does not exist; check the path")):
+        load_manifest(tmp_path / "nope")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CacheError, match="^" + re.escape(f"{tmp_path / 'file'} is a file, not a cache folder")):
+        load_manifest(tmp_path / "file")
     manifest_path(tmp_path).write_text('{"format": ')
     with pytest.raises(CacheError, match="not valid JSON"):
         load_manifest(tmp_path)

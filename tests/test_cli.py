@@ -179,7 +179,7 @@ def test_help_of_the_stage_two_commands_has_examples(capsys):
 @pytest.mark.parametrize(
     "args, needles",
     [
-        (["--seq-len", "1"], ["--seq-len must be None or an integer >= 2, got 1"]),
+        (["--seq-len", "1"], ["--seq-len must be an integer >= 2, or leave it out, got 1"]),
         (["--tail", "sideways"], ["--tail must be one of 'bucket', 'renorm', 'unnormalized', got 'sideways'"]),
         (["--dtype", "float16"], ["--dtype must be one of 'auto', 'float32', 'bfloat16', got 'float16'"]),
         (["--optimizer", "sgd"], ["--optimizer must be one of"]),
@@ -191,6 +191,16 @@ def test_help_of_the_stage_two_commands_has_examples(capsys):
         (["--chunk-tokens", "8", "--page-tokens", "48"], ["--page-tokens must be a power of two >= 16, got 48"]),
         (["--kv-offload"], ["--kv-offload keeps the pages of chunk-recurrent training", "--chunk-tokens"]),
         (["--sparse-pages", "4"], ["--sparse-pages selects past pages", "--chunk-tokens"]),
+        (["--chunk-tokens", "0"], ["--chunk-tokens must be a positive integer, or leave it out, got 0"]),
+        # inf passes `> 0` and would fail at the first step; nan fails every comparison: both refused up front
+        (["--lr", "inf"], ["--lr must be a finite number > 0, got inf"]),
+        (["--lr", "nan"], ["--lr must be a finite number > 0, got nan"]),
+        (["--weight-decay", "inf"], ["--weight-decay must be a finite number >= 0, got inf"]),
+        (["--clip-grad", "inf"], ["--clip-grad must be a finite number >= 0 (0: no clipping), got inf"]),
+        (["--optimizer", "foam", "--foam-scale", "inf"], ["--foam-scale must be a finite number > 0, got inf"]),
+        (["--sparse-ffn", "--l1", "inf"], ["--l1 must be a finite number >= 0, got inf"]),
+        (["--temperature", "inf"], ["--temperature must be a finite number > 0, or leave it out (the cache's), "
+                                    "got inf"]),
     ],
 )
 def test_train_student_errors_name_the_option(tiny, tmp_path, capsys, args, needles):  # noqa: F811
@@ -216,10 +226,34 @@ def test_eval_labels_its_kl_a_lower_bound(tiny, tmp_path, capsys):  # noqa: F811
     code, stdout, err = run_cli(["train-student", "--cache", cache, "--student", student, "--out", out, "--steps", "1",
                                  "--batch-size", "2", "--heldout", "2", "--device", "cpu", "-q"], capsys)
     assert code == 0, err
-    assert "KL (top-k bound)" in stdout and "a lower bound of the full-vocabulary KL" in stdout
+    assert "KL (top-k bound)" in stdout and "\nKL is a lower bound of the full-vocabulary KL" in stdout
+    assert f"{out}: 1 step; student saved to" in stdout
     code, stdout, _ = run_cli(["eval", out, "--json"], capsys)
-    assert code == 0 and "lower bound" in json.loads(stdout)["kl_note"]
+    assert code == 0 and json.loads(stdout)["kl_note"].startswith("kl is a lower bound")  # the JSON names its field
     assert "lower bound" in json.loads((out / "eval.json").read_text())["kl_note"]
+    code, stdout, err = run_cli(["eval", out, "-q"], capsys)
+    assert code == 0 and "run: 1 step, optimizer adamw" in stdout, err
+    # The run trained whole sequences; a 0 is refused as train-student refuses it, not taken for "as the run".
+    code, _, err = run_cli(["eval", out, "--chunk-tokens", "0"], capsys)
+    assert_one_line_error(code, err, "--chunk-tokens must be a positive integer, or leave it out, got 0")
+
+
+def test_eval_table_keeps_its_columns_at_any_perplexity():
+    """An untrained student's perplexity is in the millions: the PPL column keeps its width."""
+    from distill.cli import _eval_table
+    from student.evaluate import EvalResult
+
+    rows = {"teacher": EvalResult(kl=0.0, ce=2.5, ppl=12.18, top1=1.0, tokens=96),
+            "before": EvalResult(kl=14.1, ce=16.2, ppl=11_113_121.9, top1=0.0, tokens=96),
+            "after": EvalResult(kl=1.2, ce=3.1, ppl=22.2, top1=0.5, tokens=96)}
+    header, *lines = _eval_table(rows).splitlines()[:4]
+    assert "1.111e+07" in lines[1] and "12.18" in lines[0]
+    assert {len(line) for line in lines} == {len(header)}
+
+
+def test_eval_usage_names_what_it_takes(capsys):
+    code, out, _ = run_cli(["eval", "--help"], capsys)
+    assert code == 0 and "run_or_student" in out and "{path}" not in out
 
 
 def test_ctrl_c_exits_130_and_says_how_to_resume(tiny, tmp_path):  # noqa: F811

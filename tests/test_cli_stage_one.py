@@ -204,7 +204,7 @@ def test_another_cache_in_out_is_refused_before_any_work(tiny_cache, tiny_teache
     before = (tiny_cache / "manifest.json").read_bytes()
     args = [a if a != "8" else "9" for a in _args(tiny_teacher, tiny_cache)]  # -k 9
     line = one_error_line(*run_cli(args, capsys)[::2])
-    assert "holds another cache" in line and "targets.k: 8 vs 9" in line
+    assert line.startswith(f"error: --out {tiny_cache} holds another cache") and "targets.k: 8 vs 9" in line
     assert (tiny_cache / "manifest.json").read_bytes() == before
 
 

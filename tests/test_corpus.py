@@ -325,7 +325,8 @@ def _raises(match: str, fn, *args, **kwargs) -> str:
         ({"format": "csv"}, "`format` must be one of .* got 'csv'"),
         ({"seq_len": 1}, "`seq_len` must be an integer >= 2.* got 1"),
         ({"seq_len": "8"}, "`seq_len` must be an integer, got '8'"),
-        ({"max_sequences": 0}, "`max_sequences` must be None .* got 0"),
+        ({"max_sequences": 0}, r"`max_sequences` must be a positive integer, or leave it out \(the whole corpus\), "
+                               "got 0"),
         ({"paths": []}, "`paths` is empty"),
         ({"text_field": ""}, "`text_field` must be a non-empty string"),
         ({"encoding_errors": "surrogate"}, "`encoding_errors` must be one of"),
@@ -388,6 +389,7 @@ def test_binary_files_are_skipped_and_counted_never_scored(tmp_path, teacher_tok
         assert stream_of(corpus) == joined(teacher_tokenizer, [DOCS[0], DOCS[2]])
         assert [p.name for p in corpus.skipped_files] == ["b.png", "c.gz"]
         assert "2 file(s) skipped as not UTF-8 text" in caplog.text
+        assert "pass --encoding-errors strict (in a recipe: [corpus] encoding_errors = \"strict\")" in caplog.text
     _raises(r"read corpus .*b.png \(text\): it holds NUL bytes", prepare, teacher_tokenizer, tmp_path,
             file_glob="*", encoding_errors="strict")
 

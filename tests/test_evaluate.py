@@ -97,6 +97,17 @@ def test_eval_of_a_run_dir_and_of_a_folder(tiny, tmp_path):  # noqa: F811
         evaluate_run_or_folder(tmp_path)
 
 
+def test_evaluations_inside_training_show_a_bar_that_progress_controls(tiny, tmp_path, capsys):  # noqa: F811
+    """Each evaluation of a run (step 0, the periodic ones) draws an "eval" bar over the held-out
+    sequences while it runs, gone once done; progress=False (--quiet) prints nothing at all."""
+    train(config(tiny, tmp_path / "quiet", steps=2, eval_every=1), progress=False)
+    assert capsys.readouterr().err == ""
+    train(config(tiny, tmp_path / "shown", steps=2, eval_every=1), progress=True)
+    err = capsys.readouterr().err
+    assert err.count("eval:   0%|          | 0/4 ") == 3  # steps 0, 1 and 2, over the 4 held-out sequences
+    assert "train: 100%" in err
+
+
 def test_eval_refuses_a_cache_of_another_tokenizer(tiny, tmp_path):  # noqa: F811
     """As train-student does: a student folder (its tokenizer) or a run (its recorded tokenizer hash)
     against a cache built with another tokenizer is refused, naming the mismatch."""

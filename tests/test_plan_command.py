@@ -25,6 +25,9 @@ def test_distill_plan_prints_a_table_and_saves_the_json_it_prints(tiny, tmp_path
     code, out, err = run_cli(plan_args(tiny, "--gpu-memory", "1GiB"), capsys)
     assert code == 0, err
     assert "activation" in out and "predicted step time" in out and "of 1.0 GiB" in out
+    # profiled on the CPU: the plan's "GPU" side is the CPU's memory, and the table says so
+    assert "peak memory on the device (CPU) " in out and "the device peak, at the " in out
+    assert "peak GPU memory" not in out and "GPU peak" not in out and "static GPU bytes" not in out
     assert sum(line.strip().startswith(("│     0", "│     1")) for line in out.splitlines()) == 2
 
     path = tmp_path / "plan.json"
@@ -57,7 +60,8 @@ def test_distill_plan_takes_train_students_options_and_has_examples(capsys):
     commands = typer.main.get_command(app).commands
     params = lambda name: {p.name: (p.opts, p.default, p.help) for p in commands[name].params}
     train, plan = params("train-student"), params("plan")
-    run_only = {"out", "resume_from", "quiet", "offload", "eval_every", "eval_sequences", "save_every", "log_every"}
+    run_only = {"out", "resume_from", "quiet", "offload", "eval_every", "eval_sequences", "save_every", "log_every",
+                "keep_checkpoints"}
     for name in set(train) - run_only:
         assert plan[name] == train[name], name
     assert not (run_only - {"out"}) & set(plan)
@@ -168,6 +172,8 @@ def test_the_plan_table_says_how_the_compute_timings_were_scaled():
     costs = random_table(3, seed=11, clock_factor=1.1)
     plan = solve(costs, 10**12, 10**12)
     assert "compute timings x1.100 for the clock under a step's load" in plan_table(plan, costs)
+    assert "\npeak GPU memory " in plan_table(plan, costs) and "\npeak GPU memory " not in plan_table(
+        plan, costs, device="cpu")
     assert "for the clock" not in plan_table(plan, dataclasses.replace(costs, clock_factor=1.0))
 
 

@@ -52,7 +52,7 @@ def test_quickstart_recipe_parses():
 @pytest.mark.parametrize(
     "edit, needles",
     [
-        (lambda t: t + "\n[optimizer]\nlr = 1\n", ["unknown section", "optimizer"]),
+        (lambda t: t + "\n[optimizer]\nlr = 1\n", ["unknown section", "optimizer", "[train], [sweep]"]),
         (lambda t: t.replace("steps = 12", "stepz = 12"), ["unknown key", "stepz", "[train]"]),
         (lambda t: t.replace("seq_len = 48", "seqlen = 48"), ["unknown key", "seqlen", "[corpus]"]),
         (lambda t: t.replace('out = "{root}/cache"', ""), ["[cache] needs out"]),
@@ -60,7 +60,11 @@ def test_quickstart_recipe_parses():
         (lambda t: t.replace("steps = 12", "steps = 0"), ["[train] steps must be an integer >= 1, got 0"]),
         # wrong types, in every section, before stage one runs
         (lambda t: t.replace("lr = 2e-3", 'lr = "1e-3"'), ["[train] lr must be a number, got '1e-3'"]),
-        (lambda t: t + 'temperature = "2"\n', ["[train] temperature must be a number or None, got '2'"]),
+        (lambda t: t + 'temperature = "2"\n', ["[train] temperature must be a number, or leave it out, got '2'"]),
+        # TOML has inf and nan: refused like any value the first step could not take
+        (lambda t: t.replace("lr = 2e-3", "lr = inf"), ["[train] lr must be a finite number > 0, got inf"]),
+        (lambda t: t + "chunk_tokens = 0\n", ["[train] chunk_tokens must be a positive integer, or leave it out, "
+                                              "got 0"]),
         (lambda t: t.replace("num_layers = 2", 'num_layers = "4"'), ["[student] num_layers must be an integer",
                                                                      "got '4'"]),
         (lambda t: t.replace("k = 16", 'k = "64"'), ["[cache] k must be an integer, got '64'"]),
@@ -104,6 +108,14 @@ def test_train_section_takes_every_flat_setting_with_the_cli_defaults(tmp_path):
 def test_missing_recipe(tmp_path, capsys):
     code, _, err = run_cli(["run", tmp_path / "nope.toml"], capsys)
     assert_one_line_error(code, err, "does not exist")
+
+
+def test_a_stage_one_error_names_the_recipe_key_not_the_option(tmp_path, capsys, teacher_dir):
+    """cache-teacher says --out; a recipe says [cache] out (the same ConfigError, named by its surface)."""
+    (tmp_path / "cache").write_text("a file where the cache goes")
+    code, _, err = run_cli(["run", write_recipe(tmp_path)], capsys)
+    assert_one_line_error(code, err, "[cache] out is an existing file")
+    assert "--out" not in err and "`out`" not in err
 
 
 def test_run_trains_evaluates_and_reuses_the_cache(tmp_path, capsys, monkeypatch, teacher_dir):

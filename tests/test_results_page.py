@@ -117,7 +117,8 @@ def test_every_citation_of_the_notes_names_a_file_and_section_there(path):
 def test_every_cited_row_id_matches_a_row(path):
     rows = [json.loads(line) for line in (BENCH / "results.jsonl").read_text().splitlines() if line.strip()]
     ids, benches = [row["id"] for row in rows], {row["bench"] for row in rows}
-    cited = [m for m in ROW.findall(path.read_text()) if m.split("/")[0] in benches]
+    # A row id starts with a bench's name; a source path that shares it (`offload/config.py`) is no citation.
+    cited = [m for m in ROW.findall(path.read_text()) if m.split("/")[0] in benches and not m.endswith(".py")]
     unmatched = [c for c in cited if not any(fnmatch.filter(ids, glob) for glob in _expand(c))]
     assert not unmatched, f"cited rows that match no row of results.jsonl: {unmatched}"
 

@@ -171,9 +171,11 @@ def test_the_penalty_makes_the_ffn_sparser(tiny, tmp_path):  # noqa: F811
     assert nnz["strong"] < 0.8 * nnz["off"]
 
 
-def test_l1_must_be_a_number_at_least_zero():
-    with pytest.raises(DistillUserError, match="`l1` must be a number >= 0, got -1"):
+def test_l1_must_be_a_finite_number_at_least_zero():
+    with pytest.raises(DistillUserError, match="`l1` must be a finite number >= 0, got -1"):
         TrainConfig.from_flat(cache="c", out="o", student="s", sparse_ffn=True, l1=-1)
+    with pytest.raises(DistillUserError, match="`l1` must be a finite number >= 0, got inf"):
+        TrainConfig.from_flat(cache="c", out="o", student="s", sparse_ffn=True, l1=float("inf"))
 
 
 def test_sparse_kernel_twell_routes_layers_by_their_nonzeros(tiny, tmp_path):  # noqa: F811

@@ -612,3 +612,13 @@ def test_optimizers_report_their_state_bytes(tiny, tmp_path):
                for n, p in params.items())
     assert state["foam"] == want < state["adamw"]
     assert state["adamw8bit"] <= state["adamw"]  # tiny tensors stay fp32 (min_8bit_size)
+
+
+def test_a_divergence_before_any_checkpoint_says_one_thing():
+    """With no checkpoint the message says a rerun starts over, and nothing about continuing from one."""
+    from student.run_dir import diverged_message
+
+    message = diverged_message(2, float("nan"), float("inf"), None, [])
+    assert "a rerun starts over" in message and "continue from it" not in message and "--lr" in message
+    with_one = diverged_message(6, float("nan"), 1.0, (Path("runs/x/checkpoints/step-000004"), 2.5), [])
+    assert "step 4, loss 2.5" in with_one and "continue from it" in with_one and "starts over" not in with_one

@@ -55,14 +55,15 @@ class LongContextConfig:
     def __post_init__(self):
         check_types(self)
         require("chunk_tokens", self.chunk_tokens, self.chunk_tokens is None or self.chunk_tokens >= 1,
-                "None or an integer >= 1")
+                "a positive integer, or leave it out")
         p = self.page_tokens
         require("page_tokens", p, p >= 16 and p & (p - 1) == 0, "a power of two >= 16")
         require("offload_pages", self.offload_pages, self.offload_pages >= 1, "an integer >= 1")
         require("keep_attention_chunks", self.keep_attention_chunks,
-                self.keep_attention_chunks is None or self.keep_attention_chunks >= 0, "None or an integer >= 0")
+                self.keep_attention_chunks is None or self.keep_attention_chunks >= 0,
+                "an integer >= 0, or leave it out")
         require("sparse_pages", self.sparse_pages, self.sparse_pages is None or self.sparse_pages >= 1,
-                "None or an integer >= 1")
+                "a positive integer, or leave it out")
         if self.sparse_pages is not None and self.chunk_tokens is None:
             raise ConfigError("sparse_pages", "selects past pages for each chunk of chunk-recurrent training: give "
                                               "--chunk-tokens too, or drop --sparse-pages")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,8 +26,12 @@ class OptimizerConfig:
 
     def __post_init__(self):
         check_types(self)
-        require("lr", self.lr, self.lr > 0, "> 0")
-        require("weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0")
-        require("clip_grad", self.clip_grad, self.clip_grad >= 0, ">= 0 (0: no clipping)")
+        # isfinite first: nan fails every comparison, but inf passes `> 0` and breaks the first step
+        require("lr", self.lr, math.isfinite(self.lr) and self.lr > 0, "a finite number > 0")
+        require("weight_decay", self.weight_decay, math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+                "a finite number >= 0")
+        require("clip_grad", self.clip_grad, math.isfinite(self.clip_grad) and self.clip_grad >= 0,
+                "a finite number >= 0 (0: no clipping)")
         require("foam_level", self.foam_level, 0 <= self.foam_level <= 12, "an integer in [0, 12]")
-        require("foam_scale", self.foam_scale, self.foam_scale > 0, "> 0")
+        require("foam_scale", self.foam_scale, math.isfinite(self.foam_scale) and self.foam_scale > 0,
+                "a finite number > 0")
