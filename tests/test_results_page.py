@@ -14,7 +14,6 @@ citation that lost its quotes, and fails.
 from __future__ import annotations
 
 import fnmatch
-import importlib.util
 import itertools
 import json
 import re
@@ -36,11 +35,11 @@ ROW = re.compile(r"`([a-z][a-z0-9_]*/[^`\s]+)`")
 
 
 def _renderer():
-    if "render_results" not in sys.modules:  # dataclasses look their module up there
-        spec = importlib.util.spec_from_file_location("render_results", BENCH / "render_results.py")
-        sys.modules["render_results"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["render_results"])
-    return sys.modules["render_results"]
+    if str(BENCH) not in sys.path:  # the renderer imports its sibling modules (results_model, results_sections)
+        sys.path.insert(0, str(BENCH))
+    import render_results
+
+    return render_results
 
 
 def _citing_files() -> list[Path]:
