@@ -18,7 +18,6 @@ cache and writes the manifest, and Ray tasks load the teacher and write the shar
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging

@@ -27,8 +27,8 @@ from student.sparse_ffn import SparseFFNPolicy
 from student.train_config import TrainConfig
 from teacher_cache.location import absolute_cache
 
-__all__ = ["NoPolicy", "autocast_dtype", "initial_student", "micro_batch_backward", "micro_batch_loss", "model_policy", "peak_gpu_bytes",
-           "resolve", "steps_accumulate"]
+__all__ = ["NoPolicy", "autocast_dtype", "initial_student", "micro_batch_backward", "micro_batch_loss", "model_policy",
+           "peak_gpu_bytes", "resolve", "steps_accumulate"]
 
 logger = logging.getLogger(__name__)
 
