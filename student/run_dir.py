@@ -28,8 +28,12 @@ def make_run_dir(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError("out", f"cannot be written ({out}: {e.strerror or e}); give a directory you can "
-                                 "write to") from None
+        raise _unwritable(out, e) from None
+
+
+def _unwritable(out: Path, error: OSError) -> ConfigError:
+    return ConfigError("out", f"cannot be written ({out}: {error.strerror or error}); give a directory you can "
+                              "write to")
 
 
 def check_run_dir(out: Path, run: dict) -> dict:
@@ -42,8 +46,7 @@ def check_run_dir(out: Path, run: dict) -> dict:
         try:
             atomic_write_json(path, run)
         except OSError as e:
-            raise ConfigError("out", f"cannot be written ({out}: {e.strerror or e}); give a directory you can "
-                                     "write to") from None
+            raise _unwritable(out, e) from None
         return {}
     old = json.loads(path.read_text())
     defaults = TrainConfig.flat_defaults()  # a field added after the run was written reads as its default
