@@ -13,6 +13,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROWS = HERE / "results.jsonl"
+# The GPU the page's tables are drawn from; rows of other GPUs (side-by-side checks run where an
+# H200 was not lent) stay in results.jsonl and are cited by id, never mixed into a table.
+PAGE_GPU = "NVIDIA H200"
 PAGE = HERE / "RESULTS.md"
 MAX_LINES = 250
 WIDTH = 120
@@ -80,7 +83,9 @@ class Section:
 # ---- selecting rows ----------------------------------------------------------------------------
 
 def load(path: Path = ROWS) -> list[dict]:
-    return [json.loads(text) for text in path.read_text().splitlines() if text.strip()]
+    """The rows the page may draw: CPU rows and rows of PAGE_GPU."""
+    rows = [json.loads(text) for text in path.read_text().splitlines() if text.strip()]
+    return [row for row in rows if not row["device"].startswith("NVIDIA") or row["device"] == PAGE_GPU]
 
 
 def newest(rows: list[dict]) -> list[dict]:
