@@ -155,7 +155,7 @@ def cache_stats(
 
 @app.command("verify")
 def verify(cache: str = typer.Argument(..., help="Cache directory or URL (s3://, gs://, file://).")) -> None:
-    """Check every shard's size and checksum and the manifest's totals; name the first bad shard and say how to repair it.
+    """Check every shard's size and checksum, the manifest's totals and the stored tokenizer files; name the first bad shard and say how to repair it.
 
     Example:
 
@@ -167,6 +167,24 @@ def verify(cache: str = typer.Argument(..., help="Cache directory or URL (s3://,
     if not report.ok:
         raise DistillUserError(report.message)
     typer.echo(report.message)
+
+
+@app.command("add-tokenizer")
+def add_tokenizer(
+    cache: str = typer.Argument(..., help="Cache directory or URL (s3://, gs://, file://)."),
+    teacher: Path = typer.Argument(..., help="The teacher folder the cache was built from (its tokenizer files suffice)."),
+) -> None:
+    """Store the teacher's tokenizer files in a cache built without them (or restore damaged ones), so the cache alone says what text its token ids stand for and can teach students of other tokenizers; refused unless the tokenizer is the cache's. The shards and cache_id do not change.
+
+    Example:
+
+      distill add-tokenizer caches/qwen ./Qwen2.5-0.5B
+    """
+    from teacher_cache.tokenizer_files import add_tokenizer as run
+
+    record, replaced = run(cache, teacher)
+    typer.echo(f"{cache}: {'replaced' if replaced else 'stored'} the tokenizer files of {teacher} in tokenizer/ "
+               f"({', '.join(sorted(record['files']))}); cache_id unchanged")
 
 
 @app.command("import-gguf")
@@ -322,11 +340,13 @@ def evaluate(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
-    """Held-out KL to the teacher, cross-entropy, perplexity and top-1 agreement, beside the teacher's own.
+    """Held-out KL to the teacher, cross-entropy, perplexity, top-1 agreement and bits per byte, beside the teacher's own.
 
     The KL is over the teacher's top-k plus one tail category: a lower bound of the full-vocabulary KL (on a sampled cache: the cache's unbiased estimate of it).
 
     With --teacher the teacher runs on the same held-out sequences: the exact full-vocabulary KL (teacher and student at the cache's temperature) and the expected calibration error of the top-1 (15 equal-width bins, against the actual next token), in the table and in --json as full_vocab_kl and calibration_error; caches of any kind are then compared on one ground truth.
+
+    Bits per byte (the cross-entropy in bits over the UTF-8 bytes of the predicted tokens) compares students of different tokenizers; it needs a byte-level BPE or byte-fallback tokenizer, and shows "-" for a row recorded without it.
 
     The cache must be of the student's tokenizer. For a sparse FFN (ReLU-gated) student also the per-layer sparsity and dead neurons on the held-out sequences, and for a run directory the kernel's overflow / fallback rows in training.
 
@@ -392,7 +412,7 @@ def runs(
     wide: bool = typer.Option(False, "--wide", help="The settings that differ as columns of the table, and those every run shares below it."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """A table of the runs under the folders, each named by its directory: steps trained, the checkpoint a rerun resumes from, held-out KL/CE/top-1, tokens/s, optimizer state, status; below it why a run stopped and the settings that differ.
+    """A table of the runs under the folders, each named by its directory: steps trained, the checkpoint a rerun resumes from, held-out KL/CE/top-1 (and bits/byte where recorded), tokens/s, optimizer state, status; below it why a run stopped and the settings that differ.
 
     Status: finished (final student saved), running (its trainer's pid is alive here, or on another host it wrote recently), or stopped with the reason (a non-finite loss, or interrupted after step N) and the step a rerun resumes from.
 
@@ -414,13 +434,13 @@ def runs(
 def compare(
     run_dirs: list[Path] = typer.Argument(..., help="Run directories."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also write curves of training loss and held-out KL against steps and tokens (needs matplotlib; no suffix: .png)."),
-    allow_different_caches: bool = typer.Option(False, "--allow-different-caches", help="Compare runs over different caches (their KL numbers are to different teacher targets)."),
+    allow_different_caches: bool = typer.Option(False, "--allow-different-caches", help="Show KL, CE, PPL and top-1 of runs over different caches, and plot them (those numbers are to different teacher targets)."),
     wide: bool = typer.Option(False, "--wide", help="The settings that differ as columns of the table, and those every run shares below it."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """The runs' held-out metrics side by side, one line a run named by its directory, the settings that differ listed below.
 
-    Runs over different caches are refused unless --allow-different-caches: their KL is measured against different teacher targets.
+    Bits per byte compares runs over different caches of one corpus, and students of different tokenizers; KL, CE, PPL and top-1 of runs over different caches show "-" (they are per token, against different teacher targets), and --plot refuses them, unless --allow-different-caches.
 
     Examples:
 
@@ -432,8 +452,9 @@ def compare(
     from teacher_cache.stats import plot_file
 
     plot_to = None if plot is None else plot_file(plot, "compare")  # refused before anything is printed
-    found = compare_runs(run_dirs, allow_different_caches=allow_different_caches)
-    typer.echo(json.dumps([r.to_dict() for r in found], indent=2) if as_json else compare_table(found, wide=wide))
+    found = compare_runs(run_dirs, allow_different_caches=allow_different_caches, plot=plot_to is not None)
+    typer.echo(json.dumps([r.to_dict() for r in found], indent=2) if as_json
+               else compare_table(found, wide=wide, allow_different_caches=allow_different_caches))
     if plot_to is not None:
         typer.echo(f"wrote {plot_compare(found, plot_to)}", err=True)
 
@@ -478,18 +499,22 @@ def _eval_rows(results: dict) -> list[tuple[str, object]]:
 
 
 def _eval_table(results: dict) -> str:
-    from student.evaluate import KL_NOTE
+    from student.evaluate import BITS_PER_BYTE_NOTE, KL_NOTE
 
     rows = _eval_rows(results)
     full = any(getattr(r, "full_vocab_kl", None) is not None for _, r in rows)
+    bpb = any(getattr(r, "bits_per_byte", None) is not None for _, r in rows)  # "-" in rows without (older ones)
     kl_head = "KL (top-k bound)" if results.get("kl_note", KL_NOTE) == KL_NOTE else "KL (estimate)"
     lines = [f"{'held-out':<16} {kl_head:>16} {'CE':>7} {'PPL':>9} {'top-1 agree':>11} {'tokens':>8}"
-             + (f" {'full-vocab KL':>13} {'ECE':>7}" if full else "")]
+             + (f" {'bits/byte':>9}" if bpb else "") + (f" {'full-vocab KL':>13} {'ECE':>7}" if full else "")]
     fmt = lambda value, width, spec: f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
     for label, r in rows:
         lines.append(f"{label:<16} {r.kl:>16.4f} {r.ce:>7.3f} {_ppl_text(r.ppl):>9} {r.top1:>11.3f} {r.tokens:>8,}"
+                     + (f" {fmt(r.bits_per_byte, 9, '.4f')}" if bpb else "")
                      + (f" {fmt(r.full_vocab_kl, 13, '.4f')} {fmt(r.calibration_error, 7, '.4f')}" if full else ""))
     lines.append(_table_note(results.get("kl_note", KL_NOTE)))
+    if bpb:
+        lines.append(_table_note(results.get("bits_per_byte_note", BITS_PER_BYTE_NOTE)))
     if full:
         lines.append(_table_note(results["full_vocab_note"]) + "; the teacher row's ECE is the --teacher's own")
     for label, r in _eval_rows(results):
@@ -514,7 +539,7 @@ def _ppl_text(ppl: float) -> str:
 
 
 # The notes name the JSON's fields (`kl`, `full_vocab_kl`); under the table they begin with its columns' names.
-_NOTE_SUBJECTS = {"kl": "KL", "full_vocab_kl": "Full-vocab KL"}
+_NOTE_SUBJECTS = {"kl": "KL", "full_vocab_kl": "Full-vocab KL", "bits_per_byte": "Bits/byte"}
 
 
 def _table_note(note: str) -> str:

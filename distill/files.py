@@ -17,6 +17,12 @@ from typing import Any
 TEMP_MARK = ".tmp"  # every temp name made here contains it; `remove_stale_temps` finds them by it
 
 
+def distill_home() -> Path:
+    """Where distill keeps what it derives once per machine (imported teachers, tokenizer-pair maps):
+    $DISTILL_HOME, else ~/.cache/distill."""
+    return Path(os.environ.get("DISTILL_HOME", Path.home() / ".cache" / "distill"))
+
+
 def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import sysconfig
 from pathlib import Path
 
 from distill.errors import DistillUserError
+from distill.files import distill_home
 
 DEFAULT_TEACHER_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def distill_home() -> Path:
-    """Where imported teachers live: $DISTILL_HOME, else ~/.cache/distill."""
-    return Path(os.environ.get("DISTILL_HOME", Path.home() / ".cache" / "distill"))
 
 
 def default_teacher_gguf() -> Path:

@@ -22,6 +22,11 @@ own intervals between training rows when its steps are slower than that (estimat
 row's tokens, tokens/s and log_every). Past that it reads stopped, and the reason says it is a
 guess: which host, and for how long nothing was written.
 
+Which numbers compare: KL, CE, PPL and top-1 are per token against one cache's teacher targets,
+so `compare` shows them for runs over different caches only when told to (allow_different_caches);
+bits per byte (student/evaluate.py, BITS_PER_BYTE_NOTE) compares across caches of one corpus and
+across tokenizers, so it is shown for every run that recorded it ("-" for runs from before it).
+
 Tables fit a terminal: a run is labelled by its directory's name (with parent folders where two
 names clash), the settings that differ among the runs are listed once below the table (with
 `wide`, as columns of their own, and the settings every run shares below), and every column is as
@@ -63,7 +68,9 @@ class RunSummary:
     reason: str | None
     steps_done: int  # the last step trained: of the last metrics row or the latest checkpoint, the later
     steps_total: int
-    eval: dict | None  # the last held-out evaluation {"step", "kl", "ce", "ppl", "top1", "tokens"}
+    # The last held-out evaluation {"step", "kl", "ce", "ppl", "top1", "tokens", "bits_per_byte"}
+    # (bits_per_byte None when the run did not record it)
+    eval: dict | None
     tok_per_s: float | None  # of the last logged training row
     optimizer_state_bytes: int | None
     checkpoint_step: int | None = None  # the latest kept checkpoint, where a rerun resumes (None: it starts over)
@@ -162,7 +169,8 @@ def read_run(run_dir: str | Path) -> RunSummary:
     return RunSummary(
         path=str(run_dir), name=Path(os.path.abspath(run_dir)).name, cache_id=run["cache_id"], config=run["config"],
         status=status, reason=reason, steps_done=steps_done, steps_total=run["config"]["steps"],
-        eval={k: last_eval[k] for k in ("step", "kl", "ce", "ppl", "top1", "tokens")} if last_eval else None,
+        eval=({k: last_eval[k] for k in ("step", "kl", "ce", "ppl", "top1", "tokens")}
+              | {"bits_per_byte": last_eval.get("bits_per_byte")}) if last_eval else None,
         tok_per_s=last_train.get("tok_per_s"), optimizer_state_bytes=last_train.get("optimizer_state_bytes"),
         checkpoint_step=checkpoint)
 
@@ -276,6 +284,12 @@ def _settings_columns(runs: list[RunSummary], wide: bool, caches: bool,
 
 
 _EVAL_NOTE = "KL, CE, top-1: the last held-out evaluation (KL over the teacher's top-k plus a tail category)"
+_BPB_NOTE = ("bits/byte: the held-out cross-entropy in bits per UTF-8 byte of the predicted tokens, comparable across "
+             "tokenizers and caches of one corpus (- where a run did not record it)")
+
+
+def _has_bits_per_byte(runs: list[RunSummary]) -> bool:
+    return any((r.eval or {}).get("bits_per_byte") is not None for r in runs)
 
 
 def runs_table(runs: list[RunSummary], wide: bool = False) -> str:
@@ -286,45 +300,65 @@ def runs_table(runs: list[RunSummary], wide: bool = False) -> str:
     names = labels(runs)
     shown = ("steps",)  # the steps column says each run's total
     extra_header, extra = _settings_columns(runs, wide, caches=len({r.cache_id for r in runs}) > 1, shown=shown)
-    header = ["run", *extra_header, "steps", "ckpt", "KL", "CE", "top-1", "tok/s", "opt MiB", "status"]
+    bpb = _has_bits_per_byte(runs)
+    header = ["run", *extra_header, "steps", "ckpt", "KL", "CE", "top-1", *(["bits/byte"] if bpb else []), "tok/s",
+              "opt MiB", "status"]
     rows = []
     for r, name, more in zip(runs, names, extra):
         e = r.eval or {}
         mib = None if r.optimizer_state_bytes is None else r.optimizer_state_bytes / 2**20
         rows.append([name, *more, f"{r.steps_done}/{r.steps_total}", _fmt(r.checkpoint_step, "d"),
                      _fmt(e.get("kl"), ".4f"), _fmt(e.get("ce"), ".3f"), _fmt(e.get("top1"), ".3f"),
+                     *([_fmt(e.get("bits_per_byte"), ".4f")] if bpb else []),
                      _fmt(r.tok_per_s, ",.0f"), _fmt(mib, ",.2f"), r.status])
     lines = _table(header, rows, left=1 + len(extra_header))
     return "\n".join(lines + _notes(runs, names, wide, shown)
-                     + _wrapped("", _EVAL_NOTE + "; ckpt: the latest checkpoint, where a rerun resumes", 0))
+                     + _wrapped("", _EVAL_NOTE + "; ckpt: the latest checkpoint, where a rerun resumes", 0)
+                     + (_wrapped("", _BPB_NOTE, 0) if bpb else []))
 
 
-def compare_runs(paths: list[str | Path], allow_different_caches: bool = False) -> list[RunSummary]:
-    """The runs at `paths`, refusing runs over different caches unless allowed (their KL is to
-    different teacher targets, so the numbers are not comparable)."""
+def compare_runs(paths: list[str | Path], allow_different_caches: bool = False,
+                 plot: bool = False) -> list[RunSummary]:
+    """The runs at `paths`. Runs over different caches are refused only for a `plot` (it draws
+    held-out KL and training loss, which are to different teacher targets) unless allowed; their
+    table shows what compares (compare_table)."""
     if not paths:
         raise DistillUserError("give at least one run directory to compare")
     runs = [read_run(p) for p in paths]
     caches = {r.cache_id for r in runs}
-    if len(caches) > 1 and not allow_different_caches:
+    if plot and len(caches) > 1 and not allow_different_caches:
         which = "; ".join(f"{r.name}: {r.cache_id[:12]}" for r in runs)
-        raise DistillUserError(f"the runs are over different caches ({which}): their held-out KL numbers are not "
-                               "comparable; compare runs of one cache, or pass --allow-different-caches")
+        raise DistillUserError(f"--plot: the runs are over different caches ({which}): their held-out KL and "
+                               "training loss are not comparable; plot runs of one cache, or pass "
+                               "--allow-different-caches")
     return with_differences(runs)
 
 
-def compare_table(runs: list[RunSummary], wide: bool = False) -> str:
+def compare_table(runs: list[RunSummary], wide: bool = False, allow_different_caches: bool = False) -> str:
     """Held-out metrics side by side, one line a run, the settings that differ below (`wide`: as
-    columns)."""
+    columns). Over several caches the per-token columns (KL, CE, PPL, top-1) show "-" unless
+    `allow_different_caches`; bits/byte (shown when a run recorded it) compares across caches."""
     names = labels(runs)
-    extra_header, extra = _settings_columns(runs, wide, caches=len({r.cache_id for r in runs}) > 1)
-    header = ["run", *extra_header, "at step", "held-out KL", "CE", "PPL", "top-1", "status"]
+    several = len({r.cache_id for r in runs}) > 1
+    per_token = allow_different_caches or not several
+    extra_header, extra = _settings_columns(runs, wide, caches=several)
+    bpb = _has_bits_per_byte(runs)
+    header = ["run", *extra_header, "at step", "held-out KL", "CE", "PPL", "top-1", *(["bits/byte"] if bpb else []),
+              "status"]
     rows = []
     for r, name, more in zip(runs, names, extra):
         e = r.eval or {}
-        rows.append([name, *more, _fmt(e.get("step"), "d"), _fmt(e.get("kl"), ".4f"), _fmt(e.get("ce"), ".3f"),
-                     _fmt_ppl(e.get("ppl")), _fmt(e.get("top1"), ".3f"), r.status])
-    return "\n".join(_table(header, rows, left=1 + len(extra_header)) + _notes(runs, names, wide))
+        shown = e if per_token else {}
+        rows.append([name, *more, _fmt(e.get("step"), "d"), _fmt(shown.get("kl"), ".4f"),
+                     _fmt(shown.get("ce"), ".3f"), _fmt_ppl(shown.get("ppl")), _fmt(shown.get("top1"), ".3f"),
+                     *([_fmt(e.get("bits_per_byte"), ".4f")] if bpb else []), r.status])
+    notes = []
+    if not per_token:
+        notes = _wrapped("", "held-out KL, CE, PPL, top-1: - for runs over different caches (per-token numbers "
+                             "against different teacher targets); --allow-different-caches shows them", 0)
+    if bpb:
+        notes += _wrapped("", _BPB_NOTE, 0)
+    return "\n".join(_table(header, rows, left=1 + len(extra_header)) + _notes(runs, names, wide) + notes)
 
 
 def curves(run: RunSummary) -> dict[str, list]:

@@ -4,7 +4,8 @@ The cheap checks come first, so a mistake costs seconds, not a teacher load: the
 (config, weights, tokenizer), `k` against its vocabulary, the cache folder (usable, not locked by
 another writer, not holding another cache); then the corpus is tokenised and a complete cache of
 the same identity is reused (after every shard's size and checksum is checked; damaged shards
-are rebuilt). Only then is the teacher loaded.
+are rebuilt). Only then is the teacher loaded. The cache also stores the teacher's tokenizer files
+(teacher_cache/tokenizer_files.py), so it says by itself what text its token ids stand for.
 
 Scale-out (teacher_cache/workers.py): launched by `torchrun --nproc-per-node N -m distill
 cache-teacher ...`, each rank reads RANK/WORLD_SIZE, joins the process group (nccl for a CUDA
@@ -247,7 +248,8 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
                                                          wrap_teacher=wrap_teacher)
         try:
             report = build_cache(corpus.sequences, backend, config.cache, tokenizer=tok_info, data=data,
-                                 progress=progress, lock=lock, workers=workers)
+                                 progress=progress, lock=lock, workers=workers,
+                                 teacher_tokenizer=teacher_folder.tokenizer)
         finally:
             backend.close()
     finally:

@@ -34,16 +34,20 @@ from teacher_cache.identity import tokenizer_info
 from teacher_cache.reader import CacheReader
 
 
-def tokenizer_info_of(folder) -> dict:
-    """The identity (hash, vocab size, special ids) of the tokenizer in HF folder `folder`: a cache is
-    read only by students of the tokenizer it was built with (CacheReader's expect_* arguments)."""
+def load_tokenizer(folder):
+    """The HF tokenizer in `folder`, or a one-line error naming --tokenizer."""
     from transformers import AutoTokenizer  # seconds to import; only loading a tokenizer needs it
 
     try:
-        return tokenizer_info(AutoTokenizer.from_pretrained(folder))
-    except (OSError, ValueError) as e:
-        raise DistillUserError(f"cannot load a tokenizer from {folder} ({type(e).__name__}); pass --tokenizer, "
-                               "a folder with tokenizer.json / tokenizer_config.json") from None
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as e:
+        raise DistillUserError(f"--tokenizer: cannot load a tokenizer from {folder} ({type(e).__name__}); give a "
+                               "folder with tokenizer.json / tokenizer_config.json") from None
+
+
+def tokenizer_info_of(folder) -> dict:
+    """The identity (hash, vocab size, special ids) of the tokenizer in HF folder `folder`."""
+    return tokenizer_info(load_tokenizer(folder))
 
 
 def split_indices(num_sequences: int, heldout: int) -> tuple[list[int], list[int]]:
@@ -70,10 +74,23 @@ class Batch:
     mask: torch.Tensor  # bool [N], False on padding rows
     # float32 [N, k], a sampled or hybrid cache's slot weights (module doc; 0 on padding); None: a top-k cache
     target_weights: torch.Tensor | None = None
+    # bool [N], the rows that have teacher targets (a cross-tokenizer student's aligned positions,
+    # student/cross_tokenizer/); None: every unmasked row
+    kd_mask: torch.Tensor | None = None
+    # int64 [N] and float32 [N], a cross-tokenizer batch's chunks (student/cross_tokenizer/batches.py):
+    # the chunk of text between two aligned positions that row j's next token belongs to (-1: none),
+    # and the teacher's log-likelihood of that chunk; None: no chunk term
+    chunk_ids: torch.Tensor | None = None
+    chunk_teacher_ll: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.mask.sum())
+
+    @property
+    def kd_rows(self) -> torch.Tensor:
+        """bool [N]: the rows the KL term is measured on."""
+        return self.mask if self.kd_mask is None else self.mask & self.kd_mask
 
     def _map(self, fn) -> "Batch":
         """Every tensor through ``fn``; None stays None."""
@@ -98,11 +115,12 @@ class Batch:
         pad = lambda t_BL, fill: torch.cat([t_BL, fill.expand(B, extra, *t_BL.shape[2:]).to(t_BL.dtype)], 1)
         rows = lambda t, fill: pad(t.view(B, L, *t.shape[1:]), fill).reshape(B * length, *t.shape[1:])
         scalar = lambda value: torch.tensor([[value]])
-        weights = None if self.target_weights is None else rows(self.target_weights, scalar(0.0))
+        optional = lambda t, fill: None if t is None else rows(t, scalar(fill))
         return Batch(pad(self.input_ids, scalar(0)), rows(self.topk_ids, torch.arange(k).view(1, 1, k)),
                      rows(self.topk_logprobs, scalar(0.0)), rows(self.tail_logmass, scalar(0.0)),
                      rows(self.target_ids, scalar(-1)), rows(self.target_logprob, scalar(float("nan"))),
-                     rows(self.mask, scalar(False)), weights)
+                     rows(self.mask, scalar(False)), optional(self.target_weights, 0.0), optional(self.kd_mask, False),
+                     optional(self.chunk_ids, -1), optional(self.chunk_teacher_ll, 0.0))
 
     def pin_memory(self) -> "Batch":
         return self._map(lambda v: v.pin_memory())
@@ -242,12 +260,18 @@ class CacheBatches:
             start = int(np.random.default_rng([self.seed, epoch, i]).integers(length - self.seq_len + 1))
         return start, start + self.seq_len
 
-    def make_batch(self, picked: list[tuple[int, int]]) -> Batch:
+    def windows(self, picked: list[tuple[int, int]]) -> list[tuple]:
+        """(decoded shard, the sequence's end row, window start row, window end row) of each picked
+        (epoch, sequence index)."""
         rows = []
         for epoch, i in picked:
             start, stop, shard = self._lru.sequence(i)
             lo, hi = self._window(epoch, i, stop - start)
             rows.append((shard, stop, start + lo, start + hi))
+        return rows
+
+    def make_batch(self, picked: list[tuple[int, int]]) -> Batch:
+        rows = self.windows(picked)
         B, L, k = len(rows), max(hi - lo for _, _, lo, hi in rows), self.k
         input_ids = np.zeros((B, L), np.int64)
         topk_ids = np.broadcast_to(np.arange(k, dtype=np.int64), (B, L, k)).copy()

@@ -115,8 +115,9 @@ def shard_model(model) -> None:
 
 
 def global_rows(batch, device: str) -> tuple[int, int]:
-    """(real rows, rows with a next token) of the micro-batch of which `batch` is this rank's part."""
-    counts = torch.tensor([int(batch.mask.sum()), int((batch.mask & (batch.target_ids >= 0)).sum())],
+    """(real rows (Batch.kd_rows), rows with a next token) of the micro-batch of which `batch` is this
+    rank's part."""
+    counts = torch.tensor([int(batch.kd_rows.sum()), int((batch.mask & (batch.target_ids >= 0)).sum())],
                           dtype=torch.int64, device=device)
     tdist.all_reduce(counts)
     return int(counts[0]), int(counts[1])

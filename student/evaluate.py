@@ -6,6 +6,11 @@ a sampled cache the loss's unbiased estimate of the full KL instead), cross-entr
 the actual next tokens, and top-1 agreement with the teacher; for a ReLU-gated (sparse FFN)
 student also the per-layer sparsity and dead neurons on the same sequences.
 
+Given the UTF-8 bytes of every token id (`token_bytes_of`), also bits per byte: the cross-entropy
+of the actual next tokens in bits, divided by the bytes of those same tokens (BITS_PER_BYTE_NOTE).
+Unlike the per-token numbers it does not depend on how the text was cut into tokens, so students of
+different tokenizers, and caches of one corpus, compare on it.
+
 With a teacher model (`distill eval --teacher`, opened by pipelines/teacher_eval.py) the teacher
 runs on the same rows, so every kind of cache is measured on one ground truth: the exact
 full-vocabulary KL(teacher || student) and the expected calibration error of the student's top-1.
@@ -15,23 +20,29 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from distill.devices import resolve_device, resolve_dtype
 from distill.errors import DistillUserError
 from student.checkpoint_dirs import latest_checkpoint
-from student.data import Batch, CacheBatches, split_indices, tokenizer_info_of
+from student.cross_tokenizer.batches import batches_for, open_cross_tokenizer
+from student.data import Batch, CacheBatches, load_tokenizer, split_indices
 from student.long_context.config import LongContextConfig
 from student.long_context.engine import chunked_forward
 from student.loss import LossConfig, distill_loss
 from student.model import Student
 from teacher_cache.reader import CacheReader
+from teacher_cache.token_bytes import token_pieces
+
+logger = logging.getLogger(__name__)
 
 # Bytes of one [rows, V] fp32 logits block: the row chunk of the vocabulary-wide metrics (CE, top-1,
 # and with a teacher the full-vocabulary KL and calibration) is sized so one block fits; a handful
@@ -51,6 +62,9 @@ FULL_VOCAB_NOTE = ("full_vocab_kl is the exact KL(teacher || student) over the w
                    "temperature, the teacher run on the held-out rows; calibration_error is the expected calibration "
                    f"error of the top-1 at temperature 1 against the actual next token ({CALIBRATION_BINS} "
                    "equal-width confidence bins)")
+BITS_PER_BYTE_NOTE = ("bits_per_byte is the cross-entropy of the actual next tokens in bits, over the UTF-8 bytes of "
+                      "those tokens: comparable across tokenizers and across caches of one corpus (special tokens "
+                      "such as EOS count their bits and no bytes)")
 # The evaluation's KL: the training loss with the tail as one category, at the cache's temperature.
 _EVAL_LOSS = LossConfig(tail="bucket", temperature=None, ce_weight=0.0)
 
@@ -69,23 +83,26 @@ class EvalResult:
     # With a teacher model only (None otherwise; FULL_VOCAB_NOTE):
     full_vocab_kl: float | None = None  # mean over rows of the exact KL(teacher || student) over the vocabulary, nats
     calibration_error: float | None = None  # ECE of the top-1 at temperature 1 (rows that have a next token)
+    # With the bytes of the token ids only (None otherwise, and in rows written before it; BITS_PER_BYTE_NOTE):
+    bits_per_byte: float | None = None  # CE of the actual next tokens summed, / ln 2, / their UTF-8 bytes
 
     def to_dict(self) -> dict:
         """The fields, less the optional ones that are None (so metrics rows stay as they were)."""
-        optional = lambda k: k.startswith("ffn_") or k in ("full_vocab_kl", "calibration_error")
+        optional = lambda k: k.startswith("ffn_") or k in ("full_vocab_kl", "calibration_error", "bits_per_byte")
         return {k: v for k, v in asdict(self).items() if v is not None or not optional(k)}
 
     @classmethod
     def from_dict(cls, d: dict) -> EvalResult:
-        """From to_dict() output or a metrics row (other keys ignored)."""
+        """From to_dict() output or a metrics row (other keys ignored; a missing optional one is None)."""
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     def summary(self) -> str:
         """One console line of the numbers."""
         full = "" if self.full_vocab_kl is None else (f", full-vocabulary KL {self.full_vocab_kl:.4f}, "
                                                       f"ECE {self.calibration_error:.4f}")
+        bpb = "" if self.bits_per_byte is None else f", {self.bits_per_byte:.4f} bits/byte"
         return (f"KL to teacher (top-k bound) {self.kl:.4f}, CE {self.ce:.3f}, PPL {self.ppl:.2f}, "
-                f"top-1 {self.top1:.3f}{full} ({self.tokens:,} tokens)")
+                f"top-1 {self.top1:.3f}{bpb}{full} ({self.tokens:,} tokens)")
 
 
 def target_kind(reader: CacheReader) -> str:
@@ -96,6 +113,46 @@ def target_kind(reader: CacheReader) -> str:
 def kl_note(reader: CacheReader) -> str:
     """What the cache-based `kl` of an evaluation on `reader` measures."""
     return {"sampled": SAMPLED_KL_NOTE, "topk+sampled": HYBRID_KL_NOTE}.get(target_kind(reader), KL_NOTE)
+
+
+def token_bytes_of(folder) -> np.ndarray | None:
+    """int64 [V]: the UTF-8 bytes each id of the tokenizer in HF folder `folder` stands for (0 for
+    special ids such as EOS; teacher_cache/token_bytes.py). None, with a warning, for a tokenizer
+    that cannot say (neither byte-level BPE nor byte fallback): its evaluations then have no bits
+    per byte."""
+    tokenizer = load_tokenizer(folder)
+    try:
+        return token_pieces(tokenizer).lengths
+    except DistillUserError as e:
+        logger.warning("no bits per byte for the tokenizer of %s: %s", folder, str(e).removeprefix("--tokenizer: "))
+        return None
+
+
+def byte_table(token_bytes: torch.Tensor | np.ndarray | None) -> torch.Tensor | None:
+    """`token_bytes` (integers [V] >= 0, the bytes of each id) as an int64 host tensor; None stays None."""
+    if token_bytes is None:
+        return None
+    table_V = torch.as_tensor(token_bytes).cpu()
+    if table_V.ndim != 1 or table_V.is_floating_point() or table_V.is_complex() or bool((table_V < 0).any()):
+        raise ValueError(f"token_bytes must be a 1-D array of non-negative integers (the bytes of each id), got "
+                         f"{table_V.dtype} of shape {tuple(table_V.shape)}")
+    return table_V.long()
+
+
+def predicted_bytes(batch: Batch, table_V: torch.Tensor) -> int:
+    """The UTF-8 bytes of the tokens `batch` predicts: table_V (int64 [V], byte_table) at target_ids
+    on the rows that have a next token (target_ids >= 0 and not padding), the rows cross-entropy sums."""
+    target_R = batch.target_ids[batch.mask & (batch.target_ids >= 0)].cpu()
+    if target_R.numel() and int(target_R.max()) >= len(table_V):
+        raise ValueError(f"token_bytes has {len(table_V)} entries but a target id is {int(target_R.max())}: pass "
+                         "the byte lengths of the vocabulary the batch's target_ids are in")
+    return int(table_V[target_R].sum())
+
+
+def bits_per_byte(ce_nats: float, num_bytes: int | None) -> float | None:
+    """Cross-entropy summed over predicted tokens (nats) in bits per byte of those tokens; None
+    without the bytes, or when they are 0 (only special tokens were predicted)."""
+    return ce_nats / math.log(2) / num_bytes if num_bytes else None
 
 
 def rows_per_block(vocab_size: int, block_bytes: int = LOGITS_BLOCK_BYTES) -> int:
@@ -148,9 +205,11 @@ def full_vocab_kl_sum(student_CV: torch.Tensor, teacher_CV: torch.Tensor, mask_C
 
 
 class _Sums:
-    def __init__(self, with_teacher: bool = False):
+    def __init__(self, with_teacher: bool = False, with_bytes: bool = False):
         self.kl = self.ce = self.top1 = self.full_kl = 0.0
         self.rows = self.ce_rows = 0
+        self.kl_rows = 0  # the rows with teacher targets (Batch.kd_rows): all but a cross-tokenizer batch's unaligned ones
+        self.bytes = 0 if with_bytes else None  # UTF-8 bytes of the tokens CE is summed over
         self.ffn = None  # sparse students: [nnz x rows summed [L], active [L, d_ff], rows]
         self.calibration = Calibration() if with_teacher else None
 
@@ -172,8 +231,9 @@ class _Sums:
                      "ffn_dead": (1 - self.ffn[1].float().mean(1)).tolist()}
         if self.calibration is not None:
             extra.update(full_vocab_kl=self.full_kl / max(self.rows, 1), calibration_error=self.calibration.error())
-        return EvalResult(kl=self.kl / max(self.rows, 1), ce=ce, ppl=math.exp(min(ce, 700.0)),
-                          top1=self.top1 / max(self.rows, 1), tokens=self.rows, **extra)
+        return EvalResult(kl=self.kl / max(self.kl_rows, 1), ce=ce, ppl=math.exp(min(ce, 700.0)),
+                          top1=self.top1 / max(self.kl_rows, 1), tokens=self.rows,
+                          bits_per_byte=bits_per_byte(self.ce, self.bytes), **extra)
 
 
 def _ce_and_top1(logits_CV, batch: Batch, rows: slice):
@@ -183,14 +243,15 @@ def _ce_and_top1(logits_CV, batch: Batch, rows: slice):
     target_C = batch.target_ids[rows]
     has_C = mask_C & (target_C >= 0)
     ce = -logq_CV.gather(1, target_C.clamp_min(0)[:, None])[:, 0][has_C].sum()
-    hits = (logits_CV.argmax(-1) == batch.topk_ids[rows, 0])[mask_C].sum()
+    hits = (logits_CV.argmax(-1) == batch.topk_ids[rows, 0])[batch.kd_rows[rows]].sum()
     return ce.item(), int(has_C.sum()), hits.item()
 
 
 @torch.no_grad()
 def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, device, seq_len: int | None = None,
                      autocast_dtype: torch.dtype | None = None, row_chunk: int | None = None,
-                     long: LongContextConfig | None = None, progress: bool = False) -> EvalResult:
+                     long: LongContextConfig | None = None, progress: bool = False,
+                     token_bytes: torch.Tensor | np.ndarray | None = None, batches=CacheBatches) -> EvalResult:
     """Evaluate `model` (a ``Student``) on sequences `indices` of `reader`, without gradients.
 
     kl: the training loss's KL (student/loss.py, the fused kernel, summed over rows): forward
@@ -206,9 +267,19 @@ def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, de
     ReLU-gated student also gets ffn_nnz / ffn_sparsity / ffn_dead per layer, counted over the real
     tokens of the batches (padding of ragged sequences left out). progress: a bar over the sequences
     while it runs, gone once done.
+
+    token_bytes: integers [V] (torch or numpy), the UTF-8 bytes of each id of the vocabulary the
+    batches' target_ids are in (`token_bytes_of`); with it bits_per_byte is the CE summed over the
+    rows that have a next token, / ln 2, / the bytes of those target ids. Special ids have 0 bytes
+    but their prediction's bits still count (BITS_PER_BYTE_NOTE). None: bits_per_byte is None.
+
+    batches: the batch stream class (CacheBatches, or a cross-tokenizer student's,
+    student.cross_tokenizer.batches.batches_for): kl and top1 are then over the rows with teacher
+    targets (the aligned positions), ce and bits_per_byte over the student's own tokens.
     """
     sums, _ = _evaluate(model, None, reader, indices, batch_size=batch_size, device=device, seq_len=seq_len,
-                        autocast_dtype=autocast_dtype, row_chunk=row_chunk, long=long, progress=progress)
+                        autocast_dtype=autocast_dtype, row_chunk=row_chunk, long=long, progress=progress,
+                        token_bytes=token_bytes, batches=batches)
     return sums.result(model.config.intermediate_size)
 
 
@@ -216,7 +287,8 @@ def evaluate_student(model, reader: CacheReader, indices, *, batch_size: int, de
 def evaluate_against_teacher(model, teacher, reader: CacheReader, indices, *, batch_size: int, device,
                              seq_len: int | None = None, autocast_dtype: torch.dtype | None = None,
                              row_chunk: int | None = None, long: LongContextConfig | None = None,
-                             progress: bool = False) -> tuple[EvalResult, float]:
+                             progress: bool = False, token_bytes: torch.Tensor | np.ndarray | None = None,
+                             batches=CacheBatches) -> tuple[EvalResult, float]:
     """`evaluate_student` with the teacher `teacher` (a ``Student``-like model: the same decoder,
     loaded from the teacher's folder) run on the same rows, through the same chunks.
 
@@ -225,26 +297,29 @@ def evaluate_against_teacher(model, teacher, reader: CacheReader, indices, *, ba
     exact KL(p || q) over the vocabulary, p and q the teacher's and the student's softmax at the
     cache's temperature (over the first min(V_teacher, V_student) ids, renormalised, when their
     lm-heads differ in size). calibration_error: Calibration over the rows that have a next token,
-    top-1 at temperature 1. Row chunks bound the [rows, V] fp32 blocks as in evaluate_student.
+    top-1 at temperature 1. Row chunks bound the [rows, V] fp32 blocks as in evaluate_student, and
+    token_bytes gives bits_per_byte as there.
     """
     sums, teacher_calibration = _evaluate(model, teacher, reader, indices, batch_size=batch_size, device=device,
                                           seq_len=seq_len, autocast_dtype=autocast_dtype, row_chunk=row_chunk,
-                                          long=long, progress=progress)
+                                          long=long, progress=progress, token_bytes=token_bytes, batches=batches)
     return sums.result(model.config.intermediate_size), teacher_calibration.error()
 
 
 def _evaluate(model, teacher, reader: CacheReader, indices, *, batch_size: int, device, seq_len: int | None,
               autocast_dtype: torch.dtype | None, row_chunk: int | None, long: LongContextConfig | None,
-              progress: bool) -> tuple[_Sums, Calibration | None]:
+              progress: bool, token_bytes: torch.Tensor | np.ndarray | None = None,
+              batches=CacheBatches) -> tuple[_Sums, Calibration | None]:
     """The loop of evaluate_student / evaluate_against_teacher: (the student's sums, the teacher's
     Calibration, None without a teacher)."""
+    table_V = byte_table(token_bytes)
     models = [m for m in (model, teacher) if m is not None]
     was_training = [m.training for m in models]
     for m in models:
         m.eval()
-    sums = _Sums(with_teacher=teacher is not None)
+    sums = _Sums(with_teacher=teacher is not None, with_bytes=table_V is not None)
     teacher_calibration = Calibration() if teacher is not None else None
-    data = CacheBatches(reader, indices, batch_size, seq_len=seq_len, shuffle=False)
+    data = batches(reader, indices, batch_size, seq_len=seq_len, shuffle=False)
     weight = model.lm_head_weight.float()
     teacher_weight = teacher.lm_head_weight.float() if teacher is not None else None
     vocab = weight.shape[0] if teacher is None else min(weight.shape[0], teacher_weight.shape[0])
@@ -254,6 +329,8 @@ def _evaluate(model, teacher, reader: CacheReader, indices, *, batch_size: int, 
     # Gone once done (leave=False): the result's line follows, and inside training the step bar stays alone.
     bar = tqdm(total=len(data.indices), disable=not progress, desc="eval", unit="seq", leave=False)
     for whole in data.epoch_batches():
+        if table_V is not None:  # on the host, from the same rows and target ids as the CE below
+            sums.bytes += predicted_bytes(whole, table_V)
         input_ids, mask = whole.input_ids.to(device), whole.mask.to(device)
         chunks = chunked_forward(model, input_ids, mask, long, autocast_dtype=autocast_dtype)
         teacher_chunks = (itertools.repeat(None) if teacher is None else
@@ -281,6 +358,7 @@ def _evaluate(model, teacher, reader: CacheReader, indices, *, batch_size: int, 
                     sums.calibration.add_logits(logits_CV, target_C, has_C)
                     teacher_calibration.add_logits(teacher_CV, target_C, has_C)
             sums.rows += batch.num_tokens
+            sums.kl_rows += int(batch.kd_rows.sum())
         bar.update(whole.input_ids.shape[0])
     bar.close()
     for m, training in zip(models, was_training):
@@ -288,14 +366,24 @@ def _evaluate(model, teacher, reader: CacheReader, indices, *, batch_size: int, 
     return sums, teacher_calibration
 
 
-def teacher_reference(reader: CacheReader, indices, *, seq_len: int | None = None) -> EvalResult:
-    """The teacher on the same rows, from the cache: ce from target_logprob, kl 0, top1 1."""
-    sums = _Sums()
+def teacher_reference(reader: CacheReader, indices, *, seq_len: int | None = None,
+                      token_bytes: torch.Tensor | np.ndarray | None = None) -> EvalResult:
+    """The teacher on the same rows, from the cache: ce from target_logprob, kl 0, top1 1.
+
+    token_bytes: integers [V], the UTF-8 bytes of each id of the cache's (the teacher's) vocabulary;
+    with it bits_per_byte is -(sum of target_logprob over the rows with a next token) / ln 2 / the
+    bytes of the teacher's own next tokens there (special ids: their bits, 0 bytes). None: no
+    bits_per_byte. Like ce it is at the cache's temperature (target_logprob's), the teacher's own at 1."""
+    table_V = byte_table(token_bytes)
+    sums = _Sums(with_bytes=table_V is not None)
     for batch in CacheBatches(reader, indices, 64, seq_len=seq_len, shuffle=False).epoch_batches():
         has = batch.mask & (batch.target_ids >= 0)
         sums.ce -= batch.target_logprob[has].double().sum().item()
+        if table_V is not None:
+            sums.bytes += predicted_bytes(batch, table_V)
         sums.ce_rows += int(has.sum())
         sums.rows += batch.num_tokens
+        sums.kl_rows += batch.num_tokens
         sums.top1 += batch.num_tokens
     return sums.result()
 
@@ -327,6 +415,12 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
     (evaluate_against_teacher): the student's result gains full_vocab_kl and calibration_error, the
     teacher's row (its cache numbers) gains its own calibration_error and full_vocab_kl 0, and
     "full_vocab_note" (FULL_VOCAB_NOTE) is added. progress: a progress bar over the sequences.
+
+    Bits per byte: every row gets bits_per_byte from the bytes of the student's tokenizer's ids
+    (`token_bytes_of`: `tokenizer`, else the run's tokenizer folder, else its final student's; for a
+    folder, its tokenizer), the cache's tokenizer too, and "bits_per_byte_note" (BITS_PER_BYTE_NOTE)
+    is added; a tokenizer that cannot say its bytes (or a run whose tokenizer folder is gone) leaves
+    them None, with a warning. A run's "before" row has one only if the trainer recorded it.
     """
     path = Path(path)
     device = resolve_device(device)
@@ -339,11 +433,8 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
         seq_len = seq_len if seq_len is not None else cfg["seq_len"]
         batch_size = batch_size or cfg.get("batch_size")  # the trainer's own evaluations batch so
         chunk_tokens = chunk_tokens if chunk_tokens is not None else cfg.get("chunk_tokens")
-        if tokenizer is not None:
-            tok = tokenizer_info_of(tokenizer)
-            reader = CacheReader(cache, expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])
-        else:
-            reader = CacheReader(cache, expect_tokenizer_hash=run.get("tokenizer_hash"))
+        tokenizer_dir = tokenizer or _run_tokenizer(path, cfg)
+        reader = CacheReader(cache, expect_tokenizer_hash=None if tokenizer_dir else run.get("tokenizer_hash"))
         held = split_indices(reader.num_sequences, cfg["heldout"])[1]
         if heldout is None:
             held = held[:cfg["eval_sequences"]] if cfg.get("eval_sequences") else held
@@ -361,23 +452,35 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
     elif (path / "config.json").exists():
         if cache is None:
             raise DistillUserError(f"{path} is a student folder: pass the cache to evaluate it against")
-        tok = tokenizer_info_of(tokenizer or path)
-        reader = CacheReader(cache, expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])
+        reader = CacheReader(cache)
         held = split_indices(reader.num_sequences, heldout)[1] if heldout else list(range(reader.num_sequences))
-        folder = path
+        folder, tokenizer_dir = path, tokenizer or path
     else:
         raise DistillUserError(f"{path} is neither a run directory (run.json) nor an HF folder (config.json)")
     if not held:
         raise DistillUserError("no sequences to evaluate: `heldout` is 0")
+    # a student of another tokenizer reads the cache through the cross-tokenizer path (its mapped targets)
+    student_tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+    cross = None if student_tokenizer is None else open_cross_tokenizer(reader, student_tokenizer, "auto")
+    if cross is not None and teacher is not None:
+        raise DistillUserError("--teacher: the teacher model reads the teacher's tokens; a student of another "
+                               "tokenizer is evaluated against the cache alone: leave --teacher out")
     model = Student.from_pretrained(folder, device=device)
-    if model.config.vocab_size < reader.manifest.spec.tokenizer.vocab_size:
-        raise DistillUserError(f"student {folder} has vocab {model.config.vocab_size}, smaller than the cache's "
-                               f"{reader.manifest.spec.tokenizer.vocab_size}; evaluate it against a cache of its tokenizer")
+    vocab = reader.manifest.spec.tokenizer.vocab_size if cross is None else len(student_tokenizer)
+    if model.config.vocab_size < vocab:
+        raise DistillUserError(f"student {folder} has vocab {model.config.vocab_size}, smaller than its tokenizer's "
+                               f"{vocab}; pass --tokenizer, the folder of the tokenizer it was trained with")
     amp = torch.bfloat16 if resolve_dtype("auto", device) == "bfloat16" else None
+    table_V = token_bytes_of(tokenizer_dir) if tokenizer_dir is not None else None
+    # the teacher's row counts the bytes of the teacher's own tokens
+    teacher_table = table_V if cross is None else cross.aligner.teacher.lengths
     options = dict(batch_size=batch_size or 8, device=device, seq_len=seq_len, autocast_dtype=amp,
-                   long=LongContextConfig(chunk_tokens=chunk_tokens), progress=progress)
-    reference = teacher_reference(reader, held, seq_len=seq_len)
+                   long=LongContextConfig(chunk_tokens=chunk_tokens), progress=progress, token_bytes=table_V,
+                   batches=batches_for(cross))
+    reference = teacher_reference(reader, held, seq_len=seq_len, token_bytes=teacher_table)
     notes = {"kl_note": kl_note(reader)}
+    if table_V is not None:
+        notes["bits_per_byte_note"] = BITS_PER_BYTE_NOTE
     if teacher is None:
         student = evaluate_student(model, reader, held, **options)
     else:
@@ -390,6 +493,17 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
     else:
         result["student"] = student
     return {**result, "cache": str(cache), "num_sequences": len(held), **notes}
+
+
+def _run_tokenizer(path: Path, cfg: dict) -> Path | None:
+    """The tokenizer folder of run `path`: the one it trained with (run.json) while it exists, else
+    its final student's (saved with the tokenizer); None, with a warning, when neither is there."""
+    for folder in (cfg.get("tokenizer"), path / "student"):
+        if folder and any((Path(folder) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+            return Path(folder)
+    logger.warning("no bits per byte for run %s: its tokenizer folder %s is gone and it has no final student; "
+                   "pass --tokenizer", path, cfg.get("tokenizer"))
+    return None
 
 
 def _run_summary(path: Path, cfg: dict) -> dict:

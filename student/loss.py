@@ -18,6 +18,10 @@ The config is student/loss_config.py's (torch-free, for the CLI).
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
+
 import kernels.fused_topk_kl as fused
 from student.loss_config import LossConfig
 
@@ -33,14 +37,34 @@ def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_tempe
     unbiased estimate of the full-vocabulary KL and the tail "unnormalized" whatever config.tail
     says. loss = (1 - ce_weight) T^2 KL + ce_weight CE, with gradients to hidden and weight; kl:
     the KL(teacher || student) term alone at temperature T, detached, reduced as the loss ("mean"
-    over the unmasked rows, CE over the rows with a next token, or "sum"). One fused pass: the
-    [N, V] logits never exist in full.
+    over the KL rows, CE over the rows with a next token, or "sum"). The KL rows are
+    `batch.kd_rows`: every unmasked row, or a cross-tokenizer batch's aligned ones; the CE term
+    counts every unmasked row with a next token. One fused pass (two when a cross-tokenizer batch
+    mixes CE in): the [N, V] logits never exist in full.
 
-    whole: (real rows, rows with a next token) of the micro-batch that `batch` is a part of (a
+    whole: (KL rows, rows with a next token) of the micro-batch that `batch` is a part of (a
     chunk of chunk-recurrent training): loss and kl are then this part's share of the micro-
     batch's means, so the parts' values sum to them (reduction must be "mean").
     """
     temperature = config.distillation_temperature(cache_temperature)
+    target_weights = getattr(batch, "target_weights", None)  # None for a top-k cache
+    tail = config.tail if target_weights is None else "unnormalized"
+    kd_mask = getattr(batch, "kd_mask", None)
+    term = lambda rows, ce_weight, reduction_, hidden=hidden_ND, select=None, impl="auto": fused.fused_topk_kl(
+        hidden, weight_VD, *(t if select is None else t[select] for t in (batch.topk_ids, batch.topk_logprobs,
+                                                                        batch.tail_logmass)),
+        target_ids=batch.target_ids if select is None else batch.target_ids[select], mask=rows, tail=tail,
+        temperature=temperature, cache_temperature=cache_temperature, ce_weight=ce_weight, reduction=reduction_,
+        impl=impl, check_ids=check_ids, return_kl=True,
+        target_weights=target_weights if select is None or target_weights is None else target_weights[select])
+    kd_rows = batch.mask if kd_mask is None else batch.mask & kd_mask
+    if getattr(batch, "chunk_ids", None) is not None:
+        loss, kl = distill_loss(hidden_ND, weight_VD, dataclasses.replace(batch, chunk_ids=None), config,
+                                cache_temperature=cache_temperature, reduction=reduction, check_ids=check_ids,
+                                whole=whole)
+        return loss + (1 - config.ce_weight) * chunk_likelihood_loss(term, hidden_ND, batch, reduction), kl
+    if kd_mask is not None and config.ce_weight > 0 and bool((batch.mask & (batch.target_ids >= 0) & ~kd_rows).any()):
+        return _with_unaligned_ce(term, hidden_ND, batch, kd_rows, config.ce_weight, reduction, whole)
     ce_weight, scale = config.ce_weight, None
     if whole is not None:
         # Sums over the part, each term scaled by the whole's count: a ce_weight w' and a factor s with
@@ -48,12 +72,50 @@ def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_tempe
         rows, target_rows = whole
         kl_part, ce_part = (1 - ce_weight) / max(rows, 1), ce_weight / max(target_rows, 1)
         scale, ce_weight, reduction = kl_part + ce_part, ce_part / (kl_part + ce_part), "sum"
-    target_weights = getattr(batch, "target_weights", None)  # None for a top-k cache
-    tail = config.tail if target_weights is None else "unnormalized"
-    loss, kl = fused.fused_topk_kl(hidden_ND, weight_VD, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass,
-                             target_ids=batch.target_ids, mask=batch.mask, tail=tail, temperature=temperature,
-                             cache_temperature=cache_temperature, ce_weight=ce_weight, reduction=reduction,
-                             impl="auto", check_ids=check_ids, return_kl=True, target_weights=target_weights)
+    loss, kl = term(kd_rows, ce_weight, reduction)
     if scale is not None:
         loss, kl = loss * scale, kl / max(whole[0], 1)
     return loss, kl
+
+
+def _with_unaligned_ce(term, hidden_ND, batch, kd_rows, ce_weight: float, reduction: str, whole):
+    """A cross-tokenizer batch with CE mixed in: KL + CE over the aligned rows, CE alone over the
+    others, as sums scaled to the means ("mean") of KL over the aligned rows and CE over every row
+    with a next token."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction {reduction!r} is not defined for a cross-tokenizer batch with CE")
+    has_next = batch.mask & (batch.target_ids >= 0)
+    rows, target_rows = whole if whole is not None else (int(kd_rows.sum()), int(has_next.sum()))
+    if reduction == "sum" and whole is None:
+        rows = target_rows = 1
+    kl_part, ce_part = (1 - ce_weight) / max(rows, 1), ce_weight / max(target_rows, 1)
+    scale = kl_part + ce_part
+    loss, kl = term(kd_rows, ce_part / scale, "sum")
+    loss = loss * scale
+    others = torch.nonzero(has_next & ~kd_rows).flatten()
+    if len(others):
+        ce_loss, _ = term(None, 1.0, "sum", hidden=hidden_ND[others], select=others)
+        loss = loss + ce_loss * ce_part
+    return loss, kl / max(rows, 1)
+
+
+def chunk_likelihood_loss(term, hidden_ND, batch, reduction: str = "mean"):
+    """ALM's chunk-likelihood matching (arXiv 2503.20083) over a cross-tokenizer batch's chunks
+    (Batch.chunk_ids): the binary KL between "the teacher writes this chunk next" and "the student
+    does", p log(p / q) + (1 - p) log((1 - p) / (1 - q)), p and q the two log-likelihoods'
+    exponentials; mean ("mean") or sum over the chunks. The student's per-token log-likelihoods come
+    from the fused kernel's per-row CE (its torch path: a per-row loss with a gradient)."""
+    rows = torch.nonzero(batch.mask & (batch.chunk_ids >= 0) & (batch.target_ids >= 0)).flatten()
+    if len(rows) == 0:
+        return hidden_ND.sum() * 0.0
+    ce_R, _ = term(None, 1.0, "none", hidden=hidden_ND[rows], select=rows, impl="torch")
+    chunk_R = batch.chunk_ids[rows]
+    chunks, chunk_R = torch.unique(chunk_R, return_inverse=True)
+    acc = torch.promote_types(ce_R.dtype, torch.float32)
+    student = torch.zeros(len(chunks), dtype=acc, device=ce_R.device).index_add(0, chunk_R, -ce_R.to(acc))
+    teacher = torch.zeros_like(student).scatter(0, chunk_R, batch.chunk_teacher_ll[rows].to(student))
+    student = student.clamp(max=-1e-6)  # log(1 - q) stays finite
+    log1m = lambda ll: torch.log(-torch.expm1(ll))
+    p = teacher.exp()
+    per_chunk = p * (teacher - student) + (1 - p) * (log1m(teacher.clamp(max=-1e-6)) - log1m(student))
+    return per_chunk.mean() if reduction == "mean" else per_chunk.sum()

@@ -25,6 +25,7 @@ from student.loss import distill_loss
 from student.model import Student, to_relu_gate
 from student.sparse_ffn import SparseFFNPolicy
 from student.train_config import TrainConfig
+from student.transplant import fit_vocabulary
 from teacher_cache.location import absolute_cache
 
 __all__ = ["NoPolicy", "autocast_dtype", "initial_student", "micro_batch_backward", "micro_batch_loss", "model_policy",
@@ -48,8 +49,9 @@ def resolve(config: TrainConfig) -> TrainConfig:
 
 def initial_student(config: TrainConfig, device: str) -> tuple[Student, dict]:
     """(model on `device`, identity for run.json): from an HF folder, from a folder with only a
-    config.json (randomly initialised, seeded), or pruned from the teacher; with sparse_ffn a SwiGLU
-    student gets a ReLU gate (same weights)."""
+    config.json (randomly initialised, seeded), or pruned from the teacher (with the embedding and
+    lm-head of another tokenizer when `tokenizer` is not the teacher's: student/transplant.py); with
+    sparse_ffn a SwiGLU student gets a ReLU gate (same weights)."""
     if config.student is not None and not any(Path(config.student).glob("*.safetensors")):
         cfg = StudentConfig.from_hf_dict(json.loads((Path(config.student) / "config.json").read_text()))
         model, init = Student(cfg).to(device), f"config:{config.student}"
@@ -58,6 +60,7 @@ def initial_student(config: TrainConfig, device: str) -> tuple[Student, dict]:
     else:
         model = Student.from_teacher_pruned(config.teacher, config.num_layers, device=device)
         init = f"teacher:{config.teacher}:num_layers={config.num_layers}"
+        init += fit_vocabulary(model, config.teacher, config.tokenizer, config.embedding_init)
     if config.sparse.sparse_ffn and not model.config.sparse_ffn:
         to_relu_gate(model)
         logger.info("sparse_ffn: the SwiGLU student (%s) now has a ReLU gate, same weights; L1 coefficient %g",
@@ -134,7 +137,7 @@ def micro_batch_backward(model, batch, config: TrainConfig, amp_dtype, *, cache_
         chunk_loss = lambda hidden, rows, terms, part: loss_of(hidden, terms, rows, part)
         return chunk_recurrent_backward(model, batch, chunk_loss, config.long, device=config.device,
                                         autocast_dtype=amp_dtype, grad_scale=grad_scale, whole=whole)
-    part = None if whole is None else Part(*whole, share=batch.num_tokens / max(whole[0], 1))
+    part = None if whole is None else Part(*whole, share=int(batch.kd_rows.sum()) / max(whole[0], 1))
     batch = batch.to(config.device, non_blocking=True)
     with torch.autocast(torch.device(config.device).type, dtype=amp_dtype, enabled=amp_dtype is not None):
         hidden, terms = model(batch.input_ids, token_mask=batch.mask, return_ffn_terms=True)

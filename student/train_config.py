@@ -57,6 +57,13 @@ class TrainConfig:
     num_layers: int | None = option(None, "Layers kept when pruning from the teacher (evenly spaced).")
     tokenizer: str | Path | None = option(
         None, "Folder with the tokenizer files (default: the student's or teacher's folder).")
+    embedding_init: Literal["transplant", "random"] = option(
+        "transplant", "A pruned student's embedding and lm-head: transplant (the teacher's; for another --tokenizer, each "
+                      "token the mean of the teacher tokens spelling it) or random (normal, std 0.02). Pruning only.")
+    cross_tokenizer: Literal["auto", "off", "byte-prefix", "byte-prefix+chunks", "chunks"] = option(
+        "auto", "A student whose tokenizer is not the cache's: auto (byte-prefix when they differ), byte-prefix (also "
+                "for the same tokenizer; the targets are then the cache's own), byte-prefix+chunks, chunks (ALM's "
+                "chunk likelihoods), off (refuse another tokenizer).")
     batch_size: int = option(
         8, "Sequences per micro-batch (under torchrun: over all processes, each takes an equal share).")
     grad_accum: int = option(1, "Micro-batches per optimizer step.")
@@ -88,6 +95,9 @@ class TrainConfig:
                                    f"got student={self.student!r}, teacher={self.teacher!r}")
         if self.teacher is not None and self.num_layers is None:
             raise DistillUserError("`num_layers` is required with `teacher` (how many layers the student keeps)")
+        if self.student is not None and self.embedding_init != "transplant":
+            raise ConfigError("embedding_init", f"is {self.embedding_init!r}, but it applies only to a student pruned "
+                                                "from the teacher (teacher + num_layers); leave it out with a student folder")
         require("num_layers", self.num_layers, self.num_layers is None or self.num_layers >= 1,
                 "a positive integer, or leave it out")
         for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints"):
@@ -98,6 +108,9 @@ class TrainConfig:
         require("seq_len", self.seq_len, self.seq_len is None or self.seq_len >= 2, "an integer >= 2, or leave it out")
         require("eval_sequences", self.eval_sequences, self.eval_sequences is None or self.eval_sequences >= 1,
                 "a positive integer, or leave it out")
+        if "chunks" in self.cross_tokenizer and self.long.chunk_tokens is not None:
+            raise ConfigError("cross_tokenizer", f"is {self.cross_tokenizer!r}: chunk likelihoods need every sequence "
+                                                 "in one pass; leave --chunk-tokens out or use byte-prefix")
         if self.offload.offload != "none" and self.sparse.sparse_ffn:
             raise ConfigError("offload", f"is {self.offload.offload!r}: offloaded training does not run the sparse "
                                          "FFN yet; drop --sparse-ffn or use --offload none")

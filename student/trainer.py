@@ -49,6 +49,7 @@ student/step.py's; where the step runs (one process, FSDP2, planned offload) is 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -66,12 +67,13 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from distill.configs import ConfigError
 from distill.errors import DistillUserError
-from distill.files import atomic_write_json
+from distill.files import atomic_write_json, distill_home
 from student import run_owner
 from student.checkpoint import RunDirError, checkpoints, latest_checkpoint, remove_stale, rewind
-from student.data import CacheBatches, Prefetcher, split_indices, tokenizer_info_of
+from student.cross_tokenizer.batches import CrossTokenizer, batches_for, open_cross_tokenizer
+from student.data import CacheBatches, Prefetcher, load_tokenizer, split_indices
 from student.distributed import Dist, check_config, setup, teardown, world_from_env
-from student.evaluate import EvalResult, evaluate_student, kl_note, teacher_reference
+from student.evaluate import EvalResult, evaluate_student, kl_note, teacher_reference, token_bytes_of
 from student.executors import LocalExecutor, make_executor
 from student.offload.run import caps_allocator, cuda_index, over_cap_message
 from student.optim.build import build_optimizer, load_state_keeping_settings, state_bytes
@@ -79,6 +81,7 @@ from student.run_dir import MetricsLog, check_run_dir, diverged_message, eval_ro
 from student.schedule import lr_factor
 from student.step import autocast_dtype, initial_student, model_policy, peak_gpu_bytes, resolve
 from student.train_config import CHANGEABLE, TrainConfig
+from teacher_cache.identity import tokenizer_info
 from teacher_cache.reader import CacheReader
 from teacher_cache.verify import check_shards
 
@@ -119,24 +122,29 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
         if resume_from is not None and not (out / "run.json").exists():
             raise RunDirError(f"--resume-from {resume_from}: {out} holds no run to resume")
         random.seed(config.seed), np.random.seed(config.seed), torch.manual_seed(config.seed)
-        reader, tok, config = _open_cache(config)
+        reader, tok, config, cross = _open_cache(config)
+        token_bytes = token_bytes_of(config.tokenizer)  # None: its evaluations have no bits per byte
+        # the teacher's own tokens' bytes, and evaluation batches with the mapped targets (never chunks)
+        teacher_bytes = token_bytes if cross is None else cross.aligner.teacher.lengths
+        eval_batches = batches_for(None if cross is None else dataclasses.replace(cross, method="byte-prefix"))
         train_idx, held_idx = split_indices(reader.num_sequences, config.heldout)
         eval_idx = held_idx[:config.eval_sequences] if config.eval_sequences else held_idx
         executor, config = make_executor(config, dist)
         model, identity = initial_student(config, executor.model_device)
         if model.config.vocab_size < tok["vocab_size"]:
-            raise DistillUserError(f"the student's vocab size {model.config.vocab_size} is smaller than its "
-                                   f"tokenizer's {tok['vocab_size']}; use a student built for this tokenizer")
+            raise DistillUserError(f"--student: the student's vocab size {model.config.vocab_size} is smaller than its "
+                                   f"tokenizer's {tok['vocab_size']}; use a student built for this tokenizer, or prune one "
+                                   "from the teacher with --tokenizer")
         run = {"config": config.to_flat(), "cache_id": reader.manifest.cache_id,
                "cache_temperature": reader.manifest.spec.targets.temperature, "student": identity,
-               "tokenizer_hash": tok["hash"]}
+               "tokenizer_hash": tok["hash"], "cross_tokenizer": cross is not None}
         changes = executor.run_first(lambda: _prepare_run_dir(out, run, resume_from))
         executor.place(model)  # before the optimizer sees the parameters
         run.update(executor.run_info())
         optimizer = build_optimizer(model, config.optim, config.device)
         # Its own reader: batches are built on a background thread while evaluation reads through `reader`.
-        data = CacheBatches(CacheReader(config.cache), train_idx, config.batch_size, seq_len=config.seq_len,
-                            seed=config.seed, pin_memory=config.device.startswith("cuda"), part=executor.data_part)
+        data = batches_for(cross)(CacheReader(config.cache), train_idx, config.batch_size, seq_len=config.seq_len,
+                                  seed=config.seed, pin_memory=config.device.startswith("cuda"), part=executor.data_part)
         policy = model_policy(config, model, executor.reduce)
         step, last_saved = 0, None  # last_saved: (checkpoint, the loss of its step)
         if (ckpt := latest_checkpoint(out)) is not None:
@@ -148,7 +156,8 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
             with executor.evaluating():
                 result = evaluate_student(model, reader, eval_idx, batch_size=config.batch_size, device=config.device,
                                           seq_len=config.seq_len, autocast_dtype=autocast_dtype(config),
-                                          long=config.long, progress=progress and main)
+                                          long=config.long, progress=progress and main, token_bytes=token_bytes,
+                                          batches=eval_batches)
             if main:
                 logger.info("eval at step %d: %s", at_step, result.summary())
             return result
@@ -214,7 +223,7 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
 
         # The loop's last step always evaluates; a rerun of a finished run evaluates again.
         final = evaluate(step) if resumed_from == step else EvalResult.from_dict(eval_row(metrics.path, step))
-        teacher = teacher_reference(reader, eval_idx, seq_len=config.seq_len)
+        teacher = teacher_reference(reader, eval_idx, seq_len=config.seq_len, token_bytes=teacher_bytes)
         if main:
             atomic_write_json(out / "eval.json", {"step": step, "initial": initial.to_dict() if initial else None,
                                                   "final": final.to_dict(), "teacher": teacher.to_dict(),
@@ -264,16 +273,20 @@ def _join_processes(config: TrainConfig) -> Dist | None:
     return dist
 
 
-def _open_cache(config: TrainConfig) -> tuple[CacheReader, dict, TrainConfig]:
-    """(reader of the cache, the student's tokenizer identity, the config at the distillation temperature),
-    after refusing a cache of another tokenizer, a temperature the loss cannot train at, or a
-    damaged shard (every shard's size and checksum, before anything is written)."""
-    tok = tokenizer_info_of(config.tokenizer)
-    reader = CacheReader(config.cache, expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])
+def _open_cache(config: TrainConfig) -> tuple[CacheReader, dict, TrainConfig, CrossTokenizer | None]:
+    """(reader of the cache, the student's tokenizer identity, the config at the distillation temperature,
+    what a student of another tokenizer needs or None), after refusing a cache of another tokenizer
+    that cannot teach this one, a temperature the loss cannot train at, or a damaged shard (every
+    shard's size and checksum, before anything is written)."""
+    tokenizer = load_tokenizer(config.tokenizer)
+    tok = tokenizer_info(tokenizer)
+    reader = CacheReader(config.cache)
     targets = reader.manifest.spec.targets
     config.loss.check_cache_temperature(targets.temperature, kind=targets.kind)
+    cross = open_cross_tokenizer(reader, tokenizer, config.cross_tokenizer, maps_folder=distill_home() / "vocab-maps")
     check_shards(config.cache)
-    return reader, tok, config.with_flat(temperature=config.loss.distillation_temperature(targets.temperature))
+    return (reader, tok, config.with_flat(temperature=config.loss.distillation_temperature(targets.temperature)),
+            cross)
 
 
 def _prepare_run_dir(out: Path, run: dict, resume_from: int | None) -> dict:

@@ -34,6 +34,7 @@ from teacher_cache.location import RemotePath, cache_location
 from teacher_cache.manifest import IDENTITY_FIELDS, CacheSpec, identity_diff, load_manifest, manifest_path
 from teacher_cache.store import get_store, shard_name
 from teacher_cache.targets import Sampling, TeacherTargets
+from teacher_cache.tokenizer_files import save_tokenizer_files
 from teacher_cache.workers import Workers, shard_owner
 from teacher_cache.writer import CacheLock, CacheWriter
 
@@ -192,6 +193,7 @@ def build_cache(
     progress: bool = True,
     lock: CacheLock | None = None,
     workers: Workers | None = None,
+    teacher_tokenizer=None,
 ) -> BuildReport:
     """Score ``sequences`` (int32 token ids each) and write them as a cache at ``config.out``.
 
@@ -202,7 +204,9 @@ def build_cache(
     is the one process. Re-running with the same arguments after an interruption resumes: finished
     shards are kept and only the missing ones are scored. Re-running on a complete cache checks
     every shard's size and checksum and rebuilds exactly the damaged ones (the one process or
-    torchrun's rank 0 does; a job-array worker leaves a complete cache alone).
+    torchrun's rank 0 does; a job-array worker leaves a complete cache alone). teacher_tokenizer:
+    the teacher's HF tokenizer, whose files worker 0 stores in the cache unless its manifest lists
+    them already (teacher_cache/tokenizer_files.py); None stores none.
     """
     if not sequences:
         raise DistillUserError("the corpus produced no sequences; give more text or a shorter --seq-len")
@@ -233,6 +237,8 @@ def build_cache(
         report.worker = None if workers.single else (workers.worker_index, workers.num_workers)
         if report.already_complete:
             return report
+        if teacher_tokenizer is not None and workers.worker_index == 0 and not writer.spec.tokenizer.files:
+            writer.set_tokenizer_files(save_tokenizer_files(teacher_tokenizer, writer.path)["files"])
         done = writer.done_shards()
         todo = [i for i in mine if i not in done]
         report.resumed_shards = len(mine) - len(todo)

@@ -14,6 +14,9 @@ out of range is a ``CacheError`` that says what was seen and what to do.
 
 ``cache_id`` hashes the identity fields only (what determines the shard contents), so a directory
 is claimed by its identity and a rerun with the same arguments finds and resumes its own cache.
+The tokenizer section's ``files`` (the teacher's tokenizer files stored in CACHE/tokenizer/, with
+their checksums) is not identity: a cache that gains them keeps its ``cache_id``, and a manifest
+without them (every cache written before they were stored) reads as before.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,8 +46,10 @@ _SAMPLED_FIELDS = ("kind", "samples", "proposal_temperature", "seed")
 # the one a sampled cache leaves out too (version 2 has no exact head)
 _HYBRID_FIELDS = ("topk",)
 MANIFEST_NAME = "manifest.json"
+LOCK_NAME = "LOCK"  # the writers' lock file beside it (teacher_cache/writer.py)
 STORAGE_FORMATS = ("zarr", "parquet")
 STATUSES = ("incomplete", "complete")
+_SHA256 = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -77,6 +83,9 @@ class TokenizerInfo:
     hash: str  # hash of the token-to-id map and special tokens
     vocab_size: int  # number of token ids the tokenizer can produce
     special_ids: dict = field(default_factory=dict)  # {"bos": int | None, "eos": ..., ...}
+    # the tokenizer's files stored in CACHE/tokenizer/, {name: "sha256:<hex>"} (tokenizer_files.py);
+    # empty (and left out of the JSON, so older caches keep their bytes) when none are stored
+    files: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _nonempty_str(self.hash, "tokenizer.hash")
@@ -86,6 +95,19 @@ class TokenizerInfo:
         for name, value in self.special_ids.items():
             if value is not None:
                 _int_at_least(value, 0, f"tokenizer.special_ids[{name!r}]")
+        _require(isinstance(self.files, dict), f"tokenizer.files must be a mapping, got {self.files!r}")
+        for name, checksum in self.files.items():
+            ok = isinstance(name, str) and "\\" not in name and all(
+                part not in ("", ".", "..") for part in name.split("/"))
+            _require(ok, f"tokenizer.files names must be relative file names inside tokenizer/, got {name!r}")
+            _require(isinstance(checksum, str) and _SHA256.fullmatch(checksum) is not None,
+                     f"tokenizer.files[{name!r}] must be 'sha256:' and 64 hex digits, got {checksum!r}")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        if not self.files:
+            del d["files"]
+        return d
 
 
 @dataclass(frozen=True)
@@ -330,7 +352,8 @@ class Manifest:
         d: dict[str, Any] = {"format": FORMAT_NAME, "version": self.spec.format_version, "cache_id": self.cache_id,
                              "status": self.status}
         for name in _SECTIONS:
-            d[name] = self.spec.targets.to_dict() if name == "targets" else dataclasses.asdict(getattr(self.spec, name))
+            section = getattr(self.spec, name)
+            d[name] = section.to_dict() if name in ("targets", "tokenizer") else dataclasses.asdict(section)
         d["shards"] = [dataclasses.asdict(s) for s in self.shards]
         d["tool_version"] = self.tool_version
         d["created"] = self.created

@@ -10,6 +10,9 @@ padding slots are left out), ranks are positions among the drawn ids by count, a
 a histogram over 1..S). For a hybrid cache (topk+sampled) the "top-k" figures are those of the
 exact top-K and the drawn ids together (ranks: the top-K first, then the drawn ids by count), and
 ``unique_ids_per_position`` counts the distinct drawn ids outside the top-K.
+
+``tokenizer_files`` says whether the cache stores its teacher's tokenizer files, and so can teach
+students of other tokenizers (teacher_cache/tokenizer_files.py, teacher_cache/token_bytes.py).
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ import numpy as np
 
 from distill.errors import DistillUserError
 from distill.files import atomic_write_bytes
+from teacher_cache.errors import CacheError
 from teacher_cache.reader import CacheReader
+from teacher_cache.token_bytes import token_pieces
+from teacher_cache.tokenizer_files import load_cache_tokenizer
 
 _MASS_BINS = 10_000
 _PLOT_BINS = 20
@@ -210,6 +216,7 @@ def cache_stats(path: str | os.PathLike, max_shards: int | None = None) -> dict:
                          "note": ENTROPY_NOTE},
         "actual_token_rank": {"buckets": labels, "counts": acc.rank_counts.tolist(),
                               "fractions": (acc.rank_counts / max(ranked, 1)).tolist()},
+        "tokenizer_files": _tokenizer_files(path, bool(spec.tokenizer.files)),
     }
     if sampled:
         stats["sampling"] = {"samples": spec.targets.samples, "proposal_temperature": spec.targets.proposal_temperature,
@@ -218,6 +225,25 @@ def cache_stats(path: str | os.PathLike, max_shards: int | None = None) -> dict:
             stats["sampling"]["topk"] = spec.targets.topk
         stats["unique_ids_per_position"] = _unique_stats(acc.unique_counts)
     return stats
+
+
+def _tokenizer_files(path: str | os.PathLike, stored: bool) -> dict:
+    """Whether the cache can teach students of other tokenizers: {"stored": its tokenizer files
+    are, "scheme": how its token ids map to bytes (token_bytes.SCHEMES) or None, "summary": one
+    line saying so, and what to do when it cannot}."""
+    if not stored:
+        return {"stored": False, "scheme": None,
+                "summary": f"not stored: run `distill add-tokenizer {path} TEACHER` to teach other tokenizers"}
+    try:
+        tokenizer = load_cache_tokenizer(path)
+    except CacheError as e:
+        return {"stored": True, "scheme": None, "summary": f"stored but damaged: {e}"}
+    try:
+        scheme = token_pieces(tokenizer).scheme
+    except DistillUserError:  # neither byte-level BPE nor byte fallback (token_bytes.py)
+        return {"stored": True, "scheme": None, "summary": "stored (unsupported scheme: its token ids do not say "
+                                                           "their bytes, so it cannot teach other tokenizers)"}
+    return {"stored": True, "scheme": scheme, "summary": f"stored ({scheme})"}
 
 
 def _unique_stats(counts: np.ndarray) -> dict:
@@ -277,6 +303,7 @@ def render_table(stats: dict) -> str:
     ranks = stats["actual_token_rank"]
     table.add_row("actual token's rank" + (" by count" if sampled else ""),
                   "  ".join(f"{b}: {f:.1%}" for b, f in zip(ranks["buckets"], ranks["fractions"])))
+    table.add_row("tokenizer files", stats["tokenizer_files"]["summary"])
     console = Console(file=io.StringIO(), width=110, color_system=None, force_terminal=False)
     console.print(table)
     return console.file.getvalue()

@@ -4,7 +4,8 @@
 size and checksum; no decoding); ``damaged_shards`` is what a rerun of stage one repairs. On a
 sampled or hybrid (topk+sampled) cache ``verify_cache`` also decodes every shard by default and
 checks the rows' own rules (``check_sampled_rows``; a hybrid row's drawn ids are none of its
-exact top-K, which the distinct ids imply).
+exact top-K, which the distinct ids imply). ``verify_cache`` also checks the stored tokenizer
+files the manifest lists (teacher_cache/tokenizer_files.py) against their checksums.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from teacher_cache.errors import OTHER_OUT, REPAIR_HINT, CacheError, CorruptShar
 from teacher_cache.location import cache_location
 from teacher_cache.manifest import load_manifest
 from teacher_cache.store import SHARDS_DIR, decode_shard, get_store, read_shard, shard_checksum, shard_name
+from teacher_cache.tokenizer_files import read_tokenizer_files
 
 
 @dataclass
@@ -33,10 +35,12 @@ class VerifyReport:
     bad: list[tuple[str, str]] = field(default_factory=list)  # (shard name, what is wrong), in shard order
     problems: list[str] = field(default_factory=list)  # manifest-level problems (status, totals)
     unexpected: list[str] = field(default_factory=list)  # files in shards/ the manifest does not list
+    tokenizer_files_checked: int = 0  # stored tokenizer files the manifest lists (tokenizer_files.py)
+    tokenizer_problems: list[str] = field(default_factory=list)  # "name: what is wrong" for those missing or damaged
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.bad or self.problems)
+        return not (self.missing or self.bad or self.problems or self.tokenizer_problems)
 
     @property
     def first_bad(self) -> str | None:
@@ -46,9 +50,10 @@ class VerifyReport:
     def message(self) -> str:
         """One line: "ok ..." or everything wrong, the first bad shard named first."""
         if self.ok:
+            files = (f", {self.tokenizer_files_checked} tokenizer files" if self.tokenizer_files_checked else "")
             extra = f"; {len(self.unexpected)} unlisted file(s) in shards/" if self.unexpected else ""
             return (f"{self.path}: cache {self.cache_id} ok: {self.shards_checked} shards, "
-                    f"{self.bytes_checked:,} bytes checked{extra}")
+                    f"{self.bytes_checked:,} bytes{files} checked{extra}")
         parts = []
         if self.bad:
             name, why = self.bad[0]
@@ -58,12 +63,20 @@ class VerifyReport:
             parts.append(f"{len(self.missing)} missing shard(s): {', '.join(self.missing[:5])}"
                          + (" ..." if len(self.missing) > 5 else ""))
         parts.extend(self.problems)
+        if self.tokenizer_problems:
+            more = f" (and {len(self.tokenizer_problems) - 1} more)" if len(self.tokenizer_problems) > 1 else ""
+            parts.append(f"stored tokenizer file {self.tokenizer_problems[0]}{more}")
         if self.status != "complete":
             hint = ""  # the status problem says how to finish the cache
         elif self.problems:
             hint = f"; the manifest does not match its shards: build the cache again into {OTHER_OUT}"
-        else:
+        elif self.missing or self.bad:
             hint = f"; {REPAIR_HINT}"
+        else:
+            hint = ""
+        if self.tokenizer_problems:
+            hint += (f"; restore the tokenizer files with `distill add-tokenizer {self.path} TEACHER_FOLDER` (the "
+                     "teacher the cache was built from)")
         return f"{self.path}: cache {self.cache_id} FAILED: " + "; ".join(parts) + hint
 
 
@@ -82,11 +95,13 @@ def check_sampled_rows(ids: np.ndarray, counts: np.ndarray, samples: int) -> str
     return None
 
 
-def verify_cache(path: str | os.PathLike, deep: bool | None = None) -> VerifyReport:
+def verify_cache(path: str | os.PathLike, deep: bool | None = None, tokenizer: bool = True) -> VerifyReport:
     """Check every shard's existence, size and checksum, and the manifest's totals.
 
     deep=True also decodes every shard and checks its sequence and token counts and, in a sampled
-    cache, its rows (``check_sampled_rows``); slower. None: deep for a sampled cache only. A
+    cache, its rows (``check_sampled_rows``); slower. None: deep for a sampled cache only.
+    tokenizer: also check the stored tokenizer files the manifest lists against their checksums
+    (``check_shards`` and ``damaged_shards`` leave them out: they are about the shards). A
     manifest that cannot be read raises ``CacheError``; everything else is in the report.
     """
     path = cache_location(path)
@@ -114,6 +129,9 @@ def verify_cache(path: str | os.PathLike, deep: bool | None = None) -> VerifyRep
         if total != expected:
             report.problems.append(f"shards hold {total} {what}, the data section says {expected}")
     report.unexpected = [n for n in on_disk if n not in set(listed) or n.endswith(TEMP_MARK)]
+    if tokenizer and spec.tokenizer.files:
+        report.tokenizer_files_checked = len(spec.tokenizer.files)
+        report.tokenizer_problems = read_tokenizer_files(path, spec.tokenizer.files)[1]
 
     codec = None
     if deep:
@@ -155,7 +173,7 @@ def check_shards(path: str | os.PathLike) -> None:
     incomplete cache or a manifest that does not match its shards raises ``CacheError``).
 
     Reads every byte once but decodes nothing: cheap next to any use of the cache."""
-    report = verify_cache(path, deep=False)
+    report = verify_cache(path, deep=False, tokenizer=False)
     if report.ok:
         return
     if report.status == "complete" and not report.problems:
@@ -166,7 +184,7 @@ def check_shards(path: str | os.PathLike) -> None:
 def damaged_shards(path: str | os.PathLike) -> list[int]:
     """Indices of the missing or damaged shards of the complete cache at ``path`` (empty when it is
     whole); CacheError when the cache is incomplete or its manifest does not match its shards."""
-    report = verify_cache(path, deep=False)
+    report = verify_cache(path, deep=False, tokenizer=False)
     if report.ok:
         return []
     if report.status != "complete" or report.problems:

@@ -14,6 +14,9 @@ other), writes only the shards it owns and removes only the temp names of those;
 arrive writes the "incomplete" manifest (a later one finds it and checks the identity), and one
 process writes the complete manifest at the end.
 
+The teacher's tokenizer files (CACHE/tokenizer/, teacher_cache/tokenizer_files.py) are stored once
+the folder is claimed, and listed in the still incomplete manifest (``set_tokenizer_files``).
+
 On an object store (an fsspec URL; teacher_cache/location.py) there is no rename and no lock:
 a shard is written to a local temp folder and uploaded with its root object last (it counts as
 written once that object exists), the manifest is one object written last, and one build at a
@@ -39,15 +42,13 @@ from teacher_cache.codecs import get_codec
 from teacher_cache.errors import OTHER_OUT, CacheError, CacheLockedError, CacheMismatchError
 from teacher_cache.location import RemotePath, cache_location, present, write_json
 from teacher_cache.manifest import (
-    MANIFEST_NAME, CacheSpec, Manifest, ShardInfo, StorageInfo, identity_diff, load_manifest,
+    LOCK_NAME, MANIFEST_NAME, CacheSpec, Manifest, ShardInfo, StorageInfo, identity_diff, load_manifest,
     manifest_path, tool_version,
 )
 from teacher_cache.store import (
     SHARDS_DIR, ShardStore, encode_blocks, get_store, shard_checksum, shard_name, shard_offsets,
 )
 from teacher_cache.targets import TeacherTargets
-
-LOCK_NAME = "LOCK"
 
 
 def check_cache_dir(path: str | os.PathLike) -> None:
@@ -170,6 +171,8 @@ class CacheWriter:
     owned_shards: None for a writer that owns the folder (it may remove any temp file and repair);
     else the shards this worker of a multi-process build writes (the others are written beside
     it: only the temp names of these are removed, and a folder claimed meanwhile is accepted).
+    The spec's ``tokenizer.files`` is what the folder holds, not what is asked: an existing
+    manifest's, none for a new cache, until ``set_tokenizer_files``.
     """
 
     def __init__(self, path: str | os.PathLike, spec: CacheSpec | dict, *, shard_size: int | None = None,
@@ -234,10 +237,12 @@ class CacheWriter:
                     f"{self.spec.data.sequences} / {self.spec.data.tokens}; the data fingerprint is not "
                     f"stable: choose {OTHER_OUT}")
             self._remove_stale_temps()
+            self.spec = _with_tokenizer_files(self.spec, existing.spec.tokenizer.files)  # what the folder holds
             return existing
         check_claimable(self.path)
         self._remove_stale_temps()  # a kill inside the first manifest write leaves its temp file
         self._shards_dir.mkdir(exist_ok=True)
+        self.spec = _with_tokenizer_files(self.spec, {})  # none stored yet: set_tokenizer_files records them
         manifest = Manifest(spec=self.spec, status="incomplete")
         write_json(manifest_path(self.path), manifest.to_dict())
         return manifest
@@ -286,6 +291,15 @@ class CacheWriter:
         self.manifest = manifest
         with self._mutex:
             self._written.update(intact)  # checked just now: finalize need not hash them again
+
+    def set_tokenizer_files(self, files: dict[str, str]) -> None:
+        """Record the tokenizer files just stored in CACHE/tokenizer/ (``tokenizer_files.save_tokenizer_files``):
+        in the spec, and at once in the manifest (still incomplete), so that a job array's
+        ``cache-merge``, which writes the complete manifest from it, keeps them too."""
+        self._check_writable()
+        self.spec = _with_tokenizer_files(self.spec, files)
+        self.manifest = dataclasses.replace(self.manifest, spec=self.spec)
+        write_json(manifest_path(self.path), self.manifest.to_dict())
 
     def done_shards(self) -> set[int]:
         """Indices of shards whose final name exists (complete by construction; on an object store,
@@ -411,6 +425,10 @@ class CacheWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _with_tokenizer_files(spec: CacheSpec, files: dict[str, str]) -> CacheSpec:
+    return dataclasses.replace(spec, tokenizer=dataclasses.replace(spec.tokenizer, files=dict(files)))
 
 
 def _with_storage_defaults(spec: dict) -> dict:

@@ -16,7 +16,6 @@ from student.model import Student
 from student.trainer import TrainConfig, train
 from distill.errors import DistillUserError
 from teacher_cache.reader import CacheReader
-from teacher_cache.errors import CacheMismatchError
 from test_cache_synth import write_cache
 from test_trainer import config, tiny  # noqa: F401  (the module-scoped fixture)
 
@@ -109,20 +108,21 @@ def test_evaluations_inside_training_show_a_bar_that_progress_controls(tiny, tmp
 
 
 def test_eval_refuses_a_cache_of_another_tokenizer(tiny, tmp_path):  # noqa: F811
-    """As train-student does: a student folder (its tokenizer) or a run (its recorded tokenizer hash)
-    against a cache built with another tokenizer is refused, naming the mismatch."""
+    """As train-student does: a student folder (its tokenizer) or a run (its tokenizer) against a cache
+    built with another tokenizer is read across tokenizers, which needs the cache's tokenizer files:
+    refused, naming the command that adds them."""
     student, _, corpus = tiny
     other = tmp_path / "other"
     write_cache(other, corpus, tokenizer__hash="0123456789abcdef", shard_size=4, fmt="parquet")
-    with pytest.raises(CacheMismatchError, match="tokenizer hash"):
+    with pytest.raises(DistillUserError, match="holds no tokenizer files.*add-tokenizer"):
         evaluate_run_or_folder(student, cache=other, device="cpu")
     out = tmp_path / "run"
     train(config(tiny, out, steps=1, eval_every=0), progress=False)
-    with pytest.raises(CacheMismatchError, match="tokenizer hash"):
+    with pytest.raises(DistillUserError, match="holds no tokenizer files.*add-tokenizer"):
         evaluate_run_or_folder(out, cache=other, device="cpu")
     bare = tmp_path / "bare"  # a checkpoint's model folder has no tokenizer files: say how to give one
     shutil.copytree(out / "checkpoints" / "step-000001" / "model", bare)
-    with pytest.raises(DistillUserError, match="cannot load a tokenizer from .*bare.*--tokenizer"):
+    with pytest.raises(DistillUserError, match="--tokenizer: cannot load a tokenizer from .*bare"):
         evaluate_run_or_folder(bare, cache=tiny[1], device="cpu")
     assert evaluate_run_or_folder(bare, cache=tiny[1], tokenizer=student, device="cpu")["student"].tokens > 0
 

@@ -215,7 +215,8 @@ def test_a_nan_stopped_run_resumed_with_a_lower_lr_reads_finished(four_runs, tin
     assert not [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "stop"]
 
 
-def test_compare_side_by_side_plots_and_refuses_different_caches(four_runs, tiny, tmp_path, capsys):  # noqa: F811
+def test_compare_side_by_side_plots_and_blanks_per_token_columns_of_different_caches(four_runs, tiny, tmp_path,  # noqa: F811
+                                                                                       capsys):
     from student.trainer import train
     from test_cache_synth import make_corpus, write_cache
     from test_trainer import VOCAB, tokenizer_hash
@@ -240,12 +241,17 @@ def test_compare_side_by_side_plots_and_refuses_different_caches(four_runs, tiny
                 tokenizer__hash=tokenizer_hash(student), data__fingerprint="f1", shard_size=4, fmt="parquet")
     other = tmp_path / "other"
     train(config(tiny, other, cache=str(other_cache), steps=1, warmup_steps=1, eval_every=1, save_every=1), progress=False)
-    code, _, err = run_cli(["compare", a, other], capsys)
+    # Over different caches the per-token columns read "-" (tests/test_bits_per_byte.py: bits/byte stays) ...
+    code, out, _ = run_cli(["compare", a, other], capsys)
+    assert code == 0 and out.splitlines()[1].split()[2:7] == ["2", "-", "-", "-", "-"]
+    assert "different caches" in out and "--allow-different-caches" in out
+    code, _, err = run_cli(["compare", a, other, "--plot", tmp_path / "other.png"], capsys)  # ... and a plot is refused
     line = one_error_line(code, err)
     assert "different caches" in line and "--allow-different-caches" in line
     code, out, _ = run_cli(["compare", a, other, "--allow-different-caches"], capsys)
     assert code == 0 and out.splitlines()[0].split()[:2] == ["run", "cache"]  # a column once the caches differ
     assert read_run(other).cache_id[:12] in out.splitlines()[2]
+    assert out.splitlines()[1].split()[3] == f"{read_run(a).eval['kl']:.4f}"
     code, _, err = run_cli(["compare", a, tmp_path], capsys)
     assert "not a run directory" in one_error_line(code, err)
 

@@ -26,7 +26,7 @@ from student.loss import LossConfig
 from student.trainer import NonFiniteLossError, RunDirError, TrainConfig, train
 from distill.configs import ConfigError
 from distill.errors import DistillUserError
-from teacher_cache.errors import CacheError, CacheMismatchError, CorruptShardError
+from teacher_cache.errors import CacheError, CorruptShardError
 from teacher_cache.reader import CacheReader
 from test_cache_synth import make_corpus, make_spec, write_cache
 
@@ -366,7 +366,11 @@ def test_cache_of_another_tokenizer_or_incomplete_is_refused(tiny, tmp_path):
 
     _, _, corpus = tiny
     write_cache(tmp_path / "other", corpus, tokenizer__hash="0123456789abcdef", shard_size=4, fmt="parquet")
-    with pytest.raises(CacheMismatchError, match="tokenizer hash"):
+    # another tokenizer's cache: with --cross-tokenizer off refused as such; by default it would need the
+    # cache's tokenizer files, which this one lacks
+    with pytest.raises(DistillUserError, match="^--tokenizer: the cache .* another tokenizer"):
+        train(config(tiny, tmp_path / "r1", cache=str(tmp_path / "other"), cross_tokenizer="off"), progress=False)
+    with pytest.raises(DistillUserError, match="^--cache: .* holds no tokenizer files"):
         train(config(tiny, tmp_path / "r1", cache=str(tmp_path / "other")), progress=False)
     writer = CacheWriter(tmp_path / "partial", make_spec(corpus, shard_size=4, fmt="parquet",
                                                           tokenizer__hash=tokenizer_hash(tiny[0])))

@@ -33,7 +33,7 @@ __all__ = ["Part", "chunk_recurrent_backward", "chunked_forward", "kept_attentio
 
 
 class Part(NamedTuple):
-    """What a chunk is of its micro-batch: the micro-batch's real rows and rows with a next token
+    """What a chunk is of its micro-batch: the micro-batch's real rows (Batch.kd_rows) and rows with a next token
     (student.loss.distill_loss's `whole`), and the chunk's share of the real rows (for means over
     tokens such as the sparse FFN's L1 penalty)."""
 
@@ -95,7 +95,7 @@ def chunk_recurrent_backward(model, batch: Batch, chunk_loss: Callable, config: 
     input_ids = batch.input_ids.to(device, non_blocking=True)
     B, L = input_ids.shape
     mask_BL = batch.mask.view(B, L)
-    real_L = mask_BL.sum(0).tolist()  # one host sync (none when the batch is on the host)
+    real_L = batch.kd_rows.view(B, L).sum(0).tolist()  # one host sync (none when the batch is on the host)
     if whole is None:
         whole = (sum(real_L), int((mask_BL & (batch.target_ids.view(B, L) >= 0)).sum()))
     bounds = chunk_bounds(L, config.chunk_tokens)
@@ -115,7 +115,7 @@ def chunk_recurrent_backward(model, batch: Batch, chunk_loss: Callable, config: 
         with amp:
             hidden, terms = model(input_ids[:, s:e], kv_store=store, token_mask=mask_BL[:, s:e],
                                   return_ffn_terms=True, checkpoint_layers=config.checkpoint_layers)
-        loss, *logged = chunk_loss(hidden, rows, terms, Part(*whole, share=sum(real_L[s:e]) / whole[0]))
+        loss, *logged = chunk_loss(hidden, rows, terms, Part(*whole, share=sum(real_L[s:e]) / max(whole[0], 1)))
         (loss * grad_scale).backward()
         values = [loss.detach(), *[x.detach() for x in logged]]
         sums = values if sums is None else [a + b for a, b in zip(sums, values)]

@@ -1,0 +1,106 @@
+"""Cross-tokenizer training end to end on the CPU: a cache of the default teacher's tokenizer (a
+random 1-layer teacher over its vocabulary, real text) teaches a student with a freshly trained
+8K byte-level BPE; a killed run resumes exactly; with the teacher's own tokenizer the forced
+cross-tokenizer path gives today's numbers; refusals cost seconds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli_helpers import one_error_line, run_cli, run_cli_ok
+from distill.errors import DistillUserError
+from student.model import Student
+from student.trainer import TrainConfig, train
+from test_trainer import KILLED, _train_in_subprocess
+
+sys.path.insert(0, str(Path(__file__).parent / "benchmarks"))
+from bench_cross_tokenizer import train_bpe  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def text_cache(tmp_path_factory, tiny_teacher):
+    """24 sequences of 48 tokens of the standard library's text, with the teacher's tokenizer files."""
+    out = tmp_path_factory.mktemp("xtok") / "cache"
+    run_cli_ok(["cache-teacher", "--model", tiny_teacher, "--out", out, "--max-sequences", "24", "--seq-len", "48",
+                "--shard-size", "6", "-k", "8", "-q"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def bpe8k(tmp_path_factory):
+    return train_bpe(tmp_path_factory.mktemp("bpe8k") / "tok", 8192, files=200)
+
+
+def config(cache, teacher, out, **overrides) -> TrainConfig:
+    base = dict(cache=str(cache), out=str(out), teacher=str(teacher), num_layers=1, steps=6, batch_size=3, lr=1e-2,
+                warmup_steps=2, heldout=4, eval_every=3, save_every=2, log_every=1, seed=0, deterministic=True,
+                device="cpu")
+    return TrainConfig.from_flat(**{**base, **overrides})
+
+
+def rows(out, kind="train"):
+    return [r for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def test_a_student_with_its_own_tokenizer_trains_and_resumes_exactly(text_cache, tiny_teacher, bpe8k, tmp_path):
+    kw = dict(tokenizer=str(bpe8k), steps=8, grad_accum=2, save_every=4, eval_every=4)
+    clean = train(config(text_cache, tiny_teacher, tmp_path / "clean", **kw), progress=False)
+    student = Student.from_pretrained(Path(clean.student_dir))
+    assert student.config.vocab_size == 8192
+    train_rows = rows(tmp_path / "clean")
+    assert all(r["loss"] > 0 and r["kl"] > 0 for r in train_rows)
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]
+    evals = rows(tmp_path / "clean", "eval")
+    assert all(r["bits_per_byte"] > 0 for r in evals)
+    run = json.loads((tmp_path / "clean" / "run.json").read_text())
+    assert run["cross_tokenizer"] is True
+    # killed after step 5 (checkpoint at 4), resumed: the same numbers and weights
+    cfg = config(text_cache, tiny_teacher, tmp_path / "killed", **kw)
+    assert _train_in_subprocess(cfg, exit_after=5) == KILLED
+    assert _train_in_subprocess(cfg) == 0
+    keys = ("step", "loss", "kl", "lr", "grad_norm", "tokens", "epoch")
+    assert [{k: r[k] for k in keys} for r in rows(cfg.out)] == [{k: r[k] for k in keys} for r in train_rows]
+    assert rows(cfg.out, "eval") == evals
+    a, b = student.state_dict(), Student.from_pretrained(Path(cfg.out) / "student").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_teachers_own_tokenizer_through_the_cross_path_gives_todays_numbers(text_cache, tiny_teacher, tmp_path):
+    keys = ("step", "loss", "kl", "grad_norm", "tokens")
+    plain = config(text_cache, tiny_teacher, tmp_path / "plain", ce_weight=0.25)
+    forced = config(text_cache, tiny_teacher, tmp_path / "forced", ce_weight=0.25, cross_tokenizer="byte-prefix")
+    train(plain, progress=False), train(forced, progress=False)
+    assert [{k: r[k] for k in keys} for r in rows(forced.out)] == [{k: r[k] for k in keys} for r in rows(plain.out)]
+    same = ("kl", "ce", "top1", "tokens", "bits_per_byte")
+    assert ([{k: r[k] for k in same} for r in rows(forced.out, "eval")]
+            == [{k: r[k] for k in same} for r in rows(plain.out, "eval")])
+
+
+def test_mistakes_cost_seconds(text_cache, tiny_teacher, bpe8k, tmp_path, capsys):
+    not_a_tokenizer = tmp_path / "empty"
+    not_a_tokenizer.mkdir()
+    with pytest.raises(DistillUserError, match="^--tokenizer: cannot load a tokenizer"):
+        train(config(text_cache, tiny_teacher, tmp_path / "a", tokenizer=str(not_a_tokenizer)), progress=False)
+    with pytest.raises(DistillUserError, match="^--tokenizer: the cache .* another tokenizer.*--cross-tokenizer auto"):
+        train(config(text_cache, tiny_teacher, tmp_path / "b", tokenizer=str(bpe8k), cross_tokenizer="off"),
+              progress=False)
+    # an older cache without its tokenizer files: refused, with the command that adds them
+    old = tmp_path / "old"
+    shutil.copytree(text_cache, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["tokenizer"].pop("files")
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    shutil.rmtree(old / "tokenizer")
+    with pytest.raises(DistillUserError, match="^--cache: .* holds no tokenizer files.*distill add-tokenizer"):
+        train(config(old, tiny_teacher, tmp_path / "c", tokenizer=str(bpe8k)), progress=False)
+    assert not (tmp_path / "c" / "metrics.jsonl").exists()
+    # the CLI says it in one line
+    code, _, err = run_cli(["train-student", "--cache", old, "--teacher", tiny_teacher, "--num-layers", "1",
+                            "--tokenizer", bpe8k, "--out", tmp_path / "d", "--device", "cpu"], capsys)
+    assert "add-tokenizer" in one_error_line(code, err)
