@@ -244,6 +244,8 @@ def train_student(**values) -> None:
 
       distill train-student --cache caches/default --num-layers 4 --sparse-ffn --l1 2e-5 --out runs/sparse
 
+      distill train-student --cache caches/default --num-layers 4 --tokenizer ./my-bpe --out runs/bpe   # another tokenizer
+
       distill train-student --cache caches/long-1m --student ./qwen-0.5b --batch-size 1 --chunk-tokens 16384 --kv-offload --out runs/long
 
       distill train-student --cache caches/qwen --student ./qwen-14b --offload auto --gpu-memory 40GiB --out runs/big

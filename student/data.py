@@ -30,7 +30,6 @@ import torch
 
 from distill.configs import require
 from distill.errors import DistillUserError
-from teacher_cache.identity import tokenizer_info
 from teacher_cache.reader import CacheReader
 
 
@@ -43,11 +42,6 @@ def load_tokenizer(folder):
     except (OSError, ValueError, TypeError) as e:
         raise DistillUserError(f"--tokenizer: cannot load a tokenizer from {folder} ({type(e).__name__}); give a "
                                "folder with tokenizer.json / tokenizer_config.json") from None
-
-
-def tokenizer_info_of(folder) -> dict:
-    """The identity (hash, vocab size, special ids) of the tokenizer in HF folder `folder`."""
-    return tokenizer_info(load_tokenizer(folder))
 
 
 def split_indices(num_sequences: int, heldout: int) -> tuple[list[int], list[int]]:

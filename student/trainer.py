@@ -224,10 +224,14 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
         # The loop's last step always evaluates; a rerun of a finished run evaluates again.
         final = evaluate(step) if resumed_from == step else EvalResult.from_dict(eval_row(metrics.path, step))
         teacher = teacher_reference(reader, eval_idx, seq_len=config.seq_len, token_bytes=teacher_bytes)
+        # a student of another tokenizer: what alignment met in the batches this process built
+        alignment = {"alignment": dict(data.counts)} if cross is not None else {}
         if main:
             atomic_write_json(out / "eval.json", {"step": step, "initial": initial.to_dict() if initial else None,
                                                   "final": final.to_dict(), "teacher": teacher.to_dict(),
-                                                  "kl_note": kl_note(reader)})
+                                                  "kl_note": kl_note(reader), **alignment})
+            if alignment:
+                logger.info("cross-tokenizer: %s", ", ".join(f"{k} {v:,}" for k, v in sorted(data.counts.items())))
         executor.close()
         executor.save_student(out / "student", config.tokenizer, last_saved[0])  # its weights are the model's
         return TrainReport(str(out), str(out / "student"), step, resumed_from, loss_value, initial, final, teacher)

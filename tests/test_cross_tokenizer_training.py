@@ -60,6 +60,8 @@ def test_a_student_with_its_own_tokenizer_trains_and_resumes_exactly(text_cache,
     assert all(r["bits_per_byte"] > 0 for r in evals)
     run = json.loads((tmp_path / "clean" / "run.json").read_text())
     assert run["cross_tokenizer"] is True
+    counts = json.loads((tmp_path / "clean" / "eval.json").read_text())["alignment"]
+    assert 0 < counts["aligned"] < counts["positions"]  # a BPE of 8K splits the teacher's tokens
     # killed after step 5 (checkpoint at 4), resumed: the same numbers and weights
     cfg = config(text_cache, tiny_teacher, tmp_path / "killed", **kw)
     assert _train_in_subprocess(cfg, exit_after=5) == KILLED
@@ -104,3 +106,24 @@ def test_mistakes_cost_seconds(text_cache, tiny_teacher, bpe8k, tmp_path, capsys
     code, _, err = run_cli(["train-student", "--cache", old, "--teacher", tiny_teacher, "--num-layers", "1",
                             "--tokenizer", bpe8k, "--out", tmp_path / "d", "--device", "cpu"], capsys)
     assert "add-tokenizer" in one_error_line(code, err)
+
+
+def test_a_recipe_takes_the_new_options(tmp_path, bpe8k):
+    from pipelines.recipe import load_recipe, train_config
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f"""name = "x"
+[cache]
+out = "caches/x"
+[train]
+out = "runs/x"
+tokenizer = "{bpe8k}"
+cross_tokenizer = "byte-prefix"
+embedding_init = "random"
+[sweep]
+"train.cross_tokenizer" = ["byte-prefix", "auto"]
+""")
+    loaded = load_recipe(recipe)
+    configs = [train_config(point, tmp_path) for point in loaded.points]
+    assert [c.cross_tokenizer for c in configs] == ["byte-prefix", "auto"]
+    assert all(c.tokenizer == str(bpe8k) and c.embedding_init == "random" for c in configs)

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from student.data import CacheBatches, split_indices, tokenizer_info_of
+from distill.files import distill_home
+from student.cross_tokenizer.batches import batches_for, open_cross_tokenizer
+from student.data import load_tokenizer, split_indices
 from student.long_context.config import chunk_bounds
 from student.long_context.store import store_for_model
 from student.model import rope_cos_sin
@@ -65,13 +67,15 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     is timed on layer 0 and scaled by parameter count."""
     config = resolve(config)
     device, cuda = config.device, config.device.startswith("cuda")
-    tok = tokenizer_info_of(config.tokenizer)
-    reader = CacheReader(config.cache, expect_vocab_size=tok["vocab_size"], expect_tokenizer_hash=tok["hash"])
+    reader = CacheReader(config.cache)
+    # a student of another tokenizer reads the cache as the trainer does (student/cross_tokenizer)
+    cross = open_cross_tokenizer(reader, load_tokenizer(config.tokenizer), config.cross_tokenizer,
+                                 maps_folder=distill_home() / "vocab-maps")
     cache_temperature = reader.manifest.spec.targets.temperature
     config.loss.check_cache_temperature(cache_temperature, kind=reader.manifest.spec.targets.kind)
     config = config.with_flat(temperature=config.loss.distillation_temperature(cache_temperature))
     train_idx, _ = split_indices(reader.num_sequences, config.heldout)
-    data = CacheBatches(reader, train_idx, config.batch_size, seq_len=config.seq_len, seed=config.seed)
+    data = batches_for(cross)(reader, train_idx, config.batch_size, seq_len=config.seq_len, seed=config.seed)
     batches = [batch for batch, _ in zip(data, range(micro_batches))]
     model, _ = initial_student(config, "cpu")  # the layers come to the device one at a time
     amp = torch.bfloat16 if config.dtype == "bfloat16" else None

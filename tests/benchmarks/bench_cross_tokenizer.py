@@ -66,7 +66,7 @@ def main() -> None:
         if name != "same" and name not in METHODS or not seed.isdigit():
             raise SystemExit(f"variant must be NAME:SEED with NAME one of {', '.join([*METHODS, 'same'])}, got {spec!r}")
         overrides = {"ce_weight": 0.0} if name == "same" else {**METHODS[name], "tokenizer": str(tokenizer)}
-        return f"{name}-s{seed}", {**overrides, "seed": int(seed)}
+        return f"{name}-seed{seed}", {**overrides, "seed": int(seed)}
 
     def describe(spec, config, run_dir):
         return {"label": LABELS[spec.partition(":")[0]], "vocab": args.vocab if "tokenizer" in

@@ -115,15 +115,6 @@ SECTIONS: tuple[Section, ...] = (
                 line=by_length,
                 caption="The curve, first steps (the README's `long_context.png`): the 64K points compile kernels; "
                         "no peak holds optimizer states:"),
-            Table(
-                ("sparse_pages_quality/*",),
-                (label("sparse pages, quality", name),
-                 Col("held-out KL by step",
-                     lambda line: " / ".join(f"{v:.2f}" for v in line.fig("heldout_kl_by_step"))),
-                 fig("final dense KL", "dense_eval_kl", "{:.3f}"), fig("CE", "dense_eval_ce", "{:.3f}"),
-                 fig("top-1", "dense_eval_top1", "{:.3f}"), ROW_IDS),
-                caption="Sparse pages' quality, CPU (`bench_sparse_pages_quality.py`, 30 steps, 2 held-out "
-                        "sequences; one seed):"),
         ),
         goals=(
             Goal("0.5B at 128K: transformers + Liger's speed in at most half its GPU memory", (
@@ -147,7 +138,7 @@ SECTIONS: tuple[Section, ...] = (
         "`bench_offload_gpu.py` (the planner): random-init students, fp32 masters, 8,192 tokens a step, FOAM states "
         "unless said; planned: under the budget, the allocator capped there; 3B at 1M: one layer against the "
         "hand-set best. Exact global-norm clipping holds every update until the backward ends, when the host layers' "
-        "bytes must cross the bus (rates below): that bounds the 8B and 14B goals; 32B's masters, states and "
+        "bytes must cross the bus (its rates: `notes/offload.md`): that bounds the 8B and 14B goals; 32B's masters, states and "
         "gradients exceed this machine.",
         tables=(
             Table(
@@ -165,14 +156,6 @@ SECTIONS: tuple[Section, ...] = (
                  with_ratio("predicted GPU GB", "predicted_gpu_peak_bytes", "gpu_peak_predicted_over_measured",
                             "{:.1f}", "{:.2f}", scale=1e-9),
                  ROW_IDS)),
-            Table(
-                ("host_copies/*-1GiBx8/*",),
-                (label("host memory, buffers", lambda key: key.replace("-", ", ")),
-                 fig("to device alone", "h2d_gb_s", of="h2d"), fig("to host alone", "d2h_gb_s", of="d2h"),
-                 fig("each way, both at once", "h2d_gb_s", of="both"), ROW_IDS),
-                line=by_variant,
-                caption="Host copies, GB/s (`bench_host_copies_gpu.py`, median of 5; the rate to the device differs "
-                        "between machines):"),
         ),
         goals=(
             Goal("8B under 40 GiB at 0.85x the speed without offload", (Check(
@@ -367,7 +350,44 @@ SECTIONS: tuple[Section, ...] = (
                 Check("ECE gap", seeds_gap("calibration_error", "sampled12", "topk100"), "<=", 0.0, "{:+.4f}"),)),
         ),
     ),
+    Section(
+        "Cross-tokenizer distillation", "quality.md",
+        "`bench_cross_tokenizer.py` (CPU): the quickstart's 4-layer student of SmolLM2-135M-Instruct, 80 steps of 4 "
+        "sequences from a 384 x 256-token stdlib cache (k 64), 16 held-out; another tokenizer: an 8,192-id byte-level "
+        "BPE trained on the corpus, embeddings transplanted. bits/byte: held-out CE over the text's bytes (the teacher's "
+        "from the cache); KL: at aligned positions; ±: over training seeds. GPU: `bench_cross_tokenizer_gpu.py`.",
+        tables=(
+            Table(
+                ("cross_tokenizer/*",),
+                (label("student", lambda key: XTOK_NAMES.get(key, key)), mean_sd("bits/byte", "heldout_bits_per_byte"),
+                 fig("teacher bits/byte", "teacher_bits_per_byte", "{:.3f}"), mean_sd("KL", "heldout_kl"),
+                 mean_sd("CE / token", "heldout_ce"), ROW_IDS),
+                line=by_seed),
+            Table(
+                ("cross_tokenizer_gpu/*",),
+                (label("case", lambda key: key.replace("/", ", ")), fig("ms", "median_ms", "{:.2f}"),
+                 fig("tok/s", "tok_s", "{:,.0f}"), fig("host tok/s", "host_tok_s", "{:,.0f}"), ROW_IDS)),
+        ),
+        goals=(
+            Goal("another tokenizer's KD student below its CE-only twin in bits per byte, every seed", (Check(
+                "worst seed, KD - CE", lambda rows: max(
+                    rows.one(f"cross_tokenizer/byte-prefix-seed{seed}@*")["heldout_bits_per_byte"]
+                    - rows.one(f"cross_tokenizer/ce-seed{seed}@*")["heldout_bits_per_byte"] for seed in range(3)),
+                "<=", 0.0, "{:+.3f}"),)),
+            Goal("fused loss on mapped targets within 5% of same-tokenizer targets", (Check(
+                "mapped / same", over("cross_tokenizer_gpu/loss/mapped@*", "cross_tokenizer_gpu/loss/same@*",
+                                      "median_ms"), "<=", 1.05, "{:.3f}x"),)),
+            Goal("alignment keeps the GPU fed: training tokens/s at least 0.95x without it", (Check(
+                "cross / same", over("cross_tokenizer_gpu/train/cross@*", "cross_tokenizer_gpu/train/same@*"),
+                ">=", 0.95, "{:.3f}x"),)),
+        ),
+    ),
 )
+
+
+XTOK_NAMES = {"byte-prefix": "other tokenizer, byte-prefix KD", "ce": "other tokenizer, CE only",
+              "same": "teacher's tokenizer, KD", "chunks": "other tokenizer, chunk likelihoods (ALM)",
+              "byte-prefix+chunks": "other tokenizer, byte-prefix KD + chunks"}
 
 
 def twell_pair(line: Line, kernel: str) -> str:

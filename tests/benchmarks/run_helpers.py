@@ -101,6 +101,7 @@ def run_row(run: dict) -> dict:
     evals = run["eval"]
     last = evals[-1]
     figures = {"heldout_kl": last.get("kl"), "heldout_ce": last.get("ce"), "heldout_top1": last.get("top1"),
+               "heldout_bits_per_byte": last.get("bits_per_byte"),
                "step": last.get("step"), "steps": [r.get("step") for r in evals],
                "heldout_kl_by_step": [r.get("kl") for r in evals], "seconds": run["seconds"]}
     extra = {key: value for key, value in run.items() if key not in ("label", "overrides", "seconds", "eval")}
@@ -133,6 +134,7 @@ def run_variants(args, parse, describe, results_json: str, bench: str | None = N
         fields, text = describe(spec, config, args.out / name)
         run = results["runs"][name] = {**fields, "overrides": kw, "seconds": seconds,
                                        "teacher_heldout_ce": report.teacher_eval.ce,
+                                       "teacher_bits_per_byte": report.teacher_eval.bits_per_byte,
                                        "eval": metric_rows(args.out / name, "eval")}
         last = run["eval"][-1]
         print(f"{run['label']}: step {last['step']} held-out KL {last['kl']:.4f} CE {last['ce']:.4f}{text}", flush=True)
