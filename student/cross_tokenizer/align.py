@@ -102,14 +102,32 @@ class Aligner:
         self.byte_ids = byte_ids
 
     def align(self, teacher_ids) -> Alignment:
-        ids = np.asarray(teacher_ids, np.int64)
-        ends = np.cumsum(self.teacher_units[ids])
+        return self.align_many([teacher_ids])[0]
+
+    def align_many(self, sequences) -> list[Alignment]:
+        """Each teacher id sequence aligned; the student tokenizer sees all their text in one batch call."""
         if self.same:  # the student's tokenizer is the teacher's: its tokens are the cached ones
-            return Alignment(ids, np.arange(len(ids)), ends, ends)
-        counts: Counter = Counter()
-        student_ids, student_ends = [], []
+            out = []
+            for seq in sequences:
+                ids = np.asarray(seq, np.int64)
+                ends = np.cumsum(self.teacher_units[ids])
+                out.append(Alignment(ids, np.arange(len(ids)), ends, ends))
+            return out
+        plans, texts = [], []
+        for seq in sequences:
+            ids = np.asarray(seq, np.int64)
+            counts: Counter = Counter()
+            plans.append((ids, self._plan(ids, texts, counts), counts))
+        encodings = self.backend.encode_batch([text for text, _ in texts], add_special_tokens=False) if texts else []
+        return [self._assemble(ids, parts, counts, texts, encodings) for ids, parts, counts in plans]
+
+    def _plan(self, ids: np.ndarray, texts: list, counts: Counter) -> list:
+        """A sequence's parts on the common axis, in order: (student ids, their ends) where known, or
+        (index into `texts`, the axis position where that text starts) for text to tokenize, appended
+        to `texts` as (str, its UTF-8 bytes)."""
+        ends = np.cumsum(self.teacher_units[ids])
         special = self.teacher.special[ids]
-        i, n = 0, len(ids)
+        parts, i, n = [], 0, len(ids)
         while i < n:
             start = int(ends[i] - self.teacher_units[ids[i]])
             if special[i]:
@@ -117,17 +135,39 @@ class Aligner:
                 if mapped is None:
                     counts["dropped_specials"] += 1
                 else:
-                    student_ids.append(np.array([mapped]))
-                    student_ends.append(np.array([ends[i]]))
+                    parts.append((np.array([mapped]), np.array([ends[i]])))
                 i += 1
                 continue
             j = i
             while j < n and not special[j]:
                 j += 1
-            run_ids, run_ends = self._encode(self.teacher.decode(ids[i:j]), counts)
+            data = self.teacher.decode(ids[i:j])
+            for kind, lo, hi in _utf8_pieces(data):
+                if kind == "text":
+                    texts.append((data[lo:hi].decode("utf-8"), data[lo:hi]))
+                    parts.append((len(texts) - 1, start + lo))
+                    continue
+                for b in range(lo, hi):
+                    if self.byte_ids[data[b]] < 0:
+                        counts["unencodable_bytes"] += 1
+                    else:
+                        parts.append((np.array([self.byte_ids[data[b]]]), np.array([start + b + 1])))
+            i = j
+        return parts
+
+    def _assemble(self, ids, parts, counts: Counter, texts: list, encodings) -> Alignment:
+        ends = np.cumsum(self.teacher_units[ids])
+        student_ids, student_ends = [], []
+        for part in parts:
+            if isinstance(part[0], np.ndarray):
+                student_ids.append(part[0])
+                student_ends.append(part[1])
+                continue
+            index, start = part
+            run_ids, run_ends = self._placed(*texts[index], encodings[index], counts)
             student_ids.append(run_ids)
             student_ends.append(run_ends + start)
-            i = j
+        n = len(ids)
         s_ids = np.concatenate(student_ids) if student_ids else np.zeros(0, np.int64)
         s_ends = np.concatenate(student_ends) if student_ends else np.zeros(0, np.int64)
         where = np.searchsorted(ends, s_ends)
@@ -135,30 +175,14 @@ class Aligner:
         return Alignment(s_ids.astype(np.int64), np.where(hit, where, -1).astype(np.int64), s_ends.astype(np.int64),
                          ends, counts)
 
-    def _encode(self, data: bytes, counts: Counter) -> tuple[np.ndarray, np.ndarray]:
-        """The student's ids for `data` and where each ends (bytes from the start of `data`)."""
-        out_ids, out_ends = [], []
-        for kind, lo, hi in _utf8_pieces(data):
-            if kind == "bytes":
-                for b in range(lo, hi):
-                    if self.byte_ids[data[b]] < 0:
-                        counts["unencodable_bytes"] += 1
-                    else:
-                        out_ids.append(np.array([self.byte_ids[data[b]]]))
-                        out_ends.append(np.array([b + 1]))
-                continue
-            text = data[lo:hi].decode("utf-8")
-            enc = self.backend.encode(text, add_special_tokens=False)
-            ids = np.asarray(enc.ids, np.int64)
-            lengths = self.student_lengths[ids] if len(ids) else np.zeros(0, np.int64)
-            if int(lengths.sum()) == hi - lo and self.student.decode(ids) == data[lo:hi]:
-                token_ends = np.cumsum(lengths)
-            else:  # the tokens do not spell the text: place them by their character offsets
-                counts["offset_runs"] += 1
-                char_end = np.cumsum([0] + [len(c.encode("utf-8")) for c in text])
-                token_ends = char_end[np.asarray([end for _, end in enc.offsets], np.int64)] if len(ids) else ids
-            out_ids.append(ids)
-            out_ends.append(token_ends + lo)
-        if not out_ids:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        return np.concatenate(out_ids), np.concatenate(out_ends)
+    def _placed(self, text: str, data: bytes, encoding, counts: Counter) -> tuple[np.ndarray, np.ndarray]:
+        """The student's ids for the text `data` and where each ends (bytes from its start)."""
+        ids = np.asarray(encoding.ids, np.int64)
+        if not len(ids):
+            return ids, ids
+        lengths = self.student_lengths[ids]
+        if int(lengths.sum()) == len(data) and self.student.decode(ids) == data:
+            return ids, np.cumsum(lengths)
+        counts["offset_runs"] += 1  # the tokens do not spell the text: place them by their character offsets
+        char_end = np.cumsum([0] + [len(c.encode("utf-8")) for c in text])
+        return ids, char_end[np.asarray([end for _, end in encoding.offsets], np.int64)]

@@ -90,7 +90,7 @@ class CrossTokenizerBatches(CacheBatches):
 
     def make_batch(self, picked: list[tuple[int, int]]) -> Batch:
         windows = self.windows(picked)
-        aligned = [self.cross.aligner.align(shard.input_ids[lo:hi]) for shard, _, lo, hi in windows]
+        aligned = self.cross.aligner.align_many([shard.input_ids[lo:hi] for shard, _, lo, hi in windows])
         B, L, k = len(windows), max(max(len(a.student_ids) for a in aligned), 1), self.k
         input_ids = np.zeros((B, L), np.int64)
         topk_ids = np.broadcast_to(np.arange(k, dtype=np.int64), (B, L, k)).copy()
