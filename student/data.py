@@ -22,6 +22,7 @@ import bisect
 import dataclasses
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -179,6 +180,8 @@ class CacheBatches:
     `batch_size` picked, which must divide by world_size (student/distributed.py).
     """
 
+    prefetch_workers = 1  # threads Prefetcher builds these batches on: decoding a shard is the cost, and one keeps up
+
     def __init__(self, reader: CacheReader, indices, batch_size: int, *, seq_len: int | None = None,
                  seed: int = 0, shuffle: bool = True, pin_memory: bool = False, lru_shards: int = 4,
                  part: tuple[int, int] = (0, 1)):
@@ -200,6 +203,7 @@ class CacheBatches:
         self.sampled = reader.manifest.spec.targets.sampled
         self.head = reader.manifest.spec.targets.head  # a hybrid cache's exact top-K slots per row
         self._lru = _ShardLRU(reader, lru_shards)
+        self._lru_shards, self._threads = lru_shards, threading.local()
         self.epoch, self.offset = 0, 0
         self._order_epoch, self._order = None, None
 
@@ -229,6 +233,12 @@ class CacheBatches:
         return self._order
 
     def __iter__(self):
+        for picked in self.picks():
+            yield self.make_batch(picked)
+
+    def picks(self):
+        """Endless: the (epoch, sequence index) pairs of each next batch (this rank's share), the
+        position advanced past them; `make_batch` builds the batch (Prefetcher does it on workers)."""
         while True:
             picked = []
             while len(picked) < self.batch_size:
@@ -239,7 +249,7 @@ class CacheBatches:
                 if self.offset == len(order):
                     self.epoch, self.offset = self.epoch + 1, 0
             rank, share = self.part[0], self.batch_size // self.part[1]
-            yield self.make_batch(picked[rank * share:(rank + 1) * share])
+            yield picked[rank * share:(rank + 1) * share]
 
     def epoch_batches(self):
         """One pass over `indices` in their order (the last batch may be smaller): for evaluation."""
@@ -259,10 +269,23 @@ class CacheBatches:
         (epoch, sequence index)."""
         rows = []
         for epoch, i in picked:
-            start, stop, shard = self._lru.sequence(i)
+            start, stop, shard = self._thread_lru().sequence(i)
             lo, hi = self._window(epoch, i, stop - start)
             rows.append((shard, stop, start + lo, start + hi))
         return rows
+
+    def _thread_lru(self) -> _ShardLRU:
+        """The shard cache of the calling thread: Prefetcher's workers build batches at once, each
+        through a reader of its own (the first thread to ask uses the one given)."""
+        lru = getattr(self._threads, "lru", None)
+        if lru is None:
+            if not getattr(self, "_given_taken", False):
+                self._given_taken, lru = True, self._lru
+            else:
+                lru = _ShardLRU(CacheReader(self.reader.path, verify_checksums=self.reader.verify_checksums),
+                                self._lru_shards)
+            self._threads.lru = lru
+        return lru
 
     def make_batch(self, picked: list[tuple[int, int]]) -> Batch:
         rows = self.windows(picked)
@@ -295,26 +318,32 @@ class CacheBatches:
 
 
 class Prefetcher:
-    """The batches of a ``CacheBatches``, built ``depth`` ahead on a background thread, so that
-    decoding, collating and pinning overlap the model's work.
+    """The batches of a ``CacheBatches``, built ``depth`` ahead by ``workers`` background threads
+    (default: the batches' ``prefetch_workers``), so that decoding, collating and pinning overlap the
+    model's work. A feeder thread takes each next batch's sequences in order (``CacheBatches.picks``)
+    and a worker builds it (``make_batch``); batches come out in their order whatever finishes first.
 
     ``state_dict()`` is the data position after the last batch handed out (not after the last one
     built), so a checkpoint resumes exactly at the next batch. Give the ``CacheBatches`` a reader of
-    its own: the thread reads through it while the caller may evaluate through another.
+    its own: the threads read through it (each worker through a copy) while the caller may evaluate
+    through another.
     """
 
-    def __init__(self, batches: CacheBatches, depth: int = 2):
+    def __init__(self, batches: CacheBatches, depth: int = 2, workers: int | None = None):
         self._batches = batches
         self._state, self.epoch = batches.state_dict(), batches.epoch
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        workers = workers or batches.prefetch_workers
+        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="distill-batch")
+        self._queue: queue.Queue = queue.Queue(maxsize=depth + workers - 1)  # every worker busy, depth ready
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, name="distill-prefetch", daemon=True)
         self._thread.start()
 
     def _fill(self) -> None:
         try:
-            for batch in self._batches:  # the generator has advanced the position past this batch
-                item = (batch, self._batches.state_dict(), self._batches.epoch)
+            for picked in self._batches.picks():  # the generator has advanced the position past them
+                item = (self._workers.submit(self._batches.make_batch, picked), self._batches.state_dict(),
+                        self._batches.epoch)
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
@@ -330,9 +359,10 @@ class Prefetcher:
         return self
 
     def __next__(self) -> Batch:
-        batch, state, epoch = self._queue.get()
-        if isinstance(batch, BaseException):
-            raise batch
+        pending, state, epoch = self._queue.get()
+        if isinstance(pending, BaseException):
+            raise pending
+        batch = pending.result()  # a worker's error is raised here
         self._state, self.epoch = state, epoch
         return batch
 
@@ -342,6 +372,7 @@ class Prefetcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self._workers.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> "Prefetcher":
         return self

@@ -127,3 +127,26 @@ embedding_init = "random"
     configs = [train_config(point, tmp_path) for point in loaded.points]
     assert [c.cross_tokenizer for c in configs] == ["byte-prefix", "auto"]
     assert all(c.tokenizer == str(bpe8k) and c.embedding_init == "random" for c in configs)
+
+
+def test_batches_built_on_several_workers_come_in_order_and_resume(text_cache, tiny_teacher, bpe8k):
+    """Prefetcher's workers build cross-tokenizer batches at once: the same batches in the same order,
+    and the same position to resume from, as one worker."""
+    from transformers import AutoTokenizer
+
+    from student.cross_tokenizer.batches import CrossTokenizer, CrossTokenizerBatches
+    from student.data import Prefetcher
+    from teacher_cache.reader import CacheReader
+    from teacher_cache.tokenizer_files import load_cache_tokenizer
+
+    cross = CrossTokenizer.between(load_cache_tokenizer(text_cache), AutoTokenizer.from_pretrained(bpe8k))
+    runs = []
+    for workers in (1, 3):
+        batches = CrossTokenizerBatches(CacheReader(text_cache), list(range(20)), 3, cross=cross, seed=1)
+        with Prefetcher(batches, workers=workers) as stream:
+            runs.append([(next(stream), stream.state_dict()) for _ in range(9)])  # past the first epoch
+    for (a, state_a), (b, state_b) in zip(*runs):
+        assert state_a == state_b
+        for x, y in zip(vars(a).values(), vars(b).values()):
+            if x is not None:
+                torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)  # target_logprob: NaN

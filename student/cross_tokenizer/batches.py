@@ -10,6 +10,8 @@ student's).
 
 from __future__ import annotations
 
+import os
+import threading
 from collections import Counter
 from dataclasses import dataclass
 
@@ -78,7 +80,11 @@ def chunks_of(aligned_at: np.ndarray, teacher_rows: np.ndarray, teacher_ll: np.n
 
 class CrossTokenizerBatches(CacheBatches):
     """CacheBatches whose batches are in the student's tokens (module doc). ``counts``: what alignment
-    could not encode so far (align.Alignment.counts, summed) and ``aligned`` / ``positions``."""
+    could not encode so far (align.Alignment.counts, summed) and ``aligned`` / ``positions``.
+    Building a batch costs several times a plain one's, so Prefetcher builds these on
+    ``prefetch_workers`` threads (the tokenizer and numpy's sorts run off the interpreter lock)."""
+
+    prefetch_workers = max(1, min(6, (os.cpu_count() or 2) // 2))
 
     def __init__(self, reader, indices, batch_size: int, *, cross: CrossTokenizer, **kwargs):
         super().__init__(reader, indices, batch_size, **kwargs)
@@ -87,6 +93,7 @@ class CrossTokenizerBatches(CacheBatches):
                                    "draws, not a top-k); build a top-k cache (--targets topk)")
         self.cross = cross
         self.counts: Counter = Counter()
+        self._counts_lock = threading.Lock()  # Prefetcher's workers build batches at once
 
     def make_batch(self, picked: list[tuple[int, int]]) -> Batch:
         windows = self.windows(picked)
@@ -103,6 +110,7 @@ class CrossTokenizerBatches(CacheBatches):
         chunks = np.full((B, L), -1, np.int64) if "chunks" in terms else None
         chunk_ll = np.zeros((B, L), np.float32) if "chunks" in terms else None
         teacher_rows = []  # the aligned positions' cached rows, mapped at once below
+        counts: Counter = Counter()
         for b, ((shard, _, lo, _), a) in enumerate(zip(windows, aligned)):
             m, t = len(a.student_ids), shard.targets
             input_ids[b, :m] = a.student_ids
@@ -118,13 +126,15 @@ class CrossTokenizerBatches(CacheBatches):
             if "targets" in terms:
                 kd[b, at] = True
                 teacher_rows.append((t.topk_ids[rows], t.topk_logprobs[rows], t.tail_logmass[rows]))
-            self.counts.update(a.counts)
-            self.counts["positions"] += m
-            self.counts["aligned"] += len(at)
+            counts.update(a.counts)
+            counts["positions"] += m
+            counts["aligned"] += len(at)
         if teacher_rows:
             topk_ids[kd], topk_lp[kd], tail[kd] = map_rows(self.cross.vocab_map,
                                                            *(np.concatenate(part) for part in zip(*teacher_rows)),
                                                            self.cross.fillers)
+        with self._counts_lock:
+            self.counts.update(counts)
         flat = lambda x: torch.from_numpy(x.reshape(B * L, *x.shape[2:]))
         batch = Batch(torch.from_numpy(input_ids), flat(topk_ids), flat(topk_lp), flat(tail), flat(target),
                       torch.full((B * L,), float("nan")), flat(mask), None, flat(kd),

@@ -66,7 +66,10 @@ class VocabMap:
         return np.flatnonzero(~hit)[::-1].copy()
 
     def is_identity(self) -> bool:
-        return bool(np.array_equal(self.teacher_to_student, np.arange(len(self.teacher_to_student))))
+        if not hasattr(self, "_identity"):  # asked for every batch: computed once
+            object.__setattr__(self, "_identity", bool(np.array_equal(self.teacher_to_student,
+                                                                      np.arange(len(self.teacher_to_student)))))
+        return self._identity
 
 
 def pair_key(teacher_hash: str, student_hash: str) -> str:
@@ -100,7 +103,7 @@ def map_rows(vmap: VocabMap, topk_ids: np.ndarray, topk_logprobs: np.ndarray, ta
     student ids come in the order of their first teacher slot (the cache's descending order, so an
     identity map returns the rows as they are), then filler slots (module doc)."""
     rows, k = topk_ids.shape
-    if rows == 0:
+    if rows == 0 or vmap.is_identity():
         return topk_ids.astype(np.int64), topk_logprobs.astype(np.float32), tail_logmass.astype(np.float32)
     mapped = vmap.teacher_to_student[topk_ids]
     lp = topk_logprobs.astype(np.float64)
