@@ -44,25 +44,35 @@ def _byte_of_char() -> dict[str, int]:
 @dataclass(frozen=True)
 class TokenPieces:
     """pieces[i]: the bytes of id i (b"" for special ids); special: bool [V]; scheme: one of SCHEMES;
-    special_by_content: {added token's content: id} for the special ids."""
+    special_by_content: {added token's content: id} for the special ids; lengths: int64 [V], the
+    bytes of each id (0 for special ids)."""
 
     pieces: tuple[bytes, ...]
     special: np.ndarray
     scheme: str
     special_by_content: dict
 
+    def __post_init__(self) -> None:
+        # every piece in one buffer, so that decoding a run of ids is a few array operations
+        lengths = np.fromiter((len(p) for p in self.pieces), np.int64, len(self.pieces))
+        object.__setattr__(self, "lengths", lengths)
+        object.__setattr__(self, "_starts", np.cumsum(lengths) - lengths)
+        object.__setattr__(self, "_buffer", np.frombuffer(b"".join(self.pieces) or b"\0", np.uint8))
+
     def __len__(self) -> int:
         return len(self.pieces)
 
-    @property
-    def lengths(self) -> np.ndarray:
-        """int64 [V]: bytes of each id (0 for special ids)."""
-        return np.fromiter((len(p) for p in self.pieces), np.int64, len(self.pieces))
-
     def decode(self, ids) -> bytes:
         """The bytes of a run of ids (special ids add none)."""
-        pieces = self.pieces
-        return b"".join(pieces[int(i)] for i in ids)
+        ids = np.asarray(ids, np.int64)
+        lengths = self.lengths[ids]
+        total = int(lengths.sum())
+        if total == 0:
+            return b""
+        # byte j of the run: piece start of its token + its place within the token
+        first = np.cumsum(lengths) - lengths
+        where = np.repeat(self._starts[ids] - first, lengths) + np.arange(total)
+        return self._buffer[where].tobytes()
 
 
 def scheme_of(backend_json: dict) -> str | None:

@@ -17,7 +17,8 @@ Rows `cross_tokenizer_gpu/<case>`:
                            (alignment and mapping, one thread), and of CacheBatches (data/same)
   train/same, train/cross  `student.trainer.train` end to end, tokens/s over its logging windows
                            after the first: the student on its own tokenizer's cache against the
-                           same student on the teacher's cache through alignment
+                           same student on the teacher's cache through alignment (train/cross-wN:
+                           N prefetch threads instead of the default)
 
     python tests/benchmarks/bench_cross_tokenizer_gpu.py --teacher-tokenizer TOKENIZER_FOLDER --results $OUT/rows.jsonl
 """
@@ -120,6 +121,8 @@ def main():
     ap.add_argument("--k", type=int, default=100)
     ap.add_argument("--train-steps", type=int, default=20)
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--workers", default="2,4", help="train/cross-wN rows: cross-tokenizer prefetch threads besides "
+                                                      "the default's")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test at toy sizes, no figure")
     add_results_arg(ap)
     args = ap.parse_args()
@@ -183,7 +186,12 @@ def main():
     for case, values in medians.items():
         results.add(case, {"median_ms": statistics.median(values), "median_ms_rounds": values, "rows": n}, config)
 
-    for case, cache in (("train/same", "student_cache"), ("train/cross", "teacher_cache")):
+    default_workers = CrossTokenizerBatches.prefetch_workers
+    runs = [("train/same", "student_cache", default_workers)] + [
+        ("train/cross" if w == default_workers else f"train/cross-w{w}", "teacher_cache", w)
+        for w in sorted({default_workers, *map(int, args.workers.split(","))})]
+    for case, cache, workers in runs:
+        CrossTokenizerBatches.prefetch_workers = workers  # what the trainer's Prefetcher takes
         run = work / "run"
         if run.exists():
             import shutil
@@ -195,7 +203,7 @@ def main():
                                     eval_sequences=1, save_every=0, log_every=4, device=args.device, seed=0)
         wall, windows = train_windows(cfg, work)
         results.add(case, {"tok_s": statistics.median(windows[1:]) if len(windows) > 1 else windows[0],
-                           "tok_s_windows": windows, "wall_s": wall}, config)
+                           "tok_s_windows": windows, "wall_s": wall, "workers": workers}, config)
 
 
 if __name__ == "__main__":
