@@ -38,9 +38,9 @@ def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_tempe
     says. loss = (1 - ce_weight) T^2 KL + ce_weight CE, with gradients to hidden and weight; kl:
     the KL(teacher || student) term alone at temperature T, detached, reduced as the loss ("mean"
     over the KL rows, CE over the rows with a next token, or "sum"). The KL rows are
-    `batch.kd_rows`: every unmasked row, or a cross-tokenizer batch's aligned ones; the CE term
-    counts every unmasked row with a next token. One fused pass (two when a cross-tokenizer batch
-    mixes CE in): the [N, V] logits never exist in full.
+    `batch.kd_rows`: every unmasked row, or a cross-tokenizer batch's aligned ones, whose other rows
+    train on CE alone at full weight (_with_unaligned_ce). One fused pass (two for a
+    cross-tokenizer batch with unaligned rows): the [N, V] logits never exist in full.
 
     whole: (KL rows, rows with a next token) of the micro-batch that `batch` is a part of (a
     chunk of chunk-recurrent training): loss and kl are then this part's share of the micro-
@@ -63,7 +63,7 @@ def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_tempe
                                 cache_temperature=cache_temperature, reduction=reduction, check_ids=check_ids,
                                 whole=whole)
         return loss + (1 - config.ce_weight) * chunk_likelihood_loss(term, hidden_ND, batch, reduction), kl
-    if kd_mask is not None and config.ce_weight > 0 and bool((batch.mask & (batch.target_ids >= 0) & ~kd_rows).any()):
+    if kd_mask is not None and bool((batch.mask & (batch.target_ids >= 0) & ~kd_rows).any()):
         return _with_unaligned_ce(term, hidden_ND, batch, kd_rows, config.ce_weight, reduction, whole)
     ce_weight, scale = config.ce_weight, None
     if whole is not None:
@@ -79,9 +79,11 @@ def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_tempe
 
 
 def _with_unaligned_ce(term, hidden_ND, batch, kd_rows, ce_weight: float, reduction: str, whole):
-    """A cross-tokenizer batch with CE mixed in: KL + CE over the aligned rows, CE alone over the
-    others, as sums scaled to the means ("mean") of KL over the aligned rows and CE over every row
-    with a next token."""
+    """A cross-tokenizer batch: (1 - w) T^2 KL + w CE over the aligned rows and CE alone over the
+    others (positions inside a teacher token have no teacher targets; their own next token is what
+    is left), as sums scaled to the means ("mean") of KL over the aligned rows and CE over every row
+    with a next token: (1 - w) T^2 mean KL + (w sum_aligned CE + sum_others CE) / rows with a next
+    token."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction {reduction!r} is not defined for a cross-tokenizer batch with CE")
     has_next = batch.mask & (batch.target_ids >= 0)
@@ -95,7 +97,7 @@ def _with_unaligned_ce(term, hidden_ND, batch, kd_rows, ce_weight: float, reduct
     others = torch.nonzero(has_next & ~kd_rows).flatten()
     if len(others):
         ce_loss, _ = term(None, 1.0, "sum", hidden=hidden_ND[others], select=others)
-        loss = loss + ce_loss * ce_part
+        loss = loss + ce_loss / max(target_rows, 1)
     return loss, kl / max(rows, 1)
 
 

@@ -240,8 +240,8 @@ def _toy_batch(rows=10, k=4, vocab=23, seed=3):
 
 
 def test_loss_of_a_cross_tokenizer_batch_by_hand():
-    """KL (bucket) over the aligned rows, CE over every row with a next token, and the chunk term:
-    each as written out with dense logits."""
+    """KL (bucket) over the aligned rows, CE over the unaligned rows (and at ce_weight over the
+    aligned ones), and the chunk term: each as written out with dense logits."""
     from student.loss import LossConfig, distill_loss
 
     batch = _toy_batch()
@@ -254,12 +254,15 @@ def test_loss_of_a_cross_tokenizer_batch_by_hand():
     kd = batch.kd_rows
     has = batch.mask & (batch.target_ids >= 0)
     ce_rows = -logq.gather(1, batch.target_ids.clamp_min(0)[:, None])[:, 0]
-    kl, ce = kl_rows[kd].mean(), ce_rows[has].mean()
+    kl = kl_rows[kd].mean()
+    # the unaligned rows' CE at full weight, the aligned rows' at w, over every row with a next token
+    ce = lambda w: (w * ce_rows[has & kd].sum() + ce_rows[has & ~kd].sum()) / has.sum()
     plain = dataclasses_replace(batch, chunk_ids=None, chunk_teacher_ll=None)
-    for w in (0.0, 0.3):
+    for w in (0.0, 0.3, 1.0):
         loss, kl_metric = distill_loss(hidden, weight, plain, LossConfig(ce_weight=w), cache_temperature=1.0)
-        torch.testing.assert_close(loss, (1 - w) * kl + w * ce)
+        torch.testing.assert_close(loss, (1 - w) * kl + ce(w))
         torch.testing.assert_close(kl_metric, kl.detach())
+    torch.testing.assert_close(ce(1.0), ce_rows[has].mean())  # w = 1: cross-entropy alone
     # the chunk term: binary KL between the teacher's and the student's chunk likelihoods
     rows_in = batch.mask & (batch.chunk_ids >= 0) & (batch.target_ids >= 0)
     chunk_terms = []
@@ -270,7 +273,7 @@ def test_loss_of_a_cross_tokenizer_batch_by_hand():
         pt, qs = lt.exp(), ls.exp()
         chunk_terms.append(pt * (lt - ls) + (1 - pt) * ((1 - pt).log() - (1 - qs).log()))
     loss, _ = distill_loss(hidden, weight, batch, LossConfig(ce_weight=0.3), cache_temperature=1.0)
-    torch.testing.assert_close(loss, 0.7 * kl + 0.3 * ce + 0.7 * torch.stack(chunk_terms).mean())
+    torch.testing.assert_close(loss, 0.7 * kl + ce(0.3) + 0.7 * torch.stack(chunk_terms).mean())
     loss.backward()
     assert torch.isfinite(hidden.grad).all()
 
