@@ -72,11 +72,6 @@ class Batch:
     # bool [N], the rows that have teacher targets (a cross-tokenizer student's aligned positions,
     # student/cross_tokenizer/); None: every unmasked row
     kd_mask: torch.Tensor | None = None
-    # int64 [N] and float32 [N], a cross-tokenizer batch's chunks (student/cross_tokenizer/batches.py):
-    # the chunk of text between two aligned positions that row j's next token belongs to (-1: none),
-    # and the teacher's log-likelihood of that chunk; None: no chunk term
-    chunk_ids: torch.Tensor | None = None
-    chunk_teacher_ll: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -114,8 +109,7 @@ class Batch:
         return Batch(pad(self.input_ids, scalar(0)), rows(self.topk_ids, torch.arange(k).view(1, 1, k)),
                      rows(self.topk_logprobs, scalar(0.0)), rows(self.tail_logmass, scalar(0.0)),
                      rows(self.target_ids, scalar(-1)), rows(self.target_logprob, scalar(float("nan"))),
-                     rows(self.mask, scalar(False)), optional(self.target_weights, 0.0), optional(self.kd_mask, False),
-                     optional(self.chunk_ids, -1), optional(self.chunk_teacher_ll, 0.0))
+                     rows(self.mask, scalar(False)), optional(self.target_weights, 0.0), optional(self.kd_mask, False))
 
     def pin_memory(self) -> "Batch":
         return self._map(lambda v: v.pin_memory())

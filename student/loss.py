@@ -18,8 +18,6 @@ The config is student/loss_config.py's (torch-free, for the CLI).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 import kernels.fused_topk_kl as fused
@@ -50,19 +48,14 @@ def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_tempe
     target_weights = getattr(batch, "target_weights", None)  # None for a top-k cache
     tail = config.tail if target_weights is None else "unnormalized"
     kd_mask = getattr(batch, "kd_mask", None)
-    term = lambda rows, ce_weight, reduction_, hidden=hidden_ND, select=None, impl="auto": fused.fused_topk_kl(
+    term = lambda rows, ce_weight, reduction_, hidden=hidden_ND, select=None: fused.fused_topk_kl(
         hidden, weight_VD, *(t if select is None else t[select] for t in (batch.topk_ids, batch.topk_logprobs,
                                                                         batch.tail_logmass)),
         target_ids=batch.target_ids if select is None else batch.target_ids[select], mask=rows, tail=tail,
         temperature=temperature, cache_temperature=cache_temperature, ce_weight=ce_weight, reduction=reduction_,
-        impl=impl, check_ids=check_ids, return_kl=True,
+        impl="auto", check_ids=check_ids, return_kl=True,
         target_weights=target_weights if select is None or target_weights is None else target_weights[select])
     kd_rows = batch.mask if kd_mask is None else batch.mask & kd_mask
-    if getattr(batch, "chunk_ids", None) is not None:
-        loss, kl = distill_loss(hidden_ND, weight_VD, dataclasses.replace(batch, chunk_ids=None), config,
-                                cache_temperature=cache_temperature, reduction=reduction, check_ids=check_ids,
-                                whole=whole)
-        return loss + (1 - config.ce_weight) * chunk_likelihood_loss(term, hidden_ND, batch, reduction), kl
     if kd_mask is not None and bool((batch.mask & (batch.target_ids >= 0) & ~kd_rows).any()):
         return _with_unaligned_ce(term, hidden_ND, batch, kd_rows, config.ce_weight, reduction, whole)
     ce_weight, scale = config.ce_weight, None
@@ -100,24 +93,3 @@ def _with_unaligned_ce(term, hidden_ND, batch, kd_rows, ce_weight: float, reduct
         loss = loss + ce_loss / max(target_rows, 1)
     return loss, kl / max(rows, 1)
 
-
-def chunk_likelihood_loss(term, hidden_ND, batch, reduction: str = "mean"):
-    """ALM's chunk-likelihood matching (arXiv 2503.20083) over a cross-tokenizer batch's chunks
-    (Batch.chunk_ids): the binary KL between "the teacher writes this chunk next" and "the student
-    does", p log(p / q) + (1 - p) log((1 - p) / (1 - q)), p and q the two log-likelihoods'
-    exponentials; mean ("mean") or sum over the chunks. The student's per-token log-likelihoods come
-    from the fused kernel's per-row CE (its torch path: a per-row loss with a gradient)."""
-    rows = torch.nonzero(batch.mask & (batch.chunk_ids >= 0) & (batch.target_ids >= 0)).flatten()
-    if len(rows) == 0:
-        return hidden_ND.sum() * 0.0
-    ce_R, _ = term(None, 1.0, "none", hidden=hidden_ND[rows], select=rows, impl="torch")
-    chunk_R = batch.chunk_ids[rows]
-    chunks, chunk_R = torch.unique(chunk_R, return_inverse=True)
-    acc = torch.promote_types(ce_R.dtype, torch.float32)
-    student = torch.zeros(len(chunks), dtype=acc, device=ce_R.device).index_add(0, chunk_R, -ce_R.to(acc))
-    teacher = torch.zeros_like(student).scatter(0, chunk_R, batch.chunk_teacher_ll[rows].to(student))
-    student = student.clamp(max=-1e-6)  # log(1 - q) stays finite
-    log1m = lambda ll: torch.log(-torch.expm1(ll))
-    p = teacher.exp()
-    per_chunk = p * (teacher - student) + (1 - p) * (log1m(teacher.clamp(max=-1e-6)) - log1m(student))
-    return per_chunk.mean() if reduction == "mean" else per_chunk.sum()

@@ -60,10 +60,9 @@ class TrainConfig:
     embedding_init: Literal["transplant", "random"] = option(
         "transplant", "A pruned student's embedding and lm-head: transplant (the teacher's; for another --tokenizer, each "
                       "token the mean of the teacher tokens spelling it) or random (normal, std 0.02). Pruning only.")
-    cross_tokenizer: Literal["auto", "off", "byte-prefix", "byte-prefix+chunks", "chunks"] = option(
+    cross_tokenizer: Literal["auto", "off", "byte-prefix"] = option(
         "auto", "A student whose tokenizer is not the cache's: auto (byte-prefix when they differ), byte-prefix (also "
-                "for the same tokenizer; the targets are then the cache's own), byte-prefix+chunks, chunks (ALM's "
-                "chunk likelihoods), off (refuse another tokenizer).")
+                "for the same tokenizer; the targets are then the cache's own), off (refuse another tokenizer).")
     batch_size: int = option(
         8, "Sequences per micro-batch (under torchrun: over all processes, each takes an equal share).")
     grad_accum: int = option(1, "Micro-batches per optimizer step.")
@@ -108,9 +107,6 @@ class TrainConfig:
         require("seq_len", self.seq_len, self.seq_len is None or self.seq_len >= 2, "an integer >= 2, or leave it out")
         require("eval_sequences", self.eval_sequences, self.eval_sequences is None or self.eval_sequences >= 1,
                 "a positive integer, or leave it out")
-        if "chunks" in self.cross_tokenizer and self.long.chunk_tokens is not None:
-            raise ConfigError("cross_tokenizer", f"is {self.cross_tokenizer!r}: chunk likelihoods need every sequence "
-                                                 "in one pass; leave --chunk-tokens out or use byte-prefix")
         if self.offload.offload != "none" and self.sparse.sparse_ffn:
             raise ConfigError("offload", f"is {self.offload.offload!r}: offloaded training does not run the sparse "
                                          "FFN yet; drop --sparse-ffn or use --offload none")

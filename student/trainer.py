@@ -49,7 +49,6 @@ student/step.py's; where the step runs (one process, FSDP2, planned offload) is 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -124,9 +123,9 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
         random.seed(config.seed), np.random.seed(config.seed), torch.manual_seed(config.seed)
         reader, tok, config, cross = _open_cache(config)
         token_bytes = token_bytes_of(config.tokenizer)  # None: its evaluations have no bits per byte
-        # the teacher's own tokens' bytes, and evaluation batches with the mapped targets (never chunks)
+        # the teacher's own tokens' bytes, and the evaluation's batches
         teacher_bytes = token_bytes if cross is None else cross.aligner.teacher.lengths
-        eval_batches = batches_for(None if cross is None else dataclasses.replace(cross, method="byte-prefix"))
+        eval_batches = batches_for(cross)
         train_idx, held_idx = split_indices(reader.num_sequences, config.heldout)
         eval_idx = held_idx[:config.eval_sequences] if config.eval_sequences else held_idx
         executor, config = make_executor(config, dist)

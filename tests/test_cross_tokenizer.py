@@ -233,15 +233,13 @@ def _toy_batch(rows=10, k=4, vocab=23, seed=3):
     mask = torch.ones(rows, dtype=torch.bool)
     mask[-2] = False
     kd = torch.tensor([True, False, True, True, False, False, True, True, False, True])
-    chunks = torch.tensor([0, 0, 1, 2, 2, 2, 3, -1, -1, -1])
-    chunk_ll = torch.tensor([-1.5, -1.5, -0.2, -3.0, -3.0, -3.0, -0.7, 0.0, 0.0, 0.0])
     return Batch(torch.zeros(1, rows, dtype=torch.long), ids, probs[:, :k].log(), probs[:, k].log(), target,
-                 torch.full((rows,), float("nan")), mask, None, kd, chunks, chunk_ll)
+                 torch.full((rows,), float("nan")), mask, None, kd)
 
 
 def test_loss_of_a_cross_tokenizer_batch_by_hand():
     """KL (bucket) over the aligned rows, CE over the unaligned rows (and at ce_weight over the
-    aligned ones), and the chunk term: each as written out with dense logits."""
+    aligned ones), each as written out with dense logits."""
     from student.loss import LossConfig, distill_loss
 
     batch = _toy_batch()
@@ -257,40 +255,11 @@ def test_loss_of_a_cross_tokenizer_batch_by_hand():
     kl = kl_rows[kd].mean()
     # the unaligned rows' CE at full weight, the aligned rows' at w, over every row with a next token
     ce = lambda w: (w * ce_rows[has & kd].sum() + ce_rows[has & ~kd].sum()) / has.sum()
-    plain = dataclasses_replace(batch, chunk_ids=None, chunk_teacher_ll=None)
     for w in (0.0, 0.3, 1.0):
-        loss, kl_metric = distill_loss(hidden, weight, plain, LossConfig(ce_weight=w), cache_temperature=1.0)
+        loss, kl_metric = distill_loss(hidden, weight, batch, LossConfig(ce_weight=w), cache_temperature=1.0)
         torch.testing.assert_close(loss, (1 - w) * kl + ce(w))
         torch.testing.assert_close(kl_metric, kl.detach())
+        (grad,) = torch.autograd.grad(loss, hidden)
+        (want,) = torch.autograd.grad((1 - w) * kl + ce(w), hidden, retain_graph=True)
+        torch.testing.assert_close(grad, want)
     torch.testing.assert_close(ce(1.0), ce_rows[has].mean())  # w = 1: cross-entropy alone
-    # the chunk term: binary KL between the teacher's and the student's chunk likelihoods
-    rows_in = batch.mask & (batch.chunk_ids >= 0) & (batch.target_ids >= 0)
-    chunk_terms = []
-    for c in batch.chunk_ids[rows_in].unique():
-        rows = rows_in & (batch.chunk_ids == c)
-        ls = (-ce_rows[rows].sum()).clamp(max=-1e-6)
-        lt = batch.chunk_teacher_ll[rows][0].double()
-        pt, qs = lt.exp(), ls.exp()
-        chunk_terms.append(pt * (lt - ls) + (1 - pt) * ((1 - pt).log() - (1 - qs).log()))
-    loss, _ = distill_loss(hidden, weight, batch, LossConfig(ce_weight=0.3), cache_temperature=1.0)
-    torch.testing.assert_close(loss, 0.7 * kl + ce(0.3) + 0.7 * torch.stack(chunk_terms).mean())
-    loss.backward()
-    assert torch.isfinite(hidden.grad).all()
-
-
-def dataclasses_replace(obj, **changes):
-    import dataclasses
-
-    return dataclasses.replace(obj, **changes)
-
-
-def test_chunks_between_aligned_positions():
-    from student.cross_tokenizer.batches import chunks_of
-
-    at, rows = np.array([0, 2, 3, 6]), np.array([0, 1, 3, 4])
-    ll = np.array([-0.1, -0.2, -0.3, -0.4, -0.5])
-    ids, chunk_ll = chunks_of(at, rows, ll, 8, first=5)
-    assert ids.tolist() == [5, 5, 6, 7, 7, 7, -1, -1]
-    np.testing.assert_allclose(chunk_ll, [-0.1, -0.1, -0.5, -0.4, -0.4, -0.4, 0, 0], rtol=1e-6)
-    ids, _ = chunks_of(at, rows, ll, 8, first=0, min_rows=2)  # beside the mapped targets: 2+ rows only
-    assert ids.tolist() == [0, 0, -1, 2, 2, 2, -1, -1]

@@ -6,5 +6,10 @@ vocab_map.py  teacher id -> student id (the longest student token that is a byte
               computed once per tokenizer pair and kept on disk; the cached top-k + tail mapped
               onto the student's vocabulary
 batches.py    micro-batches in the student's tokens, the mapped targets at shared boundaries,
-              fed to the same fused top-k KL loss
+              fed to the same fused top-k KL loss; the positions between them train on their own
+              next token (student/loss.py)
+
+ALM's chunk-likelihood matching (arXiv 2503.20083) was measured against the cross-entropy for the
+unaligned positions and alone, and lost on held-out bits per byte (rows cross_tokenizer/chunks-seed0,
+cross_tokenizer/byte-prefix+chunks-seed0; tests/benchmarks/notes/quality.md); it lives in git history.
 """

@@ -25,10 +25,7 @@ from student.data import Batch, CacheBatches
 from teacher_cache.identity import tokenizer_info
 from teacher_cache.token_bytes import token_pieces
 
-MODES = ("auto", "off", "byte-prefix", "byte-prefix+chunks", "chunks")
-# What each method trains on (the module doc of student/cross_tokenizer): the mapped targets at
-# aligned positions, the chunks' likelihoods between them, or both.
-TERMS = {"byte-prefix": ("targets",), "byte-prefix+chunks": ("targets", "chunks"), "chunks": ("chunks",)}
+MODES = ("auto", "off", "byte-prefix")
 
 
 @dataclass
@@ -38,11 +35,9 @@ class CrossTokenizer:
     aligner: Aligner
     vocab_map: VocabMap
     fillers: np.ndarray
-    method: str = "byte-prefix"  # a key of TERMS
 
     @staticmethod
-    def between(teacher_tokenizer, student_tokenizer, *, method: str = "byte-prefix",
-                maps_folder=None) -> CrossTokenizer:
+    def between(teacher_tokenizer, student_tokenizer, *, maps_folder=None) -> CrossTokenizer:
         teacher, student = token_pieces(teacher_tokenizer, "cache"), token_pieces(student_tokenizer, "tokenizer")
         specials = special_map(teacher, special_roles(teacher_tokenizer), student, special_roles(student_tokenizer))
         teacher_hash, student_hash = tokenizer_info(teacher_tokenizer)["hash"], tokenizer_info(student_tokenizer)["hash"]
@@ -53,29 +48,7 @@ class CrossTokenizer:
                                     folder=maps_folder)
         aligner = Aligner(teacher, special_roles(teacher_tokenizer), student, student_tokenizer,
                           same=teacher_hash == student_hash)
-        return CrossTokenizer(aligner, vmap, vmap.fillers, method)
-
-
-def chunks_of(aligned_at: np.ndarray, teacher_rows: np.ndarray, teacher_ll: np.ndarray, length: int,
-              first: int, min_rows: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """(chunk id [length], the chunk's teacher log-likelihood [length]) of a sequence's student rows.
-
-    Chunk c is the text between aligned positions c and c + 1: student rows aligned_at[c] ..
-    aligned_at[c + 1] - 1 predict its tokens, teacher rows teacher_rows[c] .. teacher_rows[c + 1] - 1
-    predict the teacher's, whose log-probabilities (`teacher_ll`, the cache's target_logprob) sum to
-    its log-likelihood. Chunks are numbered from `first`; rows in no whole chunk, or in one of fewer
-    than `min_rows` student rows, get -1 (and 0)."""
-    ids, ll = np.full(length, -1, np.int64), np.zeros(length, np.float32)
-    if len(aligned_at) < 2:
-        return ids, ll
-    c = np.searchsorted(aligned_at, np.arange(length), side="right") - 1  # the last aligned position at or before
-    whole = (c >= 0) & (c < len(aligned_at) - 1)
-    whole[whole] &= np.diff(aligned_at)[c[whole]] >= min_rows
-    sums = np.concatenate([[0.0], np.cumsum(teacher_ll.astype(np.float64))])
-    chunk_ll = sums[teacher_rows[1:]] - sums[teacher_rows[:-1]]
-    ids[whole] = c[whole] + first
-    ll[whole] = chunk_ll[c[whole]]
-    return ids, ll
+        return CrossTokenizer(aligner, vmap, vmap.fillers)
 
 
 class CrossTokenizerBatches(CacheBatches):
@@ -106,9 +79,6 @@ class CrossTokenizerBatches(CacheBatches):
         target = np.full((B, L), -1, np.int64)
         mask = np.zeros((B, L), bool)
         kd = np.zeros((B, L), bool)
-        terms = TERMS[self.cross.method]
-        chunks = np.full((B, L), -1, np.int64) if "chunks" in terms else None
-        chunk_ll = np.zeros((B, L), np.float32) if "chunks" in terms else None
         teacher_rows = []  # the aligned positions' cached rows, mapped at once below
         counts: Counter = Counter()
         for b, ((shard, _, lo, _), a) in enumerate(zip(windows, aligned)):
@@ -118,14 +88,8 @@ class CrossTokenizerBatches(CacheBatches):
             mask[b, :m] = True
             at = np.flatnonzero(a.teacher_row >= 0)
             rows = lo + a.teacher_row[at]
-            if chunks is not None:
-                first = int(chunks.max()) + 1
-                # with the mapped targets, the chunks cover the positions they leave out: those of 2+ rows
-                chunks[b, :m], chunk_ll[b, :m] = chunks_of(at, a.teacher_row[at], t.target_logprob[lo:lo + len(a.teacher_ends)],
-                                                           m, first, min_rows=2 if "targets" in terms else 1)
-            if "targets" in terms:
-                kd[b, at] = True
-                teacher_rows.append((t.topk_ids[rows], t.topk_logprobs[rows], t.tail_logmass[rows]))
+            kd[b, at] = True
+            teacher_rows.append((t.topk_ids[rows], t.topk_logprobs[rows], t.tail_logmass[rows]))
             counts.update(a.counts)
             counts["positions"] += m
             counts["aligned"] += len(at)
@@ -137,8 +101,7 @@ class CrossTokenizerBatches(CacheBatches):
             self.counts.update(counts)
         flat = lambda x: torch.from_numpy(x.reshape(B * L, *x.shape[2:]))
         batch = Batch(torch.from_numpy(input_ids), flat(topk_ids), flat(topk_lp), flat(tail), flat(target),
-                      torch.full((B * L,), float("nan")), flat(mask), None, flat(kd),
-                      None if chunks is None else flat(chunks), None if chunk_ll is None else flat(chunk_ll))
+                      torch.full((B * L,), float("nan")), flat(mask), None, flat(kd))
         return batch.pin_memory() if self.pin else batch
 
 
@@ -163,8 +126,7 @@ def open_cross_tokenizer(reader, student_tokenizer, mode: str, *, maps_folder=No
         raise DistillUserError(f"--cache: {reader.path} holds no tokenizer files, so its ids cannot be read as text "
                                f"for another tokenizer; add them with `distill add-tokenizer {reader.path} "
                                "TEACHER_FOLDER`")
-    cross = CrossTokenizer.between(teacher_tokenizer, student_tokenizer, maps_folder=maps_folder,
-                                   method="byte-prefix" if mode == "auto" else mode)
+    cross = CrossTokenizer.between(teacher_tokenizer, student_tokenizer, maps_folder=maps_folder)
     _check_encodes(reader, cross)
     return cross
 
