@@ -9,7 +9,9 @@ batches.py    micro-batches in the student's tokens, the mapped targets at share
               fed to the same fused top-k KL loss; the positions between them train on their own
               next token (student/loss.py)
 
-ALM's chunk-likelihood matching (arXiv 2503.20083) was measured against the cross-entropy for the
-unaligned positions and alone, and lost on held-out bits per byte (rows cross_tokenizer/chunks-seed0,
-cross_tokenizer/byte-prefix+chunks-seed0; tests/benchmarks/notes/quality.md); it lives in git history.
+ALM's chunk-likelihood matching (arXiv 2503.20083) was measured for the unaligned positions, where
+their cross-entropy did better on held-out bits per byte, and alone, level with byte-prefix on one
+seed and further from the teacher at the aligned positions (rows cross_tokenizer/chunks-seed0,
+cross_tokenizer/byte-prefix+chunks-seed0; tests/benchmarks/notes/quality.md): not kept, it lives in
+git history.
 """
