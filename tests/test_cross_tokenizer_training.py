@@ -150,3 +150,17 @@ def test_batches_built_on_several_workers_come_in_order_and_resume(text_cache, t
         for x, y in zip(vars(a).values(), vars(b).values()):
             if x is not None:
                 torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)  # target_logprob: NaN
+
+
+def test_a_tokenizer_that_cannot_say_its_bytes_is_refused_before_training(text_cache, tiny_teacher, tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "def": 1, "return": 2}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>").save_pretrained(tmp_path / "words")
+    code, _, err = run_cli(["train-student", "--cache", text_cache, "--student", tmp_path / "nowhere",
+                            "--tokenizer", tmp_path / "words", "--out", tmp_path / "run", "--device", "cpu"], capsys)
+    line = one_error_line(code, err)
+    assert "--tokenizer" in line and "bytes" in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
