@@ -65,6 +65,10 @@ FULL_VOCAB_NOTE = ("full_vocab_kl is the exact KL(teacher || student) over the w
 BITS_PER_BYTE_NOTE = ("bits_per_byte is the cross-entropy of the actual next tokens in bits, over the UTF-8 bytes of "
                       "those tokens: comparable across tokenizers and across caches of one corpus (special tokens "
                       "such as EOS count their bits and no bytes)")
+CROSS_KL_NOTE = ("kl (and top1) is measured where the student's context ends where a teacher token ends, over the "
+                 "teacher's top-k mapped onto the student's vocabulary plus one tail category, at the cache's "
+                 "temperature (a lower bound of the KL to that mapped teacher); ce and bits per byte over every "
+                 "student token")
 # The evaluation's KL: the training loss with the tail as one category, at the cache's temperature.
 _EVAL_LOSS = LossConfig(tail="bucket", temperature=None, ce_weight=0.0)
 
@@ -110,8 +114,11 @@ def target_kind(reader: CacheReader) -> str:
     return getattr(reader.manifest.spec.targets, "kind", "topk")  # the field comes with sampled caches
 
 
-def kl_note(reader: CacheReader) -> str:
-    """What the cache-based `kl` of an evaluation on `reader` measures."""
+def kl_note(reader: CacheReader, cross_tokenizer: bool = False) -> str:
+    """What the cache-based `kl` of an evaluation on `reader` measures (cross_tokenizer: of a student
+    of another tokenizer, student/cross_tokenizer)."""
+    if cross_tokenizer:
+        return CROSS_KL_NOTE
     return {"sampled": SAMPLED_KL_NOTE, "topk+sampled": HYBRID_KL_NOTE}.get(target_kind(reader), KL_NOTE)
 
 
@@ -478,7 +485,7 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
                    long=LongContextConfig(chunk_tokens=chunk_tokens), progress=progress, token_bytes=table_V,
                    batches=batches_for(cross))
     reference = teacher_reference(reader, held, seq_len=seq_len, token_bytes=teacher_table)
-    notes = {"kl_note": kl_note(reader)}
+    notes = {"kl_note": kl_note(reader, cross is not None)}
     if table_V is not None:
         notes["bits_per_byte_note"] = BITS_PER_BYTE_NOTE
     if teacher is None:

@@ -228,7 +228,7 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
         if main:
             atomic_write_json(out / "eval.json", {"step": step, "initial": initial.to_dict() if initial else None,
                                                   "final": final.to_dict(), "teacher": teacher.to_dict(),
-                                                  "kl_note": kl_note(reader), **alignment})
+                                                  "kl_note": kl_note(reader, cross is not None), **alignment})
             if alignment:
                 logger.info("cross-tokenizer: %s", ", ".join(f"{k} {v:,}" for k, v in sorted(data.counts.items())))
         executor.close()

@@ -60,8 +60,10 @@ def test_a_student_with_its_own_tokenizer_trains_and_resumes_exactly(text_cache,
     assert all(r["bits_per_byte"] > 0 for r in evals)
     run = json.loads((tmp_path / "clean" / "run.json").read_text())
     assert run["cross_tokenizer"] is True
-    counts = json.loads((tmp_path / "clean" / "eval.json").read_text())["alignment"]
+    eval_json = json.loads((tmp_path / "clean" / "eval.json").read_text())
+    counts = eval_json["alignment"]
     assert 0 < counts["aligned"] < counts["positions"]  # a BPE of 8K splits the teacher's tokens
+    assert "mapped onto the student's vocabulary" in eval_json["kl_note"]
     # killed after step 5 (checkpoint at 4), resumed: the same numbers and weights
     cfg = config(text_cache, tiny_teacher, tmp_path / "killed", **kw)
     assert _train_in_subprocess(cfg, exit_after=5) == KILLED
