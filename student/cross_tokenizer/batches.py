@@ -3,9 +3,9 @@
 The stream is CacheBatches' (the same order, windows, resume position, ranks' shares: the window is
 cut in the teacher's tokens); each picked window is aligned (align.py), its aligned positions get
 the teacher row's top-k + tail mapped onto the student's vocabulary (vocab_map.py), and the batch's
-``kd_mask`` marks them. Rows between aligned positions have no teacher targets: they take part in
-the CE term only. ``target_logprob`` is NaN on every row (the teacher scored its own tokens, not the
-student's).
+``kd_mask`` marks them. Rows between aligned positions have no teacher targets: they train on their
+own next token (student/loss.py). ``target_logprob`` is NaN on every row (the teacher scored its own
+tokens, not the student's).
 """
 
 from __future__ import annotations
