@@ -197,7 +197,8 @@ class CacheBatches:
         self.sampled = reader.manifest.spec.targets.sampled
         self.head = reader.manifest.spec.targets.head  # a hybrid cache's exact top-K slots per row
         self._lru = _ShardLRU(reader, lru_shards)
-        self._lru_shards, self._threads = lru_shards, threading.local()
+        # per thread (Prefetcher's workers): the given reader's cache goes to the first thread that asks
+        self._lru_shards, self._threads, self._spare_lru = lru_shards, threading.local(), [self._lru]
         self.epoch, self.offset = 0, 0
         self._order_epoch, self._order = None, None
 
@@ -273,9 +274,9 @@ class CacheBatches:
         through a reader of its own (the first thread to ask uses the one given)."""
         lru = getattr(self._threads, "lru", None)
         if lru is None:
-            if not getattr(self, "_given_taken", False):
-                self._given_taken, lru = True, self._lru
-            else:
+            try:
+                lru = self._spare_lru.pop()  # atomic: one thread gets it
+            except IndexError:
                 lru = _ShardLRU(CacheReader(self.reader.path, verify_checksums=self.reader.verify_checksums),
                                 self._lru_shards)
             self._threads.lru = lru

@@ -122,12 +122,12 @@ def kl_note(reader: CacheReader, cross_tokenizer: bool = False) -> str:
     return {"sampled": SAMPLED_KL_NOTE, "topk+sampled": HYBRID_KL_NOTE}.get(target_kind(reader), KL_NOTE)
 
 
-def token_bytes_of(folder) -> np.ndarray | None:
-    """int64 [V]: the UTF-8 bytes each id of the tokenizer in HF folder `folder` stands for (0 for
-    special ids such as EOS; teacher_cache/token_bytes.py). None, with a warning, for a tokenizer
-    that cannot say (neither byte-level BPE nor byte fallback): its evaluations then have no bits
-    per byte."""
-    tokenizer = load_tokenizer(folder)
+def token_bytes_of(folder, tokenizer=None) -> np.ndarray | None:
+    """int64 [V]: the UTF-8 bytes each id of the tokenizer in HF folder `folder` (or `tokenizer`,
+    already loaded from it) stands for (0 for special ids such as EOS; teacher_cache/token_bytes.py).
+    None, with a warning, for a tokenizer that cannot say (neither byte-level BPE nor byte fallback):
+    its evaluations then have no bits per byte."""
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(folder)
     try:
         return token_pieces(tokenizer).lengths
     except DistillUserError as e:
@@ -478,7 +478,7 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
         raise DistillUserError(f"student {folder} has vocab {model.config.vocab_size}, smaller than its tokenizer's "
                                f"{vocab}; pass --tokenizer, the folder of the tokenizer it was trained with")
     amp = torch.bfloat16 if resolve_dtype("auto", device) == "bfloat16" else None
-    table_V = token_bytes_of(tokenizer_dir) if tokenizer_dir is not None else None
+    table_V = token_bytes_of(tokenizer_dir, student_tokenizer) if tokenizer_dir is not None else None
     # the teacher's row counts the bytes of the teacher's own tokens
     teacher_table = table_V if cross is None else cross.aligner.teacher.lengths
     options = dict(batch_size=batch_size or 8, device=device, seq_len=seq_len, autocast_dtype=amp,

@@ -121,8 +121,7 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
         if resume_from is not None and not (out / "run.json").exists():
             raise RunDirError(f"--resume-from {resume_from}: {out} holds no run to resume")
         random.seed(config.seed), np.random.seed(config.seed), torch.manual_seed(config.seed)
-        reader, tok, config, cross = _open_cache(config)
-        token_bytes = token_bytes_of(config.tokenizer)  # None: its evaluations have no bits per byte
+        reader, tok, config, cross, token_bytes = _open_cache(config)
         # the teacher's own tokens' bytes, and the evaluation's batches
         teacher_bytes = token_bytes if cross is None else cross.aligner.teacher.lengths
         eval_batches = batches_for(cross)
@@ -276,9 +275,11 @@ def _join_processes(config: TrainConfig) -> Dist | None:
     return dist
 
 
-def _open_cache(config: TrainConfig) -> tuple[CacheReader, dict, TrainConfig, CrossTokenizer | None]:
+def _open_cache(config: TrainConfig) -> tuple[CacheReader, dict, TrainConfig, CrossTokenizer | None,
+                                              np.ndarray | None]:
     """(reader of the cache, the student's tokenizer identity, the config at the distillation temperature,
-    what a student of another tokenizer needs or None), after refusing a cache of another tokenizer
+    what a student of another tokenizer needs or None, the bytes of the student's token ids or None:
+    evaluations then have no bits per byte), after refusing a cache of another tokenizer
     that cannot teach this one, a temperature the loss cannot train at, or a damaged shard (every
     shard's size and checksum, before anything is written)."""
     tokenizer = load_tokenizer(config.tokenizer)
@@ -288,8 +289,9 @@ def _open_cache(config: TrainConfig) -> tuple[CacheReader, dict, TrainConfig, Cr
     config.loss.check_cache_temperature(targets.temperature, kind=targets.kind)
     cross = open_cross_tokenizer(reader, tokenizer, config.cross_tokenizer, maps_folder=distill_home() / "vocab-maps")
     check_shards(config.cache)
+    token_bytes = cross.aligner.student.lengths if cross is not None else token_bytes_of(config.tokenizer, tokenizer)
     return (reader, tok, config.with_flat(temperature=config.loss.distillation_temperature(targets.temperature)),
-            cross)
+            cross, token_bytes)
 
 
 def _prepare_run_dir(out: Path, run: dict, resume_from: int | None) -> dict:
