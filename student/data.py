@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import multiprocessing
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -175,7 +174,7 @@ class CacheBatches:
     `batch_size` picked, which must divide by world_size (student/distributed.py).
     """
 
-    prefetch_workers = 1  # Prefetcher's workers for these batches: decoding a shard is the cost, and one keeps up
+    prefetch_workers = 1  # threads Prefetcher builds these batches on: decoding a shard is the cost, and one keeps up
 
     def __init__(self, reader: CacheReader, indices, batch_size: int, *, seq_len: int | None = None,
                  seed: int = 0, shuffle: bool = True, pin_memory: bool = False, lru_shards: int = 4,
@@ -197,21 +196,11 @@ class CacheBatches:
         self.k = reader.manifest.spec.targets.k
         self.sampled = reader.manifest.spec.targets.sampled
         self.head = reader.manifest.spec.targets.head  # a hybrid cache's exact top-K slots per row
-        self._lru, self._lru_shards = _ShardLRU(reader, lru_shards), lru_shards
+        self._lru = _ShardLRU(reader, lru_shards)
+        # per thread (Prefetcher's workers): the given reader's cache goes to the first thread that asks
+        self._lru_shards, self._threads, self._spare_lru = lru_shards, threading.local(), [self._lru]
         self.epoch, self.offset = 0, 0
         self._order_epoch, self._order = None, None
-
-    def __getstate__(self) -> dict:
-        """For a worker process (Prefetcher): the reader travels as its path; the copy reopens it, and
-        builds its batches unpinned (pinned memory does not cross processes: the consumer pins)."""
-        state = {k: v for k, v in vars(self).items() if k not in ("reader", "_lru")}
-        return {**state, "pin": False, "reader": (self.reader.path, self.reader.verify_checksums)}
-
-    def __setstate__(self, state: dict) -> None:
-        path, verify = state.pop("reader")
-        vars(self).update(state)
-        self.reader = CacheReader(path, verify_checksums=verify)
-        self._lru = _ShardLRU(self.reader, self._lru_shards)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "num_indices": len(self.indices)}
@@ -275,18 +264,23 @@ class CacheBatches:
         (epoch, sequence index)."""
         rows = []
         for epoch, i in picked:
-            start, stop, shard = self._lru.sequence(i)
+            start, stop, shard = self._thread_lru().sequence(i)
             lo, hi = self._window(epoch, i, stop - start)
             rows.append((shard, stop, start + lo, start + hi))
         return rows
 
-    def build(self, picked: list[tuple[int, int]]) -> tuple[Batch, object]:
-        """(the batch of `picked`, what building it has to report to ``absorb``: nothing here). A
-        Prefetcher worker calls this, and the consumer ``absorb``s the report in the batches' order."""
-        return self.make_batch(picked), None
-
-    def absorb(self, report) -> None:
-        """Take in a report of ``build`` (a subclass's counts); CacheBatches' have none."""
+    def _thread_lru(self) -> _ShardLRU:
+        """The shard cache of the calling thread: Prefetcher's workers build batches at once, each
+        through a reader of its own (the first thread to ask uses the one given)."""
+        lru = getattr(self._threads, "lru", None)
+        if lru is None:
+            try:
+                lru = self._spare_lru.pop()  # atomic: one thread gets it
+            except IndexError:
+                lru = _ShardLRU(CacheReader(self.reader.path, verify_checksums=self.reader.verify_checksums),
+                                self._lru_shards)
+            self._threads.lru = lru
+        return lru
 
     def make_batch(self, picked: list[tuple[int, int]]) -> Batch:
         rows = self.windows(picked)
@@ -319,29 +313,22 @@ class CacheBatches:
 
 
 class Prefetcher:
-    """The batches of a ``CacheBatches``, built ``depth`` ahead by ``workers`` background workers
+    """The batches of a ``CacheBatches``, built ``depth`` ahead by ``workers`` background threads
     (default: the batches' ``prefetch_workers``), so that decoding, collating and pinning overlap the
     model's work. A feeder thread takes each next batch's sequences in order (``CacheBatches.picks``)
-    and a worker builds it (``build``); batches come out in their order whatever finishes first, and
-    what building reported is ``absorb``ed then. One worker is a thread; several are processes (a
-    spawned copy of the batches each, _worker_install), so that their Python work does not share the
-    interpreter lock with the training loop; the batches they return are pinned here.
+    and a worker builds it (``make_batch``); batches come out in their order whatever finishes first.
 
     ``state_dict()`` is the data position after the last batch handed out (not after the last one
     built), so a checkpoint resumes exactly at the next batch. Give the ``CacheBatches`` a reader of
-    its own: the worker thread reads through it while the caller may evaluate through another.
+    its own: the threads read through it (each worker through a copy) while the caller may evaluate
+    through another.
     """
 
     def __init__(self, batches: CacheBatches, depth: int = 2, workers: int | None = None):
         self._batches = batches
         self._state, self.epoch = batches.state_dict(), batches.epoch
         workers = workers or batches.prefetch_workers
-        self._pin = workers > 1 and batches.pin  # processes build unpinned batches (CacheBatches.__getstate__)
-        self._workers: Executor = (
-            ThreadPoolExecutor(1, thread_name_prefix="distill-batch") if workers == 1 else
-            ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                initializer=_worker_install, initargs=(batches,)))
-        self._build = batches.build if workers == 1 else _worker_build
+        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="distill-batch")
         self._queue: queue.Queue = queue.Queue(maxsize=depth + workers - 1)  # every worker busy, depth ready
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, name="distill-prefetch", daemon=True)
@@ -350,7 +337,8 @@ class Prefetcher:
     def _fill(self) -> None:
         try:
             for picked in self._batches.picks():  # the generator has advanced the position past them
-                item = (self._workers.submit(self._build, picked), self._batches.state_dict(), self._batches.epoch)
+                item = (self._workers.submit(self._batches.make_batch, picked), self._batches.state_dict(),
+                        self._batches.epoch)
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
@@ -369,10 +357,9 @@ class Prefetcher:
         pending, state, epoch = self._queue.get()
         if isinstance(pending, BaseException):
             raise pending
-        batch, report = pending.result()  # a worker's error is raised here
-        self._batches.absorb(report)
+        batch = pending.result()  # a worker's error is raised here
         self._state, self.epoch = state, epoch
-        return batch.pin_memory() if self._pin else batch
+        return batch
 
     def state_dict(self) -> dict:
         return dict(self._state)
@@ -387,17 +374,3 @@ class Prefetcher:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# A Prefetcher worker process's copy of the batches (set once by its initializer; process-local).
-_worker_batches: CacheBatches | None = None
-
-
-def _worker_install(batches: CacheBatches) -> None:
-    global _worker_batches
-    torch.set_num_threads(1)  # its work is the tokenizer's and numpy's, and the processes are many
-    _worker_batches = batches
-
-
-def _worker_build(picked):
-    return _worker_batches.build(picked)

@@ -11,6 +11,7 @@ tokens, not the student's).
 from __future__ import annotations
 
 import os
+import threading
 from collections import Counter
 from dataclasses import dataclass
 
@@ -52,11 +53,11 @@ class CrossTokenizer:
 
 class CrossTokenizerBatches(CacheBatches):
     """CacheBatches whose batches are in the student's tokens (module doc). ``counts``: what alignment
-    could not encode so far (align.Alignment.counts, summed) and ``aligned`` / ``positions``, over
-    the batches handed out. Building a batch costs several times a plain one's, so Prefetcher builds
-    these on ``prefetch_workers`` processes (half the cores, at most 8)."""
+    could not encode so far (align.Alignment.counts, summed) and ``aligned`` / ``positions``.
+    Building a batch costs several times a plain one's, so Prefetcher builds these on
+    ``prefetch_workers`` threads (the tokenizer and numpy's sorts run off the interpreter lock)."""
 
-    prefetch_workers = max(1, min(8, (os.cpu_count() or 2) // 2))
+    prefetch_workers = max(1, min(6, (os.cpu_count() or 2) // 2))
 
     def __init__(self, reader, indices, batch_size: int, *, cross: CrossTokenizer, **kwargs):
         super().__init__(reader, indices, batch_size, **kwargs)
@@ -65,17 +66,9 @@ class CrossTokenizerBatches(CacheBatches):
                                    "draws, not a top-k); build a top-k cache (--targets topk)")
         self.cross = cross
         self.counts: Counter = Counter()
+        self._counts_lock = threading.Lock()  # Prefetcher's workers build batches at once
 
     def make_batch(self, picked: list[tuple[int, int]]) -> Batch:
-        batch, counts = self.build(picked)
-        self.absorb(counts)
-        return batch
-
-    def absorb(self, report: Counter) -> None:
-        self.counts.update(report)
-
-    def build(self, picked: list[tuple[int, int]]) -> tuple[Batch, Counter]:
-        """(the batch, in the student's tokens, what alignment counted in it)."""
         windows = self.windows(picked)
         aligned = self.cross.aligner.align_many([shard.input_ids[lo:hi] for shard, _, lo, hi in windows])
         B, L, k = len(windows), max(max(len(a.student_ids) for a in aligned), 1), self.k
@@ -104,10 +97,12 @@ class CrossTokenizerBatches(CacheBatches):
             topk_ids[kd], topk_lp[kd], tail[kd] = map_rows(self.cross.vocab_map,
                                                            *(np.concatenate(part) for part in zip(*teacher_rows)),
                                                            self.cross.fillers)
+        with self._counts_lock:
+            self.counts.update(counts)
         flat = lambda x: torch.from_numpy(x.reshape(B * L, *x.shape[2:]))
         batch = Batch(torch.from_numpy(input_ids), flat(topk_ids), flat(topk_lp), flat(tail), flat(target),
                       torch.full((B * L,), float("nan")), flat(mask), None, flat(kd))
-        return batch.pin_memory() if self.pin else batch, counts
+        return batch.pin_memory() if self.pin else batch
 
 
 def open_cross_tokenizer(reader, student_tokenizer, mode: str, *, maps_folder=None) -> CrossTokenizer | None:
