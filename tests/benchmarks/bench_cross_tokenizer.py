@@ -24,9 +24,11 @@ from run_helpers import add_variant_run_args, run_variants
 # flat TrainConfig overrides of each variant of the other-tokenizer student
 METHODS = {
     "byte-prefix": {"cross_tokenizer": "byte-prefix", "ce_weight": 0.0},
+    "byte-prefix+ce": {"cross_tokenizer": "byte-prefix", "ce_weight": 0.5},
     "ce": {"ce_weight": 1.0},
 }
-LABELS = {"byte-prefix": "other tokenizer, byte-prefix KD", "ce": "other tokenizer, cross-entropy only",
+LABELS = {"byte-prefix": "other tokenizer, byte-prefix KD",
+          "byte-prefix+ce": "other tokenizer, byte-prefix KD + half cross-entropy", "ce": "other tokenizer, cross-entropy only",
           "same": "teacher's tokenizer, KD"}
 DEFAULT_VARIANTS = ",".join(f"{name}:{seed}" for seed in range(3) for name in ("byte-prefix", "ce", "same"))
 
