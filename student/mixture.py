@@ -1,0 +1,135 @@
+"""Micro-batches from several caches at once: a data mixture in fixed shares.
+
+Each cache has its own stream (a ``CacheBatches``, or a cross-tokenizer one), seeded by the run's
+seed and the cache's place in the list (the first cache's stream is exactly the one a one-cache run
+reads). The sequences of the batches go to the caches by smooth weighted round-robin: the n-th
+sequence of the run goes to the cache i whose deficit w_i (n + 1) - taken_i is largest (the first
+on a tie), so after any n sequences every cache has supplied its share w_i n to within one sequence,
+with no randomness to seed and nothing to draw on resume. The position is the streams' positions
+and the counts taken: ``state_dict`` / ``load_state_dict`` resume exactly there.
+
+A batch holds each cache's sequences in the caches' order, padded to the longest: the caches must
+give rows of one shape (the same k and kind of targets; student/mixture's caller refuses others).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from distill.errors import DistillUserError
+from student.data import Batch, CacheBatches
+
+
+def stream_seed(seed: int, place: int) -> int:
+    """The seed of the stream of the cache at `place` in the list: the run's seed for the first."""
+    return seed if place == 0 else int(np.random.default_rng([seed, place]).integers(2**31))
+
+
+def normalized_weights(weights, caches: int, option: str = "--cache-weights") -> list[float]:
+    """`weights` (one per cache, >= 0, a positive sum) scaled to sum 1, or a one-line error naming `option`."""
+    weights = [float(w) for w in weights]
+    if len(weights) != caches:
+        raise DistillUserError(f"{option}: {len(weights)} weight(s) for {caches} cache(s); give one weight per cache")
+    if any(not np.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise DistillUserError(f"{option}: weights must be finite, >= 0 and sum to a positive number, got "
+                               f"{','.join(f'{w:g}' for w in weights)}")
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def cat_batches(batches: list[Batch]) -> Batch:
+    """One batch of the sequences of `batches` in their order, padded to the longest. An optional
+    field that only some hold is filled for the others as it reads there: kd_mask (every unmasked
+    row has targets), target_weights (refused: a sampled cache mixes only with sampled ones)."""
+    if len(batches) == 1:
+        return batches[0]
+    length = max(b.input_ids.shape[1] for b in batches)
+    padded = [b.padded_to(length) for b in batches]
+    if len({b.target_weights is None for b in padded}) > 1:
+        raise DistillUserError("--cache: a sampled cache mixes only with sampled caches (their slots are weighted "
+                               "draws, a top-k cache's are exact probabilities); mix caches of one kind")
+    kd = [b.kd_mask for b in padded]
+    if any(m is not None for m in kd):
+        kd = [b.mask.clone() if m is None else m for b, m in zip(padded, kd)]
+    fields = {}
+    for f in dataclasses.fields(Batch):
+        values = kd if f.name == "kd_mask" else [getattr(b, f.name) for b in padded]
+        fields[f.name] = None if values[0] is None else torch.cat(values)
+    return Batch(**fields)
+
+
+class MixtureBatches:
+    """Endless micro-batches of `batch_size` sequences drawn from `streams` in the shares `weights`
+    (module doc). Each stream must have been built with batch_size 1, no `part` and unpinned: the
+    mixture picks the batch, gives rank `part[0]` of `part[1]` its contiguous share, as CacheBatches
+    does, and pins the joined batch when `pin_memory`."""
+
+    def __init__(self, streams: list[CacheBatches], weights, batch_size: int, *, part: tuple[int, int] = (0, 1),
+                 pin_memory: bool = False):
+        if any(s.batch_size != 1 or s.part != (0, 1) or s.pin for s in streams):
+            raise ValueError("each stream of a mixture reads one sequence at a time, for the whole batch, unpinned")
+        rank, world_size = part
+        if not 0 <= rank < world_size or batch_size % world_size:
+            raise DistillUserError(f"`part` must be (rank, world_size) with world_size dividing batch_size "
+                                   f"{batch_size}, got {part}")
+        self.streams, self.weights = streams, normalized_weights(weights, len(streams))
+        self.batch_size, self.part, self.pin = batch_size, part, pin_memory
+        self.taken = [0] * len(streams)
+        self._picks = [s.picks() for s in streams]
+        self.prefetch_workers = max(s.prefetch_workers for s in streams)
+
+    @property
+    def epoch(self) -> int:
+        """The first cache's epoch (passes over its training sequences)."""
+        return self.streams[0].epoch
+
+    def state_dict(self) -> dict:
+        return {"streams": [s.state_dict() for s in self.streams], "taken": list(self.taken),
+                "weights": list(self.weights)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["streams"]) != len(self.streams) or not np.allclose(state["weights"], self.weights, rtol=0,
+                                                                         atol=1e-12):
+            raise DistillUserError(f"saved data position is for {len(state['streams'])} caches at weights "
+                                   f"{state['weights']}, this run has {len(self.streams)} at {self.weights}; use a "
+                                   "fresh run directory")
+        for stream, saved in zip(self.streams, state["streams"]):
+            stream.load_state_dict(saved)
+        self.taken = [int(t) for t in state["taken"]]
+
+    def next_cache(self) -> int:
+        """The cache the run's next sequence comes from (module doc); counts it as taken."""
+        n = sum(self.taken)
+        deficits = [w * (n + 1) - t for w, t in zip(self.weights, self.taken)]
+        i = int(np.argmax(deficits))
+        self.taken[i] += 1
+        return i
+
+    def picks(self):
+        """Endless: each next batch's (cache, epoch, sequence index) triples, this rank's share, the
+        position advanced past them; `make_batch` builds the batch."""
+        while True:
+            picked = []
+            for _ in range(self.batch_size):
+                i = self.next_cache()
+                (epoch, index), = next(self._picks[i])
+                picked.append((i, epoch, index))
+            picked.sort(key=lambda p: p[0])  # stable: each cache's sequences in their drawn order
+            rank, share = self.part[0], self.batch_size // self.part[1]
+            yield picked[rank * share:(rank + 1) * share]
+
+    def __iter__(self):
+        for picked in self.picks():
+            yield self.make_batch(picked)
+
+    def make_batch(self, picked) -> Batch:
+        parts = []
+        for i, stream in enumerate(self.streams):
+            mine = [(epoch, index) for cache, epoch, index in picked if cache == i]
+            if mine:
+                parts.append(stream.make_batch(mine))
+        batch = cat_batches(parts)
+        return batch.pin_memory() if self.pin else batch
