@@ -89,9 +89,12 @@ def iter_documents(
     """The documents of ``source`` in order: one per text file, one per row otherwise. A row whose
     ``text_field`` is null yields None. Text files that are not UTF-8 text and are skipped (see
     ``EncodingErrors``) are appended to ``skipped``. Read errors become one-line user errors."""
-    import datasets.exceptions
-    import pyarrow
+    errors: tuple[type[BaseException], ...] = (OSError, ValueError, UnicodeError)
+    if source.format != "text":  # plain text files are read without datasets and pyarrow
+        import datasets.exceptions
+        import pyarrow
 
+        errors += (pyarrow.ArrowException, datasets.exceptions.DatasetsError)
     where = source.describe(file_glob)
     try:
         if source.format == "hf-dataset":
@@ -106,13 +109,7 @@ def iter_documents(
             )
     except DistillUserError:
         raise
-    except (
-        OSError,
-        ValueError,
-        UnicodeError,
-        pyarrow.ArrowException,
-        datasets.exceptions.DatasetsError,
-    ) as e:
+    except errors as e:
         raise ConfigError(
             "format", f"cannot read corpus {where}: {_first_line(e)}; check the file or choose the right format"
         ) from e
