@@ -62,7 +62,8 @@ class TrainConfig:
                       "token the mean of the teacher tokens spelling it) or random (normal, std 0.02). Pruning only.")
     cross_tokenizer: Literal["auto", "off", "byte-prefix"] = option(
         "auto", "A student whose tokenizer is not the cache's: auto (byte-prefix when they differ), byte-prefix (also "
-                "for the same tokenizer; the targets are then the cache's own), off (refuse another tokenizer).")
+                "for the same tokenizer; the targets are then the cache's own), off (refuse another tokenizer). With "
+                "another tokenizer add --ce-weight 0.5 (rows cross_tokenizer/byte-prefix+ce-seed*, RESULTS.md).")
     batch_size: int = option(
         8, "Sequences per micro-batch (under torchrun: over all processes, each takes an equal share).")
     grad_accum: int = option(1, "Micro-batches per optimizer step.")

@@ -55,6 +55,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_variant_run_args(ap, variants=DEFAULT_VARIANTS, eval_every=None, results_json="cross_tokenizer.json")
     ap.add_argument("--vocab", type=int, default=8192, help="the student tokenizer's size (default 8192)")
+    ap.add_argument("--case-prefix", default="", help="put before each row's case, e.g. h100-1200steps/ for the "
+                                                      "recipe cross_tokenizer_gpu.toml on an H100")
     args = ap.parse_args()
     tokenizer = args.out / f"bpe{args.vocab}"
     if not (tokenizer / "tokenizer.json").exists():
@@ -65,7 +67,7 @@ def main() -> None:
         if name != "same" and name not in METHODS or not seed.isdigit():
             raise SystemExit(f"variant must be NAME:SEED with NAME one of {', '.join([*METHODS, 'same'])}, got {spec!r}")
         overrides = {"ce_weight": 0.0} if name == "same" else {**METHODS[name], "tokenizer": str(tokenizer)}
-        return f"{name}-seed{seed}", {**overrides, "seed": int(seed)}
+        return f"{args.case_prefix}{name}-seed{seed}", {**overrides, "seed": int(seed)}
 
     def describe(spec, config, run_dir):
         return {"label": LABELS[spec.partition(":")[0]], "vocab": args.vocab if "tokenizer" in
