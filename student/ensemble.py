@@ -1,0 +1,91 @@
+"""Teacher ensembles: several teachers' cached top-k targets of the same positions, combined row by
+row into one top-k + tail target that the fused loss (kernels/fused_topk_kl.py) reads as it reads
+one teacher's, in the same single pass.
+
+Per row, teacher i caches the full-vocabulary probabilities p_i(v) of the ids v of its top-k S_i
+and its tail mass t_i = 1 - sum_{S_i} p_i, the mass of every id outside S_i: a distribution over
+S_i plus one "everything else" category. With the weights w_i normalised to sum 1, the combined
+target is the weighted mixture of those distributions. On the union U of the S_i
+
+    m(v) = sum_i w_i p_i(v),   p_i(v) counted as 0 where v is not in S_i (that mass is in t_i),
+
+and everything else gets sum_i w_i t_i; the masses sum to sum_i w_i (sum_{S_i} p_i + t_i) = 1.
+Where v is outside some S_i, m(v) is below the full mixture's probability of v by the part that
+lies in those teachers' tails: the ensemble knows no more than its caches. U holds up to
+sum_i k_i ids and the kernel reads k a row, so the k ids of highest m are kept (ties: the smaller
+id first), in descending order, and the rest of U joins the tail:
+
+    tail = sum_i w_i t_i + sum_{v in U, not kept} m(v)   (= 1 - sum_{kept} m).
+
+A row whose U has fewer than k ids gets the smallest ids absent from it in its remaining slots, at
+``EMPTY_LOGPROB`` (probability 0, the filler convention of cross_tokenizer/vocab_map.py), so the
+kernel still reads k distinct ids; those ids all lie below k <= V. The loss's "bucket" KL over the
+k kept ids plus the tail is zero exactly when the student gives each kept id its m and the other
+ids together the tail's mass: its optimum is the mixture. As teacher_cache.targets'
+``tail_logmass_from_topk`` does, a tail mass below 1e-12 is stored as log(1e-12), so losses stay
+finite.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distill.errors import DistillUserError
+from student.cross_tokenizer.vocab_map import EMPTY_LOGPROB
+
+# The cache's floor of the tail mass (teacher_cache.targets.tail_logmass_from_topk).
+_TAIL_MIN_MASS = 1e-12
+
+
+def combine_topk(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], weights, k: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The weighted mixture of several teachers' targets of the same N rows, as top-k + tail (module doc).
+
+    parts: per teacher (topk_ids int [N, k_i], topk_logprobs float [N, k_i] full-vocabulary,
+    tail_logmass float [N]); k_i may differ. weights: one >= 0 per part, not all 0 (normalised
+    here). Returns (ids int64 [N, k], log-probs float32 [N, k] in descending order, log tail mass
+    float32 [N]), computed in float64.
+    """
+    w = np.asarray(weights, np.float64).ravel()
+    if len(parts) == 0 or len(w) != len(parts):
+        raise DistillUserError(f"--ensemble-weights needs one weight per teacher ({len(parts)}), got {len(w)} "
+                               f"({list(w)}); give as many weights as teachers")
+    if not (np.isfinite(w).all() and (w >= 0).all() and w.sum() > 0):
+        raise DistillUserError(f"--ensemble-weights must be finite, >= 0 and not all 0, got {list(w)}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise DistillUserError(f"--ensemble-k must be an integer >= 1, got {k!r}")
+    rows = {np.shape(part[0])[0] for part in parts} | {np.shape(part[2])[0] for part in parts}
+    if len(rows) != 1:
+        raise ValueError(f"the teachers' targets must cover the same rows, got row counts {sorted(rows)}")
+    used = [(part, wi) for part, wi in zip(parts, w / w.sum()) if wi > 0]  # a weight-0 teacher adds no id
+    ids = np.concatenate([np.asarray(part[0], np.int64) for part, _ in used], 1)  # [N, K]
+    p = np.concatenate([wi * np.exp(np.asarray(part[1], np.float64)) for part, wi in used], 1)
+    tail = sum(wi * np.exp(np.asarray(part[2], np.float64)) for part, wi in used)  # [N]
+    # merge repeated ids: each row sorted by id, every run of one id summed into its first slot
+    order = np.argsort(ids, 1, kind="stable")
+    ids, p = np.take_along_axis(ids, order, 1), np.take_along_axis(p, order, 1)
+    first = np.ones(ids.shape, bool)
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    merged = np.full(ids.shape, -1.0)  # -1: no id of its own; sorts after every probability
+    starts = np.flatnonzero(first)
+    if len(starts):
+        merged.flat[starts] = np.add.reduceat(p.ravel(), starts)
+    pad = ((0, 0), (0, max(k - ids.shape[1], 0)))  # a union narrower than k: slots for fillers
+    ids, merged = np.pad(ids, pad, constant_values=-1), np.pad(merged, pad, constant_values=-1.0)
+    # the k most probable; the stable sort of id-ordered rows puts the smaller id first on ties
+    top = np.argsort(-merged, 1, kind="stable")[:, :k]
+    out_ids, out_p = np.take_along_axis(ids, top, 1), np.take_along_axis(merged, top, 1)
+    real = out_p >= 0  # [N, k]: a prefix of each row; the rest are slots past the row's union
+    kept = np.where(real, out_p, 0.0).sum(1)
+    tail_mass = tail + (np.clip(merged, 0.0, None).sum(1) - kept)
+    if not real.all():  # fillers: the smallest ids absent from the row, all below k
+        present = np.zeros((len(ids), k), bool)
+        r, c = np.nonzero((ids >= 0) & (ids < k))
+        present[r, ids[r, c]] = True
+        absent = np.argsort(present, 1, kind="stable")  # [N, k]: the absent ids first, ascending
+        slot = np.clip(np.arange(k) - real.sum(1, keepdims=True), 0, k - 1)
+        out_ids = np.where(real, out_ids, np.take_along_axis(absent, slot, 1))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out_lp = np.where(out_p > 0, np.log(out_p), EMPTY_LOGPROB)
+    tail_lp = np.log(np.maximum(tail_mass, _TAIL_MIN_MASS))
+    return out_ids, out_lp.astype(np.float32), tail_lp.astype(np.float32)

@@ -1,0 +1,150 @@
+"""Teacher ensembles (student/ensemble.py): the combined top-k + tail against a brute-force mixture
+per row, an ensemble of one teacher equal to that teacher, rows that sum to one, the fused loss's
+optimum at the mixture, and the one-line errors of bad options."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from distill.errors import DistillUserError
+from kernels.fused_topk_kl import fused_topk_kl
+from student.cross_tokenizer.vocab_map import EMPTY_LOGPROB
+from student.ensemble import combine_topk
+from teacher_cache.targets import tail_logmass_from_topk
+
+V, N = 40, 64
+
+
+def _teachers(ks, seed=0, n=N, v=V):
+    """Teachers' cached top-k_i of the same rows, as the cache holds them (descending order, tail from
+    the top-k): partly shared logits, so the top-k lists overlap without being equal; some rows so
+    sharp that the top-k holds all the mass (the tail at the cache's floor). The last teacher's
+    every third row ends in a filler slot (an id outside its top-k at EMPTY_LOGPROB), as
+    cross-tokenizer targets hold them."""
+    rng = np.random.default_rng(seed)
+    shared = rng.normal(size=(n, v))
+    sharpness = rng.choice([1.0, 3.0, 60.0], size=(n, 1), p=[0.45, 0.45, 0.1])
+    parts = []
+    for k_i in ks:
+        logits = (shared + rng.normal(size=(n, v))) * sharpness
+        lp = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+        ids = np.argsort(-lp, 1)[:, :k_i]
+        top = np.take_along_axis(lp, ids, 1).astype(np.float32)
+        parts.append([ids.astype(np.int32), top, tail_logmass_from_topk(top)])
+    ids, top, _ = parts[-1]
+    for r in range(0, n, 3):
+        ids[r, -1] = next(i for i in range(v) if i not in ids[r])
+        top[r, -1] = EMPTY_LOGPROB
+    parts[-1][2] = tail_logmass_from_topk(top)
+    return [tuple(part) for part in parts]
+
+
+def _reference(parts, weights, k, v=V):
+    """The mixture per row with a dict: (ids [N, k], probabilities [N, k], tail mass [N])."""
+    w = [x / sum(weights) for x in weights]
+    out_ids, out_p, out_tail = [], [], []
+    for r in range(len(parts[0][0])):
+        mix: dict[int, float] = {}
+        for (ids, lp, _), w_i in zip(parts, w):
+            for i, l in zip(ids[r].tolist(), lp[r].tolist()):
+                mix[i] = mix.get(i, 0.0) + w_i * math.exp(l)
+        kept = sorted(mix.items(), key=lambda item: (-item[1], item[0]))[:k]
+        fillers = [i for i in range(v) if i not in mix][:k - len(kept)]
+        out_ids.append([i for i, _ in kept] + fillers)
+        out_p.append([p for _, p in kept] + [0.0] * len(fillers))
+        out_tail.append(1.0 - sum(p for _, p in kept))
+    return np.array(out_ids), np.array(out_p), np.array(out_tail)
+
+
+@pytest.mark.parametrize("k", [1, 4, 12, 20])  # unions hold 9 to 16 ids: 12 fills some rows, 20 all
+def test_combine_matches_brute_force_mixture(k):
+    parts = _teachers([3, 5, 8])
+    weights = [0.5, 2.0, 1.3]
+    ids, lp, tail = combine_topk(parts, weights, k)
+    ref_ids, ref_p, ref_tail = _reference(parts, weights, k)
+    assert ids.dtype == np.int64 and lp.dtype == np.float32 and tail.dtype == np.float32
+    assert ids.shape == lp.shape == (N, k) and tail.shape == (N,)
+    np.testing.assert_array_equal(ids, ref_ids)
+    ref_lp = np.where(ref_p > 0, np.log(np.where(ref_p > 0, ref_p, 1.0)), EMPTY_LOGPROB)
+    np.testing.assert_allclose(lp, ref_lp, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.exp(tail.astype(np.float64)), np.maximum(ref_tail, 1e-12), rtol=1e-5, atol=1e-8)
+    assert (np.diff(lp, axis=1) <= 0).all()
+    assert all(len(set(row)) == k for row in ids.tolist())
+    if k == 20:
+        assert (lp == EMPTY_LOGPROB).any(axis=1).all()
+
+
+def test_ties_keep_the_smaller_id():
+    """Equal mixed probabilities across the cut at k: the smaller ids are kept, whatever the slot order."""
+    rng = np.random.default_rng(5)
+    parts = []
+    for _ in range(2):
+        ids = np.stack([rng.permutation(V)[:12] for _ in range(8)])
+        lp = np.full((8, 12), math.log(1 / 16), np.float32)
+        parts.append((ids, lp, tail_logmass_from_topk(lp)))
+    ids, lp, tail = combine_topk(parts, [1.0, 1.0], 7)
+    ref_ids, ref_p, _ = _reference(parts, [1.0, 1.0], 7)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(np.exp(lp), ref_p, rtol=1e-6)
+
+
+def test_ensemble_of_one_teacher_is_that_teacher():
+    (ids, lp, tail), = _teachers([7], seed=1)
+    for weights in ([1.0, 1.0], [0.3, 1.7]):
+        out_ids, out_lp, out_tail = combine_topk([(ids, lp, tail), (ids, lp, tail)], weights, 7)
+        np.testing.assert_array_equal(out_ids, ids)
+        np.testing.assert_allclose(out_lp, lp, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(out_tail, tail, rtol=1e-6, atol=1e-6)
+
+
+def test_weight_zero_teacher_adds_nothing():
+    a, b = _teachers([4, 6], seed=2)
+    out = combine_topk([a, b], [2.0, 0.0], 4)
+    np.testing.assert_array_equal(out[0], a[0])
+    np.testing.assert_allclose(out[1], a[1], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(out[2], a[2], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [2, 6, 16, 25])
+def test_combined_rows_sum_to_one(k):
+    _, lp, tail = combine_topk(_teachers([3, 8, 5], seed=3), [1.0, 0.2, 3.0], k)
+    total = np.exp(lp.astype(np.float64)).sum(1) + np.exp(tail.astype(np.float64))
+    np.testing.assert_allclose(total, 1.0, rtol=0, atol=2e-6)
+
+
+def test_fused_loss_optimum_is_the_mixture():
+    v, k = 13, 4  # teachers' k_i 3 and 5: every union has >= 5 ids, so no fillers and no zero-probability id
+    ids, lp, tail = combine_topk(_teachers([3, 5], seed=4, v=v), [0.7, 0.4], k)
+    p_kept = np.exp(lp.astype(np.float64))
+    q = np.repeat(np.exp(tail.astype(np.float64))[:, None] / (v - k), v, axis=1)  # tail spread evenly
+    np.put_along_axis(q, ids, p_kept, axis=1)
+    logits = torch.tensor(np.log(q), dtype=torch.float32)
+    teacher = (torch.from_numpy(ids), torch.from_numpy(lp), torch.from_numpy(tail))
+
+    def kl(hidden):  # weight = identity: the student's logits are `hidden`
+        _, kl_N = fused_topk_kl(hidden, torch.eye(v), *teacher, tail="bucket", reduction="none", impl="torch",
+                                return_kl=True)
+        return kl_N
+
+    assert kl(logits).abs().max() < 1e-5
+    perturbed = logits + 0.5 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))
+    assert kl(perturbed).min() > 1e-3
+
+
+@pytest.mark.parametrize("weights, k, option", [
+    ([1.0], 3, "--ensemble-weights"),
+    ([1.0, 1.0, 1.0], 3, "--ensemble-weights"),
+    ([1.0, -0.5], 3, "--ensemble-weights"),
+    ([0.0, 0.0], 3, "--ensemble-weights"),
+    ([1.0, float("nan")], 3, "--ensemble-weights"),
+    ([1.0, 1.0], 0, "--ensemble-k"),
+    ([1.0, 1.0], 2.5, "--ensemble-k"),
+])
+def test_bad_options_refused_in_one_line(weights, k, option):
+    with pytest.raises(DistillUserError, match=option) as error:
+        combine_topk(_teachers([3, 4], n=5), weights, k)
+    assert "\n" not in str(error.value)
