@@ -244,7 +244,11 @@ def train_student(**values) -> None:
 
       distill train-student --cache caches/default --num-layers 4 --sparse-ffn --l1 2e-5 --out runs/sparse
 
-      distill train-student --cache caches/default --num-layers 4 --tokenizer ./my-bpe --out runs/bpe   # another tokenizer
+      distill train-student --cache caches/default --num-layers 4 --tokenizer ./my-bpe --ce-weight 0.5 --out runs/bpe   # another tokenizer
+
+      distill train-student --cache caches/code --cache caches/prose --cache-weights 0.7,0.3 --num-layers 4 --out runs/mix
+
+      distill train-student --ensemble caches/qwen-7b,caches/llama-8b --ensemble-weights 0.5,0.5 --student ./small --out runs/ens
 
       distill train-student --cache caches/long-1m --student ./qwen-0.5b --batch-size 1 --chunk-tokens 16384 --kv-offload --out runs/long
 
@@ -269,7 +273,13 @@ def train_student(**values) -> None:
         raise e.as_option() from None
     resumed = f" (resumed from step {report.resumed_from})" if report.resumed_from else ""
     typer.echo(f"{values['out']}: {_count(report.steps, 'step')}{resumed}; student saved to {report.student_dir}")
-    typer.echo(_eval_table({"teacher": report.teacher_eval, "before": report.initial_eval, "after": report.final_eval}))
+    per_cache = [(f"{label} {place}", result) for place, (_, after, teacher) in enumerate(report.cache_evals)
+                 for label, result in (("teacher", teacher), ("after, cache", after))]
+    typer.echo(_eval_table({"teacher": report.teacher_eval, "before": report.initial_eval, "after": report.final_eval,
+                            "per_cache": per_cache}))
+    for place, (cache, _, _) in enumerate(report.cache_evals):
+        mean = "against the teachers' mixture" if values.get("ensemble") else "their mean at --cache-weights"
+        typer.echo(f"cache {place}: {cache}" + (f" (the rows above the caches': {mean})" if place == 0 else ""))
 
 
 def _train_config(options: dict) -> TrainConfig:
@@ -497,7 +507,7 @@ def _run_and_report(recipe, quiet: bool) -> None:
 
 def _eval_rows(results: dict) -> list[tuple[str, object]]:
     order = [("teacher (cache)", "teacher"), ("student before", "before"), ("student", "student"), ("student after", "after")]
-    return [(label, results[key]) for label, key in order if results.get(key) is not None]
+    return [(label, results[key]) for label, key in order if results.get(key) is not None] + results.get("per_cache", [])
 
 
 def _eval_table(results: dict) -> str:

@@ -31,6 +31,8 @@ def config_parameters(fields: list[tuple[dataclasses.Field, Any]], *, skip=(), d
             continue
         default = defaults[f.name] if f.name in defaults else _default(f)
         cli_type = _cli_type(hint)
+        if default == () and typing.get_origin(cli_type) is not list:  # a tuple given as text (0.7,0.3): unset
+            default = None
         if default is None and type(None) not in typing.get_args(cli_type):
             cli_type = Optional[cli_type]
         flags = f.metadata.get("flags") or (option_name(f),)

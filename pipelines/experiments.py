@@ -59,7 +59,7 @@ _NOT_SETTINGS = ("cache", "out", "student", "teacher", "tokenizer", "eval_every"
 class RunSummary:
     path: str
     name: str  # the run directory's name
-    cache_id: str
+    cache_id: str  # a run over several caches (a mixture): their ids joined by "+"
     config: dict[str, Any]  # run.json's flat config
     status: str  # "finished" | "running" | "stopped"
     # Why it stopped ("non-finite loss at step N", "interrupted after step N", or for a run on another
@@ -167,7 +167,8 @@ def read_run(run_dir: str | Path) -> RunSummary:
     last_eval = eval_rows[-1] if eval_rows else None
     last_train = train_rows[-1] if train_rows else {}
     return RunSummary(
-        path=str(run_dir), name=Path(os.path.abspath(run_dir)).name, cache_id=run["cache_id"], config=run["config"],
+        path=str(run_dir), name=Path(os.path.abspath(run_dir)).name, config=run["config"],
+        cache_id="+".join(run.get("cache_ids", [run["cache_id"]])),  # a mixture's: its caches' ids joined
         status=status, reason=reason, steps_done=steps_done, steps_total=run["config"]["steps"],
         eval=({k: last_eval[k] for k in ("step", "kl", "ce", "ppl", "top1", "tokens")}
               | {"bits_per_byte": last_eval.get("bits_per_byte")}) if last_eval else None,

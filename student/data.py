@@ -134,7 +134,7 @@ def target_weights(targets, head: int = 0) -> np.ndarray:
     return weights.astype(np.float32)
 
 
-class _ShardLRU:
+class ShardLRU:
     """The last few decoded shards of a reader (the reader itself keeps one): with shards in a
     shuffled order and an evaluation pass in between, each shard is still decoded about once."""
 
@@ -196,7 +196,7 @@ class CacheBatches:
         self.k = reader.manifest.spec.targets.k
         self.sampled = reader.manifest.spec.targets.sampled
         self.head = reader.manifest.spec.targets.head  # a hybrid cache's exact top-K slots per row
-        self._lru = _ShardLRU(reader, lru_shards)
+        self._lru = ShardLRU(reader, lru_shards)
         # per thread (Prefetcher's workers): the given reader's cache goes to the first thread that asks
         self._lru_shards, self._threads, self._spare_lru = lru_shards, threading.local(), [self._lru]
         self.epoch, self.offset = 0, 0
@@ -269,7 +269,7 @@ class CacheBatches:
             rows.append((shard, stop, start + lo, start + hi))
         return rows
 
-    def _thread_lru(self) -> _ShardLRU:
+    def _thread_lru(self) -> ShardLRU:
         """The shard cache of the calling thread: Prefetcher's workers build batches at once, each
         through a reader of its own (the first thread to ask uses the one given)."""
         lru = getattr(self._threads, "lru", None)
@@ -277,7 +277,7 @@ class CacheBatches:
             try:
                 lru = self._spare_lru.pop()  # atomic: one thread gets it
             except IndexError:
-                lru = _ShardLRU(CacheReader(self.reader.path, verify_checksums=self.reader.verify_checksums),
+                lru = ShardLRU(CacheReader(self.reader.path, verify_checksums=self.reader.verify_checksums),
                                 self._lru_shards)
             self._threads.lru = lru
         return lru

@@ -29,9 +29,13 @@ finite.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from distill.errors import DistillUserError
 from student.cross_tokenizer.vocab_map import EMPTY_LOGPROB
+from student.data import Batch, CacheBatches, ShardLRU
+from teacher_cache.reader import CacheReader
+from teacher_cache.targets import TeacherTargets
 
 # The cache's floor of the tail mass (teacher_cache.targets.tail_logmass_from_topk).
 _TAIL_MIN_MASS = 1e-12
@@ -89,3 +93,72 @@ def combine_topk(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], weights
         out_lp = np.where(out_p > 0, np.log(out_p), EMPTY_LOGPROB)
     tail_lp = np.log(np.maximum(tail_mass, _TAIL_MIN_MASS))
     return out_ids, out_lp.astype(np.float32), tail_lp.astype(np.float32)
+
+
+class EnsembleBatches(CacheBatches):
+    """CacheBatches over the first teacher's cache whose targets are every teacher's, combined row by
+    row (``combine_topk``) into `k` slots; target_logprob is the mixture's, log sum_i w_i p_i(next).
+    The caches hold the same corpus (``check_same_corpus``), so a sequence index and a row offset
+    name the same token in each; each cache is read through its own shard cache."""
+
+    def __init__(self, reader: CacheReader, indices, batch_size: int, *, others: list[CacheReader], weights,
+                 k: int, **kwargs):
+        super().__init__(reader, indices, batch_size, **kwargs)
+        if self.sampled or any(r.manifest.spec.targets.sampled for r in others):
+            raise DistillUserError("--ensemble: sampled caches cannot join an ensemble yet (their slots are weighted "
+                                   "draws, not probabilities to add); build top-k caches of each teacher")
+        w = np.asarray(weights, np.float64)
+        self.weights, self.ensemble_k = w / w.sum(), k  # self.k stays the first cache's (the rows read)
+        self._others = [ShardLRU(r, self._lru_shards) for r in others]
+
+    def make_batch(self, picked: list[tuple[int, int]]) -> Batch:
+        windows = self.windows(picked)
+        B, L, k = len(windows), max(hi - lo for _, _, lo, hi in windows), self.ensemble_k
+        parts = [[] for _ in range(1 + len(self._others))]
+        for (epoch, i), (shard, _, lo, hi) in zip(picked, windows):
+            first = lo - int(shard.seq_offsets[np.searchsorted(shard.seq_offsets, lo, side="right") - 1])
+            parts[0].append(shard.targets.slice(lo, hi))
+            for part, lru in zip(parts[1:], self._others):
+                start, _, other = lru.sequence(i)
+                part.append(other.targets.slice(start + first, start + first + hi - lo))
+        joined = [TeacherTargets.concat(p) for p in parts]
+        ids, logprobs, tail = combine_topk([(t.topk_ids, t.topk_logprobs, t.tail_logmass) for t in joined],
+                                           self.weights, k)
+        with np.errstate(divide="ignore"):
+            target_lp = np.log(sum(w * np.exp(t.target_logprob.astype(np.float64)) for w, t in zip(self.weights, joined)))
+        plain = super().make_batch(picked)  # input ids, next tokens and mask, as one cache reads them
+        rows = plain.mask.numpy()
+        full_ids = np.broadcast_to(np.arange(k, dtype=np.int64), (B * L, k)).copy()
+        full_lp = np.zeros((B * L, k), np.float32)
+        full_tail, full_target = np.zeros(B * L, np.float32), np.full(B * L, np.nan, np.float32)
+        full_ids[rows], full_lp[rows], full_tail[rows], full_target[rows] = ids, logprobs, tail, target_lp
+        batch = Batch(plain.input_ids, torch.from_numpy(full_ids), torch.from_numpy(full_lp),
+                      torch.from_numpy(full_tail), plain.target_ids, torch.from_numpy(full_target), plain.mask)
+        return batch.pin_memory() if self.pin else batch
+
+
+def check_same_corpus(first: CacheReader, other: CacheReader) -> None:
+    """Refuse, in one line naming --ensemble, a cache whose tokenizer or corpus is not `first`'s: the
+    differing fingerprint and the first sequence whose tokens differ."""
+    a, b = first.manifest.spec, other.manifest.spec
+    if a.tokenizer.hash != b.tokenizer.hash:
+        raise DistillUserError(f"--ensemble: {other.path} has tokenizer hash {b.tokenizer.hash}, {first.path} has "
+                               f"{a.tokenizer.hash}; an ensemble's caches score one corpus with one tokenizer")
+    if a.data.fingerprint == b.data.fingerprint and a.data.sequences == b.data.sequences:
+        return
+    where = f"{a.data.sequences} vs {b.data.sequences} sequences"
+    starts = [np.cumsum([0] + [s.sequences for s in r.manifest.shards]) for r in (first, other)]
+    for index in range(min(a.data.sequences, b.data.sequences)):
+        x, y = (_tokens(reader, start, index) for reader, start in zip((first, other), starts))
+        if not np.array_equal(x, y):
+            where = f"first differing sequence {index}"
+            break
+    raise DistillUserError(f"--ensemble: {other.path} scored another corpus than {first.path} (data fingerprint "
+                           f"{b.data.fingerprint} vs {a.data.fingerprint}; {where}); ensemble caches of one corpus")
+
+
+def _tokens(reader: CacheReader, starts: np.ndarray, index: int) -> np.ndarray:
+    shard_index = int(np.searchsorted(starts, index, side="right") - 1)
+    shard = reader.load_shard(shard_index)
+    local = index - int(starts[shard_index])
+    return shard.input_ids[shard.seq_offsets[local]:shard.seq_offsets[local + 1]]

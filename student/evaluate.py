@@ -100,6 +100,22 @@ class EvalResult:
         """From to_dict() output or a metrics row (other keys ignored; a missing optional one is None)."""
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
+    @classmethod
+    def mixed(cls, results: list[EvalResult], weights) -> EvalResult:
+        """Several caches' evaluations as one: each figure the mean weighted by `weights` (summing to
+        1; per layer for the sparse FFN's lists), ppl exp of that ce, tokens summed; an optional
+        figure only when every result has it."""
+        def mean(values):
+            if any(v is None for v in values):
+                return None
+            if isinstance(values[0], list):
+                return [sum(w * x for w, x in zip(weights, column)) for column in zip(*values)]
+            return sum(w * v for w, v in zip(weights, values))
+
+        figures = {f.name: mean([getattr(r, f.name) for r in results]) for f in fields(cls)
+                   if f.name not in ("ppl", "tokens")}
+        return cls(**figures, ppl=math.exp(figures["ce"]), tokens=sum(r.tokens for r in results))
+
     def summary(self) -> str:
         """One console line of the numbers."""
         full = "" if self.full_vocab_kl is None else (f", full-vocabulary KL {self.full_vocab_kl:.4f}, "
@@ -374,16 +390,17 @@ def _evaluate(model, teacher, reader: CacheReader, indices, *, batch_size: int, 
 
 
 def teacher_reference(reader: CacheReader, indices, *, seq_len: int | None = None,
-                      token_bytes: torch.Tensor | np.ndarray | None = None) -> EvalResult:
+                      token_bytes: torch.Tensor | np.ndarray | None = None, batches=CacheBatches) -> EvalResult:
     """The teacher on the same rows, from the cache: ce from target_logprob, kl 0, top1 1.
 
     token_bytes: integers [V], the UTF-8 bytes of each id of the cache's (the teacher's) vocabulary;
     with it bits_per_byte is -(sum of target_logprob over the rows with a next token) / ln 2 / the
     bytes of the teacher's own next tokens there (special ids: their bits, 0 bytes). None: no
-    bits_per_byte. Like ce it is at the cache's temperature (target_logprob's), the teacher's own at 1."""
+    bits_per_byte. Like ce it is at the cache's temperature (target_logprob's), the teacher's own at 1.
+    batches: the batch stream class (an ensemble's: the teachers' mixture, student/mixture.py)."""
     table_V = byte_table(token_bytes)
     sums = _Sums(with_bytes=table_V is not None)
-    for batch in CacheBatches(reader, indices, 64, seq_len=seq_len, shuffle=False).epoch_batches():
+    for batch in batches(reader, indices, 64, seq_len=seq_len, shuffle=False).epoch_batches():
         has = batch.mask & (batch.target_ids >= 0)
         sums.ce -= batch.target_logprob[has].double().sum().item()
         if table_V is not None:
@@ -436,7 +453,8 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
     if is_run:
         run = json.loads((path / "run.json").read_text())
         cfg = run["config"]
-        cache = cache or cfg["cache"]
+        # a run's cache, or the first of a mixture's (a run written before --cache repeated held one path)
+        cache = cache or (cfg["cache"] if isinstance(cfg["cache"], str) else cfg["cache"][0])
         seq_len = seq_len if seq_len is not None else cfg["seq_len"]
         batch_size = batch_size or cfg.get("batch_size")  # the trainer's own evaluations batch so
         chunk_tokens = chunk_tokens if chunk_tokens is not None else cfg.get("chunk_tokens")

@@ -9,18 +9,96 @@ with no randomness to seed and nothing to draw on resume. The position is the st
 and the counts taken: ``state_dict`` / ``load_state_dict`` resume exactly there.
 
 A batch holds each cache's sequences in the caches' order, padded to the longest: the caches must
-give rows of one shape (the same k and kind of targets; student/mixture's caller refuses others).
+give rows of one shape and meaning, so ``open_caches`` refuses caches of another tokenizer, kind of
+targets, k or temperature than the first's, in one line naming --cache, before any work.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from distill.errors import DistillUserError
-from student.data import Batch, CacheBatches
+from student.cross_tokenizer.batches import CrossTokenizer, batches_for, open_cross_tokenizer
+from student.data import Batch, CacheBatches, split_indices
+from student.ensemble import EnsembleBatches, check_same_corpus
+from teacher_cache.reader import CacheReader
+
+
+@dataclass
+class CacheSource:
+    """One cache of a run: its reader, what a student of another tokenizer needs to read it (None:
+    the student's tokenizer is the cache's), and its training and evaluation sequences."""
+
+    reader: CacheReader
+    cross: CrossTokenizer | None
+    train_idx: list[int]
+    eval_idx: list[int]
+
+    @property
+    def batches(self):
+        """The batch stream class of this cache (student.cross_tokenizer.batches.batches_for)."""
+        return batches_for(self.cross)
+
+
+def open_caches(caches, student_tokenizer, *, cross_tokenizer: str, heldout: int, eval_sequences: int | None,
+                maps_folder=None, ensemble: bool = False) -> list[CacheSource]:
+    """A CacheSource for each of `caches` (paths or URLs), its held-out split `heldout` sequences of
+    its own (evaluations use the first `eval_sequences`), after refusing a cache that cannot be
+    mixed with the first (module doc), or with `ensemble` one that did not score the first's corpus
+    at its temperature (student/ensemble.py)."""
+    sources = []
+    for path in caches:
+        reader = CacheReader(path)
+        if sources and ensemble:
+            check_same_corpus(sources[0].reader, reader)
+            first, temperature = sources[0].reader, reader.manifest.spec.targets.temperature
+            if temperature != first.manifest.spec.targets.temperature:
+                raise DistillUserError(f"--ensemble: {reader.path} has temperature {temperature}, {first.path} has "
+                                       f"{first.manifest.spec.targets.temperature}; ensemble caches of one temperature")
+        elif sources:
+            _check_mixable(sources[0].reader, reader)
+        cross = open_cross_tokenizer(reader, student_tokenizer, cross_tokenizer, maps_folder=maps_folder)
+        if ensemble and cross is not None:
+            raise DistillUserError("--ensemble: a student of another tokenizer than the caches' cannot learn from an "
+                                   "ensemble yet; use one --cache")
+        train_idx, held_idx = split_indices(reader.num_sequences, heldout)
+        sources.append(CacheSource(reader, cross, train_idx, held_idx[:eval_sequences] if eval_sequences else held_idx))
+    return sources
+
+
+def _check_mixable(first: CacheReader, other: CacheReader) -> None:
+    a, b = first.manifest.spec, other.manifest.spec
+    differs = [(what, x, y) for what, x, y in (
+        ("tokenizer hash", a.tokenizer.hash, b.tokenizer.hash), ("targets", a.targets.kind, b.targets.kind),
+        ("k", a.targets.k, b.targets.k), ("temperature", a.targets.temperature, b.targets.temperature)) if x != y]
+    if differs:
+        what, x, y = differs[0]
+        raise DistillUserError(f"--cache: {other.path} has {what} {y}, the first cache {first.path} has {x}; the caches "
+                               "of one run must share the tokenizer, the kind of targets, k and the temperature")
+
+
+def train_stream(sources: list[CacheSource], weights, batch_size: int, *, seq_len: int | None, seed: int,
+                 pin_memory: bool, part: tuple[int, int], ensemble_k: int | None = None):
+    """The training batches: one cache's CacheBatches as a one-cache run reads them, with `ensemble_k`
+    the teachers' caches combined position by position (EnsembleBatches), else a MixtureBatches over
+    every cache's stream. Each stream reads through a reader of its own (batches are built on
+    background threads while evaluation reads through the sources' readers)."""
+    own = lambda source: CacheReader(source.reader.path)
+    if ensemble_k is not None:
+        return ensemble_batches([own(s) for s in sources[1:]], weights, ensemble_k)(
+            own(sources[0]), sources[0].train_idx, batch_size, seq_len=seq_len, seed=seed, pin_memory=pin_memory,
+            part=part)
+    if len(sources) == 1:
+        return sources[0].batches(own(sources[0]), sources[0].train_idx, batch_size, seq_len=seq_len, seed=seed,
+                                  pin_memory=pin_memory, part=part)
+    streams = [source.batches(own(source), source.train_idx, 1, seq_len=seq_len, seed=stream_seed(seed, place))
+               for place, source in enumerate(sources)]
+    return MixtureBatches(streams, weights, batch_size, part=part, pin_memory=pin_memory)
 
 
 def stream_seed(seed: int, place: int) -> int:
@@ -61,6 +139,12 @@ def cat_batches(batches: list[Batch]) -> Batch:
     return Batch(**fields)
 
 
+def ensemble_batches(others: list[CacheReader], weights, k: int):
+    """The batch stream class of an ensemble over the first teacher's cache (as CacheBatches is called)."""
+    return lambda reader, indices, batch_size, **kwargs: EnsembleBatches(reader, indices, batch_size, others=others,
+                                                                         weights=weights, k=k, **kwargs)
+
+
 class MixtureBatches:
     """Endless micro-batches of `batch_size` sequences drawn from `streams` in the shares `weights`
     (module doc). Each stream must have been built with batch_size 1, no `part` and unpinned: the
@@ -85,6 +169,11 @@ class MixtureBatches:
     def epoch(self) -> int:
         """The first cache's epoch (passes over its training sequences)."""
         return self.streams[0].epoch
+
+    @property
+    def counts(self) -> Counter:
+        """A cross-tokenizer student's alignment counts, summed over the caches' streams."""
+        return sum((stream.counts for stream in self.streams), Counter())
 
     def state_dict(self) -> dict:
         return {"streams": [s.state_dict() for s in self.streams], "taken": list(self.taken),

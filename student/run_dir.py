@@ -50,11 +50,14 @@ def check_run_dir(out: Path, run: dict) -> dict:
         return {}
     old = json.loads(path.read_text())
     defaults = TrainConfig.flat_defaults()  # a field added after the run was written reads as its default
-    was = lambda k: old["config"].get(k, defaults.get(k))
-    new = run["config"]
+    # as JSON holds them (tuples are lists); a run written when --cache took one path held it as a string
+    saved = {**old["config"], **({"cache": [old["config"]["cache"]]} if isinstance(old["config"].get("cache"), str)
+                                else {})}
+    was = lambda k: saved.get(k, json.loads(json.dumps(defaults.get(k))))
+    new = json.loads(json.dumps(run["config"]))
     refused = [f"{k}: {was(k)!r} -> {v!r}" for k, v in new.items()
                if k not in FREE + CHANGEABLE and was(k) != v]
-    refused += [k for k in ("cache_id", "student", "tokenizer_hash") if old.get(k) != run.get(k)]
+    refused += [k for k in ("cache_id", "cache_ids", "student", "tokenizer_hash") if old.get(k) != run.get(k)]
     if refused:
         raise RunDirError(f"{out} holds another run (run.json differs in {'; '.join(refused)}, which changes the "
                           "model or the data); use a new `out`, or rerun with the run's settings (these may change: "

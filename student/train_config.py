@@ -47,10 +47,22 @@ class TrainConfig:
     and its recipe key ([train] warmup_steps): `from_flat`, `with_flat` and `to_flat` use them.
     """
 
-    cache: str | Path = option(help="Teacher cache directory (from cache-teacher), or its fsspec URL (s3://bucket/cache, "
-                                    "gs://...).", flags=("--cache", "-c"))
     out: str | Path = option(
         help="Run directory (metrics, checkpoints, final student); rerun to resume.", flags=("--out", "-o"))
+    cache: tuple[str, ...] = option(
+        (), help="Teacher cache directory (from cache-teacher), or its fsspec URL (s3://bucket/cache, gs://...); repeat it "
+             "to mix several caches of one tokenizer (--cache-weights).", flags=("--cache", "-c"))
+    cache_weights: tuple[float, ...] | str = option(
+        (), "With several --cache: each cache's share of the training sequences, comma-separated (0.7,0.3; normalised "
+            "to sum 1). Default: equal shares.")
+    ensemble: tuple[str, ...] | str = option(
+        (), "Instead of --cache: several teachers' caches of one corpus, comma-separated (A,B); each position's target "
+            "is their mixture at --ensemble-weights (default: equal), top-k and tails merged.")
+    ensemble_weights: tuple[float, ...] | str = option(
+        (), "Each --ensemble teacher's weight in the mixture, comma-separated (0.5,0.5; normalised to sum 1).")
+    ensemble_k: int | None = option(
+        None, "Ids an ensemble's target keeps a position, the most probable of the teachers' top-k (default: the largest "
+              "k among the caches); the rest joins the tail.")
     student: str | Path | None = option(None, "Initial student HF folder.")
     teacher: str | Path | None = option(
         None, "Prune the initial student from this HF folder (with --num-layers); default: the embedded teacher.")
@@ -89,7 +101,25 @@ class TrainConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # offload (none | auto | PLAN.json), gpu_memory, host_memory
 
     def __post_init__(self):
+        self.cache = (str(self.cache),) if isinstance(self.cache, (str, Path)) else tuple(map(str, self.cache))
+        self.ensemble = tuple(p for p in self.ensemble.split(",") if p) if isinstance(self.ensemble, str) \
+            else tuple(map(str, self.ensemble or ()))
+        self.cache_weights, self.ensemble_weights = _weights(self.cache_weights), _weights(self.ensemble_weights)
+        if self.ensemble:  # the first teacher's cache gives the run its text
+            if self.cache not in ((), self.ensemble[:1]):
+                raise ConfigError("ensemble", "is given with --cache: an ensemble's caches hold one corpus; give "
+                                              "--ensemble A,B alone (several --cache mix corpora)")
+            self.cache = self.ensemble[:1]
         check_types(self)
+        require("cache", self.cache, len(self.cache) >= 1, "given at least once (or --ensemble A,B)")
+        require("ensemble", ",".join(self.ensemble), len(self.ensemble) != 1, "two caches or more, or left out")
+        for name, caches in (("cache_weights", self.cache), ("ensemble_weights", self.ensemble)):
+            weights = getattr(self, name)
+            require(name, ",".join(f"{w:g}" for w in weights), not weights or (
+                len(weights) == len(caches) and all(w >= 0 for w in weights) and sum(weights) > 0),
+                f"one weight >= 0 per --{name.split('_')[0]} ({len(caches)}), summing to a positive number")
+        require("ensemble_k", self.ensemble_k, self.ensemble_k is None or self.ensemble_k >= 1,
+                "a positive integer, or left out")
         if (self.student is None) == (self.teacher is None):
             raise DistillUserError("give exactly one of `student` (an HF folder) or `teacher` + `num_layers`, "
                                    f"got student={self.student!r}, teacher={self.teacher!r}")
@@ -120,7 +150,7 @@ class TrainConfig:
         unknown = sorted(set(values) - _field_names(cls))
         if unknown:
             raise DistillUserError(f"unknown training setting(s) {', '.join(unknown)}; "
-                                   f"known: {', '.join(sorted(cls.flat_defaults()) + ['cache', 'out'])}")
+                                   f"known: {', '.join(sorted([*cls.flat_defaults(), 'out']))}")
         return cls(**values, **parts)
 
     def with_flat(self, **changes) -> TrainConfig:
@@ -128,8 +158,9 @@ class TrainConfig:
         return TrainConfig.from_flat(**{**self.to_flat(), **changes})
 
     def to_flat(self) -> dict[str, Any]:
-        """Every field by its flat name (the form run.json and recipes hold)."""
-        flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _PARTS}
+        """Every field by its flat name (the form run.json and recipes hold: a tuple as a list)."""
+        value = lambda v: list(v) if isinstance(v, tuple) else v
+        flat = {f.name: value(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in _PARTS}
         for name in _PARTS:
             flat.update(dataclasses.asdict(getattr(self, name)))
         return flat
@@ -143,7 +174,7 @@ class TrainConfig:
 
     @classmethod
     def flat_defaults(cls) -> dict[str, Any]:
-        """The default of every flat field that has one (all but `cache` and `out`)."""
+        """The default of every flat field that has one (all but `out`)."""
         own = {f.name: f.default for f in dataclasses.fields(cls)
                if f.name not in _PARTS and f.default is not dataclasses.MISSING}
         for part_cls in _PARTS.values():
@@ -153,6 +184,19 @@ class TrainConfig:
 
 _PARTS = {"schedule": ScheduleConfig, "optim": OptimizerConfig, "loss": LossConfig, "sparse": SparseFFNConfig,
           "long": LongContextConfig, "offload": OffloadConfig}
+
+
+def _weights(value) -> tuple[float, ...]:
+    """cache_weights as a tuple of floats: from "0.7,0.3" (the CLI's and a recipe's form) or a sequence;
+    None (the option not given) is ()."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        try:
+            return tuple(float(part) for part in value.split(",") if part.strip())
+        except ValueError:
+            raise ConfigError("cache_weights", f"must be numbers separated by commas (0.7,0.3), got {value!r}") from None
+    return tuple(float(w) if isinstance(w, int) and not isinstance(w, bool) else w for w in value)
 
 
 def _field_names(cls) -> set[str]:

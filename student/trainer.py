@@ -24,7 +24,10 @@ Run directory (`out`):
                       ffn_overflow_rows / ffn_fallback_rows (kernel counts), ffn_reinit (gate
                       rows moved by dead_reinit), ffn_kernel (with sparse_kernel "twell");
                       {"kind": "eval", step, kl, ce, ppl, top1, tokens (+ ffn_nnz, ffn_sparsity,
-                      ffn_dead for a sparse student)}; and {"kind": "change", step, changes: {name:
+                      ffn_dead for a sparse student)}: with several caches the mean over them at
+                      --cache-weights (an --ensemble: against the teachers' mixture), and
+                      {"kind": "cache_eval", step, cache: its place in --cache or --ensemble, the
+                      same figures} for each; and {"kind": "change", step, changes: {name:
                       [old, new]}} where a rerun continued the run with other settings; {"kind":
                       "stop", step, reason: "non-finite", message} when a non-finite loss stopped the
                       run (a rerun resumes from its checkpoint and drops the row)
@@ -32,7 +35,8 @@ Run directory (`out`):
                       for the run's life (a second trainer into the same directory is refused),
                       removed when it returns or raises; one a killed process left is taken over
   initial_eval.json   the step-0 student on the evaluation sequences
-  eval.json           initial / final student and teacher reference at the end
+  eval.json           initial / final student and teacher reference at the end (several caches: also
+                      each cache's, "caches")
   checkpoints/, student/   see student/checkpoint.py
 
 Rerunning `train` with the same config resumes from the last checkpoint; with deterministic=True
@@ -49,6 +53,7 @@ student/step.py's; where the step runs (one process, FSDP2, planned offload) is 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -69,11 +74,11 @@ from distill.errors import DistillUserError
 from distill.files import atomic_write_json, distill_home
 from student import run_owner
 from student.checkpoint import RunDirError, checkpoints, latest_checkpoint, remove_stale, rewind
-from student.cross_tokenizer.batches import CrossTokenizer, batches_for, open_cross_tokenizer
-from student.data import CacheBatches, Prefetcher, load_tokenizer, split_indices
+from student.data import CacheBatches, Prefetcher, load_tokenizer
 from student.distributed import Dist, check_config, setup, teardown, world_from_env
 from student.evaluate import EvalResult, evaluate_student, kl_note, teacher_reference, token_bytes_of
 from student.executors import LocalExecutor, make_executor
+from student.mixture import CacheSource, ensemble_batches, normalized_weights, open_caches, train_stream
 from student.offload.run import caps_allocator, cuda_index, over_cap_message
 from student.optim.build import build_optimizer, load_state_keeping_settings, state_bytes
 from student.run_dir import MetricsLog, check_run_dir, diverged_message, eval_row, make_run_dir
@@ -81,7 +86,6 @@ from student.schedule import lr_factor
 from student.step import autocast_dtype, initial_student, model_policy, peak_gpu_bytes, resolve
 from student.train_config import CHANGEABLE, TrainConfig
 from teacher_cache.identity import tokenizer_info
-from teacher_cache.reader import CacheReader
 from teacher_cache.verify import check_shards
 
 __all__ = ["CHANGEABLE", "NonFiniteLossError", "RunDirError", "TrainConfig", "TrainReport", "train"]
@@ -103,6 +107,9 @@ class TrainReport:
     initial_eval: EvalResult | None  # the step-0 student (None when a resumed run has no record of it)
     final_eval: EvalResult
     teacher_eval: EvalResult  # the teacher itself, from the cache
+    # several caches: (cache, the final student's evaluation on its held-out sequences, the teacher's
+    # there) each; the two above are their means at the --cache-weights. One cache: empty.
+    cache_evals: list[tuple[str, EvalResult, EvalResult]] = dataclasses.field(default_factory=list)
 
 
 def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None = None,
@@ -121,28 +128,30 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
         if resume_from is not None and not (out / "run.json").exists():
             raise RunDirError(f"--resume-from {resume_from}: {out} holds no run to resume")
         random.seed(config.seed), np.random.seed(config.seed), torch.manual_seed(config.seed)
-        reader, tok, config, cross, token_bytes = _open_cache(config)
-        # the teacher's own tokens' bytes, and the evaluation's batches
-        teacher_bytes = token_bytes if cross is None else cross.aligner.teacher.lengths
-        eval_batches = batches_for(cross)
-        train_idx, held_idx = split_indices(reader.num_sequences, config.heldout)
-        eval_idx = held_idx[:config.eval_sequences] if config.eval_sequences else held_idx
+        sources, tok, config, token_bytes = _open_cache(config)
+        reader, cross = sources[0].reader, sources[0].cross  # the caches share tokenizer and targets (mixture.py)
+        given = config.ensemble_weights if config.ensemble else config.cache_weights
+        weights = normalized_weights(given or [1.0] * len(sources), len(sources))
+        # an ensemble's target keeps these many ids a position (None: not an ensemble)
+        ensemble_k = (config.ensemble_k or max(s.reader.manifest.spec.targets.k for s in sources)) \
+            if config.ensemble else None
+        mixture_of = lambda: ensemble_batches([s.reader for s in sources[1:]], weights, ensemble_k)
         executor, config = make_executor(config, dist)
         model, identity = initial_student(config, executor.model_device)
         if model.config.vocab_size < tok["vocab_size"]:
             raise DistillUserError(f"--student: the student's vocab size {model.config.vocab_size} is smaller than its "
                                    f"tokenizer's {tok['vocab_size']}; use a student built for this tokenizer, or prune one "
                                    "from the teacher with --tokenizer")
-        run = {"config": config.to_flat(), "cache_id": reader.manifest.cache_id,
+        several = {"cache_ids": [s.reader.manifest.cache_id for s in sources]} if len(sources) > 1 else {}
+        run = {"config": config.to_flat(), "cache_id": reader.manifest.cache_id, **several,
                "cache_temperature": reader.manifest.spec.targets.temperature, "student": identity,
                "tokenizer_hash": tok["hash"], "cross_tokenizer": cross is not None}
         changes = executor.run_first(lambda: _prepare_run_dir(out, run, resume_from))
         executor.place(model)  # before the optimizer sees the parameters
         run.update(executor.run_info())
         optimizer = build_optimizer(model, config.optim, config.device)
-        # Its own reader: batches are built on a background thread while evaluation reads through `reader`.
-        data = batches_for(cross)(CacheReader(config.cache), train_idx, config.batch_size, seq_len=config.seq_len,
-                                  seed=config.seed, pin_memory=config.device.startswith("cuda"), part=executor.data_part)
+        data = train_stream(sources, weights, config.batch_size, seq_len=config.seq_len, seed=config.seed,
+                            pin_memory=config.device.startswith("cuda"), part=executor.data_part, ensemble_k=ensemble_k)
         policy = model_policy(config, model, executor.reduce)
         step, last_saved = 0, None  # last_saved: (checkpoint, the loss of its step)
         if (ckpt := latest_checkpoint(out)) is not None:
@@ -150,15 +159,31 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
         resumed_from, steps = step, config.schedule.steps
         cache_temperature = run["cache_temperature"]
 
-        def evaluate(at_step: int) -> EvalResult:  # every rank evaluates every sequence (the forward is collective)
+        def evaluate(at_step: int) -> tuple[EvalResult, list[EvalResult]]:
+            """(the evaluation: against an ensemble's mixture, else the mean over caches at the weights;
+            each cache's, when several: an ensemble's teachers one by one). Every rank evaluates every
+            sequence (the forward is collective)."""
+            on = lambda source, batches: evaluate_student(
+                model, source.reader, source.eval_idx, batch_size=config.batch_size, device=config.device,
+                seq_len=config.seq_len, autocast_dtype=autocast_dtype(config), long=config.long,
+                progress=progress and main, token_bytes=token_bytes, batches=batches)
             with executor.evaluating():
-                result = evaluate_student(model, reader, eval_idx, batch_size=config.batch_size, device=config.device,
-                                          seq_len=config.seq_len, autocast_dtype=autocast_dtype(config),
-                                          long=config.long, progress=progress and main, token_bytes=token_bytes,
-                                          batches=eval_batches)
+                each = [on(source, source.batches) for source in sources]
+                if config.ensemble:
+                    result = on(sources[0], mixture_of())
+            if not config.ensemble:
+                result = each[0] if len(each) == 1 else EvalResult.mixed(each, weights)
             if main:
                 logger.info("eval at step %d: %s", at_step, result.summary())
-            return result
+            return result, each if len(each) > 1 else []
+
+        def record(at_step: int) -> tuple[EvalResult, list[EvalResult]]:
+            """evaluate(), its metrics rows written: "eval", and with several caches a "cache_eval" row each."""
+            result, each = evaluate(at_step)
+            metrics.write({"kind": "eval", "step": at_step, **result.to_dict()})
+            for place, one in enumerate(each):
+                metrics.write({"kind": "cache_eval", "step": at_step, "cache": place, **one.to_dict()})
+            return result, each
 
         metrics = MetricsLog(out / "metrics.jsonl", step, main)
         if changes:
@@ -167,7 +192,8 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
             metrics.write({"kind": "change", "step": step, "changes": changes})
         if main:
             atomic_write_json(out / "run.json", run)
-        initial = _initial_eval(out, step, evaluate, metrics, main)
+        initial = _initial_eval(out, step, record, main)
+        final_each: list[EvalResult] = []  # each cache's newest evaluation (several caches)
 
         model.train()
         batches = Prefetcher(data)
@@ -211,7 +237,7 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
                                    **executor.figures(optimizer, window_step_s / window_steps, peak)})
                     window_tokens, window_start, window_step_s, window_steps = 0, time.perf_counter(), 0.0, 0
                 if (config.eval_every and step % config.eval_every == 0) or step == steps:
-                    metrics.write({"kind": "eval", "step": step, **evaluate(step).to_dict()})
+                    final_each = record(step)[1]
                 if (config.save_every and step % config.save_every == 0) or step == steps:
                     saved = executor.save(out, step, optimizer, {"loss": loss_value, **policy.state_dict(model)},
                                           batches.state_dict())
@@ -220,19 +246,31 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
                     on_step(step)
 
         # The loop's last step always evaluates; a rerun of a finished run evaluates again.
-        final = evaluate(step) if resumed_from == step else EvalResult.from_dict(eval_row(metrics.path, step))
-        teacher = teacher_reference(reader, eval_idx, seq_len=config.seq_len, token_bytes=teacher_bytes)
+        if resumed_from == step:
+            final, final_each = evaluate(step)
+        else:
+            final = EvalResult.from_dict(eval_row(metrics.path, step))
+        teachers = [_teacher(source, config.seq_len, token_bytes) for source in sources]
+        teacher = teachers[0] if len(teachers) == 1 else EvalResult.mixed(teachers, weights)
+        if config.ensemble:  # the mixture itself, whose target_logprob the ensemble's batches carry
+            teacher = teacher_reference(reader, sources[0].eval_idx, seq_len=config.seq_len, token_bytes=token_bytes,
+                                        batches=mixture_of())
+        cache_evals = list(zip(config.ensemble or config.cache, final_each, teachers))
         # a student of another tokenizer: what alignment met in the batches this process built
         alignment = {"alignment": dict(data.counts)} if cross is not None else {}
+        caches = {"caches": [{"cache": path, "weight": w, "final": one.to_dict(), "teacher": t.to_dict()}
+                             for (path, one, t), w in zip(cache_evals, weights)]} if cache_evals else {}
         if main:
             atomic_write_json(out / "eval.json", {"step": step, "initial": initial.to_dict() if initial else None,
                                                   "final": final.to_dict(), "teacher": teacher.to_dict(),
-                                                  "kl_note": kl_note(reader, cross is not None), **alignment})
+                                                  "kl_note": kl_note(reader, cross is not None), **caches,
+                                                  **alignment})
             if alignment:
                 logger.info("cross-tokenizer: %s", ", ".join(f"{k} {v:,}" for k, v in sorted(data.counts.items())))
         executor.close()
         executor.save_student(out / "student", config.tokenizer, last_saved[0])  # its weights are the model's
-        return TrainReport(str(out), str(out / "student"), step, resumed_from, loss_value, initial, final, teacher)
+        return TrainReport(str(out), str(out / "student"), step, resumed_from, loss_value, initial, final, teacher,
+                           cache_evals)
 
 
 @contextlib.contextmanager
@@ -275,23 +313,31 @@ def _join_processes(config: TrainConfig) -> Dist | None:
     return dist
 
 
-def _open_cache(config: TrainConfig) -> tuple[CacheReader, dict, TrainConfig, CrossTokenizer | None,
-                                              np.ndarray | None]:
-    """(reader of the cache, the student's tokenizer identity, the config at the distillation temperature,
-    what a student of another tokenizer needs or None, the bytes of the student's token ids or None:
-    evaluations then have no bits per byte), after refusing a cache of another tokenizer
-    that cannot teach this one, a temperature the loss cannot train at, or a damaged shard (every
-    shard's size and checksum, before anything is written)."""
+def _open_cache(config: TrainConfig) -> tuple[list[CacheSource], dict, TrainConfig, np.ndarray | None]:
+    """(each cache of the run, the student's tokenizer identity, the config at the distillation
+    temperature, the bytes of the student's token ids or None: evaluations then have no bits per byte),
+    after refusing caches that cannot be mixed (student/mixture.py), a cache of another tokenizer that
+    cannot teach this one, a temperature the loss cannot train at, or a damaged shard (every shard's
+    size and checksum, before anything is written)."""
     tokenizer = load_tokenizer(config.tokenizer)
     tok = tokenizer_info(tokenizer)
-    reader = CacheReader(config.cache)
-    targets = reader.manifest.spec.targets
+    sources = open_caches(config.ensemble or config.cache, tokenizer, cross_tokenizer=config.cross_tokenizer,
+                          heldout=config.heldout, eval_sequences=config.eval_sequences,
+                          maps_folder=distill_home() / "vocab-maps", ensemble=bool(config.ensemble))
+    targets = sources[0].reader.manifest.spec.targets
     config.loss.check_cache_temperature(targets.temperature, kind=targets.kind)
-    cross = open_cross_tokenizer(reader, tokenizer, config.cross_tokenizer, maps_folder=distill_home() / "vocab-maps")
-    check_shards(config.cache)
+    for cache in config.ensemble or config.cache:
+        check_shards(cache)
+    cross = sources[0].cross
     token_bytes = cross.aligner.student.lengths if cross is not None else token_bytes_of(config.tokenizer, tokenizer)
-    return (reader, tok, config.with_flat(temperature=config.loss.distillation_temperature(targets.temperature)),
-            cross, token_bytes)
+    return (sources, tok, config.with_flat(temperature=config.loss.distillation_temperature(targets.temperature)),
+            token_bytes)
+
+
+def _teacher(source: CacheSource, seq_len: int | None, token_bytes) -> EvalResult:
+    """The teacher on a cache's evaluation rows, from the cache; its own tokens' bytes give its bits per byte."""
+    teacher_bytes = token_bytes if source.cross is None else source.cross.aligner.teacher.lengths
+    return teacher_reference(source.reader, source.eval_idx, seq_len=seq_len, token_bytes=teacher_bytes)
 
 
 def _prepare_run_dir(out: Path, run: dict, resume_from: int | None) -> dict:
@@ -321,13 +367,13 @@ def _resume(ckpt: Path, executor: LocalExecutor, optimizer, data: CacheBatches, 
     return step, (ckpt, state.get("loss"))
 
 
-def _initial_eval(out: Path, step: int, evaluate, metrics: MetricsLog, main: bool) -> EvalResult | None:
-    """The step-0 student's evaluation: run and recorded at step 0, read back on a resume."""
+def _initial_eval(out: Path, step: int, record, main: bool) -> EvalResult | None:
+    """The step-0 student's evaluation: run and recorded (`record`: the trainer's) at step 0, read back
+    on a resume."""
     if step == 0:
-        initial = evaluate(0)
+        initial = record(0)[0]
         if main:
             atomic_write_json(out / "initial_eval.json", initial.to_dict())
-        metrics.write({"kind": "eval", "step": 0, **initial.to_dict()})
         return initial
     if (out / "initial_eval.json").exists():
         return EvalResult.from_dict(json.loads((out / "initial_eval.json").read_text()))

@@ -61,7 +61,8 @@ def test_tiny_cpu_run_appends_a_row_per_cache_and_plots(tiny_recipe, tmp_path, m
         assert f["ce"] > 0 and f["teacher_ce"] > 0 and 0 <= f["teacher_calibration_error"] <= 1
         assert "lower bound" in f["kl_note"] and f["cache_reused"] is False
     assert large["bytes_per_token"] > small["bytes_per_token"] > 0
-    assert rows[0]["config"]["train_config"]["cache"].endswith("caches/topk4")
+    [cache] = rows[0]["config"]["train_config"]["cache"]
+    assert cache.endswith("caches/topk4")
     # equal training: the same steps, seed, batch and held-out split, only the cache differs
     same = lambda row: {k: v for k, v in row["config"]["train_config"].items() if k not in ("cache", "out")}
     assert same(rows[0]) == same(rows[1])

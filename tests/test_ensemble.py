@@ -148,3 +148,94 @@ def test_bad_options_refused_in_one_line(weights, k, option):
     with pytest.raises(DistillUserError, match=option) as error:
         combine_topk(_teachers([3, 4], n=5), weights, k)
     assert "\n" not in str(error.value)
+
+
+# --- EnsembleBatches: the caches of two teachers over one corpus -------------------------------------
+
+
+def _second_teacher(corpus, seed: int = 5):
+    """The same text scored by another teacher: each row's distribution moved to other ids (a fixed
+    permutation of the vocabulary), with the sampled next tokens' log-probs where they now fall."""
+    from dataclasses import replace
+
+    from test_cache_synth import SynthCorpus
+
+    perm = np.random.default_rng(seed).permutation(300)
+    full = corpus.full_logprobs[:, np.argsort(perm)]  # p'(perm[v]) = p(v)
+    targets, start = [], 0
+    for ids, t in zip(corpus.sequences, corpus.targets):
+        rows = full[start:start + len(ids)]
+        target = np.full(len(ids), np.nan, np.float32)
+        target[:-1] = rows[np.arange(len(ids) - 1), ids[1:]]
+        targets.append(replace(t, topk_ids=perm[t.topk_ids].astype(np.int32), target_logprob=target))
+        start += len(ids)
+    return SynthCorpus(corpus.sequences, targets, full)
+
+
+@pytest.fixture(scope="module")
+def teachers(tmp_path_factory):
+    from test_cache_synth import make_corpus, write_cache
+
+    root = tmp_path_factory.mktemp("ensemble")
+    corpus = make_corpus(num_seqs=10, seq_len=20, seed=4)
+    write_cache(root / "a", corpus, shard_size=4)
+    write_cache(root / "b", _second_teacher(corpus), shard_size=3)  # another shard layout: rows found by sequence
+    write_cache(root / "other", make_corpus(num_seqs=10, seq_len=20, seed=9), shard_size=4, data__fingerprint="f9")
+    return root, corpus
+
+
+def _ensemble(root, names, weights, k=8, **kwargs):
+    from student.ensemble import EnsembleBatches
+    from teacher_cache.reader import CacheReader
+
+    first, *others = (CacheReader(root / name) for name in names)
+    return EnsembleBatches(first, range(10), 3, others=others, weights=weights, k=k, seed=2, **kwargs)
+
+
+def test_an_ensemble_of_one_cache_twice_reads_as_that_cache(teachers):
+    from student.data import CacheBatches
+    from teacher_cache.reader import CacheReader
+
+    root, _ = teachers
+    plain = CacheBatches(CacheReader(root / "a"), range(10), 3, seed=2, seq_len=9)
+    for want, got, _ in zip(plain, _ensemble(root, ["a", "a"], [0.3, 0.7], seq_len=9), range(5)):
+        assert torch.equal(want.topk_ids, got.topk_ids) and torch.equal(want.mask, got.mask)
+        torch.testing.assert_close(got.topk_logprobs, want.topk_logprobs, rtol=0, atol=2e-6)
+        torch.testing.assert_close(got.tail_logmass, want.tail_logmass, rtol=0, atol=2e-6)
+        torch.testing.assert_close(got.target_logprob, want.target_logprob, rtol=0, atol=2e-6, equal_nan=True)
+
+
+def test_an_ensembles_rows_are_the_mixture_of_both_teachers(teachers):
+    root, corpus = teachers
+    second = _second_teacher(corpus)
+    data = _ensemble(root, ["a", "b"], [1.0, 3.0], k=12)
+    batch = next(iter(data))
+    picked = data.epoch_order(0)[:3]
+    starts = np.cumsum([0] + [len(s) for s in corpus.sequences])
+    B, L = batch.input_ids.shape
+    for b, i in enumerate(picked):
+        for t in range(len(corpus.sequences[i])):
+            row = b * L + t
+            mix = 0.25 * np.exp(corpus.full_logprobs[starts[i] + t]) + 0.75 * np.exp(second.full_logprobs[starts[i] + t])
+            ids = batch.topk_ids[row].numpy()
+            kept = batch.topk_logprobs[row].numpy() > EMPTY_LOGPROB
+            # each kept id's mass is its share of the mixture from the teachers whose top-8 hold it
+            in_a = np.isin(ids, corpus.targets[i].topk_ids[t])
+            in_b = np.isin(ids, second.targets[i].topk_ids[t])
+            want = 0.25 * np.exp(corpus.full_logprobs[starts[i] + t, ids]) * in_a + \
+                0.75 * np.exp(second.full_logprobs[starts[i] + t, ids]) * in_b
+            np.testing.assert_allclose(np.exp(batch.topk_logprobs[row].numpy())[kept], want[kept], rtol=2e-5, atol=1e-7)
+            if t + 1 < len(corpus.sequences[i]):
+                nxt = corpus.sequences[i][t + 1]
+                assert batch.target_logprob[row].item() == pytest.approx(math.log(mix[nxt]), rel=1e-5)
+
+
+def test_caches_of_another_corpus_name_the_fingerprint_and_the_first_differing_sequence(teachers):
+    from student.ensemble import check_same_corpus
+    from teacher_cache.reader import CacheReader
+
+    root, _ = teachers
+    check_same_corpus(CacheReader(root / "a"), CacheReader(root / "b"))  # one corpus: no error
+    with pytest.raises(DistillUserError, match="--ensemble") as error:
+        check_same_corpus(CacheReader(root / "a"), CacheReader(root / "other"))
+    assert "f9" in str(error.value) and "first differing sequence 0" in str(error.value)

@@ -491,7 +491,7 @@ def test_a_moved_cache_is_the_same_cache(tiny, tmp_path):
     report = train(config(tiny, out, cache=str(tmp_path / "b"), steps=4), progress=False)
     assert report.resumed_from == 2 and report.steps == 4
     change = rows(out, "change")[0]["changes"]
-    assert change["cache"] == [str(tmp_path / "a"), str(tmp_path / "b")] and change["steps"] == [2, 4]
+    assert change["cache"] == [[str(tmp_path / "a")], [str(tmp_path / "b")]] and change["steps"] == [2, 4]
 
 
 def hot_cache(tiny, path: Path, temperature: float) -> Path:

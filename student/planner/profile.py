@@ -67,7 +67,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     is timed on layer 0 and scaled by parameter count."""
     config = resolve(config)
     device, cuda = config.device, config.device.startswith("cuda")
-    reader = CacheReader(config.cache)
+    reader = CacheReader(config.cache[0])  # a mixture's caches share the tokenizer and targets (student/mixture.py)
     # a student of another tokenizer reads the cache as the trainer does (student/cross_tokenizer)
     cross = open_cross_tokenizer(reader, load_tokenizer(config.tokenizer), config.cross_tokenizer,
                                  maps_folder=distill_home() / "vocab-maps")

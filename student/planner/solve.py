@@ -538,7 +538,7 @@ def _chunk_candidates(config) -> tuple[int, ...] | None:
         raise ConfigError("chunk_candidates", f"is {text!r}, without the run's --chunk-tokens {chunk}; add it to the "
                                               "candidates, or drop --chunk-tokens to let the planner choose")
 
-    length = CacheReader(config.cache).manifest.spec.data.seq_len
+    length = max(CacheReader(cache).manifest.spec.data.seq_len for cache in config.cache)
     length = min(length, config.seq_len) if config.seq_len is not None else length
     if candidates[-1] > length:
         raise ConfigError("chunk_candidates", f"is {text!r}: {candidates[-1]} is longer than the sequences trained "

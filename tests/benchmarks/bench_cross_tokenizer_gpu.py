@@ -65,15 +65,18 @@ def packed(tokenizer, seq_len: int, num_seqs: int) -> list[np.ndarray]:
     return [np.asarray(ids[i * seq_len:(i + 1) * seq_len], np.int32) for i in range(num_seqs)]
 
 
-def write_cache(path: Path, tokenizer, seqs: list[np.ndarray], k: int, *, store_tokenizer: bool, seed: int = 0):
-    """A parquet cache of `seqs` with random but valid top-k targets over the tokenizer's ids."""
+def write_cache(path: Path, tokenizer, seqs: list[np.ndarray], k: int, *, store_tokenizer: bool, seed: int = 0,
+                fingerprint: str | None = None):
+    """A parquet cache of `seqs` with random but valid top-k targets over the tokenizer's ids (seeded
+    by `seed`; the data fingerprint f<seed> unless given: two caches of the same `seqs` and fingerprint
+    are one corpus scored by two teachers)."""
     rng = np.random.default_rng(seed)
     info = tokenizer_info(tokenizer)
     vocab, seq_len = info["vocab_size"], len(seqs[0])
     spec = {
         "teacher": {"path": "synthetic", "weights_hash": "w0", "backend": "hf", "dtype": "bfloat16"},
         "tokenizer": {"hash": info["hash"], "vocab_size": vocab, "special_ids": info["special_ids"]},
-        "data": {"source": "stdlib", "fingerprint": f"f{seed}", "sequences": len(seqs),
+        "data": {"source": "stdlib", "fingerprint": fingerprint or f"f{seed}", "sequences": len(seqs),
                  "tokens": len(seqs) * seq_len, "seq_len": seq_len},
         "targets": {"k": k, "value_codec": "fp32", "temperature": 1.0},
         "storage": {"format": "parquet", "shard_size": 8},

@@ -1,0 +1,159 @@
+"""Training from several caches at once (--cache A --cache B --cache-weights): each cache's held-out
+evaluation beside their mean, the caches' shares in the batches, an exact resume after kill -9, and
+the mistakes refused in one line before any work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli_helpers import one_error_line, run_cli
+from student.model import Student
+from student.trainer import train
+from test_cache_synth import make_corpus, write_cache
+from test_trainer import KILLED, VOCAB, _train_in_subprocess, config, rows, tiny, tokenizer_hash  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def second(tiny, tmp_path_factory):  # noqa: F811
+    """Another cache of the tiny student's tokenizer: 15 sequences of another corpus."""
+    path = tmp_path_factory.mktemp("second") / "cache"
+    write_cache(path, make_corpus(num_seqs=15, seq_len=20, k=8, vocab=VOCAB, seed=7),
+                tokenizer__hash=tokenizer_hash(tiny[0]), shard_size=4, fmt="parquet")
+    return path
+
+
+def two(tiny, second, out, **overrides):  # noqa: F811
+    return config(tiny, out, cache=[str(tiny[1]), str(second)], cache_weights="0.7,0.3", **overrides)
+
+
+def test_two_caches_train_with_each_caches_evaluation_beside_their_mean(tiny, second, tmp_path):  # noqa: F811
+    report = train(two(tiny, second, tmp_path / "run"), progress=False)
+    out = Path(report.run_dir)
+    evals, per_cache = rows(out, "eval"), rows(out, "cache_eval")
+    assert [r["step"] for r in evals] == [0, 3, 6]
+    assert [(r["step"], r["cache"]) for r in per_cache] == [(s, c) for s in (0, 3, 6) for c in (0, 1)]
+    for row in evals:  # the run's figures are the caches' at the weights
+        a, b = (r for r in per_cache if r["step"] == row["step"])
+        assert row["kl"] == pytest.approx(0.7 * a["kl"] + 0.3 * b["kl"])
+        assert row["ce"] == pytest.approx(0.7 * a["ce"] + 0.3 * b["ce"]) and row["tokens"] == a["tokens"] + b["tokens"]
+    assert per_cache[-2]["kl"] != per_cache[-1]["kl"]  # two held-out sets, two numbers
+    run = json.loads((out / "run.json").read_text())
+    assert run["config"]["cache"] == [str(tiny[1]), str(second)] and run["config"]["cache_weights"] == [0.7, 0.3]
+    assert len(run["cache_ids"]) == 2 and run["cache_ids"][0] == run["cache_id"]
+    saved = json.loads((out / "eval.json").read_text())
+    assert [c["weight"] for c in saved["caches"]] == [0.7, 0.3]
+    assert [c["final"]["kl"] for c in saved["caches"]] == [per_cache[-2]["kl"], per_cache[-1]["kl"]]
+    assert [path for path, _, _ in report.cache_evals] == [str(tiny[1]), str(second)]
+
+
+def test_one_cache_listed_alone_is_todays_run(tiny, tmp_path):  # noqa: F811
+    """--cache given once (as a list of one) trains exactly as before: no mixture, the same losses."""
+    a = train(config(tiny, tmp_path / "a"), progress=False)
+    b = train(config(tiny, tmp_path / "b", cache=[str(tiny[1])]), progress=False)
+    assert [r["loss"] for r in rows(a.run_dir)] == [r["loss"] for r in rows(b.run_dir)]
+    assert not rows(b.run_dir, "cache_eval") and "cache_ids" not in json.loads(Path(b.run_dir, "run.json").read_text())
+
+
+def test_a_killed_two_cache_run_resumes_to_the_same_losses_bit_for_bit(tiny, second, tmp_path):  # noqa: F811
+    kw = dict(steps=8, grad_accum=2, save_every=4, eval_every=4)
+    clean = train(two(tiny, second, tmp_path / "clean", **kw), progress=False)
+    cfg = two(tiny, second, tmp_path / "killed", **kw)
+    assert _train_in_subprocess(cfg, exit_after=5) == KILLED
+    assert _train_in_subprocess(cfg) == 0
+    keys = ("step", "loss", "kl", "lr", "grad_norm", "tokens", "epoch")
+    assert [{k: r[k] for k in keys} for r in rows(cfg.out)] == [{k: r[k] for k in keys} for r in rows(clean.run_dir)]
+    assert rows(cfg.out, "cache_eval") == rows(clean.run_dir, "cache_eval")
+    a = Student.from_pretrained(Path(clean.student_dir)).state_dict()
+    b = Student.from_pretrained(Path(cfg.out) / "student").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_other_weights_make_another_run(tiny, second, tmp_path):  # noqa: F811
+    from student.checkpoint import RunDirError
+
+    train(two(tiny, second, tmp_path / "run", steps=2), progress=False)
+    with pytest.raises(RunDirError, match="cache_weights"):
+        train(two(tiny, second, tmp_path / "run", steps=4).with_flat(cache_weights="0.5,0.5"), progress=False)
+
+
+def cli(tiny, out, *caches, extra=()):  # noqa: F811
+    args = ["train-student", "--student", tiny[0], "--out", out, "--device", "cpu", "--steps", "1", "--heldout", "2"]
+    for cache in caches:
+        args += ["--cache", cache]
+    return args + list(extra)
+
+
+@pytest.mark.parametrize("weights, match", [("0.5", "one weight >= 0 per --cache (2)"), ("1,-1", "one weight >= 0"),
+                                            ("0,0", "positive"), ("a,b", "numbers separated by commas")])
+def test_weights_that_cannot_be_shares_are_one_line_naming_the_option(tiny, second, tmp_path, capsys, weights,
+                                                                      match):  # noqa: F811
+    code, _, err = run_cli(cli(tiny, tmp_path / "run", tiny[1], second, extra=["--cache-weights", weights]), capsys)
+    line = one_error_line(code, err)
+    assert "--cache-weights" in line and match in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_caches_of_different_tokenizers_are_refused_before_any_work(tiny, tmp_path, capsys):  # noqa: F811
+    other = tmp_path / "other"
+    write_cache(other, make_corpus(num_seqs=6, seq_len=12, k=8, vocab=VOCAB, seed=3), tokenizer__hash="not-the-same",
+                shard_size=4, fmt="parquet")
+    code, _, err = run_cli(cli(tiny, tmp_path / "run", tiny[1], other), capsys)
+    line = one_error_line(code, err)
+    assert "--cache" in line and "tokenizer hash" in line and str(other) in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_caches_of_another_k_are_refused(tiny, tmp_path, capsys):  # noqa: F811
+    other = tmp_path / "k4"
+    write_cache(other, make_corpus(num_seqs=6, seq_len=12, k=4, vocab=VOCAB, seed=3), k=4,
+                tokenizer__hash=tokenizer_hash(tiny[0]), shard_size=4, fmt="parquet")
+    code, _, err = run_cli(cli(tiny, tmp_path / "run", tiny[1], other), capsys)
+    assert "k 4" in one_error_line(code, err)
+
+
+# --- ensembles: two teachers' caches of one corpus -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_teacher(tiny, tmp_path_factory):  # noqa: F811
+    """The tiny corpus scored by another teacher (test_ensemble._second_teacher), in another shard layout."""
+    from test_ensemble import _second_teacher
+
+    path = tmp_path_factory.mktemp("other_teacher") / "cache"
+    write_cache(path, _second_teacher(tiny[2]), tokenizer__hash=tokenizer_hash(tiny[0]), shard_size=3,
+                fmt="parquet")
+    return path
+
+
+def test_an_ensemble_trains_on_the_mixture_and_reports_each_teacher(tiny, other_teacher, tmp_path):  # noqa: F811
+    cfg = config(tiny, tmp_path / "run", cache=(), ensemble=f"{tiny[1]},{other_teacher}", ensemble_weights="1,3",
+                 ensemble_k=12)
+    report = train(cfg, progress=False)
+    evals, per_teacher = rows(report.run_dir, "eval"), rows(report.run_dir, "cache_eval")
+    assert [(r["step"], r["cache"]) for r in per_teacher] == [(s, c) for s in (0, 3, 6) for c in (0, 1)]
+    last = {r["cache"]: r for r in per_teacher if r["step"] == 6}
+    # the KL to the mixture is the KL to neither teacher, nor their weighted mean (it is no mean of the two)
+    assert len({evals[-1]["kl"], last[0]["kl"], last[1]["kl"]}) == 3
+    assert evals[-1]["kl"] != pytest.approx(0.25 * last[0]["kl"] + 0.75 * last[1]["kl"])
+    assert report.teacher_eval.ce < max(t.ce for _, _, t in report.cache_evals)  # the mixture's own CE, from the cache
+    run = json.loads(Path(report.run_dir, "run.json").read_text())
+    assert run["config"]["cache"] == [str(tiny[1])] and len(run["cache_ids"]) == 2
+
+
+@pytest.mark.parametrize("flags, match", [(["--ensemble", "A"], "two caches or more"),
+                                          (["--ensemble", "A,B", "--cache", "C"], "given with --cache"),
+                                          (["--ensemble", "A,B", "--ensemble-weights", "1"], "one weight >= 0 per --ensemble (2)")])
+def test_ensemble_options_that_cannot_work_are_one_line(tiny, tmp_path, capsys, flags, match):  # noqa: F811
+    code, _, err = run_cli(cli(tiny, tmp_path / "run", extra=flags), capsys)
+    assert match in one_error_line(code, err)
+
+
+def test_an_ensemble_of_another_corpus_names_the_fingerprint(tiny, second, tmp_path, capsys):  # noqa: F811
+    code, _, err = run_cli(cli(tiny, tmp_path / "run", extra=["--ensemble", f"{tiny[1]},{second}"]), capsys)
+    line = one_error_line(code, err)
+    assert "--ensemble" in line and "data fingerprint" in line and "first differing sequence 0" in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
