@@ -28,6 +28,9 @@ finite.
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 import torch
 
@@ -66,7 +69,7 @@ def combine_topk(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], weights
     p = np.concatenate([wi * np.exp(np.asarray(part[1], np.float64)) for part, wi in used], 1)
     tail = sum(wi * np.exp(np.asarray(part[2], np.float64)) for part, wi in used)  # [N]
     # merge repeated ids: each row sorted by id, every run of one id summed into its first slot
-    order = np.argsort(ids, 1, kind="stable")
+    order = np.argsort(ids, 1)  # any order of one id's copies: they are summed
     ids, p = np.take_along_axis(ids, order, 1), np.take_along_axis(p, order, 1)
     first = np.ones(ids.shape, bool)
     first[:, 1:] = ids[:, 1:] != ids[:, :-1]
@@ -99,7 +102,11 @@ class EnsembleBatches(CacheBatches):
     """CacheBatches over the first teacher's cache whose targets are every teacher's, combined row by
     row (``combine_topk``) into `k` slots; target_logprob is the mixture's, log sum_i w_i p_i(next).
     The caches hold the same corpus (``check_same_corpus``), so a sequence index and a row offset
-    name the same token in each; each cache is read through its own shard cache."""
+    name the same token in each; each cache is read through its own shard cache, one per thread.
+    Combining costs a few sorts of every row (numpy's, off the interpreter lock), so Prefetcher
+    builds these on ``prefetch_workers`` threads."""
+
+    prefetch_workers = max(1, min(6, (os.cpu_count() or 2) // 2))
 
     def __init__(self, reader: CacheReader, indices, batch_size: int, *, others: list[CacheReader], weights,
                  k: int, **kwargs):
@@ -109,7 +116,7 @@ class EnsembleBatches(CacheBatches):
                                    "draws, not probabilities to add); build top-k caches of each teacher")
         w = np.asarray(weights, np.float64)
         self.weights, self.ensemble_k = w / w.sum(), k  # self.k stays the first cache's (the rows read)
-        self._others = [ShardLRU(r, self._lru_shards) for r in others]
+        self._others, self._local = others, threading.local()
 
     def make_batch(self, picked: list[tuple[int, int]]) -> Batch:
         windows = self.windows(picked)
@@ -118,7 +125,7 @@ class EnsembleBatches(CacheBatches):
         for (epoch, i), (shard, _, lo, hi) in zip(picked, windows):
             first = lo - int(shard.seq_offsets[np.searchsorted(shard.seq_offsets, lo, side="right") - 1])
             parts[0].append(shard.targets.slice(lo, hi))
-            for part, lru in zip(parts[1:], self._others):
+            for part, lru in zip(parts[1:], self._other_lrus()):
                 start, _, other = lru.sequence(i)
                 part.append(other.targets.slice(start + first, start + first + hi - lo))
         joined = [TeacherTargets.concat(p) for p in parts]
@@ -135,6 +142,14 @@ class EnsembleBatches(CacheBatches):
         batch = Batch(plain.input_ids, torch.from_numpy(full_ids), torch.from_numpy(full_lp),
                       torch.from_numpy(full_tail), plain.target_ids, torch.from_numpy(full_target), plain.mask)
         return batch.pin_memory() if self.pin else batch
+
+    def _other_lrus(self) -> list[ShardLRU]:
+        """The calling thread's shard caches of the other teachers' caches (readers of its own)."""
+        lrus = getattr(self._local, "lrus", None)
+        if lrus is None:
+            lrus = self._local.lrus = [ShardLRU(CacheReader(r.path, verify_checksums=r.verify_checksums),
+                                                self._lru_shards) for r in self._others]
+        return lrus
 
 
 def check_same_corpus(first: CacheReader, other: CacheReader) -> None:

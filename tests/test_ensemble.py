@@ -239,3 +239,16 @@ def test_caches_of_another_corpus_name_the_fingerprint_and_the_first_differing_s
     with pytest.raises(DistillUserError, match="--ensemble") as error:
         check_same_corpus(CacheReader(root / "a"), CacheReader(root / "other"))
     assert "f9" in str(error.value) and "first differing sequence 0" in str(error.value)
+
+
+def test_ensemble_batches_built_on_several_threads_come_in_order(teachers):
+    from student.data import Prefetcher
+
+    root, _ = teachers
+    want = [b for b, _ in zip(_ensemble(root, ["a", "b"], [1.0, 1.0]), range(7))]  # past the first epoch
+    with Prefetcher(_ensemble(root, ["a", "b"], [1.0, 1.0]), workers=3) as stream:
+        for batch in want:
+            got = next(stream)
+            for x, y in zip(vars(batch).values(), vars(got).values()):
+                if x is not None:
+                    torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
