@@ -75,6 +75,8 @@ class RunSummary:
     optimizer_state_bytes: int | None
     checkpoint_step: int | None = None  # the latest kept checkpoint, where a rerun resumes (None: it starts over)
     differs: dict[str, Any] = field(default_factory=dict)  # the settings that differ among the runs listed
+    # a run over several caches: each cache's part of its last evaluation, {"cache", "kl", "ce", "bits_per_byte"}
+    cache_evals: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -165,6 +167,8 @@ def read_run(run_dir: str | Path) -> RunSummary:
     steps_done = max([r["step"] for r in train_rows + eval_rows] + [checkpoint or 0])
     status, reason = _status(run_dir, run["config"], rows, steps_done, checkpoint)
     last_eval = eval_rows[-1] if eval_rows else None
+    cache_evals = [{k: r.get(k) for k in ("cache", "kl", "ce", "bits_per_byte")} for r in rows
+                   if r.get("kind") == "cache_eval" and last_eval is not None and r["step"] == last_eval["step"]]
     last_train = train_rows[-1] if train_rows else {}
     return RunSummary(
         path=str(run_dir), name=Path(os.path.abspath(run_dir)).name, config=run["config"],
@@ -173,7 +177,7 @@ def read_run(run_dir: str | Path) -> RunSummary:
         eval=({k: last_eval[k] for k in ("step", "kl", "ce", "ppl", "top1", "tokens")}
               | {"bits_per_byte": last_eval.get("bits_per_byte")}) if last_eval else None,
         tok_per_s=last_train.get("tok_per_s"), optimizer_state_bytes=last_train.get("optimizer_state_bytes"),
-        checkpoint_step=checkpoint)
+        checkpoint_step=checkpoint, cache_evals=cache_evals)
 
 
 def find_runs(folders: list[str | Path], cache_id: str | None = None) -> list[RunSummary]:
@@ -268,9 +272,16 @@ def _notes(runs: list[RunSummary], names: list[str], wide: bool, shown: tuple[st
         for r, name in zip(runs, names):
             lines += _wrapped(f"  {name:<{width}}  ", ", ".join(f"{k}={_setting(v)}" for k, v in r.differs.items()
                                                                  if k not in shown), width + 4)
+    for r, name in zip(runs, names):  # a run over several caches: its evaluation on each
+        if r.cache_evals:
+            caches = r.config.get("ensemble") or r.config["cache"]
+            text = "; ".join(f"{Path(caches[e['cache']]).name}: KL {_fmt(e['kl'], '.4f')}, CE {_fmt(e['ce'], '.3f')}"
+                             + (f", {_fmt(e['bits_per_byte'], '.4f')} bits/byte" if e["bits_per_byte"] else "")
+                             for e in r.cache_evals)
+            lines += _wrapped(f"{name + ' by cache:':<{width + 10}} ", text, width + 2)
     caches = {r.cache_id for r in runs}
     if len(caches) == 1:
-        lines.append(f"cache {runs[0].cache_id[:12]} (every run)")
+        lines.append(f"cache {_short(runs[0].cache_id)} (every run)")
     return lines
 
 
@@ -280,7 +291,7 @@ def _settings_columns(runs: list[RunSummary], wide: bool, caches: bool,
     setting the table does not show already (`shown`)."""
     keys = [k for k in runs[0].differs if k not in shown] if wide else []
     header = (["cache"] if caches else []) + keys
-    cells = [([r.cache_id[:12]] if caches else []) + [_setting(r.differs[k]) for k in keys] for r in runs]
+    cells = [([_short(r.cache_id)] if caches else []) + [_setting(r.differs[k]) for k in keys] for r in runs]
     return header, cells
 
 
@@ -328,7 +339,7 @@ def compare_runs(paths: list[str | Path], allow_different_caches: bool = False,
     runs = [read_run(p) for p in paths]
     caches = {r.cache_id for r in runs}
     if plot and len(caches) > 1 and not allow_different_caches:
-        which = "; ".join(f"{r.name}: {r.cache_id[:12]}" for r in runs)
+        which = "; ".join(f"{r.name}: {_short(r.cache_id)}" for r in runs)
         raise DistillUserError(f"--plot: the runs are over different caches ({which}): their held-out KL and "
                                "training loss are not comparable; plot runs of one cache, or pass "
                                "--allow-different-caches")
@@ -416,6 +427,11 @@ def plot_compare(runs: list[RunSummary], path: str | Path) -> Path:
         ax.set(title=title, xlabel=x)
         ax.grid(alpha=0.3)
     fig.legend(handles=handles, loc="outside right upper", fontsize="small")
-    caches = sorted({r.cache_id[:12] for r in runs})
+    caches = sorted({_short(r.cache_id) for r in runs})
     fig.suptitle(f"{len(runs)} run(s) over cache {', '.join(caches)}")
     return save_figure(fig, path, dpi=100)
+
+
+def _short(cache_id: str) -> str:
+    """A cache id as shown: its first 12 characters; a mixture's, each of its caches' so."""
+    return "+".join(part[:12] for part in cache_id.split("+"))

@@ -150,7 +150,7 @@ class TrainConfig:
         unknown = sorted(set(values) - _field_names(cls))
         if unknown:
             raise DistillUserError(f"unknown training setting(s) {', '.join(unknown)}; "
-                                   f"known: {', '.join(sorted([*cls.flat_defaults(), 'out']))}")
+                                   f"known: {', '.join(sorted([*cls.flat_defaults(), 'cache', 'out']))}")
         return cls(**values, **parts)
 
     def with_flat(self, **changes) -> TrainConfig:
@@ -174,9 +174,11 @@ class TrainConfig:
 
     @classmethod
     def flat_defaults(cls) -> dict[str, Any]:
-        """The default of every flat field that has one (all but `out`)."""
-        own = {f.name: f.default for f in dataclasses.fields(cls)
-               if f.name not in _PARTS and f.default is not dataclasses.MISSING}
+        """The default of every flat setting that has one, in to_flat's form (all but `out`, and `cache`:
+        the run's data, given by --cache or --ensemble)."""
+        value = lambda v: list(v) if isinstance(v, tuple) else v
+        own = {f.name: value(f.default) for f in dataclasses.fields(cls)
+               if f.name not in (*_PARTS, "cache") and f.default is not dataclasses.MISSING}
         for part_cls in _PARTS.values():
             own.update({f.name: f.default for f in dataclasses.fields(part_cls)})
         return own

@@ -59,7 +59,7 @@ def test_sweep_expands_the_grid_in_order_named_by_its_settings(tiny, tmp_path): 
     assert [(c.optim.lr, c.optim.optimizer) for c in configs] == [(0.01, "adamw"), (0.01, "foam"),
                                                                   (0.003, "adamw"), (0.003, "foam")]
     assert [Path(c.out) for c in configs] == [tmp_path / "sweep" / n for n in names]
-    assert all(c.schedule.steps == 4 and c.cache == str(tiny[1]) for c in configs)
+    assert all(c.schedule.steps == 4 and c.cache == (str(tiny[1]),) for c in configs)
     assert recipe.points[1].settings == {"train.lr": 0.01, "train.optimizer": "foam"}
     no_sweep = tmp_path / "plain.toml"  # a recipe without [sweep] is one run, not a sweep of one point
     no_sweep.write_text(sweep_recipe(tmp_path, tiny).read_text().split("[sweep]")[0])
@@ -313,7 +313,7 @@ def test_the_shipped_sweep_learns_from_the_quickstart_cache():
     assert [p.name for p in sweep.points] == ["lr=0.001,optimizer=adamw", "lr=0.001,optimizer=foam",
                                               "lr=0.003,optimizer=adamw", "lr=0.003,optimizer=foam"]
     configs = [train_config(p, teacher_dir="unused") for p in sweep.points]
-    assert {c.cache for c in configs} == {str(quickstart.stage_one.cache.out)}
+    assert {c.cache for c in configs} == {(str(quickstart.stage_one.cache.out),)}
     assert [Path(c.out).parent for c in configs] == [Path("runs/sweep_quickstart")] * 4
 
 
@@ -327,7 +327,7 @@ def test_a_run_killed_between_logged_rows_shows_its_checkpoint_not_step_0(tiny, 
     from student.trainer import train
 
     run = config(tiny, tmp_path / "killed", steps=12, save_every=4, log_every=10, eval_every=0, warmup_steps=1)
-    args = ["train-student", "--cache", run.cache, "--student", run.student, "--out", run.out, "--steps", "12",
+    args = ["train-student", "--cache", run.cache[0], "--student", run.student, "--out", run.out, "--steps", "12",
             "--save-every", "4", "--log-every", "10", "--eval-every", "0", "--warmup-steps", "1", "--batch-size", "3",
             "--lr", "1e-2", "--heldout", "4", "--seed", "0", "--deterministic", "--device", "cpu", "-q"]
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "kill_after_step.py"), "6", "-m", "distill", *args],

@@ -157,3 +157,15 @@ def test_an_ensemble_of_another_corpus_names_the_fingerprint(tiny, second, tmp_p
     line = one_error_line(code, err)
     assert "--ensemble" in line and "data fingerprint" in line and "first differing sequence 0" in line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_runs_lists_a_mixtures_evaluation_by_cache(tiny, second, tmp_path):  # noqa: F811
+    from pipelines.experiments import find_runs, runs_table
+
+    train(two(tiny, second, tmp_path / "mix", steps=2), progress=False)
+    train(config(tiny, tmp_path / "one", steps=2), progress=False)
+    runs = find_runs([tmp_path])
+    mix = next(r for r in runs if r.name == "mix")
+    assert mix.cache_id.count("+") == 1 and [e["cache"] for e in mix.cache_evals] == [0, 1]
+    table = runs_table(runs)
+    assert "mix by cache:" in table and f"{Path(second).name}: KL" in table and "one by cache" not in table

@@ -46,7 +46,7 @@ def test_quickstart_recipe_parses():
     assert recipe.stage_one.teacher.model is None  # "default": the embedded teacher
     config = train_config(recipe, teacher_dir="/teachers/t")
     assert config.teacher == "/teachers/t" and config.num_layers == recipe.student.num_layers
-    assert config.cache == str(recipe.stage_one.cache.out)
+    assert config.cache == (str(recipe.stage_one.cache.out),)
 
 
 @pytest.mark.parametrize(
