@@ -26,6 +26,7 @@ from distill.errors import DistillUserError
 from student.cross_tokenizer.batches import CrossTokenizer, batches_for, open_cross_tokenizer
 from student.data import Batch, CacheBatches, split_indices
 from student.ensemble import EnsembleBatches, check_same_corpus
+from student.evaluate import EvalResult
 from teacher_cache.reader import CacheReader
 
 
@@ -82,23 +83,68 @@ def _check_mixable(first: CacheReader, other: CacheReader) -> None:
                                "of one run must share the tokenizer, the kind of targets, k and the temperature")
 
 
-def train_stream(sources: list[CacheSource], weights, batch_size: int, *, seq_len: int | None, seed: int,
-                 pin_memory: bool, part: tuple[int, int], ensemble_k: int | None = None):
-    """The training batches: one cache's CacheBatches as a one-cache run reads them, with `ensemble_k`
-    the teachers' caches combined position by position (EnsembleBatches), else a MixtureBatches over
-    every cache's stream. Each stream reads through a reader of its own (batches are built on
-    background threads while evaluation reads through the sources' readers)."""
-    own = lambda source: CacheReader(source.reader.path)
-    if ensemble_k is not None:
-        return ensemble_batches([own(s) for s in sources[1:]], weights, ensemble_k)(
-            own(sources[0]), sources[0].train_idx, batch_size, seq_len=seq_len, seed=seed, pin_memory=pin_memory,
-            part=part)
-    if len(sources) == 1:
-        return sources[0].batches(own(sources[0]), sources[0].train_idx, batch_size, seq_len=seq_len, seed=seed,
-                                  pin_memory=pin_memory, part=part)
-    streams = [source.batches(own(source), source.train_idx, 1, seq_len=seq_len, seed=stream_seed(seed, place))
-               for place, source in enumerate(sources)]
-    return MixtureBatches(streams, weights, batch_size, part=part, pin_memory=pin_memory)
+@dataclass
+class RunCaches:
+    """What a run learns from: one cache, a mixture of several (`weights`: each one's share of the
+    sequences) or an ensemble (`weights`: each teacher's in the mixture target, `ensemble_k` ids a
+    position kept)."""
+
+    sources: list[CacheSource]
+    weights: list[float]
+    ensemble_k: int | None = None  # None: not an ensemble
+
+    @property
+    def first(self) -> CacheSource:
+        """The first cache: the run's identity and temperature (the others share them), an ensemble's text."""
+        return self.sources[0]
+
+    def stream(self, batch_size: int, *, seq_len: int | None, seed: int, pin_memory: bool, part: tuple[int, int]):
+        """The training batches: one cache's CacheBatches as a one-cache run reads them, an ensemble's
+        (EnsembleBatches), or a MixtureBatches over every cache's stream. Each stream reads through
+        readers of its own (batches are built on background threads while evaluation reads through
+        the sources')."""
+        own = lambda source: CacheReader(source.reader.path)
+        kwargs = dict(seq_len=seq_len, seed=seed, pin_memory=pin_memory, part=part)
+        if self.ensemble_k is not None:
+            mixture = ensemble_batches([own(s) for s in self.sources[1:]], self.weights, self.ensemble_k)
+            return mixture(own(self.first), self.first.train_idx, batch_size, **kwargs)
+        if len(self.sources) == 1:
+            return self.first.batches(own(self.first), self.first.train_idx, batch_size, **kwargs)
+        streams = [source.batches(own(source), source.train_idx, 1, seq_len=seq_len, seed=stream_seed(seed, place))
+                   for place, source in enumerate(self.sources)]
+        return MixtureBatches(streams, self.weights, batch_size, part=part, pin_memory=pin_memory)
+
+    def evaluate(self, on) -> tuple[EvalResult, list[EvalResult]]:
+        """(the run's evaluation, each cache's when several), from on(source, batch stream class)
+        evaluating the student on a cache's held-out sequences: an ensemble's against the teachers'
+        mixture, else the caches' mean at the weights."""
+        each = [on(source, source.batches) for source in self.sources]
+        return self._combined(on, each), each if len(each) > 1 else []
+
+    def teacher(self, reference) -> tuple[EvalResult, list[EvalResult]]:
+        """(the teacher's reference, each cache's teacher) as `evaluate`, from reference(source, batch
+        stream class) reading a cache's own targets (student/evaluate.teacher_reference)."""
+        each = [reference(source, CacheBatches) for source in self.sources]
+        return self._combined(reference, each), each
+
+    def _combined(self, on, each: list[EvalResult]) -> EvalResult:
+        if self.ensemble_k is not None:
+            return on(self.first, ensemble_batches([s.reader for s in self.sources[1:]], self.weights, self.ensemble_k))
+        return each[0] if len(each) == 1 else EvalResult.mixed(each, self.weights)
+
+
+def open_run_caches(config, student_tokenizer, *, maps_folder=None) -> RunCaches:
+    """The caches of TrainConfig `config` (its --cache list, or its --ensemble), checked (open_caches),
+    with their weights."""
+    sources = open_caches(config.ensemble or config.cache, student_tokenizer, cross_tokenizer=config.cross_tokenizer,
+                          heldout=config.heldout, eval_sequences=config.eval_sequences, maps_folder=maps_folder,
+                          ensemble=bool(config.ensemble))
+    given = config.ensemble_weights if config.ensemble else config.cache_weights
+    weights = normalized_weights(given or [1.0] * len(sources), len(sources),
+                                 "--ensemble-weights" if config.ensemble else "--cache-weights")
+    ensemble_k = (config.ensemble_k or max(s.reader.manifest.spec.targets.k for s in sources)) \
+        if config.ensemble else None
+    return RunCaches(sources, weights, ensemble_k)
 
 
 def stream_seed(seed: int, place: int) -> int:

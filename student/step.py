@@ -42,7 +42,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
     offload = config.offload.offload
     return config.with_flat(
         offload=offload if offload in ("none", "auto") else absolute(offload),
-        cache=tuple(map(absolute_cache, config.cache)), out=absolute(config.out), student=absolute(config.student),
+        cache=tuple(map(absolute_cache, config.cache)), ensemble=tuple(map(absolute_cache, config.ensemble)),
+        out=absolute(config.out), student=absolute(config.student),
         teacher=absolute(config.teacher), tokenizer=absolute(config.tokenizer or config.student or config.teacher),
         device=device, dtype=resolve_dtype(config.dtype, device), warmup_steps=config.schedule.warmup)
 

@@ -78,7 +78,7 @@ from student.data import CacheBatches, Prefetcher, load_tokenizer
 from student.distributed import Dist, check_config, setup, teardown, world_from_env
 from student.evaluate import EvalResult, evaluate_student, kl_note, teacher_reference, token_bytes_of
 from student.executors import LocalExecutor, make_executor
-from student.mixture import CacheSource, ensemble_batches, normalized_weights, open_caches, train_stream
+from student.mixture import RunCaches, open_run_caches
 from student.offload.run import caps_allocator, cuda_index, over_cap_message
 from student.optim.build import build_optimizer, load_state_keeping_settings, state_bytes
 from student.run_dir import MetricsLog, check_run_dir, diverged_message, eval_row, make_run_dir
@@ -128,21 +128,16 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
         if resume_from is not None and not (out / "run.json").exists():
             raise RunDirError(f"--resume-from {resume_from}: {out} holds no run to resume")
         random.seed(config.seed), np.random.seed(config.seed), torch.manual_seed(config.seed)
-        sources, tok, config, token_bytes = _open_cache(config)
-        reader, cross = sources[0].reader, sources[0].cross  # the caches share tokenizer and targets (mixture.py)
-        given = config.ensemble_weights if config.ensemble else config.cache_weights
-        weights = normalized_weights(given or [1.0] * len(sources), len(sources))
-        # an ensemble's target keeps these many ids a position (None: not an ensemble)
-        ensemble_k = (config.ensemble_k or max(s.reader.manifest.spec.targets.k for s in sources)) \
-            if config.ensemble else None
-        mixture_of = lambda: ensemble_batches([s.reader for s in sources[1:]], weights, ensemble_k)
+        caches, tok, config, token_bytes = _open_cache(config)
+        reader, cross = caches.first.reader, caches.first.cross  # the caches share tokenizer and targets
         executor, config = make_executor(config, dist)
         model, identity = initial_student(config, executor.model_device)
         if model.config.vocab_size < tok["vocab_size"]:
             raise DistillUserError(f"--student: the student's vocab size {model.config.vocab_size} is smaller than its "
                                    f"tokenizer's {tok['vocab_size']}; use a student built for this tokenizer, or prune one "
                                    "from the teacher with --tokenizer")
-        several = {"cache_ids": [s.reader.manifest.cache_id for s in sources]} if len(sources) > 1 else {}
+        several = {"cache_ids": [s.reader.manifest.cache_id for s in caches.sources]} if len(caches.sources) > 1 \
+            else {}
         run = {"config": config.to_flat(), "cache_id": reader.manifest.cache_id, **several,
                "cache_temperature": reader.manifest.spec.targets.temperature, "student": identity,
                "tokenizer_hash": tok["hash"], "cross_tokenizer": cross is not None}
@@ -150,8 +145,8 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
         executor.place(model)  # before the optimizer sees the parameters
         run.update(executor.run_info())
         optimizer = build_optimizer(model, config.optim, config.device)
-        data = train_stream(sources, weights, config.batch_size, seq_len=config.seq_len, seed=config.seed,
-                            pin_memory=config.device.startswith("cuda"), part=executor.data_part, ensemble_k=ensemble_k)
+        data = caches.stream(config.batch_size, seq_len=config.seq_len, seed=config.seed,
+                             pin_memory=config.device.startswith("cuda"), part=executor.data_part)
         policy = model_policy(config, model, executor.reduce)
         step, last_saved = 0, None  # last_saved: (checkpoint, the loss of its step)
         if (ckpt := latest_checkpoint(out)) is not None:
@@ -168,14 +163,10 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
                 seq_len=config.seq_len, autocast_dtype=autocast_dtype(config), long=config.long,
                 progress=progress and main, token_bytes=token_bytes, batches=batches)
             with executor.evaluating():
-                each = [on(source, source.batches) for source in sources]
-                if config.ensemble:
-                    result = on(sources[0], mixture_of())
-            if not config.ensemble:
-                result = each[0] if len(each) == 1 else EvalResult.mixed(each, weights)
+                result, each = caches.evaluate(on)
             if main:
                 logger.info("eval at step %d: %s", at_step, result.summary())
-            return result, each if len(each) > 1 else []
+            return result, each
 
         def record(at_step: int) -> tuple[EvalResult, list[EvalResult]]:
             """evaluate(), its metrics rows written: "eval", and with several caches a "cache_eval" row each."""
@@ -250,20 +241,18 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
             final, final_each = evaluate(step)
         else:
             final = EvalResult.from_dict(eval_row(metrics.path, step))
-        teachers = [_teacher(source, config.seq_len, token_bytes) for source in sources]
-        teacher = teachers[0] if len(teachers) == 1 else EvalResult.mixed(teachers, weights)
-        if config.ensemble:  # the mixture itself, whose target_logprob the ensemble's batches carry
-            teacher = teacher_reference(reader, sources[0].eval_idx, seq_len=config.seq_len, token_bytes=token_bytes,
-                                        batches=mixture_of())
+        teacher, teachers = caches.teacher(lambda source, batches: teacher_reference(
+            source.reader, source.eval_idx, seq_len=config.seq_len, batches=batches,
+            token_bytes=token_bytes if source.cross is None else source.cross.aligner.teacher.lengths))
         cache_evals = list(zip(config.ensemble or config.cache, final_each, teachers))
         # a student of another tokenizer: what alignment met in the batches this process built
         alignment = {"alignment": dict(data.counts)} if cross is not None else {}
-        caches = {"caches": [{"cache": path, "weight": w, "final": one.to_dict(), "teacher": t.to_dict()}
-                             for (path, one, t), w in zip(cache_evals, weights)]} if cache_evals else {}
+        by_cache = {"caches": [{"cache": path, "weight": w, "final": one.to_dict(), "teacher": t.to_dict()}
+                               for (path, one, t), w in zip(cache_evals, caches.weights)]} if cache_evals else {}
         if main:
             atomic_write_json(out / "eval.json", {"step": step, "initial": initial.to_dict() if initial else None,
                                                   "final": final.to_dict(), "teacher": teacher.to_dict(),
-                                                  "kl_note": kl_note(reader, cross is not None), **caches,
+                                                  "kl_note": kl_note(reader, cross is not None), **by_cache,
                                                   **alignment})
             if alignment:
                 logger.info("cross-tokenizer: %s", ", ".join(f"{k} {v:,}" for k, v in sorted(data.counts.items())))
@@ -313,31 +302,23 @@ def _join_processes(config: TrainConfig) -> Dist | None:
     return dist
 
 
-def _open_cache(config: TrainConfig) -> tuple[list[CacheSource], dict, TrainConfig, np.ndarray | None]:
-    """(each cache of the run, the student's tokenizer identity, the config at the distillation
-    temperature, the bytes of the student's token ids or None: evaluations then have no bits per byte),
-    after refusing caches that cannot be mixed (student/mixture.py), a cache of another tokenizer that
-    cannot teach this one, a temperature the loss cannot train at, or a damaged shard (every shard's
-    size and checksum, before anything is written)."""
+def _open_cache(config: TrainConfig) -> tuple[RunCaches, dict, TrainConfig, np.ndarray | None]:
+    """(the run's caches, the student's tokenizer identity, the config at the distillation temperature,
+    the bytes of the student's token ids or None: evaluations then have no bits per byte), after
+    refusing caches that cannot be mixed or ensembled (student/mixture.py), a cache of another
+    tokenizer that cannot teach this one, a temperature the loss cannot train at, or a damaged shard
+    (every shard's size and checksum, before anything is written)."""
     tokenizer = load_tokenizer(config.tokenizer)
     tok = tokenizer_info(tokenizer)
-    sources = open_caches(config.ensemble or config.cache, tokenizer, cross_tokenizer=config.cross_tokenizer,
-                          heldout=config.heldout, eval_sequences=config.eval_sequences,
-                          maps_folder=distill_home() / "vocab-maps", ensemble=bool(config.ensemble))
-    targets = sources[0].reader.manifest.spec.targets
+    caches = open_run_caches(config, tokenizer, maps_folder=distill_home() / "vocab-maps")
+    targets = caches.first.reader.manifest.spec.targets
     config.loss.check_cache_temperature(targets.temperature, kind=targets.kind)
     for cache in config.ensemble or config.cache:
         check_shards(cache)
-    cross = sources[0].cross
+    cross = caches.first.cross
     token_bytes = cross.aligner.student.lengths if cross is not None else token_bytes_of(config.tokenizer, tokenizer)
-    return (sources, tok, config.with_flat(temperature=config.loss.distillation_temperature(targets.temperature)),
+    return (caches, tok, config.with_flat(temperature=config.loss.distillation_temperature(targets.temperature)),
             token_bytes)
-
-
-def _teacher(source: CacheSource, seq_len: int | None, token_bytes) -> EvalResult:
-    """The teacher on a cache's evaluation rows, from the cache; its own tokens' bytes give its bits per byte."""
-    teacher_bytes = token_bytes if source.cross is None else source.cross.aligner.teacher.lengths
-    return teacher_reference(source.reader, source.eval_idx, seq_len=seq_len, token_bytes=teacher_bytes)
 
 
 def _prepare_run_dir(out: Path, run: dict, resume_from: int | None) -> dict:

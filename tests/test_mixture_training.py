@@ -5,6 +5,7 @@ the mistakes refused in one line before any work."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,11 @@ def test_runs_lists_a_mixtures_evaluation_by_cache(tiny, second, tmp_path):  # n
     assert mix.cache_id.count("+") == 1 and [e["cache"] for e in mix.cache_evals] == [0, 1]
     table = runs_table(runs)
     assert "mix by cache:" in table and f"{Path(second).name}: KL" in table and "one by cache" not in table
+
+
+def test_an_ensemble_of_relative_paths_trains(tiny, other_teacher, tmp_path, monkeypatch):  # noqa: F811
+    """--ensemble's paths are made absolute with the rest (a relative one stays the run's first cache)."""
+    monkeypatch.chdir(Path(tiny[1]).parent)
+    relative = f"{Path(tiny[1]).name},{os.path.relpath(other_teacher)}"
+    report = train(config(tiny, tmp_path / "run", cache=(), ensemble=relative, steps=2), progress=False)
+    assert json.loads(Path(report.run_dir, "run.json").read_text())["config"]["cache"] == [str(tiny[1])]

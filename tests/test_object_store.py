@@ -116,4 +116,4 @@ def test_a_training_run_keeps_a_cache_url_as_given():
     from student.train_config import TrainConfig
 
     config = TrainConfig(cache="s3://bucket/caches/a", out="run", teacher="teacher", num_layers=2, device="cpu")
-    assert resolve(config).cache == "s3://bucket/caches/a"
+    assert resolve(config).cache == ("s3://bucket/caches/a",)
