@@ -422,7 +422,8 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
                            chunk_tokens: int | None = None, teacher: TeacherOpener | None = None,
                            progress: bool = False) -> dict:
     """`distill eval`: evaluate a run directory (its run.json gives the cache, held-out split,
-    evaluation sequences, seq_len and batch size; its final student, else its latest checkpoint) or
+    evaluation sequences, seq_len and batch size; its final student, else its latest checkpoint; a
+    run over several caches: the first, or `cache`, without its step-0 row, which covers them all) or
     a student HF folder with `cache` (held-out: the `heldout` evenly spaced sequences, default all of
     them; batch size 8 unless given).
 
@@ -453,8 +454,10 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
     if is_run:
         run = json.loads((path / "run.json").read_text())
         cfg = run["config"]
-        # a run's cache, or the first of a mixture's (a run written before --cache repeated held one path)
-        cache = cache or (cfg["cache"] if isinstance(cfg["cache"], str) else cfg["cache"][0])
+        # a run's cache, or the first of a mixture's or an ensemble's (a run written before --cache
+        # repeated held one path); their step-0 record is over all of them, so it is not this one's
+        caches = cfg.get("ensemble") or ([cfg["cache"]] if isinstance(cfg["cache"], str) else cfg["cache"])
+        cache = cache or caches[0]
         seq_len = seq_len if seq_len is not None else cfg["seq_len"]
         batch_size = batch_size or cfg.get("batch_size")  # the trainer's own evaluations batch so
         chunk_tokens = chunk_tokens if chunk_tokens is not None else cfg.get("chunk_tokens")
@@ -464,7 +467,7 @@ def evaluate_run_or_folder(path, cache=None, heldout: int | None = None, *, batc
         if heldout is None:
             held = held[:cfg["eval_sequences"]] if cfg.get("eval_sequences") else held
             initial_file = path / "initial_eval.json"
-            if initial_file.exists():
+            if initial_file.exists() and len(caches) == 1:
                 initial = EvalResult.from_dict(json.loads(initial_file.read_text()))
         else:
             held = split_indices(reader.num_sequences, heldout)[1]

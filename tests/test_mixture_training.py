@@ -178,3 +178,12 @@ def test_an_ensemble_of_relative_paths_trains(tiny, other_teacher, tmp_path, mon
     relative = f"{Path(tiny[1]).name},{os.path.relpath(other_teacher)}"
     report = train(config(tiny, tmp_path / "run", cache=(), ensemble=relative, steps=2), progress=False)
     assert json.loads(Path(report.run_dir, "run.json").read_text())["config"]["cache"] == [str(tiny[1])]
+
+
+def test_eval_of_a_mixture_run_evaluates_its_first_cache_without_the_mixtures_step_0_row(tiny, second, tmp_path):  # noqa: F811
+    from student.evaluate import evaluate_run_or_folder
+
+    report = train(two(tiny, second, tmp_path / "run", steps=2), progress=False)
+    results = evaluate_run_or_folder(report.run_dir, device="cpu")
+    assert results.get("before") is None
+    assert results["after"].kl == pytest.approx(report.cache_evals[0][1].kl, rel=1e-5)
