@@ -282,30 +282,36 @@ class CacheBatches:
             self._threads.lru = lru
         return lru
 
+    @staticmethod
+    def tokens(rows: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(input ids, next ids (-1: none), mask), each [B, L], of the `windows` rows, padded to the longest."""
+        B, L = len(rows), max(hi - lo for _, _, lo, hi in rows)
+        input_ids, target, mask = np.zeros((B, L), np.int64), np.full((B, L), -1, np.int64), np.zeros((B, L), bool)
+        for b, (shard, seq_stop, lo, hi) in enumerate(rows):
+            input_ids[b, :hi - lo] = shard.input_ids[lo:hi]
+            # The window's last row still has a next token unless the sequence ends there.
+            nxt = shard.input_ids[lo + 1:min(hi + 1, seq_stop)]
+            target[b, :len(nxt)] = nxt
+            mask[b, :hi - lo] = True
+        return input_ids, target, mask
+
     def make_batch(self, picked: list[tuple[int, int]]) -> Batch:
         rows = self.windows(picked)
-        B, L, k = len(rows), max(hi - lo for _, _, lo, hi in rows), self.k
-        input_ids = np.zeros((B, L), np.int64)
+        input_ids, target, mask = self.tokens(rows)
+        (B, L), k = input_ids.shape, self.k
         topk_ids = np.broadcast_to(np.arange(k, dtype=np.int64), (B, L, k)).copy()
         topk_lp = np.zeros((B, L, k), np.float32)
         tail = np.zeros((B, L), np.float32)
-        target = np.full((B, L), -1, np.int64)
         target_lp = np.full((B, L), np.nan, np.float32)
-        mask = np.zeros((B, L), bool)
         weights = np.zeros((B, L, k), np.float32) if self.sampled else None
-        for b, (shard, seq_stop, lo, hi) in enumerate(rows):
+        for b, (shard, _, lo, hi) in enumerate(rows):
             n, t = hi - lo, shard.targets
-            input_ids[b, :n] = shard.input_ids[lo:hi]
             topk_ids[b, :n] = t.topk_ids[lo:hi]
             topk_lp[b, :n] = t.topk_logprobs[lo:hi]
             if weights is not None:
                 weights[b, :n] = target_weights(t.slice(lo, hi), self.head)
             tail[b, :n] = t.tail_logmass[lo:hi]
             target_lp[b, :n] = t.target_logprob[lo:hi]
-            # The window's last row still has a next token unless the sequence ends there.
-            nxt = shard.input_ids[lo + 1:min(hi + 1, seq_stop)]
-            target[b, :len(nxt)] = nxt
-            mask[b, :n] = True
         flat = lambda a: torch.from_numpy(a.reshape(B * L, *a.shape[2:]))
         batch = Batch(torch.from_numpy(input_ids), flat(topk_ids), flat(topk_lp), flat(tail), flat(target),
                       flat(target_lp), flat(mask), None if weights is None else flat(weights))

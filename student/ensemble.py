@@ -120,9 +120,9 @@ class EnsembleBatches(CacheBatches):
 
     def make_batch(self, picked: list[tuple[int, int]]) -> Batch:
         windows = self.windows(picked)
-        B, L, k = len(windows), max(hi - lo for _, _, lo, hi in windows), self.ensemble_k
+        input_ids, target, mask = self.tokens(windows)  # as one cache reads them
         parts = [[] for _ in range(1 + len(self._others))]
-        for (epoch, i), (shard, _, lo, hi) in zip(picked, windows):
+        for (_, i), (shard, _, lo, hi) in zip(picked, windows):
             first = lo - int(shard.seq_offsets[np.searchsorted(shard.seq_offsets, lo, side="right") - 1])
             parts[0].append(shard.targets.slice(lo, hi))
             for part, lru in zip(parts[1:], self._other_lrus()):
@@ -130,17 +130,17 @@ class EnsembleBatches(CacheBatches):
                 part.append(other.targets.slice(start + first, start + first + hi - lo))
         joined = [TeacherTargets.concat(p) for p in parts]
         ids, logprobs, tail = combine_topk([(t.topk_ids, t.topk_logprobs, t.tail_logmass) for t in joined],
-                                           self.weights, k)
+                                           self.weights, self.ensemble_k)
         with np.errstate(divide="ignore"):
             target_lp = np.log(sum(w * np.exp(t.target_logprob.astype(np.float64)) for w, t in zip(self.weights, joined)))
-        plain = super().make_batch(picked)  # input ids, next tokens and mask, as one cache reads them
-        rows = plain.mask.numpy()
+        rows, (B, L), k = mask.ravel(), input_ids.shape, self.ensemble_k
         full_ids = np.broadcast_to(np.arange(k, dtype=np.int64), (B * L, k)).copy()
         full_lp = np.zeros((B * L, k), np.float32)
         full_tail, full_target = np.zeros(B * L, np.float32), np.full(B * L, np.nan, np.float32)
         full_ids[rows], full_lp[rows], full_tail[rows], full_target[rows] = ids, logprobs, tail, target_lp
-        batch = Batch(plain.input_ids, torch.from_numpy(full_ids), torch.from_numpy(full_lp),
-                      torch.from_numpy(full_tail), plain.target_ids, torch.from_numpy(full_target), plain.mask)
+        batch = Batch(torch.from_numpy(input_ids), torch.from_numpy(full_ids), torch.from_numpy(full_lp),
+                      torch.from_numpy(full_tail), torch.from_numpy(target.ravel()), torch.from_numpy(full_target),
+                      torch.from_numpy(mask.ravel()))
         return batch.pin_memory() if self.pin else batch
 
     def _other_lrus(self) -> list[ShardLRU]:
