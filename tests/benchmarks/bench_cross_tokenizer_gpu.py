@@ -100,6 +100,21 @@ def write_cache(path: Path, tokenizer, seqs: list[np.ndarray], k: int, *, store_
         writer.finalize()
 
 
+def save_random_student(folder: Path, tokenizer, device: str) -> dict:
+    """A seeded random-init student of the SmolLM2-135M shape (on the CPU: a toy one) and the
+    tokenizer's vocabulary, saved with the tokenizer in `folder`; its shape."""
+    torch.manual_seed(0)
+    shape = SHAPE if device == "cuda" else {**SHAPE, "num_layers": 1, "hidden_size": 64, "intermediate_size": 64,
+                                            "num_heads": 2, "num_kv_heads": 1, "head_dim": 32}
+    with torch.device(device):
+        model = Student(StudentConfig(model_type="llama", vocab_size=len(tokenizer), rope_theta=100_000.0,
+                                      max_position_embeddings=8192, tie_word_embeddings=True,
+                                      extra={"eos_token_id": tokenizer.eos_token_id}, **shape))
+    model.save_pretrained(folder)  # (a fresh folder), then the tokenizer beside the weights
+    tokenizer.save_pretrained(folder)
+    return shape
+
+
 def host_rate(batches, count: int) -> float:
     """Student tokens/s of `count` batches handed out by the trainer's Prefetcher (its workers: the
     batches' prefetch_workers), nothing consuming them but this loop."""
@@ -141,16 +156,7 @@ def main():
     student_seqs = packed(student_tok, int(args.seq_len * ratio), args.num_seqs)
     write_cache(work / "teacher_cache", teacher_tok, teacher_seqs, args.k, store_tokenizer=True)
     write_cache(work / "student_cache", student_tok, student_seqs, args.k, store_tokenizer=False, seed=1)
-    torch.manual_seed(0)
-    shape = SHAPE if args.device == "cuda" else {**SHAPE, "num_layers": 1, "hidden_size": 64, "intermediate_size": 64,
-                                                  "num_heads": 2, "num_kv_heads": 1, "head_dim": 32}
-    with torch.device(args.device):
-        model = Student(StudentConfig(model_type="llama", vocab_size=len(student_tok), rope_theta=100_000.0,
-                                      max_position_embeddings=8192, tie_word_embeddings=True,
-                                      extra={"eos_token_id": student_tok.eos_token_id}, **shape))
-    model.save_pretrained(student_dir)  # (a fresh folder), then the tokenizer beside the weights
-    student_tok.save_pretrained(student_dir)
-    del model
+    shape = save_random_student(student_dir, student_tok, args.device)
     config = {"vocab": args.vocab, "seq_len": args.seq_len, "student_tokens_per_teacher_token": ratio,
               "batch_size": args.batch_size, "k": args.k, "shape": shape}
 

@@ -25,13 +25,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import torch
-from bench_cross_tokenizer_gpu import SHAPE, packed, write_cache
+from bench_cross_tokenizer_gpu import packed, save_random_student, write_cache
 from bench_train_step_gpu import train_windows
 from harness import Results, add_results_arg
 
-from student.config import StudentConfig
-from student.model import Student
 from student.trainer import TrainConfig
 
 CASES = {"one": {"cache": "A"}, "mixture": {"cache": "A,B", "cache_weights": "0.5,0.5"},
@@ -62,17 +59,8 @@ def main():
     write_cache(caches["A"], tokenizer, first, args.k, store_tokenizer=False, seed=0)
     write_cache(caches["B"], tokenizer, second, args.k, store_tokenizer=False, seed=1)
     write_cache(caches["A2"], tokenizer, first, args.k, store_tokenizer=False, seed=2, fingerprint="f0")
-    shape = SHAPE if args.device == "cuda" else {**SHAPE, "num_layers": 1, "hidden_size": 64, "intermediate_size": 64,
-                                                  "num_heads": 2, "num_kv_heads": 1, "head_dim": 32}
-    torch.manual_seed(0)
     student = work / "student"
-    with torch.device(args.device):
-        model = Student(StudentConfig(model_type="llama", vocab_size=len(tokenizer), rope_theta=100_000.0,
-                                      max_position_embeddings=8192, tie_word_embeddings=True,
-                                      extra={"eos_token_id": tokenizer.eos_token_id}, **shape))
-    model.save_pretrained(student)
-    tokenizer.save_pretrained(student)
-    del model
+    shape = save_random_student(student, tokenizer, args.device)
     config = {"seq_len": args.seq_len, "batch_size": args.batch_size, "k": args.k, "num_seqs": args.num_seqs,
               "shape": shape, "steps": args.train_steps}
 
