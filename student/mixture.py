@@ -9,8 +9,11 @@ with no randomness to seed and nothing to draw on resume. The position is the st
 and the counts taken: ``state_dict`` / ``load_state_dict`` resume exactly there.
 
 A batch holds each cache's sequences in the caches' order, padded to the longest: the caches must
-give rows of one shape and meaning, so ``open_caches`` refuses caches of another tokenizer, kind of
-targets, k or temperature than the first's, in one line naming --cache, before any work.
+give rows of one shape and meaning, so ``open_caches`` refuses caches of another tokenizer, k or
+temperature than the first's, in one line naming --cache, before any work. Sampled and hybrid
+(topk+sampled) caches mix with each other: each row is an unbiased estimate of its own teacher's
+distribution, and every row's loss is that estimate. A top-k cache does not mix with them: one
+batch has one loss form, and the sampled caches' ("unnormalized") drops a top-k row's tail mass.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from distill.errors import DistillUserError
 from student.cross_tokenizer.batches import CrossTokenizer, batches_for, open_cross_tokenizer
 from student.data import Batch, CacheBatches, split_indices
-from student.ensemble import EnsembleBatches, check_same_corpus
+from student.ensemble import EnsembleBatches, check_ensemble_kinds, check_same_corpus, ensemble_width
 from student.evaluate import EvalResult
 from teacher_cache.reader import CacheReader
 
@@ -57,6 +60,7 @@ def open_caches(caches, student_tokenizer, *, cross_tokenizer: str, heldout: int
         reader = CacheReader(path)
         if sources and ensemble:
             check_same_corpus(sources[0].reader, reader)
+            check_ensemble_kinds(sources[0].reader, reader)
             first, temperature = sources[0].reader, reader.manifest.spec.targets.temperature
             if temperature != first.manifest.spec.targets.temperature:
                 raise DistillUserError(f"--ensemble: {reader.path} has temperature {temperature}, {first.path} has "
@@ -74,13 +78,18 @@ def open_caches(caches, student_tokenizer, *, cross_tokenizer: str, heldout: int
 
 def _check_mixable(first: CacheReader, other: CacheReader) -> None:
     a, b = first.manifest.spec, other.manifest.spec
+    if a.targets.sampled != b.targets.sampled:
+        raise DistillUserError(
+            f"--cache: {other.path} holds {b.targets.kind} targets, the first cache {first.path} {a.targets.kind}; "
+            "a top-k cache and a sampled one cannot share a run: the sampled caches' unbiased loss form drops a top-k "
+            "row's tail mass (a biased objective), so mix caches that are all top-k, or all sampled / topk+sampled")
     differs = [(what, x, y) for what, x, y in (
-        ("tokenizer hash", a.tokenizer.hash, b.tokenizer.hash), ("targets", a.targets.kind, b.targets.kind),
-        ("k", a.targets.k, b.targets.k), ("temperature", a.targets.temperature, b.targets.temperature)) if x != y]
+        ("tokenizer hash", a.tokenizer.hash, b.tokenizer.hash), ("k", a.targets.k, b.targets.k),
+        ("temperature", a.targets.temperature, b.targets.temperature)) if x != y]
     if differs:
         what, x, y = differs[0]
         raise DistillUserError(f"--cache: {other.path} has {what} {y}, the first cache {first.path} has {x}; the caches "
-                               "of one run must share the tokenizer, the kind of targets, k and the temperature")
+                               "of one run must share the tokenizer, k (a sampled cache's slots) and the temperature")
 
 
 @dataclass
@@ -142,8 +151,7 @@ def open_run_caches(config, student_tokenizer, *, maps_folder=None) -> RunCaches
     given = config.ensemble_weights if config.ensemble else config.cache_weights
     weights = normalized_weights(given or [1.0] * len(sources), len(sources),
                                  "--ensemble-weights" if config.ensemble else "--cache-weights")
-    ensemble_k = (config.ensemble_k or max(s.reader.manifest.spec.targets.k for s in sources)) \
-        if config.ensemble else None
+    ensemble_k = ensemble_width([s.reader for s in sources], config.ensemble_k) if config.ensemble else None
     return RunCaches(sources, weights, ensemble_k)
 
 

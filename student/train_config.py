@@ -62,7 +62,7 @@ class TrainConfig:
         (), "Each --ensemble teacher's weight in the mixture, comma-separated (0.5,0.5; normalised to sum 1).")
     ensemble_k: int | None = option(
         None, "Ids an ensemble's target keeps a position, the most probable of the teachers' top-k (default: the largest "
-              "k among the caches); the rest joins the tail.")
+              "k among the caches); the rest joins the tail. Top-k caches only: a sampled ensemble keeps every draw.")
     student: str | Path | None = option(None, "Initial student HF folder.")
     teacher: str | Path | None = option(
         None, "Prune the initial student from this HF folder (with --num-layers); default: the embedded teacher.")

@@ -252,3 +252,136 @@ def test_ensemble_batches_built_on_several_threads_come_in_order(teachers):
             for x, y in zip(vars(batch).values(), vars(got).values()):
                 if x is not None:
                     torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+
+
+# --- sampled and hybrid caches: every teacher's weighted draws ----------------------------------------
+
+
+def _sampled_parts(ks, seed=0, n=N, v=V):
+    """Per teacher (ids [n, k_i], log-probs, slot weights) as student.data.target_weights gives a sampled
+    row: k_i draws from the teacher, unique ids with weight count / k_i, padding slots (weight 0) after."""
+    rng = np.random.default_rng(seed)
+    parts = []
+    for k_i in ks:
+        logits = rng.normal(size=(n, v)) * 2
+        lp = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+        ids, out_lp, weights = np.zeros((n, k_i), np.int64), np.zeros((n, k_i), np.float32), np.zeros((n, k_i))
+        for r in range(n):
+            drawn, counts = np.unique(rng.choice(v, size=k_i, p=np.exp(lp[r])), return_counts=True)
+            pad = [i for i in range(v) if i not in drawn][:k_i - len(drawn)]
+            ids[r] = np.concatenate([drawn, pad])
+            out_lp[r] = lp[r, ids[r]]
+            weights[r, :len(drawn)] = counts / k_i
+        parts.append((ids, out_lp, weights.astype(np.float32)))
+    return parts
+
+
+@pytest.mark.parametrize("ks", [(6, 6), (4, 9, 5)])
+def test_combine_sampled_keeps_every_teachers_draws_at_its_weight(ks):
+    from student.ensemble import combine_sampled
+
+    parts, weights = _sampled_parts(ks), [1.0, 3.0, 0.0][:len(ks)] if len(ks) == 3 else [1.0, 3.0]
+    w = np.array(weights) / sum(weights)
+    ids, lp, slot_w = combine_sampled(parts, weights)
+    assert ids.shape == (N, sum(ks)) and lp.shape == ids.shape and slot_w.shape == ids.shape
+    for r in range(N):
+        assert len(set(ids[r].tolist())) == ids.shape[1]  # distinct ids, fillers included
+        want_w, want_wl = {}, {}
+        for (p_ids, p_lp, p_w), w_i in zip(parts, w):
+            for i, l, x in zip(p_ids[r].tolist(), p_lp[r].tolist(), p_w[r].tolist()):
+                if x * w_i > 0:
+                    want_w[i] = want_w.get(i, 0.0) + w_i * x
+                    want_wl[i] = want_wl.get(i, 0.0) + w_i * x * l
+        got = {i: (x, l) for i, x, l in zip(ids[r].tolist(), slot_w[r].tolist(), lp[r].tolist()) if x > 0}
+        assert sorted(got) == sorted(want_w)
+        for i, (x, l) in got.items():
+            assert x == pytest.approx(want_w[i], rel=1e-6) and l == pytest.approx(want_wl[i] / want_w[i], rel=1e-5)
+        assert slot_w[r].sum() == pytest.approx(1.0, rel=1e-5)  # each teacher's draws weigh 1, the mixture too
+
+
+def test_a_sampled_ensembles_loss_and_gradient_are_the_teachers_weighted_sum():
+    """The loss's estimate over the merged slots is sum_i w_i KL_est_i exactly, so its gradient is the
+    weighted sum of each teacher's: unbiased for the gradient of KL(mixture || student)."""
+    from student.ensemble import combine_sampled
+
+    parts, w = _sampled_parts((7, 5), seed=3), (0.3, 0.7)
+    ids, lp, slot_w = combine_sampled(parts, w)
+    mask = torch.ones(N, dtype=torch.bool)
+
+    def loss_and_grad(ids, lp, weights):
+        hidden = torch.from_numpy(np.random.default_rng(11).normal(size=(N, V))).float().requires_grad_()
+        loss = fused_topk_kl(hidden, torch.eye(V), torch.as_tensor(ids), torch.as_tensor(lp), torch.zeros(N),
+                             mask=mask, tail="unnormalized", reduction="sum", impl="torch",
+                             target_weights=torch.as_tensor(weights))
+        loss.backward()
+        return loss.item(), hidden.grad
+
+    ens_loss, ens_grad = loss_and_grad(ids, lp, slot_w)
+    each = [loss_and_grad(*part) for part in parts]
+    assert ens_loss == pytest.approx(sum(w_i * l for w_i, (l, _) in zip(w, each)), rel=1e-5)
+    torch.testing.assert_close(ens_grad, sum(w_i * g for w_i, (_, g) in zip(w, each)), rtol=1e-5, atol=1e-6)
+
+
+def _sampled_corpus(corpus, samples: int, seed: int):
+    """`corpus` (test_cache_synth) with sampled targets: `samples` draws a row from its full distribution."""
+    from dataclasses import replace
+
+    from test_cache_synth import SynthCorpus
+
+    rng = np.random.default_rng(seed)
+    vocab, targets, start = corpus.full_logprobs.shape[1], [], 0
+    for t in corpus.targets:
+        n = t.num_positions
+        ids, lp, counts = np.zeros((n, samples), np.int32), np.zeros((n, samples), np.float32), np.zeros((n, samples), np.uint8)
+        for r in range(n):
+            full = corpus.full_logprobs[start + r]
+            drawn, c = np.unique(rng.choice(vocab, size=samples, p=np.exp(full) / np.exp(full).sum()), return_counts=True)
+            ids[r] = np.concatenate([drawn, [i for i in range(vocab) if i not in drawn][:samples - len(drawn)]])
+            lp[r], counts[r, :len(drawn)] = full[ids[r]], c
+        tail = tail_logmass_from_topk(np.where(counts > 0, lp, -np.inf).astype(np.float32))
+        targets.append(replace(t, topk_ids=ids, topk_logprobs=lp, tail_logmass=tail, sample_counts=counts))
+        start += n
+    return SynthCorpus(corpus.sequences, targets, corpus.full_logprobs)
+
+
+def write_sampled_cache(path, corpus, samples: int, seed: int, **spec):
+    from test_cache_synth import write_cache
+
+    return write_cache(path, _sampled_corpus(corpus, samples, seed), targets__kind="sampled", targets__k=samples,
+                       targets__samples=samples, targets__proposal_temperature=1.0, targets__seed=seed, **spec)
+
+
+def test_an_ensemble_of_sampled_caches_reads_each_caches_weights_merged(teachers, tmp_path):
+    from student.data import CacheBatches
+    from student.ensemble import EnsembleBatches, combine_sampled
+    from teacher_cache.reader import CacheReader
+
+    root, corpus = teachers
+    write_sampled_cache(tmp_path / "s1", corpus, 6, seed=1, shard_size=4)
+    write_sampled_cache(tmp_path / "s2", _second_teacher(corpus), 5, seed=2, shard_size=3)
+    a, b = CacheReader(tmp_path / "s1"), CacheReader(tmp_path / "s2")
+    data = EnsembleBatches(a, range(10), 3, others=[b], weights=[1.0, 3.0], k=11, seed=2)
+    picked = [(0, i) for i in data.epoch_order(0)[:3]]
+    got = data.make_batch(picked)
+    each = [CacheBatches(r, range(10), 3).make_batch(picked) for r in (a, b)]  # the same sequences, whole
+    rows = got.mask
+    want = combine_sampled([(e.topk_ids[rows].numpy(), e.topk_logprobs[rows].numpy(), e.target_weights[rows].numpy())
+                            for e in each], [0.25, 0.75])
+    for x, y in zip((got.topk_ids[rows], got.topk_logprobs[rows], got.target_weights[rows]), want):
+        np.testing.assert_array_equal(x.numpy(), y)
+    assert (got.target_weights[~rows] == 0).all()
+
+
+def test_top_k_and_sampled_caches_in_one_ensemble_are_refused_in_one_line(teachers, tmp_path):
+    from student.ensemble import check_ensemble_kinds, ensemble_width
+    from teacher_cache.reader import CacheReader
+
+    root, corpus = teachers
+    write_sampled_cache(tmp_path / "s", corpus, 6, seed=1)
+    with pytest.raises(DistillUserError, match="--ensemble: .* top-k and sampled caches cannot be combined") as error:
+        check_ensemble_kinds(CacheReader(root / "a"), CacheReader(tmp_path / "s"))
+    assert "\n" not in str(error.value)
+    sampled = [CacheReader(tmp_path / "s")] * 2
+    assert ensemble_width(sampled, None) == 12 and ensemble_width([CacheReader(root / "a")] * 2, None) == 8
+    with pytest.raises(DistillUserError, match="--ensemble-k: an ensemble of sampled caches keeps every drawn id"):
+        ensemble_width(sampled, 6)

@@ -5,6 +5,7 @@ the mistakes refused in one line before any work."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -116,6 +117,23 @@ def test_caches_of_another_k_are_refused(tiny, tmp_path, capsys):  # noqa: F811
     assert "k 4" in one_error_line(code, err)
 
 
+def test_sampled_caches_mix_and_a_top_k_cache_beside_them_is_refused_saying_why(tiny, tmp_path, capsys):  # noqa: F811
+    from test_ensemble import write_sampled_cache
+
+    a, b = tmp_path / "s1", tmp_path / "s2"
+    write_sampled_cache(a, tiny[2], 8, seed=1, tokenizer__hash=tokenizer_hash(tiny[0]))
+    write_sampled_cache(b, make_corpus(num_seqs=15, seq_len=20, k=8, vocab=VOCAB, seed=7), 8, seed=2,
+                        tokenizer__hash=tokenizer_hash(tiny[0]), shard_size=4)
+    report = train(config(tiny, tmp_path / "run", cache=[str(a), str(b)], cache_weights="0.7,0.3",
+                          tail="unnormalized", steps=3), progress=False)
+    evals, per_cache = rows(report.run_dir, "eval"), rows(report.run_dir, "cache_eval")
+    x, y = (r["kl"] for r in per_cache if r["step"] == evals[-1]["step"])
+    assert evals[-1]["kl"] == pytest.approx(0.7 * x + 0.3 * y) and all(math.isfinite(r["loss"]) for r in rows(report.run_dir))
+    code, _, err = run_cli(cli(tiny, tmp_path / "mixed", tiny[1], a), capsys)
+    line = one_error_line(code, err)
+    assert "--cache" in line and "topk" in line and "sampled" in line and "tail mass" in line
+
+
 # --- ensembles: two teachers' caches of one corpus -------------------------------------------------
 
 
@@ -143,6 +161,24 @@ def test_an_ensemble_trains_on_the_mixture_and_reports_each_teacher(tiny, other_
     assert report.teacher_eval.ce < max(t.ce for _, _, t in report.cache_evals)  # the mixture's own CE, from the cache
     run = json.loads(Path(report.run_dir, "run.json").read_text())
     assert run["config"]["cache"] == [str(tiny[1])] and len(run["cache_ids"]) == 2
+
+
+def test_an_ensemble_of_sampled_caches_trains_and_reads_as_the_teachers_weighted_kl(tiny, tmp_path):  # noqa: F811
+    """Sampled caches of two teachers: the estimate is unbiased for the mixture's gradient and reads as
+    sum_i w_i KL(p_i || q) (student/ensemble.py), so the run's KL is the teachers' KLs at the weights."""
+    from test_ensemble import _second_teacher, write_sampled_cache
+
+    a, b = tmp_path / "s1", tmp_path / "s2"
+    write_sampled_cache(a, tiny[2], 12, seed=1, tokenizer__hash=tokenizer_hash(tiny[0]))
+    write_sampled_cache(b, _second_teacher(tiny[2]), 12, seed=2, tokenizer__hash=tokenizer_hash(tiny[0]), shard_size=3)
+    report = train(config(tiny, tmp_path / "run", cache=(), ensemble=f"{a},{b}", ensemble_weights="1,3",
+                          tail="unnormalized"), progress=False)
+    evals, per_teacher = rows(report.run_dir, "eval"), rows(report.run_dir, "cache_eval")
+    assert all(math.isfinite(r["loss"]) for r in rows(report.run_dir))
+    for row in evals:
+        x, y = (r["kl"] for r in per_teacher if r["step"] == row["step"])
+        assert row["kl"] == pytest.approx(0.25 * x + 0.75 * y, rel=1e-4)
+    assert evals[-1]["kl"] < evals[0]["kl"]
 
 
 @pytest.mark.parametrize("flags, match", [(["--ensemble", "A"], "two caches or more"),
