@@ -492,7 +492,8 @@ def _run_and_report(recipe, quiet: bool) -> None:
 
     report = run(recipe, progress=not quiet)
     reused = " (reused: complete and matching)" if report.cache_reused else ""
-    typer.echo(f"cache {report.cache_dir}{reused}: {report.wall_seconds['cache']:.0f} s; "
+    caches = ", ".join(map(str, report.cache_dirs))
+    typer.echo(f"cache{'s' if len(report.cache_dirs) > 1 else ''} {caches}{reused}: {report.wall_seconds['cache']:.0f} s; "
                f"training {report.run_dir}: {report.wall_seconds['train']:.0f} s")
     if report.points:
         from pipelines.experiments import find_runs, runs_table

@@ -8,11 +8,17 @@ fields of ``TeacherConfig``, ``CorpusConfig`` and ``CacheConfig``, and in [train
 from the teacher, evenly spaced) or ``from = "path/to/hf-folder"``. Relative paths are relative to
 the directory the command runs in, like the CLI's. Example: ``pipelines/recipes/quickstart.toml``.
 
+Several caches (a data mixture): [[cache]] entries instead of one [cache] table, each a [cache]
+with its own ``out`` and, as inline tables, the [corpus] and [teacher] keys it changes
+(``corpus = {paths = ["docs"], file_glob = "*.md"}``); the student trains on them all, in the shares
+of [train] cache_weights (``[0.7, 0.3]``; equal when left out), which a [sweep] may vary
+(``"train.cache_weights" = [[1, 0], [0.5, 0.5]]``). Example: ``pipelines/recipes/mixture.toml``.
+
 A [sweep] section lists values of [train] or [student] keys, as ``"section.key" = [values]`` (or
 TOML's dotted ``train.lr = [...]``): the recipe becomes the grid of every combination, in the order
 written, each point a run directory under [train] out named after its settings
-(``lr=0.001,optimizer=foam``). Every point trains on the recipe's one cache, so cache, corpus and
-teacher keys cannot be swept. A sweep resumes: a point whose run holds its final student is
+(``lr=0.001,optimizer=foam``). Every point trains on the recipe's caches, so cache, corpus and
+teacher keys cannot be swept (cache weights, a [train] key, can). A sweep resumes: a point whose run holds its final student is
 skipped, an interrupted one continues through the trainer's own resume.
 
 ``load_recipe`` checks the whole recipe (every sweep point included) before any work (every section, key, type and range, and
@@ -41,7 +47,7 @@ from pipelines.corpus import CorpusConfig
 from pipelines.stage_one import StageOneConfig, TeacherConfig
 
 SECTIONS = ("teacher", "corpus", "cache", "student", "train")
-SWEEPABLE = ("train", "student")  # the one cache is shared: its sections cannot vary within a sweep
+SWEEPABLE = ("train", "student")  # the caches are shared: their sections cannot vary within a sweep
 RECIPES_DIR = Path(__file__).parent / "recipes"
 # [train] keys set by the other sections: the cache by [cache] out, the initial student by [student].
 _TRAIN_FROM_OTHER_SECTIONS = {"cache": "[cache] out", "student": "[student] from", "teacher": "[teacher] model",
@@ -66,12 +72,17 @@ class StudentInit:
 @dataclass
 class Recipe:
     name: str
-    stage_one: StageOneConfig
+    caches: list[StageOneConfig]  # one per cache ([cache], or each [[cache]] entry), in order
     student: StudentInit
     train: dict[str, Any] = field(default_factory=dict)  # TrainConfig flat fields other than cache and init
     source: Path | None = None
     settings: dict[str, Any] = field(default_factory=dict)  # a sweep point's values, {"train.lr": 0.001}
     points: list[Recipe] = field(default_factory=list)  # a sweep's points, in order ([] without [sweep])
+
+    @property
+    def stage_one(self) -> StageOneConfig:
+        """The first cache's stage one (a one-cache recipe's only)."""
+        return self.caches[0]
 
 
 def builtin_recipe(name: str) -> Path:
@@ -120,7 +131,7 @@ def _sweep_keys(sweep) -> dict[str, list]:
         section, _, name = key.partition(".")
         if section not in SWEEPABLE or not name or "." in name:
             raise DistillUserError(f"[sweep] key {key!r} must be SECTION.KEY with SECTION one of "
-                                   f"{', '.join(SWEEPABLE)} (every point shares the one cache; a recipe per cache "
+                                   f"{', '.join(SWEEPABLE)} (every point shares the one cache, or [[cache]] list; a recipe per cache "
                                    "sweeps teacher, corpus or cache settings)")
         if key == "train.out":
             raise DistillUserError("[sweep] cannot vary train.out: each point's run directory is named under it")
@@ -143,6 +154,8 @@ def point_name(settings: dict[str, Any]) -> str:
         label = short if shorts.count(short) == 1 else key
         if isinstance(value, bool):
             text = str(value).lower()
+        elif isinstance(value, list):  # cache weights: 0.7+0.3
+            text = "+".join(map(str, value))
         elif isinstance(value, str):
             text = Path(value).name or value
         else:
@@ -178,19 +191,16 @@ def _build(path: Path, doc: dict) -> Recipe:
         raise DistillUserError(f"unknown section(s) {unknown}; allowed: {allowed} (and a top-level name)")
     sections = {s: doc.get(s, {}) for s in SECTIONS}
     for s, body in sections.items():
-        if not isinstance(body, dict):
+        if not isinstance(body, dict) and not (s == "cache" and isinstance(body, list)):
             raise DistillUserError(f"[{s}] must be a table of keys, got {type(body).__name__}")
-    teacher, corpus, cache = dict(sections["teacher"]), dict(sections["corpus"]), dict(sections["cache"])
-    if teacher.get("model") in ("", "default"):
-        del teacher["model"]
-    for key in ("paths", "exclude_dirs"):  # TOML arrays; the config holds tuples
-        if isinstance(corpus.get(key), list):
-            corpus[key] = tuple(corpus[key])
-    if "out" not in cache:
-        raise DistillUserError('[cache] needs out = "DIR" (where the cache is written or reused)')
-    stage_one = StageOneConfig(teacher=_section(TeacherConfig, teacher, "teacher"),
-                               corpus=_section(CorpusConfig, corpus, "corpus"),
-                               cache=_section(CacheConfig, cache, "cache"))
+    entries = sections["cache"] if isinstance(sections["cache"], list) else [sections["cache"]]
+    if not entries:
+        raise DistillUserError('[[cache]] needs at least one entry with out = "DIR"')
+    caches = [_stage_one(sections["teacher"], sections["corpus"], entry,
+                         "cache" if len(entries) == 1 else f"cache {place + 1}") for place, entry in enumerate(entries)]
+    outs = [str(c.cache.out) for c in caches]
+    if len(set(outs)) < len(outs):
+        raise DistillUserError(f"[[cache]] entries share an out ({outs}); give each cache a folder of its own")
     student_body = dict(sections["student"])
     if "from" in student_body:
         student_body["source"] = student_body.pop("from")
@@ -204,13 +214,38 @@ def _build(path: Path, doc: dict) -> Recipe:
     for key, where in _TRAIN_FROM_OTHER_SECTIONS.items():
         if key in train:
             raise DistillUserError(f"[train] {key} is not a [train] key: {where} sets it")
-    recipe = Recipe(name=name, stage_one=stage_one, student=student, train=train, source=path)
+    recipe = Recipe(name=name, caches=caches, student=student, train=train, source=path)
     config = train_config(recipe, teacher_dir=Path("TEACHER"))  # the real folder is found (or imported) later
     try:
-        config.loss.check_cache_temperature(stage_one.cache.temperature, kind=stage_one.cache.targets)
+        for stage_one in caches:
+            config.loss.check_cache_temperature(stage_one.cache.temperature, kind=stage_one.cache.targets)
     except ConfigError as e:
         raise e.in_section("train") from None
     return recipe
+
+
+def _stage_one(teacher: dict, corpus: dict, entry, section: str) -> StageOneConfig:
+    """One cache's stage one: the recipe's [teacher] and [corpus] with the keys its cache entry
+    changes (inline tables `teacher` and `corpus`), and the entry's own [cache] keys."""
+    if not isinstance(entry, dict):
+        raise DistillUserError(f"[{section}] must be a table of keys, got {type(entry).__name__}")
+    cache = dict(entry)
+    changes = {key: cache.pop(key, {}) for key in ("teacher", "corpus")}
+    for key, value in changes.items():
+        if not isinstance(value, dict):
+            raise DistillUserError(f"[{section}] {key} must be an inline table of [{key}] keys, got {value!r}")
+    teacher, corpus = {**teacher, **changes["teacher"]}, {**corpus, **changes["corpus"]}
+    if teacher.get("model") in ("", "default"):
+        del teacher["model"]
+    for key in ("paths", "exclude_dirs"):  # TOML arrays; the config holds tuples
+        if isinstance(corpus.get(key), list):
+            corpus[key] = tuple(corpus[key])
+    if "out" not in cache:
+        raise DistillUserError(f'[{section}] needs out = "DIR" (where the cache is written or reused)')
+    where = lambda part: part if section == "cache" else f"{section} {part}"  # "[cache 2 corpus] paths"
+    return StageOneConfig(teacher=_section(TeacherConfig, teacher, where("teacher")),
+                          corpus=_section(CorpusConfig, corpus, where("corpus")),
+                          cache=_section(CacheConfig, cache, section))
 
 
 def _section(cls, body: dict, section: str):
@@ -231,7 +266,7 @@ def _section(cls, body: dict, section: str):
 
 
 def train_config(recipe: Recipe, teacher_dir: Path):
-    """The ``TrainConfig`` of a recipe whose cache is at ``recipe.stage_one.cache.out``; errors name [train] keys."""
+    """The ``TrainConfig`` of a recipe whose caches are at their [cache] out; errors name [train] keys."""
     from student.train_config import TrainConfig
 
     init: dict[str, Any]
@@ -245,7 +280,7 @@ def train_config(recipe: Recipe, teacher_dir: Path):
         raise DistillUserError(f"[train] unknown key(s) {', '.join(unknown)}; known: "
                                f"{', '.join(sorted(known - set(_TRAIN_FROM_OTHER_SECTIONS)))}")
     try:
-        return TrainConfig.from_flat(cache=str(recipe.stage_one.cache.out), **init, **recipe.train)
+        return TrainConfig.from_flat(cache=[str(c.cache.out) for c in recipe.caches], **init, **recipe.train)
     except ConfigError as e:
         raise e.in_section("train") from None
 
@@ -260,8 +295,8 @@ class PointResult:
 
 @dataclass
 class RecipeReport:
-    cache_dir: Path
-    cache_reused: bool
+    cache_dirs: list[Path]  # in the recipe's order
+    cache_reused: bool  # every cache was complete and matching already
     run_dir: Path  # the run, or for a sweep the folder of its points' runs
     evaluation: dict  # {"teacher": EvalResult, "before": EvalResult | None, "after": EvalResult}; {} for a sweep
     wall_seconds: dict  # {"cache": s, "train": s}
@@ -320,15 +355,19 @@ def run_recipe(recipe: Recipe, progress: bool = True) -> RecipeReport:
     teacher_dir = recipe.stage_one.teacher.model or default_teacher_dir()
     config = train_config(recipe, teacher_dir)  # load_recipe has checked it, before the teacher runs
     start = time.perf_counter()
-    try:
-        built = cache_teacher(recipe.stage_one, progress=progress)
-    except ConfigError as e:  # e.g. [cache] out holds another cache
-        raise _stage_one_error(e) from None
+    built = []
+    for place, stage_one in enumerate(recipe.caches):
+        try:
+            built.append(cache_teacher(stage_one, progress=progress))
+        except ConfigError as e:  # e.g. [cache] out holds another cache
+            error = _stage_one_error(e)
+            raise (error if len(recipe.caches) == 1 else DistillUserError(f"[[cache]] {place + 1}: {error}")) from None
+    cache_dirs, cache_reused = [Path(b.cache_dir) for b in built], all(b.already_complete for b in built)
     cache_seconds = time.perf_counter() - start
     start = time.perf_counter()
     if recipe.points:
         points = run_points(recipe, teacher_dir, progress=progress)
-        return RecipeReport(cache_dir=built.cache_dir, cache_reused=built.already_complete,
+        return RecipeReport(cache_dirs=cache_dirs, cache_reused=cache_reused,
                             run_dir=Path(recipe.train["out"]), evaluation={}, points=points,
                             wall_seconds={"cache": cache_seconds, "train": time.perf_counter() - start})
     try:
@@ -338,6 +377,6 @@ def run_recipe(recipe: Recipe, progress: bool = True) -> RecipeReport:
     train_seconds = time.perf_counter() - start
     evaluation = evaluate_run_or_folder(config.out)
     return RecipeReport(
-        cache_dir=built.cache_dir, cache_reused=built.already_complete, run_dir=Path(config.out),
+        cache_dirs=cache_dirs, cache_reused=cache_reused, run_dir=Path(config.out),
         evaluation=evaluation, wall_seconds={"cache": cache_seconds, "train": train_seconds},
     )

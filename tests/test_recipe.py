@@ -158,3 +158,82 @@ def test_quickstart_end_to_end(tmp_path, capsys, monkeypatch, teacher_dir):
     assert ev["final"]["kl"] < ev["initial"]["kl"] / 3  # measured: 12.5 -> 2.2 nats/token
     assert ev["final"]["top1"] > 0.15
     assert (tmp_path / "runs" / "quickstart" / "student" / "tokenizer.json").exists()
+
+
+MIXTURE = """
+name = "mix"
+[corpus]
+seq_len = 48
+max_sequences = 8
+[[cache]]
+out = "{root}/code"
+k = 16
+shard_size = 4
+[[cache]]
+out = "{root}/prose"
+k = 16
+shard_size = 4
+corpus = {{ paths = ["{prose}"], file_glob = "topics.py" }}
+[student]
+from = "teacher"
+num_layers = 2
+[train]
+out = "{root}/runs"
+steps = 4
+batch_size = 2
+warmup_steps = 1
+heldout = 2
+eval_every = 4
+save_every = 4
+[sweep]
+"train.cache_weights" = [[0.75, 0.25], [0.0, 1.0]]
+"""
+
+
+def _mixture_recipe(tmp_path, text=MIXTURE):
+    import sysconfig
+
+    path = tmp_path / "mix.toml"
+    path.write_text(text.format(root=tmp_path, prose=f"{sysconfig.get_paths()['stdlib']}/pydoc_data"))
+    return path
+
+
+def test_a_recipe_of_several_caches_lists_them_and_sweeps_their_weights(tmp_path):
+    recipe = load_recipe(_mixture_recipe(tmp_path))
+    assert [str(c.cache.out) for c in recipe.caches] == [str(tmp_path / "code"), str(tmp_path / "prose")]
+    assert recipe.caches[1].corpus.file_glob == "topics.py" and recipe.caches[0].corpus.file_glob == "*.py"
+    assert recipe.caches[1].corpus.seq_len == 48  # the recipe's [corpus], changed only where the entry says
+    assert [p.name for p in recipe.points] == ["cache_weights=0.75+0.25", "cache_weights=0.0+1.0"]
+    configs = [train_config(p, teacher_dir="/t") for p in recipe.points]
+    assert [c.cache for c in configs] == [(str(tmp_path / "code"), str(tmp_path / "prose"))] * 2
+    assert [c.cache_weights for c in configs] == [(0.75, 0.25), (0.0, 1.0)]
+
+
+@pytest.mark.parametrize("edit, needles", [
+    (lambda t: t.replace('out = "{root}/prose"', 'out = "{root}/code"'), ["[[cache]] entries share an out"]),
+    (lambda t: t.replace('out = "{root}/prose"\n', ""), ["[cache 2] needs out"]),
+    (lambda t: t.replace('file_glob = "topics.py"', 'glob = "topics.py"'), ["[cache 2 corpus]", "unknown key", "glob"]),
+    (lambda t: t.replace("k = 16\nshard_size = 4\ncorpus", 'k = "16"\nshard_size = 4\ncorpus'),
+     ["[cache 2] k must be an integer"]),
+    (lambda t: t.replace('"train.cache_weights" = [[0.75, 0.25], [0.0, 1.0]]', '"train.cache_weights" = [[1, 2, 3]]'),
+     ["[sweep] point cache_weights=1+2+3", "[train] cache_weights must be one weight >= 0 per --cache (2)"]),
+])
+def test_a_bad_cache_list_is_one_line_naming_the_entry(tmp_path, capsys, monkeypatch, edit, needles):
+    import pipelines.stage_one
+
+    monkeypatch.setattr(pipelines.stage_one, "cache_teacher", lambda *a, **k: pytest.fail("stage one ran"))
+    path = _mixture_recipe(tmp_path, edit(MIXTURE))
+    code, _, err = run_cli(["run", path, "--dry-run"], capsys)
+    assert_one_line_error(code, err, str(path), *needles)
+
+
+def test_a_mixture_recipe_builds_both_caches_and_trains_every_weighting(tmp_path, capsys, teacher_dir):
+    code, out, err = run_cli(["run", _mixture_recipe(tmp_path), "-q"], capsys)
+    assert code == 0, err
+    assert f"caches {tmp_path / 'code'}, {tmp_path / 'prose'}" in out
+    for name, weights in (("cache_weights=0.75+0.25", [0.75, 0.25]), ("cache_weights=0.0+1.0", [0.0, 1.0])):
+        run = json.loads((tmp_path / "runs" / name / "run.json").read_text())
+        assert run["config"]["cache_weights"] == weights and len(run["cache_ids"]) == 2
+        rows = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        assert sorted({r["cache"] for r in rows if r["kind"] == "cache_eval"}) == [0, 1]
+    assert "by cache:" in out
