@@ -13,6 +13,10 @@ Rows `mixture_gpu/train/<case>`: one (A), mixture (A and B at 0.5,0.5), ensemble
 0.5,0.5, k the caches' k); figures tok_s (the median over rounds of each round's median window),
 and for the two others ratio = tok_s / one's. Goal: ratio >= 0.97.
 
+Rows `mixture_gpu/data/<case>` (one, ensemble): the host's batches alone, tokens/s handed out by
+the trainer's Prefetcher with nothing else running (bench_cross_tokenizer_gpu.host_rate), against
+which the training step's tokens/s says whether the host could keep up.
+
     python tests/benchmarks/bench_mixture_gpu.py --tokenizer TOKENIZER_FOLDER --results $OUT/rows.jsonl
     python tests/benchmarks/bench_mixture_gpu.py --tokenizer T --device cpu --seq-len 64 --num-seqs 8 --train-steps 4   # smoke
 """
@@ -25,7 +29,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench_cross_tokenizer_gpu import packed, save_random_student, write_cache
+from bench_cross_tokenizer_gpu import host_rate, packed, save_random_student, write_cache
 from bench_train_step_gpu import train_windows
 from harness import Results, add_results_arg
 
@@ -63,6 +67,18 @@ def main():
     shape = save_random_student(student, tokenizer, args.device)
     config = {"seq_len": args.seq_len, "batch_size": args.batch_size, "k": args.k, "num_seqs": args.num_seqs,
               "shape": shape, "steps": args.train_steps}
+
+    from student.data import CacheBatches
+    from student.ensemble import EnsembleBatches
+    from teacher_cache.reader import CacheReader
+
+    indices = list(range(args.num_seqs))
+    host = {"one": CacheBatches(CacheReader(caches["A"]), indices, args.batch_size),
+            "ensemble": EnsembleBatches(CacheReader(caches["A"]), indices, args.batch_size,
+                                        others=[CacheReader(caches["A2"])], weights=[0.5, 0.5], k=args.k)}
+    for case, batches in host.items():
+        results.add(f"data/{case}", {"host_tok_s": host_rate(batches, 24), "workers": batches.prefetch_workers},
+                    config)
 
     windows = {case: [] for case in CASES}
     for _ in range(args.rounds):  # interleaved: a drift of the clock falls on every case
