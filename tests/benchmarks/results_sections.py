@@ -106,7 +106,7 @@ SECTIONS: tuple[Section, ...] = (
                  fig("s/step", "step_s", "{:.2f}"), fig("tok/s", "tok_s", "{:,.0f}"), attention_rate(),
                  gpu_gib(), ROW_IDS)),
             Table(
-                ("long_context/*@96c1347",),
+                ("long_context/qwen2-0.5b-*@96c1347",),
                 (label("shape", shape), label("variant", variant))
                 + tuple(Col(f"{kilo(n)}: tok/s, GiB", lambda line, n=str(n): ", ".join(
                     (num(line.fig("tok_s", n), "{:,.0f}"), num(line.fig("peak_gib", n), "{:.1f}")))
@@ -266,16 +266,7 @@ SECTIONS: tuple[Section, ...] = (
                 caption="Capture over the GPUs of one host (`bench_capture_scaling_gpu.py`, `distill cache-teacher` "
                         "under torchrun; scaling: tokens/s over N x the 1-GPU rate):"),
             Table(
-                ("cache_writer/*",),
-                (label("shard", lambda key: key.replace("/", ", ")),)
-                + tuple(fig(header, key, "{:.2f}") for header, key in (
-                    ("shard s", "shard_s"), ("tail s", "tail_s"), ("codec encode s", "encode_s"),
-                    ("store s (Arrow, zstd, fsync)", "store_s"), ("checksum s", "checksum_s"))) + (ROW_IDS,),
-                caption="The cache writer's tail, CPU (`bench_cache_writer.py`, one default shard): the store's "
-                        "encoding of the shard's one row group, its columns on parallel threads (two busy cores "
-                        "cannot show it):"),
-            Table(
-                ("teacher_cpu/*",),
+                ("teacher_cpu/*/hf@*", "teacher_cpu/*/vllm@*"),
                 (label("backend", name),) + tuple(col for dtype in ("float32", "bfloat16") for col in (
                     Col(f"{dtype} tokens/s median / best", lambda line, d=dtype:
                         f"{line.fig('tok_s_median', d)} / {line.fig('tok_s_best', d)}"),
@@ -297,10 +288,10 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "Value codecs", "capture.md",
         "`bench_codecs.py` on real targets (SmolLM2-135M-Instruct, stdlib text, exact top-100): bytes per token "
-        "(top-k arrays in the Zarr store; whole shard), KL(exact || decoded) in nats; larger vocabularies: ids "
-        "remapped.",
+        "(top-k arrays in the Zarr store; whole shard), KL(exact || decoded) in nats; sqrt8 at larger vocabularies: "
+        "notes/capture.md.",
         tables=(Table(
-            ("codecs/V49152/*", "codecs/*/sqrt8@*"),
+            ("codecs/V49152/*",),
             (label("vocabulary", lambda key: f"{int(key[1:].split('/')[0].split('-')[0]):,}"
                    + {"stretch": ", ids stretched", "shuffle": ", ids shuffled"}.get(
                        key.split("/")[0].partition("-")[2], "")),
@@ -373,7 +364,34 @@ SECTIONS: tuple[Section, ...] = (
                 ">=", 0.95, "{:.3f}x"),)),
         ),
     ),
+    Section(
+        "Several caches", "mixtures.md",
+        "CPU (`bench_mixture.py`, rows mixture/code*, plot in the README): the quickstart's student, 80 steps, on a "
+        "code and a prose cache at five shares. `bench_mixture_gpu.py`: training with two caches or two teachers.",
+        tables=(
+            Table(
+                ("mixture_gpu/train/*", "mixture_gpu/data/*"),
+                (label("case", lambda key: key), fig("training tokens/s", "tok_s", "{:,.0f}", of="train"),
+                 fig("x one cache", "ratio", "{:.3f}", of="train"),
+                 fig("host batches alone, tokens/s", "host_tok_s", "{:,.0f}", of="data"), ROW_IDS),
+                line=by_last_part),),
+        goals=(
+            Goal("each domain's held-out KL falls as its share rises, at every step of the sweep", (Check(
+                "steps where it does not", lambda rows: mixture_reversals(rows), "<=", 0, "{:.0f}"),)),
+            Goal("two caches, or a two-teacher ensemble, within 3% of one cache's training tokens/s", (
+                Check("mixture", figure("mixture_gpu/train/mixture@*", "ratio"), ">=", 0.97, "{:.3f}x"),
+                Check("ensemble", figure("mixture_gpu/train/ensemble@*", "ratio"), ">=", 0.97, "{:.3f}x"))),
+        ),
+    ),
 )
+
+
+def mixture_reversals(rows: Rows) -> int:
+    """Of the sweep's neighbouring code shares (0, .25, .5, .75, 1), the steps up at which the code
+    domain's held-out KL does not fall, plus those at which the prose domain's does not rise."""
+    code, prose = zip(*((rows.one(f"mixture/code{share}@*")["code_kl"], rows.one(f"mixture/code{share}@*")["prose_kl"])
+                        for share in ("0", "0.25", "0.5", "0.75", "1")))
+    return sum(b >= a for a, b in zip(code, code[1:])) + sum(b <= a for a, b in zip(prose, prose[1:]))
 
 
 XTOK_NAMES = {"byte-prefix+ce": "other tokenizer, byte-prefix KD + CE", "byte-prefix": "other tokenizer, byte-prefix KD",
