@@ -386,6 +386,51 @@ def evaluate(
     typer.echo(json.dumps(_jsonable_eval(results), indent=2) if as_json else _eval_table(results))
 
 
+def _generate_own_options(
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """generate's option beside its config's."""
+
+
+def _generate_fields():
+    from pipelines.generate import GenerateConfig
+
+    return GenerateConfig.flat_fields()
+
+
+@app.command("generate")
+@with_parameters(config_parameters(_generate_fields(), defaults={"prompts": None}), _own(_generate_own_options))
+def generate(**values) -> None:
+    """Sample completions from a student into a generated corpus, which cache-teacher then scores (on-policy rounds).
+
+    Each record holds the prompt, the completion and the sampler's log-probability of each sampled token; generation.json names the policy that wrote it (run, step, weights hash).
+
+    Examples:
+
+      distill generate --policy runs/s4 --max-prompts 64 --samples-per-prompt 4 --max-new-tokens 128 --out gen/round1
+
+      distill generate --policy runs/s4 --prompts prompts.jsonl --temperature 0.8 --top-p 0.95 --seed 1 --out gen/chat
+
+      distill generate --policy ./student --backend vllm --prompts data/ --glob '*.md' --prompt-tokens 32 --out gen/md
+
+    Rerunning the same command after an interruption keeps the finished shards and writes the rest; other settings for the same --out are refused.
+    """
+    from distill.configs import ConfigError
+    from pipelines.generate import GenerateConfig
+    from pipelines.generate import generate as run
+
+    quiet = values.pop("quiet")
+    if values["prompts"] is None:
+        del values["prompts"]  # the config's default: the standard library
+    try:
+        report = run(GenerateConfig(**values), progress=not quiet)
+    except ConfigError as e:
+        raise option_error(e, GenerateConfig.flat_fields()) from None
+    kept = f", {report.shards_skipped} kept" if report.shards_skipped else ""
+    typer.echo(f"{report.out}: {report.shards_written} shard(s) written{kept}; {report.samples:,} samples, "
+               f"{report.tokens_generated:,} tokens ({report.tokens_per_second:,.0f} tokens/s sampling)")
+
+
 @app.command("run")
 def run_recipe(
     recipe: Path = typer.Argument(..., help="Recipe TOML file (see pipelines/recipes/quickstart.toml)."),
