@@ -112,3 +112,21 @@ def test_weights_that_cannot_be_shares_are_refused_in_one_line(caches, weights, 
     with pytest.raises(DistillUserError, match=match) as error:
         mixture(caches[:2], weights)
     assert "--cache-weights" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_mixture_of_a_cache_with_itself_reads_the_cache_every_sequence_equally_often(caches):
+    """Two streams over one cache at 0.5 / 0.5: after two epochs' worth of sequences each stream has
+    made one pass, so every sequence was read exactly twice, as the cache alone reads it over two
+    epochs; and the batches are the cache's own sequences and rows."""
+    from collections import Counter
+
+    data = mixture([caches[0], caches[0]], [0.5, 0.5], batch_size=4)
+    counts = Counter()
+    picks = data.picks()
+    while sum(data.taken) < 40:  # two epochs of the cache's 20 sequences
+        counts.update(index for _, _, index in next(picks))
+    assert counts == Counter({i: 2 for i in range(20)})
+    plain = CacheBatches(CacheReader(caches[0]), range(20), 1)
+    batch = next(iter(mixture([caches[0], caches[0]], [0.5, 0.5], batch_size=1)))
+    first = next(iter(mixture([caches[0]], [1.0], batch_size=1)))
+    assert equal(batch, first) and equal(first, plain.make_batch([(0, data.streams[0].epoch_order(0)[0])]))
