@@ -212,6 +212,8 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
         corpus = prepare_corpus(config.corpus, teacher_folder.tokenizer, progress=progress)
         log.info("corpus: %d sequences, %d tokens from %s", len(corpus.sequences), corpus.num_tokens, corpus.source)
         data = {"source": corpus.source, "fingerprint": corpus.fingerprint, "seq_len": corpus.seq_len}
+        if corpus.generated is not None:
+            data["generated"] = corpus.generated
         lengths = [len(s) for s in corpus.sequences]
         identity = cache_identity(teacher, config.cache, tokenizer=tok_info, data=data, lengths=lengths)
         if cache_id := complete_cache_id(out, identity):
@@ -249,7 +251,7 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
         try:
             report = build_cache(corpus.sequences, backend, config.cache, tokenizer=tok_info, data=data,
                                  progress=progress, lock=lock, workers=workers,
-                                 teacher_tokenizer=teacher_folder.tokenizer)
+                                 teacher_tokenizer=teacher_folder.tokenizer, rows_of=corpus.rows_of)
         finally:
             backend.close()
     finally:

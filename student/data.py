@@ -10,6 +10,12 @@ carries ``target_weights``, the weight of each slot in the unbiased estimate of 
 w_j = (c_j / S) * exp(l_j - log r(u_j)), which is c_j / S when the proposal r is the teacher p
 (CONTRACT: E[w at id v] = p(v)). Padding slots (count 0) and padding rows weigh 0.
 
+A cache of generated text (`distill generate`, then stage one; teacher_cache/store.py) trains only
+on the rows whose next token the policy wrote: on the prompt's rows ``target_ids`` is -1 and
+``kd_mask`` False, so neither the KL nor the cross-entropy touches them, while the prompt's tokens
+stay the context; ``sampler_logprob`` carries the sampler's log-probability of each completion
+token, for the reverse-KL objective's importance ratio.
+
 A hybrid cache (targets.kind "topk+sampled") weighs its exact top-K slots p_j = exp(l_j) and its
 drawn slots as above, r being the proposal restricted to the ids outside the top-K and
 renormalised: (c_j / S) (1 - P_K) when r is the teacher (1 - P_K = exp(tail_logmass)). The top-K
@@ -70,8 +76,11 @@ class Batch:
     # float32 [N, k], a sampled or hybrid cache's slot weights (module doc; 0 on padding); None: a top-k cache
     target_weights: torch.Tensor | None = None
     # bool [N], the rows that have teacher targets (a cross-tokenizer student's aligned positions,
-    # student/cross_tokenizer/); None: every unmasked row
+    # student/cross_tokenizer/; a cache of generated text's completion rows); None: every unmasked row
     kd_mask: torch.Tensor | None = None
+    # float32 [N], a cache of generated text's: the sampler's log-prob of the next token on its
+    # completion rows, NaN elsewhere (module doc); None: another cache
+    sampler_logprob: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -109,7 +118,8 @@ class Batch:
         return Batch(pad(self.input_ids, scalar(0)), rows(self.topk_ids, torch.arange(k).view(1, 1, k)),
                      rows(self.topk_logprobs, scalar(0.0)), rows(self.tail_logmass, scalar(0.0)),
                      rows(self.target_ids, scalar(-1)), rows(self.target_logprob, scalar(float("nan"))),
-                     rows(self.mask, scalar(False)), optional(self.target_weights, 0.0), optional(self.kd_mask, False))
+                     rows(self.mask, scalar(False)), optional(self.target_weights, 0.0), optional(self.kd_mask, False),
+                     optional(self.sampler_logprob, float("nan")))
 
     def pin_memory(self) -> "Batch":
         return self._map(lambda v: v.pin_memory())
@@ -295,9 +305,23 @@ class CacheBatches:
             mask[b, :hi - lo] = True
         return input_ids, target, mask
 
+    @staticmethod
+    def completion_rows(rows: list[tuple], target: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """A cache of generated text's (kd_mask, sampler_logprob), each [B, L], of the `windows` rows,
+        with `target` [B, L] set to -1 on the prompt's rows (module doc); (None, None) for another cache."""
+        if rows[0][0].loss_mask is None:
+            return None, None
+        loss, sampler = np.zeros(target.shape, bool), np.full(target.shape, np.nan, np.float32)
+        for b, (shard, _, lo, hi) in enumerate(rows):
+            loss[b, :hi - lo] = shard.loss_mask[lo:hi]
+            sampler[b, :hi - lo] = shard.sampler_logprob[lo:hi]
+        target[~loss] = -1
+        return loss, sampler
+
     def make_batch(self, picked: list[tuple[int, int]]) -> Batch:
         rows = self.windows(picked)
         input_ids, target, mask = self.tokens(rows)
+        loss_rows, sampler_lp = self.completion_rows(rows, target)
         (B, L), k = input_ids.shape, self.k
         topk_ids = np.broadcast_to(np.arange(k, dtype=np.int64), (B, L, k)).copy()
         topk_lp = np.zeros((B, L, k), np.float32)
@@ -313,8 +337,9 @@ class CacheBatches:
             tail[b, :n] = t.tail_logmass[lo:hi]
             target_lp[b, :n] = t.target_logprob[lo:hi]
         flat = lambda a: torch.from_numpy(a.reshape(B * L, *a.shape[2:]))
+        optional = lambda a: None if a is None else flat(a)
         batch = Batch(torch.from_numpy(input_ids), flat(topk_ids), flat(topk_lp), flat(tail), flat(target),
-                      flat(target_lp), flat(mask), None if weights is None else flat(weights))
+                      flat(target_lp), flat(mask), optional(weights), optional(loss_rows), optional(sampler_lp))
         return batch.pin_memory() if self.pin else batch
 
 

@@ -188,6 +188,7 @@ class EnsembleBatches(CacheBatches):
     def make_batch(self, picked: list[tuple[int, int]]) -> Batch:
         windows = self.windows(picked)
         input_ids, target, mask = self.tokens(windows)  # as one cache reads them
+        loss_rows, sampler_lp = self.completion_rows(windows, target)  # one corpus: the first cache's
         parts = [[] for _ in range(1 + len(self._others))]
         for (_, i), (shard, _, lo, hi) in zip(picked, windows):
             first = lo - int(shard.seq_offsets[np.searchsorted(shard.seq_offsets, lo, side="right") - 1])
@@ -218,7 +219,8 @@ class EnsembleBatches(CacheBatches):
             full_weights[rows] = slot_weights
         batch = Batch(torch.from_numpy(input_ids), torch.from_numpy(full_ids), torch.from_numpy(full_lp),
                       torch.from_numpy(full_tail), torch.from_numpy(target.ravel()), torch.from_numpy(full_target),
-                      torch.from_numpy(mask.ravel()), None if full_weights is None else torch.from_numpy(full_weights))
+                      torch.from_numpy(mask.ravel()), None if full_weights is None else torch.from_numpy(full_weights),
+                      *(None if a is None else torch.from_numpy(a.ravel()) for a in (loss_rows, sampler_lp)))
         return batch.pin_memory() if self.pin else batch
 
     def _other_lrus(self) -> list[ShardLRU]:

@@ -19,6 +19,7 @@ batch has one loss form, and the sampled caches' ("unnormalized") drops a top-k 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -68,6 +69,9 @@ def open_caches(caches, student_tokenizer, *, cross_tokenizer: str, heldout: int
         elif sources:
             _check_mixable(sources[0].reader, reader)
         cross = open_cross_tokenizer(reader, student_tokenizer, cross_tokenizer, maps_folder=maps_folder)
+        if cross is not None and reader.manifest.spec.data.generated is not None:
+            raise DistillUserError(f"--cache: {reader.path} scored text a policy wrote, whose loss rows are the "
+                                   "policy's tokens; a student of another tokenizer cannot learn from it")
         if ensemble and cross is not None:
             raise DistillUserError("--ensemble: a student of another tokenizer than the caches' cannot learn from an "
                                    "ensemble yet; use one --cache")
@@ -175,7 +179,8 @@ def normalized_weights(weights, caches: int, option: str = "--cache-weights") ->
 def cat_batches(batches: list[Batch]) -> Batch:
     """One batch of the sequences of `batches` in their order, padded to the longest. An optional
     field that only some hold is filled for the others as it reads there: kd_mask (every unmasked
-    row has targets), target_weights (refused: a sampled cache mixes only with sampled ones)."""
+    row has targets), sampler_logprob (NaN: no sampler), target_weights (refused: a sampled cache
+    mixes only with sampled ones)."""
     if len(batches) == 1:
         return batches[0]
     length = max(b.input_ids.shape[1] for b in batches)
@@ -183,12 +188,12 @@ def cat_batches(batches: list[Batch]) -> Batch:
     if len({b.target_weights is None for b in padded}) > 1:
         raise DistillUserError("--cache: a sampled cache mixes only with sampled caches (their slots are weighted "
                                "draws, a top-k cache's are exact probabilities); mix caches of one kind")
-    kd = [b.kd_mask for b in padded]
-    if any(m is not None for m in kd):
-        kd = [b.mask.clone() if m is None else m for b, m in zip(padded, kd)]
+    fill = {"kd_mask": lambda b: b.mask.clone(), "sampler_logprob": lambda b: torch.full_like(b.tail_logmass, math.nan)}
     fields = {}
     for f in dataclasses.fields(Batch):
-        values = kd if f.name == "kd_mask" else [getattr(b, f.name) for b in padded]
+        values = [getattr(b, f.name) for b in padded]
+        if f.name in fill and any(v is not None for v in values):
+            values = [fill[f.name](b) if v is None else v for b, v in zip(padded, values)]
         fields[f.name] = None if values[0] is None else torch.cat(values)
     return Batch(**fields)
 

@@ -194,6 +194,7 @@ def build_cache(
     lock: CacheLock | None = None,
     workers: Workers | None = None,
     teacher_tokenizer=None,
+    rows_of: dict[str, list[np.ndarray]] | None = None,
 ) -> BuildReport:
     """Score ``sequences`` (int32 token ids each) and write them as a cache at ``config.out``.
 
@@ -206,7 +207,9 @@ def build_cache(
     every shard's size and checksum and rebuilds exactly the damaged ones (the one process or
     torchrun's rank 0 does; a job-array worker leaves a complete cache alone). teacher_tokenizer:
     the teacher's HF tokenizer, whose files worker 0 stores in the cache unless its manifest lists
-    them already (teacher_cache/tokenizer_files.py); None stores none.
+    them already (teacher_cache/tokenizer_files.py); None stores none. rows_of: text a policy
+    wrote (``data["generated"]`` set): its per-row arrays, one [L_i] array per sequence each
+    (teacher_cache/store.py ``ROW_ARRAYS``).
     """
     if not sequences:
         raise DistillUserError("the corpus produced no sequences; give more text or a shorter --seq-len")
@@ -246,9 +249,11 @@ def build_cache(
             log.info("resuming %s: %d of this worker's %d shards already written, %d to go", config.out,
                      report.resumed_shards, len(mine), len(todo))
         if hasattr(backend, "write_shards"):  # the shards are written elsewhere (ray_executor.RayTeacher)
+            if rows_of:
+                raise DistillUserError("--executor ray cannot score generated text yet; use --executor local")
             backend.write_shards(sequences, lengths, todo, config, writer, report, progress)
         else:
-            score_and_write(sequences, lengths, todo, backend, config, writer, report, progress)
+            score_and_write(sequences, lengths, todo, backend, config, writer, report, progress, rows_of)
         if collective is not None:
             if workers.single:
                 writer.finalize()
@@ -376,7 +381,8 @@ def complete_cache_id(out: Path, identity: dict) -> str | None:
 
 
 def score_and_write(sequences: list[np.ndarray], lengths: np.ndarray, todo: list[int], backend: TeacherBackend,
-                    config: CacheConfig, writer: CacheWriter, report: BuildReport, progress: bool) -> None:
+                    config: CacheConfig, writer: CacheWriter, report: BuildReport, progress: bool,
+                    rows_of: dict[str, list[np.ndarray]] | None = None) -> None:
     """Score the shards ``todo`` with ``backend`` and write each through ``writer`` (an atomic
     file with its checksum; ``writer.written`` then holds its ShardInfo), adding the tokens scored
     and the teacher's and writers' time to ``report``.
@@ -384,7 +390,7 @@ def score_and_write(sequences: list[np.ndarray], lengths: np.ndarray, todo: list
     sequences / lengths (int64 [num_sequences]): the whole cache's, indexed by position in the
     cache; only the entries of the shards in ``todo`` are read. The local build and each Ray
     task (``teacher_cache.ray_executor``, one shard) write shards through this one function, so a
-    shard's bytes do not depend on where it was scored.
+    shard's bytes do not depend on where it was scored. rows_of: as ``build_cache``'s.
     """
     shard_size = config.shard_size
     # Encoding, compressing and hashing a shard is slower per core than a GPU teacher scores it
@@ -399,8 +405,10 @@ def score_and_write(sequences: list[np.ndarray], lengths: np.ndarray, todo: list
 
     def write(index, seqs, pipe: _Pipe) -> None:
         t0 = time.perf_counter()
+        shard_rows = None if not rows_of else {
+            name: parts[index * shard_size:(index + 1) * shard_size] for name, parts in rows_of.items()}
         try:
-            writer.write_shard(index, seqs, pipe.blocks())
+            writer.write_shard(index, seqs, pipe.blocks(), shard_rows)
         finally:
             pipe.stop_reading()
         with lock:

@@ -117,8 +117,14 @@ class DataInfo:
     sequences: int  # number of packed sequences in the cache
     tokens: int  # number of positions (rows) in the cache
     seq_len: int  # packing length; every sequence has at most this many tokens
+    # Text a policy wrote (`distill generate`): {"corpus": its folder, "policy": {"path", "run", "step",
+    # "weights_hash"}, "sampler": its settings}; each record one sequence, whose shards hold the
+    # per-row loss_mask and sampler_logprob (teacher_cache/store.py). None: any other corpus.
+    generated: dict | None = None
 
     def __post_init__(self) -> None:
+        _require(self.generated is None or isinstance(self.generated, dict),
+                 f"data.generated must be a mapping or absent, got {type(self.generated).__name__}")
         _nonempty_str(self.source, "data.source")
         _nonempty_str(self.fingerprint, "data.fingerprint")
         _int_at_least(self.sequences, 1, "data.sequences")
@@ -128,6 +134,12 @@ class DataInfo:
             self.tokens <= self.sequences * self.seq_len,
             f"data.tokens must be <= sequences * seq_len = {self.sequences * self.seq_len}, got {self.tokens}",
         )
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        if self.generated is None:  # every other cache's manifest as before
+            del d["generated"]
+        return d
 
 
 def _positive_float(value: Any, name: str) -> float:
@@ -353,7 +365,7 @@ class Manifest:
                              "status": self.status}
         for name in _SECTIONS:
             section = getattr(self.spec, name)
-            d[name] = section.to_dict() if name in ("targets", "tokenizer") else dataclasses.asdict(section)
+            d[name] = section.to_dict() if name in ("targets", "tokenizer", "data") else dataclasses.asdict(section)
         d["shards"] = [dataclasses.asdict(s) for s in self.shards]
         d["tool_version"] = self.tool_version
         d["created"] = self.created

@@ -20,7 +20,7 @@ from teacher_cache.codecs import get_codec
 from teacher_cache.errors import REPAIR_HINT, CacheError, CacheMismatchError, CorruptShardError
 from teacher_cache.location import cache_location
 from teacher_cache.manifest import Manifest, TargetsInfo, load_manifest
-from teacher_cache.store import SHARDS_DIR, decode_shard, get_store, read_shard, shard_checksum, shard_size_on_disk
+from teacher_cache.store import ROW_ARRAYS, SHARDS_DIR, decode_shard, get_store, read_shard, shard_checksum, shard_size_on_disk
 from teacher_cache.targets import TeacherTargets
 
 
@@ -46,6 +46,9 @@ class DecodedShard:
     input_ids: np.ndarray  # int32 [N]
     seq_offsets: np.ndarray  # int64 [S + 1]
     targets: TeacherTargets  # N rows
+    # a cache of generated text (manifest data.generated; teacher_cache/store.py ROW_ARRAYS):
+    loss_mask: np.ndarray | None = None  # uint8 [N], 1 on the rows whose next token the policy wrote
+    sampler_logprob: np.ndarray | None = None  # float32 [N], the sampler's log-prob of that token (NaN elsewhere)
 
 
 def check_target_arrays(targets: TeacherTargets, info: TargetsInfo, name: str) -> None:
@@ -138,10 +141,16 @@ class CacheReader:
             raise CorruptShardError(f"shard {info.name} holds {len(seq_offsets) - 1} sequences / {len(input_ids)} "
                                     f"tokens, the manifest says {info.sequences} / {info.tokens}; rebuild the cache")
         check_target_arrays(targets, self.manifest.spec.targets, info.name)
-        for a in (input_ids, seq_offsets, *targets.arrays):
+        generated = self.manifest.spec.data.generated is not None
+        if any((name in arrays) != generated for name in ROW_ARRAYS):
+            raise CorruptShardError(f"shard {info.name} {'lacks' if generated else 'holds'} the per-row arrays "
+                                    f"{list(ROW_ARRAYS)} of a cache of generated text, which the manifest "
+                                    f"{'calls' if generated else 'does not call'} for; rebuild the cache")
+        rows_of = [arrays[name] for name in ROW_ARRAYS] if generated else [None, None]
+        for a in (input_ids, seq_offsets, *targets.arrays, *rows_of):
             if a is not None:
                 a.flags.writeable = False  # sequences are views into this cached shard
-        self._last = DecodedShard(index, input_ids, seq_offsets, targets)
+        self._last = DecodedShard(index, input_ids, seq_offsets, targets, *rows_of)
         return self._last
 
     def sequence(self, i: int, as_: str = "numpy") -> CachedSequence:

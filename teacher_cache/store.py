@@ -18,6 +18,11 @@ with the codec's array names prefixed ``drawn_``; ``sample_counts`` and ``propos
 are [N, S], aligned with the drawn slots. Decoding joins them into K + S slots per row (the
 top-K's counts 0, their proposal log-probs -inf: the draws never come from them).
 
+A cache of generated text (`distill generate`, scored by stage one) holds two more per-row arrays:
+``loss_mask`` uint8 [N], 1 on the rows whose next token the policy wrote (a completion's), 0 on
+the prompt's rows and each sequence's last; and ``sampler_logprob`` float32 [N], on those rows the
+log-probability with which the sampler drew the next token, NaN elsewhere (``ROW_ARRAYS``).
+
 The codec's arrays are treated generically (any names, dtypes and trailing shape), so a codec
 that adds per-row scales needs no change here. A ``ShardStore`` (Zarr or Parquet) turns that dict
 into files and back, losslessly; where each store keeps ``seq_offsets`` is in its module doc and
@@ -50,6 +55,7 @@ from teacher_cache.targets import TeacherTargets, canonical_slots
 SHARDS_DIR = "shards"
 FIXED_ARRAYS = ("input_ids", "seq_offsets", "tail_logmass", "target_logprob")
 SAMPLED_ARRAYS = ("sample_counts", "proposal_logprobs")  # a sampled cache's, beside the codec's
+ROW_ARRAYS = ("loss_mask", "sampler_logprob")  # a cache of generated text's, per row (module doc)
 DRAWN_PREFIX = "drawn_"  # a hybrid shard's codec arrays of the drawn slots (the top-K's are unprefixed)
 
 
@@ -117,13 +123,16 @@ def shard_offsets(input_ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def encode_blocks(input_ids: np.ndarray, targets: Iterable[TeacherTargets],
-                  codec: ValueCodec, head: int = 0) -> Iterator[dict[str, np.ndarray]]:
+                  codec: ValueCodec, head: int = 0, rows_of: dict[str, np.ndarray] | None = None
+                  ) -> Iterator[dict[str, np.ndarray]]:
     """The row blocks of a shard for ``ShardStore.write_stream``, one per block of ``targets``.
 
     input_ids: int32 [N], the shard's tokens; targets: consecutive row blocks, N rows in all (a
     CacheError, raised into the store's write, when they are more or fewer). head: the exact
-    top-K slots at the front of each row of a hybrid cache's sampled targets (0: none).
+    top-K slots at the front of each row of a hybrid cache's sampled targets (0: none). rows_of:
+    the shard's ``ROW_ARRAYS`` ([N] each), for a cache of generated text; None: none.
     """
+    rows_of = rows_of or {}
     n, start = len(input_ids), 0
     for block in targets:
         stop = start + block.num_positions
@@ -134,6 +143,7 @@ def encode_blocks(input_ids: np.ndarray, targets: Iterable[TeacherTargets],
             "input_ids": input_ids[start:stop],
             "tail_logmass": np.ascontiguousarray(block.tail_logmass, dtype=np.float32),
             "target_logprob": np.ascontiguousarray(block.target_logprob, dtype=np.float32),
+            **{name: np.ascontiguousarray(value[start:stop]) for name, value in rows_of.items()},
         }
         ids, logprobs, prefix = block.topk_ids, block.topk_logprobs, ""
         counts, proposal = block.sample_counts, block.proposal_logprobs
@@ -161,7 +171,7 @@ def encode_blocks(input_ids: np.ndarray, targets: Iterable[TeacherTargets],
 def _put_codec_arrays(rows: dict, codec: ValueCodec, ids: np.ndarray, logprobs: np.ndarray, prefix: str,
                       num_rows: int) -> None:
     for key, value in codec.encode(ids, logprobs).items():
-        assert key not in FIXED_ARRAYS + SAMPLED_ARRAYS and not key.startswith(DRAWN_PREFIX), \
+        assert key not in FIXED_ARRAYS + SAMPLED_ARRAYS + ROW_ARRAYS and not key.startswith(DRAWN_PREFIX), \
             f"codec {codec.name} array name {key!r} clashes"
         assert value.shape[0] == num_rows, f"codec {codec.name} array {key} has {value.shape[0]} rows"
         rows[prefix + key] = np.ascontiguousarray(value)
@@ -185,7 +195,7 @@ def decode_shard(arrays: dict[str, np.ndarray], codec: ValueCodec,
     head_ids = head_logprobs = None
     try:
         topk_ids, topk_logprobs = codec.decode({k: v for k, v in arrays.items()
-                                                if k not in FIXED_ARRAYS + SAMPLED_ARRAYS
+                                                if k not in FIXED_ARRAYS + SAMPLED_ARRAYS + ROW_ARRAYS
                                                 and not k.startswith(DRAWN_PREFIX)})
         if drawn:  # a hybrid shard: the unprefixed arrays are its exact top-K
             head_ids, head_logprobs = topk_ids, topk_logprobs

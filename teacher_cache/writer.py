@@ -46,7 +46,7 @@ from teacher_cache.manifest import (
     manifest_path, tool_version,
 )
 from teacher_cache.store import (
-    SHARDS_DIR, ShardStore, encode_blocks, get_store, shard_checksum, shard_name, shard_offsets,
+    ROW_ARRAYS, SHARDS_DIR, ShardStore, encode_blocks, get_store, shard_checksum, shard_name, shard_offsets,
 )
 from teacher_cache.targets import TeacherTargets
 
@@ -308,13 +308,17 @@ class CacheWriter:
         return {i for i in range(self.num_shards) if present(self._shards_dir / shard_name(i, self._store), root)}
 
     def write_shard(self, index: int, input_ids: list[np.ndarray],
-                    targets: TeacherTargets | Iterable[TeacherTargets]) -> ShardInfo:
+                    targets: TeacherTargets | Iterable[TeacherTargets],
+                    rows_of: dict[str, list[np.ndarray]] | None = None) -> ShardInfo:
         """Encode, compress and atomically place shard ``index``.
 
         input_ids: one int array [L_i] per sequence of the shard (``shard_size`` of them, fewer for
         the last shard); targets: sum(L_i) rows in the same order, whole or as an iterable of
         consecutive row blocks (cut anywhere, e.g. a backend's ``score_blocks``), which are
-        encoded and written as they come, so a shard is never held whole. Thread-safe.
+        encoded and written as they come, so a shard is never held whole. rows_of: a cache of
+        generated text's per-row arrays (teacher_cache/store.py ``ROW_ARRAYS``), one [L_i] array per
+        sequence each; required exactly when the manifest's data says the text was generated.
+        Thread-safe.
         """
         self._check_writable()
         if not 0 <= index < self.num_shards:
@@ -328,7 +332,8 @@ class CacheWriter:
             raise CacheError(f"shard {name} is already written in {self.path}; skip the indices in done_shards()")
         seq_offsets, all_ids = shard_offsets(input_ids)
         blocks = [targets] if isinstance(targets, TeacherTargets) else targets
-        rows = encode_blocks(all_ids, self._checked_k(index, blocks), self._codec, self.spec.targets.head)
+        rows = encode_blocks(all_ids, self._checked_k(index, blocks), self._codec, self.spec.targets.head,
+                             self._checked_rows(index, input_ids, rows_of))
         if self._remote:
             checksum, nbytes = self._upload_shard(final, seq_offsets, rows)
         else:
@@ -360,6 +365,24 @@ class CacheWriter:
         read them back to hash them."""
         with self._mutex:
             self._written.update(infos)
+
+    def _checked_rows(self, index: int, input_ids: list[np.ndarray],
+                      rows_of: dict[str, list[np.ndarray]] | None) -> dict[str, np.ndarray] | None:
+        """The shard's per-row arrays joined ([N] each), after checking they are the ones the cache's
+        data calls for and cover its sequences row for row."""
+        wanted = ROW_ARRAYS if self.spec.data.generated is not None else ()
+        given = tuple(sorted(rows_of or {}))
+        if given != tuple(sorted(wanted)):
+            raise CacheError(f"shard {index} comes with per-row arrays {list(given)}, the cache's data needs "
+                             f"{list(wanted)} (a cache of generated text has them, any other none)")
+        if not wanted:
+            return None
+        lengths = [len(ids) for ids in input_ids]
+        for name, parts in rows_of.items():
+            if [len(p) for p in parts] != lengths:
+                raise CacheError(f"shard {index}: {name} does not cover its sequences row for row")
+        return {name: np.concatenate(parts).astype(np.uint8 if name == "loss_mask" else np.float32)
+                for name, parts in rows_of.items()}
 
     def _checked_k(self, index: int, blocks: Iterable[TeacherTargets]):
         targets = self.spec.targets
