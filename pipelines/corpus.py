@@ -11,10 +11,8 @@ the corpus ends first, the remainder becomes a last, shorter sequence when it ho
 tokens (one input and one next token), and is dropped otherwise. A document may therefore span
 two sequences, and a sequence may end on the EOS that precedes a document it does not hold.
 
-Generated text (a folder `distill generate` wrote, given as the only path) is not packed: each
-record is one sequence, its prompt's ids then its completion's, so no loss ever crosses records;
-``rows_of`` gives each sequence's loss mask (1 on the rows whose next token is a completion token)
-and the sampler's log-probability of that token (``prepare_generated``).
+Generated text (a folder `distill generate` wrote) is not packed: pipelines/generate's
+``prepare_generated`` makes each record one sequence, with the ``generated`` and ``rows_of`` fields.
 """
 
 from __future__ import annotations
@@ -137,12 +135,7 @@ def fingerprint_sequences(sequences: Sequence[np.ndarray]) -> str:
 def prepare_corpus(config: CorpusConfig, tokenizer, progress: bool = True) -> PackedCorpus:
     """Read the corpus that ``config`` names, tokenise it with ``tokenizer`` (a transformers
     tokenizer, ideally fast: its Rust backend is called on batches of documents) and pack it.
-    Deterministic: the same files and settings give the same sequences and fingerprint. A generated
-    corpus (the only path) is read by ``prepare_generated``."""
-    from pipelines.generate import is_generated_corpus
-
-    if len(config.paths) == 1 and is_generated_corpus(config.paths[0]):
-        return prepare_generated(config, tokenizer)
+    Deterministic: the same files and settings give the same sequences and fingerprint."""
     eos_id = _eos_id(tokenizer) if config.add_eos else None
     sources = resolve_sources(config.paths, config.format, config.file_glob, config.exclude_dirs)
     source = "; ".join(s.describe(config.file_glob) for s in sources)
@@ -186,50 +179,6 @@ def prepare_corpus(config: CorpusConfig, tokenizer, progress: bool = True) -> Pa
         fingerprint=fingerprint_sequences(sequences),
         skipped_files=tuple(skipped),
     )
-
-
-def prepare_generated(config: CorpusConfig, tokenizer) -> PackedCorpus:
-    """A generated corpus (`distill generate`, config.paths[0]) as sequences for the teacher: record
-    r is prompt_ids + completion_ids, its row t (the distribution over token t + 1) a loss row when
-    token t + 1 is a completion token; the first config.max_sequences records. The policy's
-    tokenizer must be the teacher's (`tokenizer`): the ids are scored as they were sampled. The
-    fingerprint covers the ids, the prompt lengths and the policy's weights."""
-    from pipelines.generate import read_generated
-    from teacher_cache.identity import tokenizer_info
-
-    folder = config.paths[0]
-    manifest, records = read_generated(folder)
-    teacher_hash = tokenizer_info(tokenizer)["hash"]
-    if manifest["tokenizer"]["hash"] != teacher_hash:
-        raise ConfigError("paths", f"{folder} was generated with tokenizer {manifest['tokenizer']['hash']}, the teacher's "
-                                   f"is {teacher_hash}; score generated text with a teacher of the policy's tokenizer")
-    sequences, masks, sampler, prompts = [], [], [], []
-    for number, record in enumerate(records):
-        if config.max_sequences is not None and number >= config.max_sequences:
-            break
-        prompt, completion = record["prompt_ids"], record["completion_ids"]
-        ids = np.asarray(prompt + completion, dtype=np.int32)
-        if len(ids) > config.seq_len:
-            raise ConfigError("seq_len", f"is {config.seq_len}, but record {number} of {folder} holds {len(ids)} tokens "
-                                         "(generated records are never cut); raise it")
-        mask, logprob = np.zeros(len(ids), np.uint8), np.full(len(ids), np.nan, np.float32)
-        rows = slice(len(prompt) - 1, len(ids) - 1)  # row t predicts token t + 1
-        mask[rows] = 1
-        logprob[rows] = record["sampler_logprobs"]
-        sequences.append(ids)
-        masks.append(mask)
-        sampler.append(logprob)
-        prompts.append(len(prompt))
-    if not sequences:
-        raise DistillUserError(f"generated corpus {folder} holds no records")
-    digest = hashlib.sha256(fingerprint_sequences(sequences).encode())
-    digest.update(np.asarray(prompts, "<i8").tobytes())
-    digest.update(manifest["policy"]["weights_hash"].encode())
-    generated = {"corpus": str(Path(folder).resolve()), "policy": manifest["policy"], "sampler": manifest["sampler"]}
-    return PackedCorpus(
-        sequences=sequences, num_documents=len(sequences), num_tokens=sum(len(s) for s in sequences),
-        seq_len=config.seq_len, source=f"generated corpus {folder}", fingerprint=digest.hexdigest(),
-        generated=generated, rows_of={"loss_mask": masks, "sampler_logprob": sampler})
 
 
 class _Packer:

@@ -35,6 +35,7 @@ from distill.devices import resolve_device, resolve_dtype
 from distill.errors import DistillUserError
 from pipelines.defaults import without_library_bars
 from pipelines.corpus import CorpusConfig, prepare_corpus
+from pipelines.generate import is_generated_corpus, prepare_generated
 from teacher_cache.backends import PREFILL_TOKENS, canonical_dtype, open_teacher_folder, weights_hash
 from teacher_cache.build import (
     BuildReport, CacheConfig, build_cache, cache_identity, check_backend_can_sample, check_targets_fit,
@@ -209,7 +210,11 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
                            "(cache vs asked): choose another folder, or delete that one yourself")
         elif workers.single:  # workers: another may have claimed it meanwhile; the writer checks
             check_claimable(out)
-        corpus = prepare_corpus(config.corpus, teacher_folder.tokenizer, progress=progress)
+        paths = config.corpus.paths
+        if len(paths) == 1 and is_generated_corpus(paths[0]):  # text a policy wrote: a record a sequence
+            corpus = prepare_generated(config.corpus, teacher_folder.tokenizer)
+        else:
+            corpus = prepare_corpus(config.corpus, teacher_folder.tokenizer, progress=progress)
         log.info("corpus: %d sequences, %d tokens from %s", len(corpus.sequences), corpus.num_tokens, corpus.source)
         data = {"source": corpus.source, "fingerprint": corpus.fingerprint, "seq_len": corpus.seq_len}
         if corpus.generated is not None:

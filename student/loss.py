@@ -13,6 +13,11 @@ weights instead of a top-k (`Batch.target_weights`): the loss is then the unbias
 the full-vocabulary KL, the "unnormalized" formulas with the weights as the teacher's mass,
 whatever `LossConfig.tail` says, and only at the temperature the cache was sampled at.
 
+With ``objective="reverse_kl"`` the rows of a cache of generated text (a finite
+`Batch.sampler_logprob`: the student's own sampled tokens) train on the reverse-KL surrogate of
+student/objectives.py instead of the forward KL, from the same pass's per-row cross-entropy; other
+rows (a static cache mixed in) keep the forward KL. The cross-entropy mix applies to all rows alike.
+
 The config is student/loss_config.py's (torch-free, for the CLI).
 """
 
@@ -48,14 +53,17 @@ def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_tempe
     target_weights = getattr(batch, "target_weights", None)  # None for a top-k cache
     tail = config.tail if target_weights is None else "unnormalized"
     kd_mask = getattr(batch, "kd_mask", None)
-    term = lambda rows, ce_weight, reduction_, hidden=hidden_ND, select=None: fused.fused_topk_kl(
+    term = lambda rows, ce_weight, reduction_, hidden=hidden_ND, select=None, impl="auto": fused.fused_topk_kl(
         hidden, weight_VD, *(t if select is None else t[select] for t in (batch.topk_ids, batch.topk_logprobs,
                                                                         batch.tail_logmass)),
         target_ids=batch.target_ids if select is None else batch.target_ids[select], mask=rows, tail=tail,
         temperature=temperature, cache_temperature=cache_temperature, ce_weight=ce_weight, reduction=reduction_,
-        impl="auto", check_ids=check_ids, return_kl=True,
+        impl=impl, check_ids=check_ids, return_kl=True,
         target_weights=target_weights if select is None or target_weights is None else target_weights[select])
     kd_rows = batch.mask if kd_mask is None else batch.mask & kd_mask
+    sampler = getattr(batch, "sampler_logprob", None)
+    if config.objective == "reverse_kl" and sampler is not None:
+        return _with_reverse_kl(term, batch, kd_rows, config, temperature, reduction, whole)
     if kd_mask is not None and bool((batch.mask & (batch.target_ids >= 0) & ~kd_rows).any()):
         return _with_unaligned_ce(term, hidden_ND, batch, kd_rows, config.ce_weight, reduction, whole)
     ce_weight, scale = config.ce_weight, None
@@ -69,6 +77,34 @@ def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_tempe
     if scale is not None:
         loss, kl = loss * scale, kl / max(whole[0], 1)
     return loss, kl
+
+
+def _with_reverse_kl(term, batch, kd_rows, config: LossConfig, temperature: float, reduction: str, whole):
+    """objective reverse_kl (module doc): (1 - w) (T^2 sum of the forward KL over the other KL rows +
+    sum of the reverse-KL surrogate over the sampled rows) / KL rows + w sum CE / rows with a next
+    token; kl: the forward KL and reverse-KL estimates summed over their rows, over the KL rows.
+    The per-row cross-entropy comes from the torch path (the Triton path returns no per-row
+    gradient), one pass over every row with a next token."""
+    from student.objectives import reverse_kl_surrogate
+
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction {reduction!r} is not defined for the reverse-KL objective")
+    has_next = batch.mask & (batch.target_ids >= 0)
+    sampled = kd_rows & ~torch.isnan(batch.sampler_logprob)
+    others = kd_rows & ~sampled
+    rows, target_rows = whole if whole is not None else (int(kd_rows.sum()), int(has_next.sum()))
+    if reduction == "sum" and whole is None:
+        rows = target_rows = 1
+    ce_rows, _ = term(has_next, 1.0, "none", impl="torch")
+    surrogate, stats = reverse_kl_surrogate(ce_rows, batch.target_logprob, batch.sampler_logprob, sampled,
+                                            ratio_clip=config.ratio_clip, reduction="sum")
+    w = config.ce_weight
+    loss = (1 - w) * surrogate / max(rows, 1) + w * ce_rows.sum() / max(target_rows, 1)
+    kl_sum = stats.reverse_kl * stats.num_rows
+    if bool(others.any()):
+        forward, kl = term(others, 0.0, "sum")
+        loss, kl_sum = loss + (1 - w) * forward / max(rows, 1), kl_sum + kl
+    return loss, kl_sum.detach() / max(rows, 1)
 
 
 def _with_unaligned_ce(term, hidden_ND, batch, kd_rows, ce_weight: float, reduction: str, whole):

@@ -29,6 +29,14 @@ class LossConfig:
     temperature: float | None = option(None, "Distillation temperature (KL scaled by T^2; default: the cache's). "
                                              "Another than the cache's needs --tail renorm.")
     ce_weight: float = option(0.0, "Weight of cross-entropy on the actual tokens; 1.0 = CE only, no teacher.")
+    # student/objectives.py: on the rows of a cache of generated text (the student's own samples)
+    objective: Literal["forward_kl", "reverse_kl"] = option(
+        "forward_kl", "forward_kl (the teacher's top-k on every row) or reverse_kl (on the rows of a cache of text the "
+                      "student generated: a policy-gradient estimate of KL(student || teacher) on its sampled tokens, "
+                      "importance-weighted to the sampler; other caches' rows keep forward_kl).")
+    ratio_clip: float | None = option(
+        None, "With --objective reverse_kl: truncate the importance ratio student / sampler at this (>= 1; default: "
+              "none, unbiased).")
 
     def __post_init__(self):
         check_types(self)
@@ -36,6 +44,9 @@ class LossConfig:
                 self.temperature is None or (math.isfinite(self.temperature) and self.temperature > 0),
                 "a finite number > 0, or leave it out (the cache's)")
         require("ce_weight", self.ce_weight, 0 <= self.ce_weight <= 1, "in [0, 1]")
+        require("ratio_clip", self.ratio_clip,
+                self.ratio_clip is None or (math.isfinite(self.ratio_clip) and self.ratio_clip >= 1),
+                "a finite number >= 1, or leave it out (no truncation)")
 
     def distillation_temperature(self, cache_temperature: float) -> float:
         return cache_temperature if self.temperature is None else self.temperature

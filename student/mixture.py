@@ -156,6 +156,9 @@ def open_run_caches(config, student_tokenizer, *, maps_folder=None) -> RunCaches
     weights = normalized_weights(given or [1.0] * len(sources), len(sources),
                                  "--ensemble-weights" if config.ensemble else "--cache-weights")
     ensemble_k = ensemble_width([s.reader for s in sources], config.ensemble_k) if config.ensemble else None
+    if config.loss.objective == "reverse_kl" and all(s.reader.manifest.spec.data.generated is None for s in sources):
+        raise DistillUserError("--objective reverse_kl learns from the student's own samples: give a --cache that "
+                               "cache-teacher scored from `distill generate` output, or leave --objective out")
     return RunCaches(sources, weights, ensemble_k)
 
 

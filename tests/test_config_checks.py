@@ -23,6 +23,7 @@ FLOAT_FIELDS = [
     (OptimizerConfig, "foam_scale", {}),
     (LossConfig, "temperature", {}),
     (LossConfig, "ce_weight", {}),
+    (LossConfig, "ratio_clip", {}),
     (ScheduleConfig, "min_lr_ratio", {}),
     (SparseFFNConfig, "l1", {"sparse_ffn": True}),
     (SparseFFNConfig, "dead_reinit", {"sparse_ffn": True}),

@@ -136,3 +136,56 @@ def test_text_of_another_tokenizer_is_refused_before_the_teacher_runs(scored, ti
     code, _, err = run_cli(["cache-teacher", "--model", tiny_teacher, "--corpus", root / "gen", "--seq-len", "8",
                             "--out", tmp_path / "short", "-q"], capsys)
     assert "--seq-len" in one_error_line(code, err) and "never cut" in err
+
+
+def test_the_reverse_kl_objective_trains_sampled_rows_and_keeps_the_forward_kl_elsewhere(scored, tiny_teacher, tmp_path):
+    """distill_loss with objective reverse_kl on a batch of generated and static sequences: the
+    surrogate (student/objectives.py) on the generated completion rows, the forward KL on the static
+    rows, the CE mix over every row with a next token, each normalised as the loss's docstring says."""
+    import kernels.fused_topk_kl as fused
+    from student.data import CacheBatches
+    from student.loss import distill_loss
+    from student.loss_config import LossConfig
+    from student.mixture import cat_batches
+    from student.objectives import reverse_kl_surrogate
+
+    root, _ = scored
+    run_cli_ok(["cache-teacher", "--model", tiny_teacher, "--max-sequences", "3", "--seq-len", "24", "-k", "8",
+                "--out", tmp_path / "static", "-q"])
+    batch = cat_batches([CacheBatches(CacheReader(root / "cache"), range(6), 3).make_batch([(0, i) for i in range(3)]),
+                         CacheBatches(CacheReader(tmp_path / "static"), range(3), 3).make_batch([(0, i) for i in range(3)])])
+    N = batch.mask.numel()
+    hidden = torch.randn(N, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    weight = torch.randn(49152, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 0.3
+    config = LossConfig(objective="reverse_kl", ce_weight=0.3, ratio_clip=1.5)
+    loss, _ = distill_loss(hidden, weight, batch, config, cache_temperature=1.0)
+    loss.backward()
+
+    h = hidden.detach().clone().requires_grad_()
+    kd, has_next = batch.kd_rows, batch.mask & (batch.target_ids >= 0)
+    sampled = kd & ~batch.sampler_logprob.isnan()
+    assert sampled.any() and (kd & ~sampled).any()  # both kinds of rows are in the batch
+    ce_rows = -torch.log_softmax(h @ weight.T, -1).gather(1, batch.target_ids.clamp_min(0)[:, None])[:, 0]
+    surrogate, _ = reverse_kl_surrogate(ce_rows, batch.target_logprob, batch.sampler_logprob, sampled, ratio_clip=1.5,
+                                        reduction="sum")
+    forward = fused.fused_topk_kl(h, weight, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass,
+                                  mask=kd & ~sampled, tail="bucket", reduction="sum", impl="torch")
+    want = 0.7 * (surrogate + forward) / int(kd.sum()) + 0.3 * ce_rows[has_next].sum() / int(has_next.sum())
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-9)
+    torch.testing.assert_close(hidden.grad, h.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_reverse_kl_trains_from_the_command_and_needs_generated_text(scored, tiny_teacher, tmp_path, capsys):
+    root, _ = scored
+    flags = ["--teacher", tiny_teacher, "--num-layers", "1", "--steps", "3", "--batch-size", "2", "--heldout", "2",
+             "--eval-every", "3", "--log-every", "1", "--device", "cpu", "--objective", "reverse_kl", "--ratio-clip", "2", "-q"]
+    code, out, err = run_cli(["train-student", "--cache", root / "cache", *flags, "--out", tmp_path / "run"], capsys)
+    assert code == 0, err
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+    assert all(np.isfinite(r["loss"]) for r in rows if r["kind"] == "train")
+    run_cli_ok(["cache-teacher", "--model", tiny_teacher, "--max-sequences", "3", "--seq-len", "24", "-k", "8",
+                "--out", tmp_path / "static", "-q"])
+    code, _, err = run_cli(["train-student", "--cache", tmp_path / "static", *flags, "--out", tmp_path / "no"], capsys)
+    assert "--objective reverse_kl" in one_error_line(code, err)

@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from distill.configs import ConfigError
@@ -55,6 +56,7 @@ from distill.errors import DistillUserError
 from distill.files import (
     TEMP_MARK, atomic_write_json, atomic_write_text, remove_stale_temps, try_lock, unlock_and_remove,
 )
+from pipelines.corpus import CorpusConfig, PackedCorpus, fingerprint_sequences
 from pipelines.generate.inputs import GenerateConfig, Policy, Prompt, find_policy, read_prompts, stop_ids
 from pipelines.generate.samplers import (
     Sample, SamplerSettings, StudentSampler, VLLMSampler, draw_tokens, nucleus_logprobs, sample_seed,
@@ -62,7 +64,7 @@ from pipelines.generate.samplers import (
 
 __all__ = ["FORMAT", "MANIFEST_NAME", "GenerateConfig", "GenerateReport", "Policy", "Prompt", "Sample",
            "SamplerSettings", "StudentSampler", "VLLMSampler", "find_policy", "read_prompts", "nucleus_logprobs",
-           "draw_tokens", "sample_seed", "generate", "read_generated", "is_generated_corpus"]
+           "draw_tokens", "sample_seed", "generate", "read_generated", "is_generated_corpus", "prepare_generated"]
 
 FORMAT, VERSION = "distill-generated-corpus", 1
 MANIFEST_NAME, LOCK_NAME = "generation.json", "LOCK"
@@ -317,3 +319,46 @@ def read_generated(folder) -> tuple[dict, Iterator[dict]]:
                 yield json.loads(line)
 
     return manifest, records()
+
+
+def prepare_generated(config: CorpusConfig, tokenizer) -> PackedCorpus:
+    """A generated corpus (`distill generate`, config.paths[0]) as sequences for the teacher: record
+    r is prompt_ids + completion_ids, its row t (the distribution over token t + 1) a loss row when
+    token t + 1 is a completion token; the first config.max_sequences records. The policy's
+    tokenizer must be the teacher's (`tokenizer`): the ids are scored as they were sampled. The
+    fingerprint covers the ids, the prompt lengths and the policy's weights."""
+    from teacher_cache.identity import tokenizer_info
+
+    folder = config.paths[0]
+    manifest, records = read_generated(folder)
+    teacher_hash = tokenizer_info(tokenizer)["hash"]
+    if manifest["tokenizer"]["hash"] != teacher_hash:
+        raise ConfigError("paths", f"{folder} was generated with tokenizer {manifest['tokenizer']['hash']}, the teacher's "
+                                   f"is {teacher_hash}; score generated text with a teacher of the policy's tokenizer")
+    sequences, masks, sampler, prompts = [], [], [], []
+    for number, record in enumerate(records):
+        if config.max_sequences is not None and number >= config.max_sequences:
+            break
+        prompt, completion = record["prompt_ids"], record["completion_ids"]
+        ids = np.asarray(prompt + completion, dtype=np.int32)
+        if len(ids) > config.seq_len:
+            raise ConfigError("seq_len", f"is {config.seq_len}, but record {number} of {folder} holds {len(ids)} tokens "
+                                         "(generated records are never cut); raise it")
+        mask, logprob = np.zeros(len(ids), np.uint8), np.full(len(ids), np.nan, np.float32)
+        rows = slice(len(prompt) - 1, len(ids) - 1)  # row t predicts token t + 1
+        mask[rows] = 1
+        logprob[rows] = record["sampler_logprobs"]
+        sequences.append(ids)
+        masks.append(mask)
+        sampler.append(logprob)
+        prompts.append(len(prompt))
+    if not sequences:
+        raise DistillUserError(f"generated corpus {folder} holds no records")
+    digest = hashlib.sha256(fingerprint_sequences(sequences).encode())
+    digest.update(np.asarray(prompts, "<i8").tobytes())
+    digest.update(manifest["policy"]["weights_hash"].encode())
+    generated = {"corpus": str(Path(folder).resolve()), "policy": manifest["policy"], "sampler": manifest["sampler"]}
+    return PackedCorpus(
+        sequences=sequences, num_documents=len(sequences), num_tokens=sum(len(s) for s in sequences),
+        seq_len=config.seq_len, source=f"generated corpus {folder}", fingerprint=digest.hexdigest(),
+        generated=generated, rows_of={"loss_mask": masks, "sampler_logprob": sampler})
