@@ -548,7 +548,13 @@ def _run_and_report(recipe, quiet: bool) -> None:
         typer.echo(runs_table(find_runs([report.run_dir])))
         return
     typer.echo(_eval_table(report.evaluation))
-    typer.echo(f"student: {report.run_dir / 'student'} (an HF folder: transformers and vLLM load it)")
+    if report.rounds:
+        from pipelines.experiments import find_runs, runs_table
+
+        typer.echo(f"rounds: {len(report.rounds)} ({report.wall_seconds['rounds']:.0f} s)")
+        typer.echo(runs_table(find_runs([report.run_dir])))
+    student = report.rounds[-1].run if report.rounds else report.run_dir
+    typer.echo(f"student: {student / 'student'} (an HF folder: transformers and vLLM load it)")
 
 
 def _eval_rows(results: dict) -> list[tuple[str, object]]:

@@ -14,6 +14,10 @@ with its own ``out`` and, as inline tables, the [corpus] and [teacher] keys it c
 of [train] cache_weights (``[0.7, 0.3]``; equal when left out), which a [sweep] may vary
 (``"train.cache_weights" = [[1, 0], [0.5, 0.5]]``). Example: ``pipelines/recipes/mixture.toml``.
 
+A [rounds] section adds on-policy rounds after the run (pipelines/rounds.py: generate with the
+student, score with the teacher, train on the round's cache mixed with the earlier ones), each
+stage resumable; its keys are ``RoundsConfig``'s. Example: ``pipelines/recipes/rounds.toml``.
+
 A [sweep] section lists values of [train] or [student] keys, as ``"section.key" = [values]`` (or
 TOML's dotted ``train.lr = [...]``): the recipe becomes the grid of every combination, in the order
 written, each point a run directory under [train] out named after its settings
@@ -44,6 +48,7 @@ from distill.errors import DistillUserError
 from teacher_cache.build import CacheConfig
 
 from pipelines.corpus import CorpusConfig
+from pipelines.rounds import RoundsConfig
 from pipelines.stage_one import StageOneConfig, TeacherConfig
 
 SECTIONS = ("teacher", "corpus", "cache", "student", "train")
@@ -78,6 +83,7 @@ class Recipe:
     source: Path | None = None
     settings: dict[str, Any] = field(default_factory=dict)  # a sweep point's values, {"train.lr": 0.001}
     points: list[Recipe] = field(default_factory=list)  # a sweep's points, in order ([] without [sweep])
+    rounds: RoundsConfig | None = None  # on-policy rounds after the run ([rounds]); None: none
 
     @property
     def stage_one(self) -> StageOneConfig:
@@ -110,6 +116,9 @@ def load_recipe(path: str | Path) -> Recipe:
             recipe.points = [_point(path, doc, settings, Path(recipe.train["out"])) for settings in _grid(sweep)]
     except DistillUserError as e:
         raise DistillUserError(f"recipe {path}: {e}") from None
+    if recipe.points and recipe.rounds is not None:
+        raise DistillUserError(f"recipe {path}: [rounds] and [sweep] cannot go together; give the rounds a recipe "
+                               "of their own")
     names = [point.name for point in recipe.points]
     if len(set(names)) < len(names):
         raise DistillUserError(f"recipe {path}: [sweep] gives two points the same run name ({names}); "
@@ -185,9 +194,10 @@ def _build(path: Path, doc: dict) -> Recipe:
     name = doc.pop("name", path.stem)
     if not isinstance(name, str):
         raise DistillUserError(f"name must be a string, got {name!r}")
+    rounds_body = doc.pop("rounds", None)
     unknown = sorted(set(doc) - set(SECTIONS))
     if unknown:
-        allowed = ", ".join(f"[{s}]" for s in (*SECTIONS, "sweep"))  # load_recipe took [sweep] out before
+        allowed = ", ".join(f"[{s}]" for s in (*SECTIONS, "rounds", "sweep"))  # load_recipe took [sweep] out before
         raise DistillUserError(f"unknown section(s) {unknown}; allowed: {allowed} (and a top-level name)")
     sections = {s: doc.get(s, {}) for s in SECTIONS}
     for s, body in sections.items():
@@ -214,7 +224,12 @@ def _build(path: Path, doc: dict) -> Recipe:
     for key, where in _TRAIN_FROM_OTHER_SECTIONS.items():
         if key in train:
             raise DistillUserError(f"[train] {key} is not a [train] key: {where} sets it")
-    recipe = Recipe(name=name, caches=caches, student=student, train=train, source=path)
+    rounds = None
+    if rounds_body is not None:
+        if not isinstance(rounds_body, dict):
+            raise DistillUserError(f"[rounds] must be a table of keys, got {type(rounds_body).__name__}")
+        rounds = _section(RoundsConfig, rounds_body, "rounds")
+    recipe = Recipe(name=name, caches=caches, student=student, train=train, source=path, rounds=rounds)
     config = train_config(recipe, teacher_dir=Path("TEACHER"))  # the real folder is found (or imported) later
     try:
         for stage_one in caches:
@@ -299,8 +314,9 @@ class RecipeReport:
     cache_reused: bool  # every cache was complete and matching already
     run_dir: Path  # the run, or for a sweep the folder of its points' runs
     evaluation: dict  # {"teacher": EvalResult, "before": EvalResult | None, "after": EvalResult}; {} for a sweep
-    wall_seconds: dict  # {"cache": s, "train": s}
+    wall_seconds: dict  # {"cache": s, "train": s} (and "rounds": s)
     points: list[PointResult] = field(default_factory=list)  # a sweep's points, in order
+    rounds: list = field(default_factory=list)  # [rounds]: each round's pipelines.rounds.RoundPaths
 
 
 def run_state(run_dir: str | Path) -> str:
@@ -342,9 +358,10 @@ def _stage_one_error(error: ConfigError) -> DistillUserError:
     return error
 
 
-def run_recipe(recipe: Recipe, progress: bool = True) -> RecipeReport:
-    """Stage one (reusing a complete matching cache), then training (resuming), then evaluation;
-    for a sweep, stage one once and then every point (run_points)."""
+def run_recipe(recipe: Recipe, progress: bool = True, on_stage=None) -> RecipeReport:
+    """Stage one (reusing a complete matching cache), then training (resuming), then evaluation,
+    then the [rounds] (pipelines/rounds.run_rounds, given `on_stage`); for a sweep, stage one once
+    and then every point (run_points)."""
     import time
 
     from pipelines.defaults import default_teacher_dir
@@ -376,7 +393,14 @@ def run_recipe(recipe: Recipe, progress: bool = True) -> RecipeReport:
         raise e.in_section("train") from None
     train_seconds = time.perf_counter() - start
     evaluation = evaluate_run_or_folder(config.out)
-    return RecipeReport(
+    report = RecipeReport(
         cache_dirs=cache_dirs, cache_reused=cache_reused, run_dir=Path(config.out),
         evaluation=evaluation, wall_seconds={"cache": cache_seconds, "train": train_seconds},
     )
+    if recipe.rounds is not None:
+        from pipelines.rounds import run_rounds
+
+        start = time.perf_counter()
+        report.rounds = run_rounds(recipe.rounds, config, recipe.caches, progress=progress, on_stage=on_stage)
+        report.wall_seconds["rounds"] = time.perf_counter() - start
+    return report
