@@ -68,6 +68,9 @@ class TeacherConfig:
     prefill_tokens: int = option(PREFILL_TOKENS, (
         "Longest sequence run in one teacher forward; a longer one (a long --seq-len) is prefilled in chunks of "
         "this many tokens through the teacher's KV cache, so memory follows the KV, not the length."))
+    teacher_url: str | None = option(None, (
+        "Score through a running vLLM server's OpenAI-compatible API at this address (http://host:8000) instead of "
+        "loading the teacher here (--backend vllm; the server serves --model's folder, with --max-logprobs >= k)."))
     tensor_parallel_size: int = option(1, (
         "GPUs one vllm teacher is split over (vLLM's tensor_parallel_size), for a teacher larger than one GPU "
         "(--backend vllm)."))
@@ -78,6 +81,9 @@ class TeacherConfig:
         require("tensor_parallel_size", self.tensor_parallel_size,
                 self.tensor_parallel_size == 1 or (self.tensor_parallel_size > 1 and self.backend == "vllm"),
                 "1 with the hf backend, an integer >= 1 with --backend vllm")
+        require("teacher_url", self.teacher_url,
+                self.teacher_url is None or (self.backend == "vllm" and re.match(r"https?://", self.teacher_url)),
+                "an http(s):// address, with --backend vllm")
         require("compile", self.compile, self.compile is not True or self.backend == "hf",
                 "unset or off with --backend vllm (vLLM compiles its own graphs)")
         require("device", self.device, re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
@@ -235,6 +241,8 @@ def _cache_teacher_as(config: StageOneConfig, workers: Workers, device: str, pro
             raise ConfigError("out", f"{out} holds a cache that is not complete and whole, and you cannot write to "
                                      "it; ask its owner to rerun the command that built it, or choose another folder")
         backend_options = {"compile": config.teacher.compile} if config.teacher.backend == "hf" else {}
+        if config.teacher.teacher_url is not None:
+            backend_options["url"] = config.teacher.teacher_url
         if config.teacher.tensor_parallel_size > 1:
             backend_options["engine_kwargs"] = {"tensor_parallel_size": config.teacher.tensor_parallel_size}
         make = functools.partial(

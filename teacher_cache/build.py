@@ -428,6 +428,9 @@ def score_and_write(sequences: list[np.ndarray], lengths: np.ndarray, todo: list
                 in_flight.append(pool.submit(write, index, seqs, pipe))
                 try:
                     _score_shard(seqs, index * shard_size, backend, config, pipe, report, bar)
+                except DistillUserError as e:  # e.g. a served teacher that stopped answering
+                    pipe.abort()
+                    raise DistillUserError(f"shard {index}: {e}") from None
                 except BaseException:
                     pipe.abort()  # its writer removes the partial shard
                     raise

@@ -48,7 +48,8 @@ def make_backend(
     temperature (vllm supports only 1.0). k, max_len: the largest k and sequence length that
     will be scored; vllm sizes its engine from them (max_logprobs = k, max_model_len =
     max_len + 1), hf ignores them. options: backend-specific keyword arguments, e.g. batch_size
-    and prefill_tokens (both), chunk_size (hf), kv_cache_bytes / engine_kwargs (vllm).
+    and prefill_tokens (both), chunk_size (hf), kv_cache_bytes / engine_kwargs (vllm), url (vllm: a
+    running vLLM server's address; teacher_cache/backends/served.py, which takes none of the others).
     """
     # Imported here, not at the top: the package is imported torch-free (stage one's folder checks,
     # the CLI's option defaults) and vllm is an optional extra.
@@ -56,6 +57,11 @@ def make_backend(
         from teacher_cache.backends.hf import HFBackend
 
         return HFBackend(model_dir, dtype=dtype, device=device, temperature=temperature, **options)
+    if name == "vllm" and options.get("url"):  # a served teacher: the server sizes and batches itself
+        from teacher_cache.backends.served import ServedVLLMBackend
+
+        return ServedVLLMBackend(options["url"], model_dir, dtype=dtype, temperature=temperature)
+    options.pop("url", None)
     if name == "vllm":
         from teacher_cache.backends.vllm import VLLMBackend
 
