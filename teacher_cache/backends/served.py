@@ -27,7 +27,7 @@ import numpy as np
 from distill.errors import DistillUserError
 from teacher_cache.backends.base import canonical_dtype, check_k, check_sequences
 from teacher_cache.backends.folder import check_model_dir, weights_hash
-from teacher_cache.backends.vllm import _dict_entries
+from teacher_cache.backends.vllm import dict_entries
 from teacher_cache.targets import TeacherTargets, tail_logmass_from_topk
 
 _RETRY_WAITS_S = (1.0, 2.0, 4.0)  # between the attempts of one request
@@ -121,8 +121,8 @@ def _targets(choice: dict, seq: np.ndarray, k: int, url: str) -> TeacherTargets:
     if any(sum(1 for e in entries.values() if e.rank and e.rank <= k) < k for entries in positions):
         raise DistillUserError(f"--teacher-url {url} returned fewer than k = {k} log-probabilities a position; "
                                f"start the server with --max-logprobs >= {k}")
-    prompt_ids, prompt_lp = _dict_entries(positions[:-1], seq[1:], k)
-    sample_ids, sample_lp = _dict_entries(positions[-1:], None, k)
+    prompt_ids, prompt_lp = dict_entries(positions[:-1], seq[1:], k)
+    sample_ids, sample_lp = dict_entries(positions[-1:], None, k)
     topk_ids = np.concatenate([prompt_ids[:, 1:], sample_ids[:, 1:]]).astype(np.int32)
     topk_lp = np.concatenate([prompt_lp[:, 1:], sample_lp[:, 1:]])
     target = np.append(prompt_lp[:, 0], np.float32("nan"))

@@ -161,8 +161,8 @@ def _targets(output, seq: np.ndarray, k: int) -> TeacherTargets:
         prompt_ids, prompt_lp = _flat_entries(prompt, num_rows - 1, k)
         sample_ids, sample_lp = _flat_entries(sample, 1, k)
     else:
-        prompt_ids, prompt_lp = _dict_entries(prompt[1:], seq[1:], k)
-        sample_ids, sample_lp = _dict_entries(sample, None, k)
+        prompt_ids, prompt_lp = dict_entries(prompt[1:], seq[1:], k)
+        sample_ids, sample_lp = dict_entries(sample, None, k)
     if not np.array_equal(prompt_ids[:, 0], seq[1:]):
         raise RuntimeError("vLLM prompt log-probs are not laid out as expected (actual token first)")
     topk_ids = np.concatenate([prompt_ids[:, 1:], sample_ids[:, 1:]]).astype(np.int32)
@@ -186,8 +186,9 @@ def _flat_entries(flat, num_positions: int, k: int) -> tuple[np.ndarray, np.ndar
     return ids, lps
 
 
-def _dict_entries(positions, actual: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """list[dict[id, Logprob]] (older vLLM) -> the same layout as ``_flat_entries``."""
+def dict_entries(positions, actual: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """list[dict[id, Logprob]] (older vLLM; a served teacher's JSON, teacher_cache/backends/served.py) -> the
+    same layout as ``_flat_entries``."""
     ids = np.zeros((len(positions), k + 1), dtype=np.int64)
     lps = np.zeros((len(positions), k + 1), dtype=np.float32)
     for p, entries in enumerate(positions):
