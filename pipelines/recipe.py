@@ -231,6 +231,10 @@ def _build(path: Path, doc: dict) -> Recipe:
         rounds = _section(RoundsConfig, rounds_body, "rounds")
     recipe = Recipe(name=name, caches=caches, student=student, train=train, source=path, rounds=rounds)
     config = train_config(recipe, teacher_dir=Path("TEACHER"))  # the real folder is found (or imported) later
+    if rounds is not None and rounds.max_prompts * rounds.samples_per_prompt <= config.heldout:
+        raise DistillUserError(f"[rounds] max_prompts x samples_per_prompt ({rounds.max_prompts * rounds.samples_per_prompt}"
+                               f") must exceed [train] heldout ({config.heldout}): each round's cache keeps that many "
+                               "sequences for evaluation and trains on the rest")
     try:
         for stage_one in caches:
             config.loss.check_cache_temperature(stage_one.cache.temperature, kind=stage_one.cache.targets)

@@ -127,3 +127,9 @@ def test_bad_rounds_are_one_line_before_any_work(tiny_teacher, tmp_path, capsys,
     code, _, err = run_cli(["run", path], capsys)
     assert_one_line_error(code, err, str(path), *needles)
     assert not (tmp_path / "cache").exists()
+
+
+def test_rounds_too_small_for_the_held_out_split_are_refused(tiny_teacher, tmp_path, capsys):
+    path = write(tmp_path, tiny_teacher, RECIPE.replace("max_prompts = 3", "max_prompts = 1"))
+    code, _, err = run_cli(["run", path], capsys)
+    assert_one_line_error(code, err, "[rounds] max_prompts x samples_per_prompt (2) must exceed [train] heldout (2)")

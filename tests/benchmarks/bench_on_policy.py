@@ -1,0 +1,139 @@
+"""On-policy rounds against off-policy training on the static cache, on the CPU (issue 44's goal).
+
+From one starting student (the quickstart's: SmolLM2-135M-Instruct pruned to 4 layers, --base-steps
+on the quickstart's stdlib cache), the same number of further training steps either
+  off: on the static cache alone (forward KL), or
+  on:  in --rounds rounds of pipelines/recipes/rounds.toml's kind (the student writes continuations
+       of --round-prompts stdlib files, the teacher scores them, the student trains --steps-per-round
+       steps with reverse KL on them mixed 0.5 / 0.5 with the static cache).
+Each student, and the starting one, is then measured on
+  (a) the teacher's mean log-probability per token of the student's own continuations of held-out
+      prompts (the first --heldout-prompts files of the stdlib's email package, which no round
+      prompts from): two samples each, --new-tokens tokens, temperature 1, a fixed seed; scored
+      by the teacher through the generated-corpus cache (its target_logprob on completion rows);
+  (b) held-out forward KL and bits per byte on the static cache's own held-out sequences.
+
+    python tests/benchmarks/bench_on_policy.py --work /tmp/onpolicy --seed 0 --results rows.jsonl
+
+Rows `on_policy/seed<N>/<start|off|on>`: teacher_logprob_per_token (a), heldout_kl and
+heldout_bits_per_byte (b), steps, teacher_scored_tokens (the tokens the teacher scored for the
+training beyond the start: the static cache's for off, the rounds' caches' for on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+from harness import Results, add_results_arg
+
+RECIPE = """
+name = "on-policy-bench"
+[corpus]
+seq_len = 256
+max_sequences = 96
+[cache]
+out = "{work}/static"
+k = 64
+shard_size = 32
+[student]
+from = "teacher"
+num_layers = 4
+[train]
+out = "{run}"
+steps = {base_steps}
+batch_size = 4
+lr = 1e-3
+warmup_steps = 8
+heldout = 16
+eval_every = {base_steps}
+save_every = {base_steps}
+seed = {seed}
+[rounds]
+count = {rounds}
+max_prompts = {round_prompts}
+prompt_tokens = 32
+samples_per_prompt = 2
+max_new_tokens = {new_tokens}
+steps = {steps_per_round}
+objective = "reverse_kl"
+static_weight = 0.5
+seed = {seed}
+"""
+
+
+def teacher_logprob(student: Path, work: Path, name: str, args) -> float:
+    """(a): the teacher's mean log-prob per token of `student`'s continuations of the held-out prompts."""
+    from pipelines.generate import GenerateConfig, generate
+    from pipelines.stage_one import StageOneConfig, cache_teacher
+    from teacher_cache.reader import CacheReader
+
+    prompts = Path(sysconfig.get_paths()["stdlib"]) / "email"
+    generate(GenerateConfig(policy=student, prompts=prompts, out=work / f"{name}-gen", prompt_tokens=32,
+                            max_prompts=args.heldout_prompts, samples_per_prompt=2, max_new_tokens=args.new_tokens,
+                            seed=1234, device="cpu"), progress=False)
+    config = StageOneConfig.from_flat(paths=(work / f"{name}-gen",), seq_len=32 + args.new_tokens + 8, k=8,
+                                      out=work / f"{name}-scored")
+    cache_teacher(config, progress=False)
+    reader = CacheReader(work / f"{name}-scored")
+    scores = [shard.targets.target_logprob[shard.loss_mask.astype(bool)] for shard in map(reader.load_shard,
+                                                                                       range(reader.num_shards))]
+    return float(np.mean(np.concatenate(scores)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--base-steps", type=int, default=80)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps-per-round", type=int, default=40)
+    ap.add_argument("--round-prompts", type=int, default=48)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--heldout-prompts", type=int, default=16)
+    add_results_arg(ap)
+    args = ap.parse_args()
+    from pipelines.recipe import load_recipe, run_recipe, train_config
+    from pipelines.rounds import round_paths
+    from student.evaluate import evaluate_run_or_folder
+    from student.trainer import train
+
+    results = Results(bench="on_policy", path=args.results)
+    work = args.work / f"seed{args.seed}"
+    work.mkdir(parents=True, exist_ok=True)
+    recipe_file = work / "recipe.toml"
+    recipe_file.write_text(RECIPE.format(work=args.work, run=work / "on", seed=args.seed, **{
+        k: getattr(args, k) for k in ("base_steps", "rounds", "steps_per_round", "round_prompts", "new_tokens")}))
+    recipe = load_recipe(recipe_file)
+    run_recipe(recipe, progress=False)  # the start (the recipe's run), then the rounds
+    start = train_config(recipe, Path("unused"))
+    steps = args.rounds * args.steps_per_round
+    off = start.with_flat(out=str(work / "off"), student=str(work / "on" / "student"), teacher=None, num_layers=None,
+                          steps=steps)
+    if not (work / "off" / "student").is_dir():
+        train(off, progress=False)
+    last = round_paths(work / "on", args.rounds).run
+    static_tokens = json_tokens(args.work / "static")
+    round_tokens = sum(json_tokens(round_paths(work / "on", r).cache) for r in range(1, args.rounds + 1))
+    config = {"seed": args.seed, "base_steps": args.base_steps, "rounds": args.rounds,
+              "steps_per_round": args.steps_per_round, "round_prompts": args.round_prompts,
+              "new_tokens": args.new_tokens, "heldout_prompts": args.heldout_prompts, "batch_size": 4}
+    for name, run_dir, scored in (("start", work / "on", 0), ("off", work / "off", static_tokens),
+                                  ("on", last, round_tokens)):
+        evaluation = evaluate_run_or_folder(run_dir)["after"]
+        figures = {"teacher_logprob_per_token": teacher_logprob(run_dir / "student", work, name, args),
+                   "heldout_kl": evaluation.kl, "heldout_bits_per_byte": evaluation.bits_per_byte,
+                   "steps": 0 if name == "start" else steps, "teacher_scored_tokens": scored}
+        results.add(f"seed{args.seed}/{name}", figures, config)
+
+
+def json_tokens(cache: Path) -> int:
+    import json
+
+    return json.loads((cache / "manifest.json").read_text())["data"]["tokens"]
+
+
+if __name__ == "__main__":
+    main()
