@@ -52,7 +52,7 @@ def test_quickstart_recipe_parses():
 @pytest.mark.parametrize(
     "edit, needles",
     [
-        (lambda t: t + "\n[optimizer]\nlr = 1\n", ["unknown section", "optimizer", "[train], [sweep]"]),
+        (lambda t: t + "\n[optimizer]\nlr = 1\n", ["unknown section", "optimizer", "[train], [rounds], [sweep]"]),
         (lambda t: t.replace("steps = 12", "stepz = 12"), ["unknown key", "stepz", "[train]"]),
         (lambda t: t.replace("seq_len = 48", "seqlen = 48"), ["unknown key", "seqlen", "[corpus]"]),
         (lambda t: t.replace('out = "{root}/cache"', ""), ["[cache] needs out"]),
