@@ -15,7 +15,10 @@ Each student, and the starting one, is then measured on
 
     python tests/benchmarks/bench_on_policy.py --work /tmp/onpolicy --seed 0 --results rows.jsonl
 
-Rows `on_policy/seed<N>/<start|off|on>`: teacher_logprob_per_token (a), heldout_kl and
+A variant of the rounds (--objective, --static-weight, --ratio-clip) starts from the plain run's
+start student (run that first) and adds only its `on-<variant>` row.
+
+Rows `on_policy/seed<N>/<start|off|on[-variant]>`: teacher_logprob_per_token (a), heldout_kl and
 heldout_bits_per_byte (b), steps, teacher_scored_tokens (the tokens the teacher scored for the
 training beyond the start: the static cache's for off, the rounds' caches' for on).
 """
@@ -23,6 +26,7 @@ training beyond the start: the static cache's for off, the rounds' caches' for o
 from __future__ import annotations
 
 import argparse
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -58,10 +62,10 @@ prompt_tokens = 32
 samples_per_prompt = 2
 max_new_tokens = {new_tokens}
 steps = {steps_per_round}
-objective = "reverse_kl"
-static_weight = 0.5
+objective = "{objective}"
+static_weight = {static_weight}
 seed = {seed}
-"""
+{ratio_clip}"""
 
 
 def teacher_logprob(student: Path, work: Path, name: str, args) -> float:
@@ -93,6 +97,9 @@ def main() -> None:
     ap.add_argument("--round-prompts", type=int, default=48)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--heldout-prompts", type=int, default=16)
+    ap.add_argument("--objective", default="reverse_kl", help="[rounds] objective")
+    ap.add_argument("--static-weight", type=float, default=0.5, help="[rounds] static_weight")
+    ap.add_argument("--ratio-clip", type=float, default=None, help="[rounds] ratio_clip")
     add_results_arg(ap)
     args = ap.parse_args()
     from pipelines.recipe import load_recipe, run_recipe, train_config
@@ -101,32 +108,49 @@ def main() -> None:
     from student.trainer import train
 
     results = Results(bench="on_policy", path=args.results)
-    work = args.work / f"seed{args.seed}"
+    variant = variant_name(args)
+    work = args.work / f"seed{args.seed}{variant}"
     work.mkdir(parents=True, exist_ok=True)
+    plain_start = args.work / f"seed{args.seed}" / "on"
+    if variant and (plain_start / "student").is_dir() and not (work / "on").exists():
+        shutil.copytree(plain_start, work / "on", ignore=lambda d, names: ["rounds"] if d == str(plain_start) else [])
     recipe_file = work / "recipe.toml"
-    recipe_file.write_text(RECIPE.format(work=args.work, run=work / "on", seed=args.seed, **{
-        k: getattr(args, k) for k in ("base_steps", "rounds", "steps_per_round", "round_prompts", "new_tokens")}))
+    clip = "" if args.ratio_clip is None else f"ratio_clip = {args.ratio_clip}\n"
+    recipe_file.write_text(RECIPE.format(work=args.work, run=work / "on", seed=args.seed, ratio_clip=clip, **{
+        k: getattr(args, k) for k in ("base_steps", "rounds", "steps_per_round", "round_prompts", "new_tokens",
+                                      "objective", "static_weight")}))
     recipe = load_recipe(recipe_file)
     run_recipe(recipe, progress=False)  # the start (the recipe's run), then the rounds
     start = train_config(recipe, Path("unused"))
     steps = args.rounds * args.steps_per_round
     off = start.with_flat(out=str(work / "off"), student=str(work / "on" / "student"), teacher=None, num_layers=None,
                           steps=steps)
-    if not (work / "off" / "student").is_dir():
+    if not variant and not (work / "off" / "student").is_dir():
         train(off, progress=False)
     last = round_paths(work / "on", args.rounds).run
     static_tokens = json_tokens(args.work / "static")
     round_tokens = sum(json_tokens(round_paths(work / "on", r).cache) for r in range(1, args.rounds + 1))
     config = {"seed": args.seed, "base_steps": args.base_steps, "rounds": args.rounds,
               "steps_per_round": args.steps_per_round, "round_prompts": args.round_prompts,
-              "new_tokens": args.new_tokens, "heldout_prompts": args.heldout_prompts, "batch_size": 4}
-    for name, run_dir, scored in (("start", work / "on", 0), ("off", work / "off", static_tokens),
-                                  ("on", last, round_tokens)):
+              "new_tokens": args.new_tokens, "heldout_prompts": args.heldout_prompts, "batch_size": 4,
+              "objective": args.objective, "static_weight": args.static_weight, "ratio_clip": args.ratio_clip}
+    arms = [("on", last, round_tokens)]
+    if not variant:  # a variant shares the plain run's start and off-policy arm
+        arms = [("start", work / "on", 0), ("off", work / "off", static_tokens)] + arms
+    for name, run_dir, scored in arms:
         evaluation = evaluate_run_or_folder(run_dir)["after"]
         figures = {"teacher_logprob_per_token": teacher_logprob(run_dir / "student", work, name, args),
                    "heldout_kl": evaluation.kl, "heldout_bits_per_byte": evaluation.bits_per_byte,
                    "steps": 0 if name == "start" else steps, "teacher_scored_tokens": scored}
-        results.add(f"seed{args.seed}/{name}", figures, config)
+        results.add(f"seed{args.seed}/{name}{variant}", figures, config)
+
+
+def variant_name(args) -> str:
+    """'' for the recipe's rounds (reverse KL, static weight 0.5, no clip), else e.g. '-forward_kl-w0.75'."""
+    parts = [args.objective] if args.objective != "reverse_kl" else []
+    parts += [f"w{args.static_weight:g}"] if args.static_weight != 0.5 else []
+    parts += [f"clip{args.ratio_clip:g}"] if args.ratio_clip is not None else []
+    return "".join("-" + p for p in parts)
 
 
 def json_tokens(cache: Path) -> int:
