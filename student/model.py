@@ -22,7 +22,8 @@ from distill.files import atomic_dir
 from kernels.twell_ffn import FFNStats, relu_gated_ffn
 from student.config import StudentConfig
 
-__all__ = ["StudentConfig", "Student", "FFNTerms", "KVStore", "ListKVStore", "prune_layers", "evenly_spaced_layers", "to_relu_gate"]
+__all__ = ["StudentConfig", "Student", "FFNTerms", "KVStore", "ListKVStore", "prune_layers", "evenly_spaced_layers", "to_relu_gate",
+           "masked_attention"]
 
 INIT_STD = 0.02
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -105,16 +106,23 @@ def apply_rope(x, cos, sin):
 def causal_attention(q, k, v):
     """q [B, H, T, D], k/v [B, Hkv, P+T, D] where the first P keys are past: query i sees keys <= P+i."""
     num_queries, num_keys = q.shape[2], k.shape[2]
+    if num_queries == num_keys:
+        return masked_attention(q, k, v, None)
+    past = num_keys - num_queries
+    return masked_attention(q, k, v, torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(past))
+
+
+def masked_attention(q, k, v, mask):
+    """q [B, H, T, D], k/v [B, Hkv, S, D] (H a multiple of Hkv); mask bool, broadcast to [B, H, T, S]
+    (True: attend), or None for causal with S == T. Every query must see at least one key."""
     groups = q.shape[1] // k.shape[1]
     gqa = {}
     if groups > 1 and _SDPA_HAS_GQA:
         gqa = {"enable_gqa": True}
     elif groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    if num_queries == num_keys:
+    if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
-    past = num_keys - num_queries
-    mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(diagonal=past)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
 
 

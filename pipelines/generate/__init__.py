@@ -26,8 +26,8 @@ generation prompt and tokenised without special tokens), or corpus files and fol
 cache-teacher reads them, a prompt being the first `prompt_tokens` tokens of each document.
 
 Determinism: sample s of prompt i draws one uniform a token from its own generator, seeded by
-`sample_seed(seed, i, s)`, and picks the token by inverse CDF; a prompt's samples are decoded
-together, in groups of `batch_size` rows, after one prefill of the prompt. So the same command
+`sample_seed(seed, i, s)`, and picks the token by inverse CDF; a shard's (prompt, sample) rows
+are decoded together, `batch_size` at a time (pipelines/generate/decode.py). So the same command
 gives byte-identical shards, and a killed run rerun gives the corpus of an uninterrupted one. Another
 `batch_size` gives the same draws, but fp32 matmuls round differently for another number of
 rows, so the log-probabilities may differ in their last bits (and a token only where a draw falls

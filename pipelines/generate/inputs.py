@@ -70,7 +70,7 @@ class GenerateConfig:
     tokenizer: Path | None = option(None, "Folder with the tokenizer files (default: the policy's; for a run, the "
                                           "tokenizer it trained with).")
     shard_prompts: int = option(64, "Prompts per output shard (the unit a rerun resumes from).")
-    batch_size: int = option(16, "Samples of one prompt the student backend decodes in one forward (vllm batches by "
+    batch_size: int = option(64, "Samples (of any prompts) the student backend decodes together (vllm batches by "
                                  "itself); free to change on a rerun.")
 
     def __post_init__(self) -> None:

@@ -75,67 +75,52 @@ class SamplerSettings:
 
 
 class StudentSampler:
-    """Samples with our own student (student/model.py), decoding through its key-value store."""
+    """Samples with our own student (student/model.py): the shard's (prompt, sample) rows decoded
+    `batch_size` at a time by pipelines/generate/decode.py (on a GPU, a CUDA graph a token)."""
 
     def __init__(self, policy: Policy, settings: SamplerSettings, device: str, dtype: str, batch_size: int):
         import torch
 
+        from pipelines.generate.decode import BatchDecoder
         from student.model import Student
 
-        self.settings, self.device, self.batch_size = settings, device, batch_size
-        self.model = Student.from_pretrained(policy.folder, dtype=getattr(torch, dtype), device=device).eval()
+        self.settings, self.batch_size = settings, batch_size
+        model = Student.from_pretrained(policy.folder, dtype=getattr(torch, dtype), device=device).eval()
+        self.decoder = BatchDecoder(model, lambda logits: nucleus_logprobs(logits, settings.temperature, settings.top_p),
+                                    draw_tokens, settings.stop_ids)
 
     def sample(self, prompts: list[tuple[int, Prompt]], advance: Callable[[int], None]) -> list[list[Sample]]:
-        """The samples of each (prompt index, prompt), in sample order; advance(1) after each prompt."""
-        done = []
-        for index, prompt in prompts:
-            samples = []
-            for start in range(0, self.settings.samples_per_prompt, self.batch_size):
-                stop = min(start + self.batch_size, self.settings.samples_per_prompt)
-                seeds = [sample_seed(self.settings.seed, index, s) for s in range(start, stop)]
-                samples += self._decode(prompt.ids, seeds)
-            done.append(samples)
-            advance(1)
-        return done
-
-    def _decode(self, prompt_ids: tuple[int, ...], seeds: list[int]) -> list[Sample]:
-        """One row per seed: the prompt prefilled once, its keys and values shared by the rows; rows
-        that stopped keep decoding (their tokens ignored), so each step has the shape of the group."""
+        """The samples of each (prompt index, prompt), in sample order; advance(n) as prompts finish."""
         import torch
 
-        from student.model import ListKVStore
-
-        s, rows = self.settings, len(seeds)
-        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-        samples = [Sample([], [], "length") for _ in seeds]
-        active = set(range(rows))
-        with torch.inference_mode():
-            store = ListKVStore()
-            hidden = self.model(torch.tensor([prompt_ids], device=self.device), kv_store=store)[:, -1]
-            for layer, (k, v) in list(store.kv.items()):
-                store.kv[layer] = (k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1))
-            hidden = hidden.expand(rows, -1)
-            for _ in range(s.max_new_tokens):
-                logp = nucleus_logprobs(self.model.logits(hidden), s.temperature, s.top_p)
-                uniforms = torch.zeros(rows, dtype=torch.float64)
-                for r in active:
-                    uniforms[r] = torch.rand((), generator=generators[r], dtype=torch.float64)
-                drawn = draw_tokens(logp, uniforms.to(logp.device))
-                drawn_logp = logp.gather(1, drawn[:, None])[:, 0].tolist()
-                for r, token in enumerate(drawn.tolist()):
-                    if r in active:
-                        samples[r].ids.append(token)
-                        samples[r].logprobs.append(drawn_logp[r])
-                        if token in s.stop_ids:
-                            samples[r].finish = "eos"
-                active = {r for r in active if samples[r].finish != "eos"}
-                if not active:
-                    break
-                hidden = self.model(drawn[:, None], kv_store=store)[:, -1]
-        return samples
+        s = self.settings
+        rows = [(i, index, prompt, sample) for i, (index, prompt) in enumerate(prompts)
+                for sample in range(s.samples_per_prompt)]
+        done: list[list[Sample]] = [[] for _ in prompts]
+        reported = 0
+        for first in range(0, len(rows), self.batch_size):
+            batch = rows[first:first + self.batch_size]
+            uniforms = torch.stack([torch.rand(s.max_new_tokens, dtype=torch.float64,
+                                               generator=torch.Generator().manual_seed(sample_seed(s.seed, index, n)))
+                                    for _, index, _, n in batch])
+            decoded = self.decoder.decode([prompt.ids for _, _, prompt, _ in batch], uniforms)
+            for (i, _, _, _), ids, logprobs in zip(batch, decoded.tokens.tolist(), decoded.logprobs.tolist()):
+                done[i].append(_until_stop(ids, logprobs, s.stop_ids))
+            finished = sum(len(samples) == s.samples_per_prompt for samples in done)
+            advance(finished - reported)
+            reported = finished
+        return done
 
     def close(self) -> None:
-        self.model = None
+        self.decoder = None
+
+
+def _until_stop(ids: list[int], logprobs: list[float], stop_ids: tuple[int, ...]) -> Sample:
+    """A decoded row cut after its first stop id."""
+    for n, token in enumerate(ids):
+        if token in stop_ids:
+            return Sample(ids[:n + 1], logprobs[:n + 1], "eos")
+    return Sample(ids, logprobs, "length")
 
 
 class VLLMSampler:
