@@ -60,6 +60,7 @@ def fused_topk_kl(
     return_kl: bool = False,
     settings: FusedKLSettings | None = None,
     target_weights: torch.Tensor | None = None,
+    jsd_beta: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Distillation loss of the student ``hidden @ weight.T`` against cached top-k teacher targets.
 
@@ -92,6 +93,10 @@ def fused_topk_kl(
     sum w (log p - log q) of the full-vocabulary KL (formulas in kernels/fused_topk_kl_torch.py),
     which needs tail="unnormalized" and temperature == cache_temperature (ValueError otherwise);
     tail_logmass is not read. Masked rows may hold any weights. return_kl returns that estimate.
+    jsd_beta: beta in (0, 1), or None. The generalised Jensen-Shannon divergence of teacher and
+    student over the top-k and the tail bucket takes the KL's place (formulas in
+    kernels/fused_topk_kl_torch.py); it needs tail="bucket" and top-k targets (ValueError
+    otherwise). return_kl then returns it.
 
     Returns the loss (fp32; fp64 for fp64 inputs), or (loss, kl) with return_kl. Gradients flow to
     hidden and weight only; the teacher tensors are constants. The Triton path computes both
@@ -99,7 +104,7 @@ def fused_topk_kl(
     and holds them until backward, which can run once.
     """
     spec = _validated(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, tail, temperature,
-                      cache_temperature, ce_weight, reduction, check_ids, target_weights)
+                      cache_temperature, ce_weight, reduction, check_ids, target_weights, jsd_beta)
     _check_run_options(hidden, chunk_size, impl, settings)
     settings = settings if settings is not None else FusedKLSettings()
     topk_logprobs, tail_logmass, target_weights = _finite_teacher(topk_logprobs, tail_logmass, target_weights, mask)
@@ -144,11 +149,12 @@ def topk_kl_dense(
     check_ids: bool = True,
     return_kl: bool = False,
     target_weights: torch.Tensor | None = None,
+    jsd_beta: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The loss of ``fused_topk_kl`` from the full [N, V] logits and autograd: the reference (tests
     and benchmarks). Same loss arguments, same validation, same returns."""
     spec = _validated(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, tail, temperature,
-                      cache_temperature, ce_weight, reduction, check_ids, target_weights)
+                      cache_temperature, ce_weight, reduction, check_ids, target_weights, jsd_beta)
     topk_logprobs, tail_logmass, target_weights = _finite_teacher(topk_logprobs, tail_logmass, target_weights, mask)
     loss, kl_N = dense_loss(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec,
                             target_weights)
@@ -168,7 +174,7 @@ def _finite_teacher(topk_logprobs, tail_logmass, target_weights, mask):
 
 
 def _validated(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, tail, temperature,
-               cache_temperature, ce_weight, reduction, check_ids, target_weights=None) -> LossSpec:
+               cache_temperature, ce_weight, reduction, check_ids, target_weights=None, jsd_beta=None) -> LossSpec:
     """Check the inputs and the loss's options; returns the options as a LossSpec."""
     if hidden.dim() != 2 or weight.dim() != 2:
         raise ValueError(
@@ -216,7 +222,15 @@ def _validated(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids
         _check_id_values(topk_ids, target_ids, vocab_size)
         if target_weights is not None:
             _check_weight_values(target_weights, mask)
-    return LossSpec(tail, float(temperature), float(cache_temperature), float(ce_weight), reduction)
+    if jsd_beta is not None:
+        if isinstance(jsd_beta, bool) or not (isinstance(jsd_beta, (int, float)) and 0.0 < jsd_beta < 1.0):
+            raise ValueError(f"jsd_beta must be in (0, 1) (0 is the forward KL's limit, 1 the reverse KL's), got "
+                             f"{jsd_beta!r}")
+        if tail != "bucket" or target_weights is not None:
+            raise ValueError(f"jsd_beta needs tail='bucket' and top-k targets (the teacher normalised over the top-k "
+                             f"and its tail), got tail={tail!r}{' and sampled targets' * (target_weights is not None)}")
+        jsd_beta = float(jsd_beta)
+    return LossSpec(tail, float(temperature), float(cache_temperature), float(ce_weight), reduction, jsd_beta)
 
 
 def _check_sampled(target_weights, shape, device, tail) -> None:

@@ -30,6 +30,16 @@ Sampled targets (``target_weights``; RS-KD, Anshumann et al. 2025): S holds the 
   KL_est = sum_S w_u (l_u - log q_u), an unbiased estimate of the full KL(p || q), and
   d KL_est / d(z / T) = (sum_S w) q - w, unbiased for q - p. Only at T = T_c, the temperature the
   ids were drawn at (``fused_topk_kl`` refuses the rest); padding slots carry w = 0.
+Generalised Jensen-Shannon divergence (``jsd_beta`` = beta in (0, 1); GKD, Agarwal et al. 2024, as
+  TRL's generalized_jsd_loss): with M = beta P + (1 - beta) Q over the "bucket" tail's k + 1
+  categories c (S and the tail; Q_c = q_c on S, Q_tail as above),
+  JSD = beta sum_c P_c (log P_c - log M_c) + (1 - beta) sum_c Q_c (log Q_c - log M_c),
+  the generalised JSD of the teacher and the student coarse-grained to those categories (no more
+  than the full-vocabulary one: the only form a top-k cache allows). It takes the KL term's place
+  (the T^2 factor, the weights, the CE mix and return_kl alike), only with tail "bucket" and top-k
+  targets. Its gradient has the KL's shape: with a_c = dJSD/dlog Q_c = (1 - beta) Q_c (log Q_c -
+  log M_c) and r = (1 - beta) (log Q_tail - log M_tail),
+  d JSD / d(z / T) = (r (1 - Q_tail) - sum_S a) q + [v in S] (a_v - r q_v).
 Temperature: the KL term is multiplied by T^2 (Hinton et al.), so its gradient keeps the same
 scale as T changes; at T = 1 nothing changes. d/dz = (1 / T) d/d(z / T).
 Cross-entropy: CE = logsumexp(z) - z[target], at T = 1 over the full vocabulary.
@@ -48,6 +58,7 @@ logsumexps and [N, k] coefficients; never anything [N, V].
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -107,6 +118,7 @@ class LossSpec:
     cache_temperature: float
     ce_weight: float
     reduction: Literal["mean", "sum", "none"]
+    jsd_beta: float | None = None  # the generalised JSD's beta in place of the KL (bucket tail only)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -202,6 +214,12 @@ def dense_loss(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids
     if spec.tail == "bucket":
         log_qtail_N = torch.logsumexp(logq_NV.scatter(1, ids_NK, float("-inf")), dim=-1)
         kl_N = kl_N + plogp_diff(logp_tail_N, log_qtail_N)
+        if spec.jsd_beta is not None:  # the k + 1 categories' JSD, differentiated by autograd
+            logp_NC = torch.cat([logp_NK, logp_tail_N[:, None]], dim=1)
+            logq_NC = torch.cat([logq_NK, log_qtail_N[:, None]], dim=1)
+            beta = spec.jsd_beta
+            logm_NC = torch.logaddexp(math.log(beta) + logp_NC, math.log(1 - beta) + logq_NC)
+            kl_N = (beta * plogp_diff(logp_NC, logm_NC) + (1 - beta) * plogp_diff(logq_NC, logm_NC)).sum(-1)
     kl_w_N, ce_w_N = row_weights(mask, target_ids, hidden.shape[0], spec.ce_weight, spec.temperature,
                                  spec.reduction, hidden.device)
     loss_N = torch.where(kl_w_N != 0, kl_w_N.to(acc) * kl_N, 0)
@@ -215,15 +233,33 @@ def dense_loss(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids
 # --- chunked torch path --------------------------------------------------------------------------
 
 
-def _kl_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, w_CK, kl_w_C, tail, temperature):
+def jsd_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, beta):
+    """The bucket form's generalised JSD per row and its coefficients on d / d(z / T) before
+    weighting (module docstring): (jsd [C], cq [C], cs [C, k])."""
+    log_b, log_1b = math.log(beta), math.log(1 - beta)
+    logm_CK = torch.logaddexp(log_b + logp_CK, log_1b + logq_CK)
+    logm_tail_C = torch.logaddexp(log_b + logp_tail_C, log_1b + log_qtail_C)
+    jsd_C = (beta * (plogp_diff(logp_CK, logm_CK).sum(-1) + plogp_diff(logp_tail_C, logm_tail_C))
+             + (1 - beta) * (plogp_diff(logq_CK, logm_CK).sum(-1) + plogp_diff(log_qtail_C, logm_tail_C)))
+    q_CK = logq_CK.exp()
+    a_CK = (1 - beta) * q_CK * (logq_CK - logm_CK)
+    r_C = torch.where(log_qtail_C > float("-inf"), (1 - beta) * (log_qtail_C - logm_tail_C), 0)
+    cq_C = r_C * (1 - log_qtail_C.exp()) - a_CK.sum(-1)
+    return jsd_C, cq_C, a_CK - r_C[:, None] * q_CK
+
+
+def _kl_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, w_CK, kl_w_C, tail, temperature, jsd_beta=None):
     """Weighted KL loss per row of a chunk, its coefficients on d loss / d z and the unweighted
     per-row KL (0 on rows of weight 0): (loss [C], cq [C], cs [C, k], kl [C]).
 
     logq_CK: log q over S; log_qtail_C: log Q_tail (bucket only, else None); w_CK: sampled
-    targets' weights, which take P's place (unnormalized only), or None.
+    targets' weights, which take P's place (unnormalized only), or None. jsd_beta: the
+    generalised JSD in the KL's place (bucket only).
     """
     p_CK = logp_CK.exp() if w_CK is None else w_CK
-    if tail == "renorm":
+    if jsd_beta is not None:
+        kl_C, cq_C, cs_CK = jsd_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, jsd_beta)
+    elif tail == "renorm":
         logqhat_CK = torch.log_softmax(logq_CK, dim=-1)
         kl_C = plogp_diff(logp_CK, logqhat_CK).sum(-1)
         cq_C, cs_CK = torch.zeros_like(kl_C), logqhat_CK.exp() - p_CK
@@ -231,7 +267,7 @@ def _kl_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, w_CK, kl_w_C, tail, te
         diff_CK = plogp_diff(logp_CK, logq_CK) if w_CK is None else weighted_diff(w_CK, logp_CK, logq_CK)
         kl_C = diff_CK.sum(-1)
         cq_C, cs_CK = p_CK.sum(-1), -p_CK
-    if tail == "bucket":
+    if tail == "bucket" and jsd_beta is None:
         kl_C = kl_C + plogp_diff(logp_tail_C, log_qtail_C)
         ratio_C = (logp_tail_C - log_qtail_C).exp()  # P_tail / Q_tail
         cq_C, cs_CK = 1.0 - ratio_C, logq_CK.exp() * ratio_C[:, None] - p_CK
@@ -242,7 +278,8 @@ def _kl_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, w_CK, kl_w_C, tail, te
     return loss_C, cq_C, cs_CK, torch.where(kl_w_C != 0, kl_C, 0)
 
 
-def _chunk_forward(z_CV, ids_CK, logp_CK, logp_tail_C, w_CK, target_C, kl_w_C, ce_w_C, tail, temperature):
+def _chunk_forward(z_CV, ids_CK, logp_CK, logp_tail_C, w_CK, target_C, kl_w_C, ce_w_C, tail, temperature,
+                   jsd_beta=None):
     """Loss per row of one chunk and its gradient coefficients; z_CV (fp32/fp64) is overwritten.
 
     Returns (loss [C], lse of z / T [C], lse of z [C], coef of q [C], coef of softmax(z) [C],
@@ -262,7 +299,7 @@ def _chunk_forward(z_CV, ids_CK, logp_CK, logp_tail_C, w_CK, target_C, kl_w_C, c
     if tail == "bucket":
         log_qtail_C = torch.logsumexp(s_CV.scatter_(1, ids_CK, float("-inf")), dim=-1) - lse_C
     kl_loss_C, cq_C, cs_CK, kl_C = _kl_terms(logq_CK, log_qtail_C, logp_CK, logp_tail_C, w_CK, kl_w_C, tail,
-                                             temperature)
+                                             temperature, jsd_beta)
     return loss_C + kl_loss_C, lse_C, lse1_C, cq_C, ce_w_C, cs_CK, ct_C, kl_C
 
 
@@ -285,7 +322,7 @@ class _FusedTopkKLFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, topk_ids, logp_NK, logp_tail_N, w_NK, target_ids, kl_w_N, ce_w_N,
-                tail, temperature, chunk_size, settings):
+                tail, temperature, chunk_size, settings, jsd_beta):
         acc = compute_dtype(hidden.dtype)
         num_rows, k = topk_ids.shape
         ids_NK = topk_ids.long()
@@ -301,6 +338,7 @@ class _FusedTopkKLFunction(torch.autograd.Function):
             out = _chunk_forward(
                 z_CV, ids_NK[rows], logp_NK[rows], None if logp_tail_N is None else logp_tail_N[rows],
                 None if w_NK is None else w_NK[rows], None if tgt_N is None else tgt_N[rows], kl_w_N[rows], ce_w_N[rows], tail, temperature,
+                jsd_beta,
             )
             loss_N[rows], saved["lse"][rows], saved["lse1"][rows], saved["cq"][rows] = out[:4]
             cs_NK[rows], saved["ct"][rows], kl_N[rows] = out[5], out[6], out[7]
@@ -330,7 +368,7 @@ class _FusedTopkKLFunction(torch.autograd.Function):
             if grad_w_acc is not None:
                 grad_w_acc += g_CV.T @ h_C  # accumulated across chunks in fp32
         grad_w = grad_w_acc.to(weight.dtype) if grad_w_acc is not None else None
-        return grad_h, grad_w, *([None] * 11)
+        return grad_h, grad_w, *([None] * 12)
 
 
 def fused_topk_kl_torch(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target_ids, mask, spec: LossSpec,
@@ -346,5 +384,6 @@ def fused_topk_kl_torch(hidden, weight, topk_ids, topk_logprobs, tail_logmass, t
     if spec.ce_weight == 0.0:
         target_ids = None
     loss_N, kl_N = _FusedTopkKLFunction.apply(hidden, weight, topk_ids, logp_NK, logp_tail_N, w_NK, target_ids,
-                                              kl_w_N, ce_w_N, spec.tail, spec.temperature, chunk_size, settings)
+                                              kl_w_N, ce_w_N, spec.tail, spec.temperature, chunk_size, settings,
+                                              spec.jsd_beta)
     return reduced(loss_N, spec.reduction), kl_N

@@ -80,14 +80,44 @@ def _teacher_mass(w_ptr, logp, offs, kmask, WEIGHTED: tl.constexpr):
 
 
 @triton.jit
-def _kl_and_coefs(logq, q, logp, p, logp_tail_ptr, tail_ref, tail_sum, lse, TAIL: tl.constexpr,
-                  WEIGHTED: tl.constexpr):
+def _logaddexp_tl(a, b):
+    """log(exp(a) + exp(b)), -inf where both are (no inf - inf is formed)."""
+    m = tl.maximum(a, b)
+    ref = tl.where(m == float("-inf"), 0.0, m)
+    return tl.where(m == float("-inf"), float("-inf"), ref + tl.log(tl.exp(a - ref) + tl.exp(b - ref)))
+
+
+@triton.jit
+def _jsd_and_coefs(logq, q, logp, logp_tail, log_qtail, beta):
+    """The bucket form's generalised JSD and its coefficients, as jsd_terms in
+    kernels/fused_topk_kl_torch.py: (jsd, cq, cs [BLOCK_K]); padding slots (q = 0) give 0."""
+    log_b = tl.log(beta)
+    log_1b = tl.log(1.0 - beta)
+    logm = _logaddexp_tl(log_b + logp, log_1b + logq)
+    logm_tail = _logaddexp_tl(log_b + logp_tail, log_1b + log_qtail)
+    jsd = beta * (tl.sum(_plogp_diff_tl(logp, logm), axis=0) + _plogp_diff_tl(logp_tail, logm_tail)) \
+        + (1.0 - beta) * (tl.sum(_plogp_diff_tl(logq, logm), axis=0) + _plogp_diff_tl(log_qtail, logm_tail))
+    some = q > 0
+    a = tl.where(some, (1.0 - beta) * q * (tl.where(some, logq, 0.0) - tl.where(some, logm, 0.0)), 0.0)
+    has_tail = log_qtail > float("-inf")
+    r = tl.where(has_tail, (1.0 - beta) * (tl.where(has_tail, log_qtail, 0.0) - tl.where(has_tail, logm_tail, 0.0)),
+                 0.0)
+    cq = r * (1.0 - tl.exp(log_qtail)) - tl.sum(a, axis=0)
+    return jsd, cq, a - r * q
+
+
+@triton.jit
+def _kl_and_coefs(logq, q, logp, p, logp_tail_ptr, tail_ref, tail_sum, lse, beta, TAIL: tl.constexpr,
+                  WEIGHTED: tl.constexpr, JSD: tl.constexpr):
     """A row's KL over S (plus the tail bucket) and its gradient coefficients before weighting:
     (kl, cq on q, cs [BLOCK_K] on S), the formulas of kernels/fused_topk_kl_torch.py as _kl_terms
     takes them in torch. logq, q, logp over S (padding: logp = -inf); p: _teacher_mass (WEIGHTED:
     sampled targets' weights, unnormalized only); bucket only: log Q_tail = tail_ref +
-    log(tail_sum) - lse, tail_sum the sum of exp(z / T - tail_ref) outside S."""
-    if TAIL == 0:  # renorm
+    log(tail_sum) - lse, tail_sum the sum of exp(z / T - tail_ref) outside S. JSD (bucket only):
+    the generalised JSD at beta in the KL's place."""
+    if JSD:
+        kl, cq, cs = _jsd_and_coefs(logq, q, logp, tl.load(logp_tail_ptr), tail_ref + tl.log(tail_sum) - lse, beta)
+    elif TAIL == 0:  # renorm
         mq = tl.max(logq, axis=0)
         logqhat = logq - (mq + tl.log(tl.sum(tl.exp(logq - mq), axis=0)))
         kl = tl.sum(_plogp_diff_tl(logp, logqhat), axis=0)
@@ -112,8 +142,9 @@ def _kl_and_coefs(logq, q, logp, p, logp_tail_ptr, tail_ref, tail_sum, lse, TAIL
 
 @triton.jit
 def _row_kernel(z_ptr, stride_row, ids_ptr, logp_ptr, logp_tail_ptr, w_ptr, tgt_ptr, kl_w_ptr, ce_w_ptr, loss_ptr,
-                kl_ptr, K, V, inv_temp, TAIL: tl.constexpr, WEIGHTED: tl.constexpr, HAS_TARGET: tl.constexpr,
-                BOTH: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+                kl_ptr, K, V, inv_temp, beta, TAIL: tl.constexpr, WEIGHTED: tl.constexpr, JSD: tl.constexpr,
+                HAS_TARGET: tl.constexpr, BOTH: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+                BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = z_ptr + row * stride_row
     # The row's top-k: logits zs, ids, teacher log P (all [BLOCK_K], padded with -inf / -1).
@@ -153,7 +184,7 @@ def _row_kernel(z_ptr, stride_row, ids_ptr, logp_ptr, logp_tail_ptr, w_ptr, tgt_
     q = tl.exp(logq)
     kl_w = tl.load(kl_w_ptr + row)
     p = _teacher_mass(w_ptr, logp, row * K + ks, kmask, WEIGHTED)
-    kl, cq, cs = _kl_and_coefs(logq, q, logp, p, logp_tail_ptr + row, m, s, lse, TAIL, WEIGHTED)
+    kl, cq, cs = _kl_and_coefs(logq, q, logp, p, logp_tail_ptr + row, m, s, lse, beta, TAIL, WEIGHTED, JSD)
     loss = tl.where(kl_w != 0, kl_w * kl, 0.0)
     scale = tl.where(kl_w != 0, kl_w * inv_temp, 0.0)  # masked rows: 0, even if NaN
     cq = tl.where(scale != 0, scale * cq, 0.0)
@@ -190,9 +221,9 @@ def _row_kernel(z_ptr, stride_row, ids_ptr, logp_ptr, logp_tail_ptr, w_ptr, tgt_
 @triton.jit
 def _row_kernel_scaled(z_ptr, stride_row, ref_ptr, num_blocks, ids_ptr, logp_ptr, logp_tail_ptr, w_ptr, tgt_ptr,
                        kl_w_ptr, ce_w_ptr, loss_ptr, kl_ptr, sigma_ptr, h_ptr, hs_ptr, stride_h, D, K, V,
-                       inv_temp,
-                       TAIL: tl.constexpr, WEIGHTED: tl.constexpr, HAS_TARGET: tl.constexpr, BLOCK: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+                       inv_temp, beta,
+                       TAIL: tl.constexpr, WEIGHTED: tl.constexpr, JSD: tl.constexpr, HAS_TARGET: tl.constexpr,
+                       BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     """One read and one write per logit: the row becomes E' with d loss / d z = sigma * E'.
 
     The reference c is the row's largest logit over S (known before the pass, from the gathered
@@ -258,7 +289,7 @@ def _row_kernel_scaled(z_ptr, stride_row, ref_ptr, num_blocks, ids_ptr, logp_ptr
         logq = xs - lse
         q = tl.exp(logq)
         p = _teacher_mass(w_ptr, logp, row * K + ks, kmask, WEIGHTED)
-        kl, cq, cs = _kl_and_coefs(logq, q, logp, p, logp_tail_ptr + row, c, s, lse, TAIL, WEIGHTED)
+        kl, cq, cs = _kl_and_coefs(logq, q, logp, p, logp_tail_ptr + row, c, s, lse, beta, TAIL, WEIGHTED, JSD)
         loss = tl.where(kl_w != 0, kl_w * kl, 0.0)
         scale = tl.where(kl_w != 0, kl_w * inv_temp, 0.0)
         cq = tl.where(scale != 0, scale * cq, 0.0)
@@ -321,9 +352,10 @@ def row_kernel_for(write_grad: bool, tail: str, has_target: bool, temperature: f
 
 
 def _row_pass(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss_C, kl_C, h_C, sigma_C, hs_C,
-              tail, inv_temp, kernel, settings: FusedKLSettings, w_CK=None) -> None:
+              tail, inv_temp, kernel, settings: FusedKLSettings, w_CK=None, jsd_beta=None) -> None:
     """Per-row loss into loss_C and unweighted KL into kl_C (fp32; 0 on rows of KL weight 0);
-    w_CK: sampled targets' weights (fp32 [C, k], contiguous) or None.
+    w_CK: sampled targets' weights (fp32 [C, k], contiguous) or None; jsd_beta: the generalised
+    JSD's beta in the KL's place, or None.
     kernel "direct": z_CV (the chunk's input-dtype logits) is overwritten with the gradient
     G = d loss / d z itself; "scaled": with E' such that G = sigma[:, None] * E', sigma into
     sigma_C [C] (fp32) and sigma[:, None] * h_C into hs_C; "forward": z_CV is left with -inf at S."""
@@ -332,6 +364,7 @@ def _row_pass(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss
     has_target = target_C is not None
     weighted = w_CK is not None
     w_arg = w_CK if weighted else logp_CK  # not read without weights
+    jsd, beta = jsd_beta is not None, 0.5 if jsd_beta is None else jsd_beta  # beta: not read without JSD
     if kernel == "scaled":
         block = min(settings.scaled_block, triton.next_power_of_2(vocab))
         num_blocks = triton.cdiv(vocab, block)
@@ -340,15 +373,17 @@ def _row_pass(z_CV, ids_CK, logp_CK, logp_tail_C, target_C, kl_w_C, ce_w_C, loss
         _row_kernel_scaled[(rows,)](
             z_CV, z_CV.stride(0), refs, num_blocks, ids_CK, logp_CK,
             logp_tail_C if logp_tail_C is not None else kl_w_C, w_arg, target_C if has_target else kl_w_C,
-            kl_w_C, ce_w_C, loss_C, kl_C, sigma_C, h_C, hs_C, h_C.stride(0), dim, k, vocab, inv_temp,
-            TAIL=_TAIL_CODE[tail], WEIGHTED=weighted, HAS_TARGET=has_target, BLOCK=block, BLOCK_K=triton.next_power_of_2(k),
+            kl_w_C, ce_w_C, loss_C, kl_C, sigma_C, h_C, hs_C, h_C.stride(0), dim, k, vocab, inv_temp, beta,
+            TAIL=_TAIL_CODE[tail], WEIGHTED=weighted, JSD=jsd, HAS_TARGET=has_target, BLOCK=block,
+            BLOCK_K=triton.next_power_of_2(k),
             BLOCK_D=min(4096, triton.next_power_of_2(dim)), num_warps=settings.scaled_warps,
         )
         return
     _row_kernel[(rows,)](
         z_CV, z_CV.stride(0), ids_CK, logp_CK, logp_tail_C if logp_tail_C is not None else kl_w_C, w_arg,
-        target_C if has_target else kl_w_C, kl_w_C, ce_w_C, loss_C, kl_C, k, vocab, inv_temp,
-        TAIL=_TAIL_CODE[tail], WEIGHTED=weighted, HAS_TARGET=has_target, BOTH=has_target and inv_temp != 1.0,
+        target_C if has_target else kl_w_C, kl_w_C, ce_w_C, loss_C, kl_C, k, vocab, inv_temp, beta,
+        TAIL=_TAIL_CODE[tail], WEIGHTED=weighted, JSD=jsd, HAS_TARGET=has_target,
+        BOTH=has_target and inv_temp != 1.0,
         WRITE_GRAD=kernel == "direct", BLOCK=min(settings.direct_block, triton.next_power_of_2(vocab)),
         BLOCK_K=triton.next_power_of_2(k), num_warps=settings.direct_warps,
     )
@@ -428,7 +463,7 @@ def triton_forward(hidden, weight, topk_ids, topk_logprobs, tail_logmass, target
         _row_pass(z_CV, topk_ids[rows], logp_NK[rows], None if logp_tail_N is None else logp_tail_N[rows],
                   None if target_ids is None else target_ids[rows], kl_w_N[rows], ce_w_N[rows], loss_N[rows],
                   kl_N[rows], h_C, sigma_N[rows], hs_buf[: h_C.shape[0]], spec.tail, 1.0 / spec.temperature,
-                  kernel, settings, None if w_NK is None else w_NK[rows])
+                  kernel, settings, None if w_NK is None else w_NK[rows], spec.jsd_beta)
         # z_CV holds G, or E' with G = sigma[:, None] * E'. Then grad_h = sigma * (E' W), its rows
         # scaled in backward together with d loss, and G^T h = E'^T (sigma * h).
         if need_h:

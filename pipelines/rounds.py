@@ -50,8 +50,9 @@ class RoundsConfig:
     top_p: float = option(1.0, "Nucleus sampling's p (1: the whole vocabulary).")
     seed: int = option(0, "Seed of round 1's draws; round r uses seed + r - 1.")
     steps: int = option(20, "Training steps per round.")
-    objective: Literal["forward_kl", "reverse_kl"] = option("reverse_kl", "The rounds' training objective on the "
-                                                                          "generated rows.")
+    objective: Literal["forward_kl", "reverse_kl", "jsd"] = option(
+        "reverse_kl", "The rounds' training objective (reverse_kl: on the generated rows; jsd: on every row).")
+    beta: float = option(0.5, "--beta of the jsd objective, in (0, 1).")
     static_weight: float = option(0.5, "Share of the recipe's own (static) caches in each round's mixture; the "
                                        "rounds' caches share the rest evenly.")
     ratio_clip: float | None = option(None, "--ratio-clip of the reverse-KL objective (default: none).")
@@ -69,6 +70,7 @@ class RoundsConfig:
         require("ratio_clip", self.ratio_clip,
                 self.ratio_clip is None or (math.isfinite(self.ratio_clip) and self.ratio_clip >= 1),
                 "a finite number >= 1, or leave it out")
+        require("beta", self.beta, 0 < self.beta < 1, "in (0, 1)")
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ def run_rounds(rounds: RoundsConfig, first, caches: list, progress: bool = True,
         config = first.with_flat(
             out=str(paths.run), student=str(_student_folder(policy)), teacher=None, num_layers=None,
             cache=caches, cache_weights=mixture_weights(len(static), rounds.static_weight, r),
-            steps=rounds.steps, objective=rounds.objective, ratio_clip=rounds.ratio_clip)
+            steps=rounds.steps, objective=rounds.objective, ratio_clip=rounds.ratio_clip, beta=rounds.beta)
         if not (paths.run / "student").is_dir():  # a finished run is kept
             train(config, progress=progress)
             _free()

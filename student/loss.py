@@ -17,6 +17,8 @@ With ``objective="reverse_kl"`` the rows of a cache of generated text (a finite
 `Batch.sampler_logprob`: the student's own sampled tokens) train on the reverse-KL surrogate of
 student/objectives.py instead of the forward KL, from the same pass's per-row cross-entropy; other
 rows (a static cache mixed in) keep the forward KL. The cross-entropy mix applies to all rows alike.
+With ``objective="jsd"`` the generalised JSD at ``beta`` takes the forward KL's place on every KL
+row, in the same fused pass (top-k caches with the bucket tail only; kl is then the JSD).
 
 The config is student/loss_config.py's (torch-free, for the CLI).
 """
@@ -58,7 +60,7 @@ def distill_loss(hidden_ND, weight_VD, batch, config: LossConfig, *, cache_tempe
                                                                         batch.tail_logmass)),
         target_ids=batch.target_ids if select is None else batch.target_ids[select], mask=rows, tail=tail,
         temperature=temperature, cache_temperature=cache_temperature, ce_weight=ce_weight, reduction=reduction_,
-        impl=impl, check_ids=check_ids, return_kl=True,
+        impl=impl, check_ids=check_ids, return_kl=True, jsd_beta=config.beta if config.objective == "jsd" else None,
         target_weights=target_weights if select is None or target_weights is None else target_weights[select])
     kd_rows = batch.mask if kd_mask is None else batch.mask & kd_mask
     sampler = getattr(batch, "sampler_logprob", None)

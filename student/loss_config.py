@@ -30,10 +30,14 @@ class LossConfig:
                                              "Another than the cache's needs --tail renorm.")
     ce_weight: float = option(0.0, "Weight of cross-entropy on the actual tokens; 1.0 = CE only, no teacher.")
     # student/objectives.py: on the rows of a cache of generated text (the student's own samples)
-    objective: Literal["forward_kl", "reverse_kl"] = option(
-        "forward_kl", "forward_kl (the teacher's top-k on every row) or reverse_kl (on the rows of a cache of text the "
+    # jsd: kernels/fused_topk_kl_torch.py (GKD's generalised JSD over the top-k and the tail bucket)
+    objective: Literal["forward_kl", "reverse_kl", "jsd"] = option(
+        "forward_kl", "forward_kl (the teacher's top-k on every row), reverse_kl (on the rows of a cache of text the "
                       "student generated: a policy-gradient estimate of KL(student || teacher) on its sampled tokens, "
-                      "importance-weighted to the sampler; other caches' rows keep forward_kl).")
+                      "importance-weighted to the sampler; other caches' rows keep forward_kl) or jsd (the generalised "
+                      "Jensen-Shannon divergence at --beta on every row, over the top-k and the tail bucket).")
+    beta: float = option(0.5, "With --objective jsd: the teacher's share of the mixture, in (0, 1) (near 0 the JSD "
+                              "over beta tends to the forward KL; near 1, over 1 - beta, to the reverse).")
     ratio_clip: float | None = option(
         None, "With --objective reverse_kl: truncate the importance ratio student / sampler at this (>= 1; default: "
               "none, unbiased).")
@@ -44,6 +48,10 @@ class LossConfig:
                 self.temperature is None or (math.isfinite(self.temperature) and self.temperature > 0),
                 "a finite number > 0, or leave it out (the cache's)")
         require("ce_weight", self.ce_weight, 0 <= self.ce_weight <= 1, "in [0, 1]")
+        require("beta", self.beta, 0 < self.beta < 1, "in (0, 1) (0 and 1: use --objective forward_kl or reverse_kl)")
+        if self.objective == "jsd" and self.tail != "bucket":
+            raise ConfigError("tail", f"{self.tail}: --objective jsd needs --tail bucket (the teacher normalised over "
+                                      "its top-k and the tail)")
         require("ratio_clip", self.ratio_clip,
                 self.ratio_clip is None or (math.isfinite(self.ratio_clip) and self.ratio_clip >= 1),
                 "a finite number >= 1, or leave it out (no truncation)")
@@ -54,7 +62,11 @@ class LossConfig:
     def check_cache_temperature(self, cache_temperature: float, kind: str = "topk") -> None:
         """Refuse a temperature this tail, or a cache of targets `kind` ("topk" | "sampled" |
         "topk+sampled", the manifest's targets.kind), cannot compose with a cache at `cache_temperature`
-        (kernels/temperature_rule.py: the rule the loss's kernel checks too)."""
+        (kernels/temperature_rule.py: the rule the loss's kernel checks too), and a sampled cache
+        for the JSD objective."""
+        if self.objective == "jsd" and kind != "topk":
+            raise ConfigError("objective", f"jsd needs a top-k cache; this one holds {kind} targets (their estimate "
+                                           "is unbiased for the KL only): use --objective forward_kl")
         problem = temperature_problem(self.tail, self.distillation_temperature(cache_temperature), cache_temperature,
                                       kind)
         if problem is not None:

@@ -267,3 +267,34 @@ def test_stats_are_detached_scalars():
     for value in vars(stats).values():
         assert value.dim() == 0 and not value.requires_grad
     assert float(stats.mean_ratio) == 1.0
+
+
+# ---- the generalised JSD objective (--objective jsd, kernels/fused_topk_kl's jsd_beta) -------------
+
+
+def test_jsd_trains_from_the_command_and_refuses_what_it_cannot_train_on(tiny_teacher, tmp_path, capsys):
+    """--objective jsd --beta 0.3 trains on a top-k cache (a JSD at every step, at most log 2); with
+    --tail renorm, or on a sampled cache, it is one error line naming the option."""
+    import json
+
+    from cli_helpers import one_error_line, run_cli, run_cli_ok
+
+    small = ["--model", tiny_teacher, "--max-sequences", "4", "--seq-len", "24", "-q"]
+    run_cli_ok(["cache-teacher", *small, "-k", "8", "--out", tmp_path / "topk"])
+    run_cli_ok(["cache-teacher", *small, "--targets", "sampled", "--samples", "6", "--out", tmp_path / "sampled"])
+    flags = ["--teacher", tiny_teacher, "--num-layers", "1", "--steps", "3", "--batch-size", "2", "--heldout", "2",
+             "--eval-every", "3", "--log-every", "1", "--device", "cpu", "--objective", "jsd", "--beta", "0.3", "-q"]
+    code, _, err = run_cli(["train-student", "--cache", tmp_path / "topk", *flags, "--out", tmp_path / "run"], capsys)
+    assert code == 0, err
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert all(0 < r["kl"] <= math.log(2) and math.isfinite(r["loss"]) for r in train), train
+    code, _, err = run_cli(["train-student", "--cache", tmp_path / "topk", *flags, "--tail", "renorm",
+                            "--out", tmp_path / "renorm"], capsys)
+    assert "--tail renorm: --objective jsd needs --tail bucket" in one_error_line(code, err)
+    code, _, err = run_cli(["train-student", "--cache", tmp_path / "sampled", *flags, "--out", tmp_path / "s"], capsys)
+    assert "--objective jsd needs a top-k cache" in one_error_line(code, err)
+    code, _, err = run_cli(["train-student", "--cache", tmp_path / "topk", *flags, "--beta", "1", "--out",
+                            tmp_path / "b"], capsys)
+    assert "--beta must be in (0, 1)" in one_error_line(code, err)
