@@ -24,6 +24,7 @@ FLOAT_FIELDS = [
     (LossConfig, "temperature", {}),
     (LossConfig, "ce_weight", {}),
     (LossConfig, "ratio_clip", {}),
+    (LossConfig, "beta", {}),
     (ScheduleConfig, "min_lr_ratio", {}),
     (SparseFFNConfig, "l1", {"sparse_ffn": True}),
     (SparseFFNConfig, "dead_reinit", {"sparse_ffn": True}),
