@@ -16,9 +16,12 @@ checked too).
 The floor: a decode step must read every weight once and each row's keys and values so far, so
 one step takes at least (weight bytes + the mean step's key/value bytes) / the copy bandwidth
 measured in the same run (harness.ceilings; read + write bytes); tokens/s at the floor is B over
-that time. Rows `generate_gpu/<shape>-B<B>-P<P>-N<N>/<ours|transformers>`: tokens_per_s,
-ms_per_step, peak_gib (above the weights), and for ours speedup (over transformers) and
-of_bandwidth_floor.
+that time. kernels_per_step (profiled on the eager step) says what bounds a step instead when
+the model is small: its kernels run one after another, each too short to fill the GPU.
+
+Rows `generate_gpu/<shape>-B<B>-P<P>-N<N>/<ours|transformers>`: tokens_per_s, ms_per_step,
+peak_gib (above the weights), and for ours speedup (over transformers), of_bandwidth_floor and
+kernels_per_step.
 
     python tests/benchmarks/bench_generate_gpu.py --shapes smollm2-135m,qwen2-0.5b --batch 64
 """
@@ -68,6 +71,23 @@ def check(model: Student, vocab: int, new: int) -> dict:
     return {"graph_equals_eager_tokens": same_tokens, "logprob_vs_forward_max_abs": worst}
 
 
+def kernels_per_step(model: Student, vocab: int) -> float:
+    """GPU kernels one eager decode step launches (profiled: 12 new tokens less 4, over 8); the graph
+    replays the same kernels without the host between them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = [tuple(range(1, 9))] * 4
+    counts = {}
+    for new in (4, 12):
+        draws = uniforms(len(prompts), new)
+        our_decoder(model, cuda_graph=False).decode(prompts, draws)  # warm
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            our_decoder(model, cuda_graph=False).decode(prompts, draws)
+            torch.cuda.synchronize()
+        counts[new] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return (counts[12] - counts[4]) / 8
+
+
 def floor_ms(model: Student, rows: int, prompt: int, new: int, copy_gbps: float) -> float:
     c = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -101,6 +121,7 @@ def main() -> None:
 
             model = Student.from_pretrained(folder, dtype=torch.bfloat16, device="cuda").eval()
             checks = check(model, vocab, 24)
+            checks["kernels_per_step"] = kernels_per_step(model, vocab)
             prompts = [tuple(row) for row in ids.tolist()]
             decoder = our_decoder(model)
             ours = time_gpu(lambda: decoder.decode(prompts, uniforms(args.batch, args.new)), warmup=1,
