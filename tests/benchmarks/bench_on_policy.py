@@ -18,7 +18,8 @@ Each student, and the starting one, is then measured on
 A variant of the rounds (--objective, --static-weight, --ratio-clip) starts from the plain run's
 start student (run that first) and adds only its `on-<variant>` row.
 
-Rows `on_policy/seed<N>/<start|off|on[-variant]>`: teacher_logprob_per_token (a), heldout_kl and
+Rows `on_policy/seed<N>/<start|off|round<r>[-variant]|on[-variant]>` (round<r>: the student after
+round r < --rounds; on: after the last): teacher_logprob_per_token (a), heldout_kl and
 heldout_bits_per_byte (b), steps, teacher_scored_tokens (the tokens the teacher scored for the
 training beyond the start: the static cache's for off, the rounds' caches' for on).
 """
@@ -134,14 +135,17 @@ def main() -> None:
               "steps_per_round": args.steps_per_round, "round_prompts": args.round_prompts,
               "new_tokens": args.new_tokens, "heldout_prompts": args.heldout_prompts, "batch_size": 4,
               "objective": args.objective, "static_weight": args.static_weight, "ratio_clip": args.ratio_clip}
-    arms = [("on", last, round_tokens)]
+    # (name, run, steps beyond the start, teacher-scored tokens those steps trained on)
+    arms = [(f"round{r}", round_paths(work / "on", r).run, r * args.steps_per_round, sum(
+        json_tokens(round_paths(work / "on", i).cache) for i in range(1, r + 1))) for r in range(1, args.rounds)]
+    arms += [("on", last, steps, round_tokens)]
     if not variant:  # a variant shares the plain run's start and off-policy arm
-        arms = [("start", work / "on", 0), ("off", work / "off", static_tokens)] + arms
-    for name, run_dir, scored in arms:
+        arms = [("start", work / "on", 0, 0), ("off", work / "off", steps, static_tokens)] + arms
+    for name, run_dir, arm_steps, scored in arms:
         evaluation = evaluate_run_or_folder(run_dir)["after"]
         figures = {"teacher_logprob_per_token": teacher_logprob(run_dir / "student", work, name, args),
                    "heldout_kl": evaluation.kl, "heldout_bits_per_byte": evaluation.bits_per_byte,
-                   "steps": 0 if name == "start" else steps, "teacher_scored_tokens": scored}
+                   "steps": arm_steps, "teacher_scored_tokens": scored}
         results.add(f"seed{args.seed}/{name}{variant}", figures, config)
 
 
