@@ -88,9 +88,53 @@ def teacher_logprob(student: Path, work: Path, name: str, args) -> float:
     return float(np.mean(np.concatenate(scores)))
 
 
+# (label, the students of its line in step order)
+ARMS = (("off-policy (static cache)", ("start", "off")),
+        ("on-policy rounds, reverse KL", ("start", "round1", "on")),
+        ("on-policy rounds, forward KL", ("start", "round1-forward_kl", "on-forward_kl")),
+        ("on-policy, reverse KL, static 0.75, clip 2", ("start", "round1-w0.75-clip2", "on-w0.75-clip2")))
+
+
+def plot(rows_file: Path, path: Path) -> None:
+    """Each arm's (a) and (b) against the training steps beyond the start: the seeds' mean, their
+    range as a band; a point where a student has rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from harness import load_rows
+
+    rows = {}
+    for row in load_rows(rows_file):  # the newest row of each case wins
+        if row["bench"] == "on_policy":
+            rows[row["case"]] = row["figures"]
+    seeds = sorted({case.split("/")[0] for case in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for key, title, ax in (("teacher_logprob_per_token", "(a) the teacher's log-prob / token of the student's "
+                                                         "continuations", axes[0]),
+                           ("heldout_kl", "(b) held-out KL on the static cache", axes[1])):
+        for label, students in ARMS:
+            points = []
+            for student in students:
+                values = [rows[f"{s}/{student}"][key] for s in seeds if f"{s}/{student}" in rows]
+                if values:
+                    steps = rows[next(f"{s}/{student}" for s in seeds if f"{s}/{student}" in rows)]["steps"]
+                    points.append((steps, np.mean(values), min(values), max(values)))
+            if len(points) > 1:
+                x, mean, low, high = zip(*points)
+                ax.plot(x, mean, marker="o", label=label)
+                ax.fill_between(x, low, high, alpha=0.15)
+        ax.set(xlabel="training steps beyond the start", title=title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"On-policy rounds against off-policy training ({len(seeds)} seed(s); band: their range)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--work", type=Path, help="where the caches, corpora and runs go (reused by a rerun)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base-steps", type=int, default=80)
     ap.add_argument("--rounds", type=int, default=2)
@@ -101,8 +145,14 @@ def main() -> None:
     ap.add_argument("--objective", default="reverse_kl", help="[rounds] objective")
     ap.add_argument("--static-weight", type=float, default=0.5, help="[rounds] static_weight")
     ap.add_argument("--ratio-clip", type=float, default=None, help="[rounds] ratio_clip")
+    ap.add_argument("--plot", type=Path, default=None, help="draw the rows of --results into this PNG and stop")
     add_results_arg(ap)
     args = ap.parse_args()
+    if args.plot is not None:
+        plot(args.results, args.plot)
+        return
+    if args.work is None:
+        ap.error("--work is required (unless --plot)")
     from pipelines.recipe import load_recipe, run_recipe, train_config
     from pipelines.rounds import round_paths
     from student.evaluate import evaluate_run_or_folder

@@ -18,7 +18,7 @@ ROWS = HERE / "results.jsonl"
 # measured on another card only so far is drawn from that card (its section says which).
 PAGE_GPU = "NVIDIA H200"
 GPU_OF_BENCH = {"cross_tokenizer_gpu": "NVIDIA H100 80GB HBM3", "cross_tokenizer": "NVIDIA H100 80GB HBM3",
-                "mixture_gpu": "NVIDIA H100 80GB HBM3"}
+                "mixture_gpu": "NVIDIA H100 80GB HBM3", "generate_gpu": "NVIDIA H100 80GB HBM3"}
 PAGE = HERE / "RESULTS.md"
 MAX_LINES = 250
 WIDTH = 120
@@ -138,6 +138,12 @@ def by_seed(row: dict) -> tuple[str, str]:
     """`<targets>-seedN`: one line a kind of cache, its training seeds gathered."""
     key, _, seed = row["case"].partition("-seed")
     return key, seed or "0"
+
+
+def by_arm(row: dict) -> tuple[str, str]:
+    """`seed<N>/<arm>`: one line an arm (a student), its seeds gathered."""
+    seed, _, arm = row["case"].partition("/")
+    return arm, seed
 
 
 def by_length(row: dict) -> tuple[str, str]:

@@ -17,6 +17,7 @@ from results_model import (
     Table,
     attention_rate,
     budget,
+    by_arm,
     by_bench,
     by_last_part,
     by_length,
@@ -105,16 +106,6 @@ SECTIONS: tuple[Section, ...] = (
                  label("GPU budget", lambda key: budget(key) if key.endswith("planned") else ""),
                  fig("s/step", "step_s", "{:.2f}"), fig("tok/s", "tok_s", "{:,.0f}"), attention_rate(),
                  gpu_gib(), ROW_IDS)),
-            Table(
-                ("long_context/qwen2-0.5b-*@96c1347",),
-                (label("shape", shape), label("variant", variant))
-                + tuple(Col(f"{kilo(n)}: tok/s, GiB", lambda line, n=str(n): ", ".join(
-                    (num(line.fig("tok_s", n), "{:,.0f}"), num(line.fig("peak_gib", n), "{:.1f}")))
-                    if line.row(n) else "") for n in (65536, 131072, 262144, 524288))
-                + (ROW_IDS,),
-                line=by_length,
-                caption="The curve, first steps (the README's `long_context.png`): the 64K points compile kernels; "
-                        "no peak holds optimizer states:"),
         ),
         goals=(
             Goal("0.5B at 128K: transformers + Liger's speed in at most half its GPU memory", (
@@ -195,7 +186,7 @@ SECTIONS: tuple[Section, ...] = (
                  with_ratio("GB/s (of copy ceiling)", "gbps", "copy_fraction", "{:,.0f}", "{:.2f}"),
                  fig("state GiB", "state_gib", "{:.3f}"), ROW_IDS)),
             Table(
-                ("optimizer_state/*/adamw*", "optimizer_state/*/foam-l2*", "optimizer_state/*/foam-l4*"),
+                ("optimizer_state/*/adamw*", "optimizer_state/*/foam-l2@*", "optimizer_state/*/foam-l4@*"),
                 (label("optimizer", name),)
                 + tuple(col for s in ("qwen2-0.5b", "qwen2-1.5b") for col in (
                     fig(f"{name(s)}: folded vs AdamW", "folded_matrices_vs_adamw", "{:.3f}", of=s),
@@ -225,7 +216,7 @@ SECTIONS: tuple[Section, ...] = (
         "to dense.",
         tables=(
             Table(
-                ("twell_ffn/*", "sparse_ffn_real/*/layer*"),
+                ("twell_ffn/*", "sparse_ffn_real/*/layer1@*"),
                 (label("activations", lambda key: f"synthetic, {float(key[1:]):.1%}" if key.startswith("s")
                        else f"trained, {key.split('/')[1]}"),
                  Col("non-zeros / token", lambda line: num(line.fig("nonzeros_per_token")
@@ -265,16 +256,6 @@ SECTIONS: tuple[Section, ...] = (
                  fig("wall s", "wall_s", "{:.0f}"), ROW_IDS),
                 caption="Capture over the GPUs of one host (`bench_capture_scaling_gpu.py`, `distill cache-teacher` "
                         "under torchrun; scaling: tokens/s over N x the 1-GPU rate):"),
-            Table(
-                ("teacher_cpu/*/hf@*", "teacher_cpu/*/vllm@*"),
-                (label("backend", name),) + tuple(col for dtype in ("float32", "bfloat16") for col in (
-                    Col(f"{dtype} tokens/s median / best", lambda line, d=dtype:
-                        f"{line.fig('tok_s_median', d)} / {line.fig('tok_s_best', d)}"),
-                    rate(f"{dtype} GFLOP/s (of ceiling)", "gflops_best", "fraction_of_ceiling", of=dtype)))
-                + (ROW_IDS,),
-                line=by_last_part,
-                caption="The teacher on the CPU (`bench_teacher_cpu.py`, SmolLM2-135M, 4 x 512 tokens; vllm keeps a "
-                        "core by default):"),
         ),
         goals=(
             Goal("stage one at least 1.5x the plain pass, end to end", tuple(
@@ -383,7 +364,49 @@ SECTIONS: tuple[Section, ...] = (
                 Check("ensemble", figure("mixture_gpu/train/ensemble@*", "ratio"), ">=", 0.97, "{:.3f}x"))),
         ),
     ),
+    Section(
+        "On-policy rounds", "on-policy.md",
+        "`bench_on_policy.py` (CPU): the quickstart's student, then 80 steps off-policy or two rounds of 40 on its "
+        "own text; (a): the teacher's log-prob / token of its continuations of held-out prompts. GPU: "
+        "`bench_generate_gpu.py`.",
+        tables=(
+            Table(("on_policy/seed*",),
+                  (label("student", lambda key: ON_POLICY_ARMS.get(key, key)),
+                   mean_sd("(a) teacher log-prob", "teacher_logprob_per_token"), mean_sd("held-out KL", "heldout_kl"),
+                   mean_sd("bits/byte", "heldout_bits_per_byte"),
+                   fig("teacher-scored tokens", "teacher_scored_tokens", "{:,.0f}"), ROW_IDS),
+                  line=by_arm),
+            Table(("generate_gpu/*/ours@*",),
+                  (label("shape, batch, prompt, new", lambda key: key.split("/")[0]),
+                   fig("tokens/s", "tokens_per_s", "{:,.0f}"), fig("x transformers", "speedup", "{:.2f}"),
+                   fig("ms / step", "ms_per_step", "{:.2f}"), fig("of bandwidth floor", "of_bandwidth_floor", "{:.3f}"),
+                   fig("kernels / step", "kernels_per_step", "{:,.0f}"), ROW_IDS)),
+        ),
+        goals=(
+            Goal("on-policy rounds (reverse KL) above off-policy training, every seed", (
+                Check("(a) worst seed, on - off", lambda rows: on_policy_gap(rows, "teacher_logprob_per_token"),
+                      ">=", 0.0, "{:+.3f}"),
+                Check("(b) worst seed, off - on KL", lambda rows: on_policy_gap(rows, "heldout_kl"), ">=", 0.0, "{:+.3f}"))),
+            Goal("`distill generate` at least 3x transformers' `generate` tokens/s", (Check(
+                "least speedup", lambda rows: min(r["speedup"] for r in rows.all("generate_gpu/*/ours@*")), ">=", 3.0,
+                "{:.2f}x"),)),
+        ),
+    ),
 )
+
+
+ON_POLICY_ARMS = {"start": "start (the quickstart's student)", "off": "off-policy: +80 steps on the static cache",
+                  "round1": "on-policy, reverse KL: after round 1 of 2", "on": "on-policy, reverse KL: after round 2",
+                  "on-forward_kl": "on-policy, forward KL (top-64): after round 2",
+                  "on-w0.75-clip2": "on-policy, reverse KL, static share 0.75, ratio clip 2"}
+
+
+def on_policy_gap(rows: Rows, key: str) -> float:
+    """The worst seed's on-policy (reverse KL, after the last round) less off-policy figure `key`,
+    signed so that >= 0 says on-policy won (the teacher's log-prob as is, the KL negated)."""
+    sign = 1.0 if key == "teacher_logprob_per_token" else -1.0
+    seeds = [f"seed{s}" for s in range(10) if rows.all(f"on_policy/seed{s}/on@*")]
+    return min(sign * (rows.one(f"on_policy/{s}/on@*")[key] - rows.one(f"on_policy/{s}/off@*")[key]) for s in seeds)
 
 
 def mixture_reversals(rows: Rows) -> int:
