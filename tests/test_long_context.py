@@ -7,6 +7,8 @@ gradients."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import Counter
 
 import pytest
@@ -47,9 +49,9 @@ def make_batch(lengths: list[int], vocab: int, k: int = 6, seed: int = 0) -> Bat
     return Batch(input_ids, topk_ids, topk_logprobs, tail, target, torch.full((B * L,), float("nan")), mask)
 
 
-def loss_of(model, hidden, terms, rows, part=None, l1=0.0):
+def loss_of(model, hidden, terms, rows, part=None, l1=0.0, config=LossConfig(tail="bucket", ce_weight=0.25)):
     hidden_ND = hidden.reshape(-1, hidden.shape[-1])
-    loss, kl = distill_loss(hidden_ND, model.lm_head_weight.to(hidden_ND.dtype), rows, LossConfig(tail="bucket", ce_weight=0.25),
+    loss, kl = distill_loss(hidden_ND, model.lm_head_weight.to(hidden_ND.dtype), rows, config,
                             cache_temperature=1.0, whole=part.whole if part else None)
     share = part.share if part else 1.0
     if l1 and terms:
@@ -100,6 +102,41 @@ def test_chunk_recurrent_gradients_equal_full_backprop(family, sparse, chunk_tok
     assert_rel(loss, want_loss, "loss")
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{name} got no gradient"
+        assert_rel(p.grad, want_grads[name], name)
+
+
+def generated_rows(batch: Batch, seed: int = 1) -> Batch:
+    """`batch` as a cache of generated text holds it: each sequence's second half its completion
+    (kd_mask), with the teacher's and the sampler's log-prob of each next token there."""
+    gen = torch.Generator().manual_seed(seed)
+    B, L = batch.input_ids.shape
+    completion = (torch.arange(L)[None] >= L // 3).expand(B, L).reshape(-1) & (batch.target_ids >= 0)
+    teacher = torch.where(completion, -torch.rand(B * L, generator=gen) * 4, float("nan"))
+    sampler = torch.where(completion, -torch.rand(B * L, generator=gen) * 4, float("nan"))
+    return dataclasses.replace(batch, target_logprob=teacher, kd_mask=completion, sampler_logprob=sampler)
+
+
+@pytest.mark.parametrize("objective", ["jsd", "reverse_kl"])
+def test_the_objectives_compose_with_chunk_recurrent_training(objective, tmp_path):
+    """The JSD and the reverse-KL surrogate (on a generated batch) through chunk-recurrent training
+    give full backprop's loss and gradients, as the forward KL does above."""
+    _, folder = saved_hf("qwen2", tmp_path)
+    model = Student.from_pretrained(folder)
+    batch = make_batch([37, 29], vocab=model.config.vocab_size, seed=3)
+    if objective == "reverse_kl":
+        batch = generated_rows(batch)
+    config = LossConfig(tail="bucket", ce_weight=0.25, objective=objective, beta=0.3, ratio_clip=2.0)
+    model.zero_grad()
+    hidden = model(batch.input_ids, token_mask=batch.mask)
+    want_loss, _ = loss_of(model, hidden, [], batch, config=config)
+    want_loss.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    chunk_loss = lambda hidden, rows, terms, part: loss_of(model, hidden, terms, rows, part, config=config)
+    loss, _ = chunk_recurrent_backward(model, batch, chunk_loss, LongContextConfig(chunk_tokens=13, page_tokens=16),
+                                       device="cpu")
+    assert_rel(loss, want_loss.detach(), "loss")
+    for name, p in model.named_parameters():
         assert_rel(p.grad, want_grads[name], name)
 
 
