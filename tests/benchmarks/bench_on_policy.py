@@ -19,9 +19,10 @@ A variant of the rounds (--objective, --static-weight, --ratio-clip) starts from
 start student (run that first) and adds only its `on-<variant>` row.
 
 Rows `on_policy/seed<N>/<start|off|round<r>[-variant]|on[-variant]>` (round<r>: the student after
-round r < --rounds; on: after the last): teacher_logprob_per_token (a), heldout_kl and
-heldout_bits_per_byte (b), steps, teacher_scored_tokens (the tokens the teacher scored for the
-training beyond the start: the static cache's for off, the rounds' caches' for on).
+round r < --rounds; on: after the last): teacher_logprob_per_token (a), reverse_kl_per_token
+(log q - log p on (a)'s tokens), heldout_kl and heldout_bits_per_byte (b), steps,
+teacher_scored_tokens (the tokens the teacher scored for the training beyond the start: the
+static cache's for off, the rounds' caches' for on).
 """
 
 from __future__ import annotations
@@ -69,8 +70,11 @@ seed = {seed}
 {ratio_clip}"""
 
 
-def teacher_logprob(student: Path, work: Path, name: str, args) -> float:
-    """(a): the teacher's mean log-prob per token of `student`'s continuations of the held-out prompts."""
+def on_policy_measures(student: Path, work: Path, name: str, args) -> dict:
+    """(a) teacher_logprob_per_token: the teacher's mean log-prob per token of `student`'s continuations
+    of the held-out prompts; and reverse_kl_per_token: the mean of log q - log p over those tokens
+    (sampled at temperature 1 from the whole vocabulary: the plain estimate of the per-token
+    KL(student || teacher) on its own text, which the reverse-KL objective lowers)."""
     from pipelines.generate import GenerateConfig, generate
     from pipelines.stage_one import StageOneConfig, cache_teacher
     from teacher_cache.reader import CacheReader
@@ -83,9 +87,14 @@ def teacher_logprob(student: Path, work: Path, name: str, args) -> float:
                                       out=work / f"{name}-scored")
     cache_teacher(config, progress=False)
     reader = CacheReader(work / f"{name}-scored")
-    scores = [shard.targets.target_logprob[shard.loss_mask.astype(bool)] for shard in map(reader.load_shard,
-                                                                                       range(reader.num_shards))]
-    return float(np.mean(np.concatenate(scores)))
+    teacher, sampler = [], []
+    for shard in map(reader.load_shard, range(reader.num_shards)):
+        rows = shard.loss_mask.astype(bool)
+        teacher.append(shard.targets.target_logprob[rows])
+        sampler.append(shard.sampler_logprob[rows])
+    teacher, sampler = np.concatenate(teacher), np.concatenate(sampler)
+    return {"teacher_logprob_per_token": float(np.mean(teacher)),
+            "reverse_kl_per_token": float(np.mean(sampler - teacher))}
 
 
 # (label, the students of its line in step order)
@@ -193,8 +202,7 @@ def main() -> None:
         arms = [("start", work / "on", 0, 0), ("off", work / "off", steps, static_tokens)] + arms
     for name, run_dir, arm_steps, scored in arms:
         evaluation = evaluate_run_or_folder(run_dir)["after"]
-        figures = {"teacher_logprob_per_token": teacher_logprob(run_dir / "student", work, name, args),
-                   "heldout_kl": evaluation.kl, "heldout_bits_per_byte": evaluation.bits_per_byte,
+        figures = {**on_policy_measures(run_dir / "student", work, name, args), "heldout_kl": evaluation.kl, "heldout_bits_per_byte": evaluation.bits_per_byte,
                    "steps": arm_steps, "teacher_scored_tokens": scored}
         results.add(f"seed{args.seed}/{name}{variant}", figures, config)
 
