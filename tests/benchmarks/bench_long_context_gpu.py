@@ -4,6 +4,8 @@ Shapes (random init, seeded; one sequence a step, batch 1):
   qwen2-0.5b  bench_train_step_gpu's (hidden 896, 24 layers, 14 / 2 heads, d_ff 4864, vocab 151,936, tied)
   qwen2.5-3b  hidden 2048, 36 layers, 16 query / 2 kv heads, head_dim 128, d_ff 11008, vocab 151,936,
               untied lm-head, qkv bias, rope_theta 1e6
+  qwen2.5-7b  hidden 3584, 28 layers, 28 query / 4 kv heads, head_dim 128, d_ff 18944, vocab 152,064,
+              untied lm-head, qkv bias, rope_theta 1e6 (OOMB's headline shape)
   tiny        bench_train_step_gpu's tiny shape (CPU smoke test only)
 Variants, one after the other in this process, memory freed between, each (length, variant)
 with a model and optimizer built afresh; an out-of-memory error becomes a row with "oom": true:
@@ -91,6 +93,10 @@ def shape_config(shape: str, max_len: int) -> StudentConfig:
     if shape == "qwen2.5-3b":
         config = student_config("qwen2-0.5b").replace(hidden_size=2048, intermediate_size=11008, num_layers=36,
                                                       num_heads=16, num_kv_heads=2, head_dim=128,
+                                                      tie_word_embeddings=False)
+    elif shape == "qwen2.5-7b":
+        config = student_config("qwen2-0.5b").replace(hidden_size=3584, intermediate_size=18944, num_layers=28,
+                                                      num_heads=28, num_kv_heads=4, head_dim=128, vocab_size=152_064,
                                                       tie_word_embeddings=False)
     else:
         config = student_config(shape)
@@ -348,7 +354,7 @@ def print_table(rows: list[dict]) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="qwen2-0.5b", help="comma-separated, of qwen2-0.5b, qwen2.5-3b, tiny")
+    parser.add_argument("--shape", default="qwen2-0.5b", help="comma-separated, of qwen2-0.5b, qwen2.5-3b, qwen2.5-7b, tiny")
     parser.add_argument("--lengths", default="65536,131072", help="comma-separated sequence lengths (tokens a step)")
     parser.add_argument("--variants", default="ours,hf_liger", help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--chunk-tokens", type=int, default=16384, help="tokens per chunk of the chunk-recurrent step")

@@ -8,8 +8,8 @@ random valid teacher targets, one sequence of --seq-len tokens a step):
   qwen2.5-3b    bench_long_context_gpu's (hidden 2048, 36 layers, 16 / 2 heads, d_ff 11008, vocab
                 151,936, untied): with --chunk-tokens, the long-context issue's shape
   llama-3.1-8b  hidden 4096, 32 layers, 32 / 8 heads, d_ff 14336, vocab 128,256, untied, llama3 RoPE
-  qwen2.5-7b    hidden 3584, 28 layers, 28 / 4 heads, d_ff 18944, vocab 152,064, untied, qkv bias (OOMB's
-                headline shape: the long-context issue at the seed's scale)
+  qwen2.5-7b    bench_long_context_gpu's (hidden 3584, 28 layers, 28 / 4 heads, d_ff 18944, vocab
+                152,064, untied): OOMB's headline shape
   qwen2.5-14b   hidden 5120, 48 layers, 40 / 8 heads, d_ff 13824, vocab 152,064, untied, qkv bias
   qwen2.5-32b   hidden 5120, 64 layers, 40 / 8 heads, d_ff 27648, vocab 152,064, untied, qkv bias
   tiny          bench_train_step_gpu's tiny shape (CPU smoke test only)
@@ -113,7 +113,7 @@ def shape_config(shape: str, max_len: int = 32768) -> StudentConfig:
                 tie_word_embeddings=False, attention_bias=True, extra={"bos_token_id": 1, "eos_token_id": 2})
     if shape == "tiny":
         return student_config("tiny").replace(num_layers=4)
-    if shape in ("qwen2-0.5b", "qwen2.5-3b"):
+    if shape in ("qwen2-0.5b", "qwen2.5-3b", "qwen2.5-7b"):
         from bench_long_context_gpu import shape_config as long_shape
 
         return long_shape(shape, max_len)
@@ -124,10 +124,6 @@ def shape_config(shape: str, max_len: int = 32768) -> StudentConfig:
                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                              extra={"bos_token_id": 1, "eos_token_id": 2})
-    if shape == "qwen2.5-7b":
-        return StudentConfig(vocab_size=152_064, hidden_size=3584, intermediate_size=18944, num_layers=28,
-                             num_heads=28, num_kv_heads=4, head_dim=128,
-                             **{**qwen, "max_position_embeddings": max(max_len, 32768)})
     layers, d_ff = {"qwen2.5-14b": (48, 13824), "qwen2.5-32b": (64, 27648)}[shape]
     return StudentConfig(vocab_size=152_064, hidden_size=5120, intermediate_size=d_ff, num_layers=layers,
                          num_heads=40, num_kv_heads=8, head_dim=128, **qwen)
