@@ -19,7 +19,8 @@ A variant of the rounds (--objective, --static-weight, --ratio-clip) starts from
 start student (run that first) and adds only its `on-<variant>` row.
 
 Rows `on_policy/seed<N>/<start|off|round<r>[-variant]|on[-variant]>` (round<r>: the student after
-round r < --rounds; on: after the last): teacher_logprob_per_token (a), reverse_kl_per_token
+round r < --rounds; on: after the last): teacher_logprob_per_token (a) and its standard error over
+the samples (teacher_logprob_se), reverse_kl_per_token
 (log q - log p on (a)'s tokens), heldout_kl and heldout_bits_per_byte (b), steps,
 teacher_scored_tokens (the tokens the teacher scored for the training beyond the start: the
 static cache's for off, the rounds' caches' for on).
@@ -87,13 +88,19 @@ def on_policy_measures(student: Path, work: Path, name: str, args) -> dict:
                                       out=work / f"{name}-scored")
     cache_teacher(config, progress=False)
     reader = CacheReader(work / f"{name}-scored")
-    teacher, sampler = [], []
+    teacher, sampler, per_sample = [], [], []
     for shard in map(reader.load_shard, range(reader.num_shards)):
         rows = shard.loss_mask.astype(bool)
         teacher.append(shard.targets.target_logprob[rows])
         sampler.append(shard.sampler_logprob[rows])
+        for start, end in zip(shard.seq_offsets[:-1], shard.seq_offsets[1:]):  # one sample a sequence
+            mine = rows[start:end]
+            if mine.any():
+                per_sample.append(shard.targets.target_logprob[start:end][mine].mean())
     teacher, sampler = np.concatenate(teacher), np.concatenate(sampler)
     return {"teacher_logprob_per_token": float(np.mean(teacher)),
+            # the standard error of (a) over samples (tokens of one sample are not independent)
+            "teacher_logprob_se": float(np.std(per_sample, ddof=1) / np.sqrt(len(per_sample))),
             "reverse_kl_per_token": float(np.mean(sampler - teacher))}
 
 

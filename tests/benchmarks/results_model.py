@@ -291,9 +291,11 @@ def oom_or(col: Col, member: str | None = None) -> Col:
 
 
 def mean_sd(header: str, key: str, fmt: str = "{:.3f}") -> Col:
-    """Mean ± standard deviation over a line's members (seeds), or the one value."""
+    """Mean ± standard deviation over a line's members (seeds) that have the figure, or the one value."""
     def cell(line: Line) -> str:
-        values = [row["figures"][key] for row in line.members.values()]
+        values = [row["figures"][key] for row in line.members.values() if key in row["figures"]]
+        if not values:
+            return ""
         if len(values) == 1:
             return fmt.format(values[0])
         return f"{fmt.format(statistics.mean(values))} ± {fmt.format(statistics.stdev(values))}"
