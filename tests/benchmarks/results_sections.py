@@ -372,7 +372,8 @@ SECTIONS: tuple[Section, ...] = (
         tables=(
             Table(("on_policy/seed*",),
                   (label("student", lambda key: ON_POLICY_ARMS.get(key, key)),
-                   mean_sd("(a) teacher log-prob", "teacher_logprob_per_token"), mean_sd("held-out KL", "heldout_kl"),
+                   mean_sd("(a) teacher log-prob", "teacher_logprob_per_token"),
+                   mean_sd("reverse KL / token", "reverse_kl_per_token"), mean_sd("held-out KL", "heldout_kl"),
                    mean_sd("bits/byte", "heldout_bits_per_byte"),
                    fig("teacher-scored tokens", "teacher_scored_tokens", "{:,.0f}"), ROW_IDS),
                   line=by_arm),
