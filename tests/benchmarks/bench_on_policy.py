@@ -106,9 +106,10 @@ def on_policy_measures(student: Path, work: Path, name: str, args) -> dict:
 
 # (label, the students of its line in step order)
 ARMS = (("off-policy (static cache)", ("start", "off")),
-        ("on-policy rounds, reverse KL", ("start", "round1", "on")),
-        ("on-policy rounds, forward KL", ("start", "round1-forward_kl", "on-forward_kl")),
-        ("on-policy, reverse KL, static 0.75, clip 2", ("start", "round1-w0.75-clip2", "on-w0.75-clip2")))
+        ("on-policy rounds, reverse KL, static 0.5", ("start", "round1", "on")),
+        ("on-policy rounds, forward KL (seed 0 only)", ("start", "round1-forward_kl", "on-forward_kl")),
+        ("on-policy, reverse KL, static 0.75, clip 2 (the recipe's)", ("start", "round1-w0.75-clip2",
+                                                                       "on-w0.75-clip2")))
 
 
 def plot(rows_file: Path, path: Path) -> None:
