@@ -543,3 +543,16 @@ def test_one_backward_leaves_the_matrices_without_grad_and_clips_and_steps_as_wi
         grads_as_documented()
     assert all(p.grad is None for _, p in layers if p.ndim >= 2)
     runtime.close()
+
+
+def test_the_jsd_objective_trains_offloaded_as_without_offload(small, tmp_path):
+    """--objective jsd through the offload runtime: every loss, KL (here the JSD), evaluation and final
+    weight equals the run's without offload (the objective lives in the loss, which both share)."""
+    jsd = dict(objective="jsd", beta=0.3)
+    train(config(small, tmp_path / "plain", **jsd), progress=False)
+    train(config(small, tmp_path / "offloaded", **jsd,
+                 offload=plan_file(tmp_path / "plan.json", *PLANS["mixed-cpu"])), progress=False)
+    assert results(tmp_path / "offloaded") == results(tmp_path / "plain")
+    assert same_weights(tmp_path / "offloaded" / "student", tmp_path / "plain" / "student")
+    train(config(small, tmp_path / "forward"), progress=False)
+    assert [r["kl"] for r in rows(tmp_path / "plain")] != [r["kl"] for r in rows(tmp_path / "forward")]  # the JSD ran
