@@ -65,7 +65,9 @@ With --chunk-tokens every variant's step is chunk-recurrent (student/long_contex
 resident or, with --kv-offload, in pinned host memory; `planned` plans together with the chunk
 engine (with --chunk-candidates the planner chooses the chunk size and where the pages live, and
 the step takes its choice, as train-student does). Such rows also give model TFLOP/s counting
-causal attention (bench_long_context_gpu's measure), comparable with the long_context rows.
+causal attention (bench_long_context_gpu's measure), comparable with the long_context rows. With
+--sparse-pages N each chunk attends N selected past pages and its own (OOMB's page top-k; not
+exact): the planner then profiles and plans the sparse step (rows `...-sparseN/...`).
 
     PYTHONPATH=. python tests/benchmarks/bench_offload_gpu.py --shape llama-3.1-8b --results $OUT/results.jsonl
     PYTHONPATH=. python tests/benchmarks/bench_offload_gpu.py --shape llama-3.1-8b --gpu-memory 40GiB --variants planned,none
@@ -162,7 +164,7 @@ def train_config(args, work: Path, *, offload: str = "none", batch_size: int = 1
                                  seq_len=args.seq_len, offload=offload, gpu_memory=args.gpu_memory,
                                  host_memory=args.host_memory, heldout=1, chunk_tokens=args.chunk_tokens,
                                  kv_offload=args.kv_offload, page_tokens=args.page_tokens,
-                                 offload_pages=args.offload_pages,
+                                 offload_pages=args.offload_pages, sparse_pages=args.sparse_pages,
                                  chunk_candidates=args.chunk_candidates if offload == "auto" else None)
 
 
@@ -380,6 +382,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--kv-offload", action="store_true", help="with --chunk-tokens: the pages in pinned host memory")
     parser.add_argument("--page-tokens", type=int, default=64, help="positions per page of the key/value store")
     parser.add_argument("--offload-pages", type=int, default=1024, help="pages brought to the GPU at once (--kv-offload)")
+    parser.add_argument("--sparse-pages", type=int, default=None,
+                        help="with --chunk-tokens: past pages a chunk attends (LongContextConfig.sparse_pages; not exact)")
     parser.add_argument("--chunk-candidates", default=None,
                         help="planned: chunk sizes the planner chooses among, e.g. 8192,16384 (needs --chunk-tokens)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -406,8 +410,8 @@ def main(argv=None) -> list[dict]:
         raise SystemExit("--variants hf_liger runs the qwen2 shapes on CUDA only; drop it or pick a qwen2.5 --shape")
     if "file" in variants and args.plan is None:
         raise SystemExit("--variants file needs --plan PLAN.json")
-    if args.chunk_tokens is None and (args.kv_offload or args.chunk_candidates):
-        raise SystemExit("--kv-offload and --chunk-candidates need --chunk-tokens")
+    if args.chunk_tokens is None and (args.kv_offload or args.chunk_candidates or args.sparse_pages is not None):
+        raise SystemExit("--kv-offload, --sparse-pages and --chunk-candidates need --chunk-tokens")
     if args.memory_peak is not None and args.device != "cuda":
         raise SystemExit("--memory-peak records torch's CUDA allocator; drop it on --device cpu")
     if args.num_layers is not None and args.num_layers < 1:
@@ -431,6 +435,7 @@ def main(argv=None) -> list[dict]:
             "torch": torch.__version__, "ceilings": ceilings() if args.device == "cuda" else None,
             "chunk_tokens": args.chunk_tokens, "kv_offload": args.kv_offload, "page_tokens": args.page_tokens,
             "offload_pages": args.offload_pages, "chunk_candidates": args.chunk_candidates,
+            "sparse_pages": args.sparse_pages,
             "warmup": args.warmup, "prime_tokens": args.prime_tokens}
     for variant in variants:
         profiled = {}
@@ -453,6 +458,7 @@ def main(argv=None) -> list[dict]:
         budget = f"-gpu{args.gpu_memory}" if args.gpu_memory else ""  # a budgeted run is another case
         if args.chunk_tokens is not None:  # and so is a chunk-recurrent one
             budget += f"-chunks{args.chunk_tokens}" + ("-kvoffload" if args.kv_offload else "")
+            budget += f"-sparse{args.sparse_pages}" if args.sparse_pages is not None else ""
         if capped(plan, args):  # and one whose allocator is capped
             budget += "-capped"
         results.add(f"{name}-T{args.seq_len}{budget}/{variant}", figures,
