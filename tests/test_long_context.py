@@ -16,7 +16,7 @@ import torch
 
 from distill.configs import ConfigError
 from student.data import Batch
-from student.long_context.config import LongContextConfig, chunk_bounds
+from student.long_context.config import LongContextConfig, chunk_bounds, sparse_grad_pages
 from student.long_context.engine import Part, chunk_recurrent_backward, chunked_forward, kept_attention_from
 from student.long_context.store import page_set_bounds, select_pages
 from student.loss import LossConfig, distill_loss
@@ -171,17 +171,22 @@ class SparseReferenceStore:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-@pytest.mark.parametrize("family", ["qwen3"])  # GQA groups of 3 and q/k norms
-def test_sparse_pages_gradients_equal_autograd_through_the_same_sparse_attention(family, tmp_path):
+# Both cases are long enough that the gradient pages have fewer rows than there are pages (7, 25)
+# (sparse_grad_pages): the store asserts it never needs more, so passing checks that bound too.
+@pytest.mark.parametrize("family,L,chunk,budget,grad_pages", [("qwen3", 100, 20, 2, 5), ("qwen3", 400, 32, 1, 14)])
+def test_sparse_pages_gradients_equal_autograd_through_the_same_sparse_attention(family, L, chunk, budget, grad_pages,
+                                                                                 tmp_path):
+    """GQA groups of 3 and q/k norms; chunks not page-aligned."""
+    assert sparse_grad_pages(L, chunk, 16, budget) == grad_pages
     _, folder = saved_hf(family, tmp_path)
     model = Student.from_pretrained(folder)
-    batch = make_batch([100, 83], vocab=model.config.vocab_size, seed=11)
-    config = LongContextConfig(chunk_tokens=20, page_tokens=16, sparse_pages=2)
+    batch = make_batch([L, L - 17], vocab=model.config.vocab_size, seed=11)
+    config = LongContextConfig(chunk_tokens=chunk, page_tokens=16, sparse_pages=budget)
     chunk_loss = lambda hidden, rows, terms, part: loss_of(model, hidden, terms, rows, part)
 
-    store, parts, L = SparseReferenceStore(16, 2), [], 100
+    store, parts = SparseReferenceStore(16, budget), []
     whole = (batch.num_tokens, int((batch.mask & (batch.target_ids >= 0)).sum()))
-    for s, e in chunk_bounds(L, 20):
+    for s, e in chunk_bounds(L, chunk):
         store.start = s
         rows = batch.positions(s, e)
         hidden = model(batch.input_ids[:, s:e], kv_store=store, token_mask=rows.mask)
@@ -196,7 +201,7 @@ def test_sparse_pages_gradients_equal_autograd_through_the_same_sparse_attention
         assert_rel(p.grad, want[name], name)
     # and it is another function than dense attention: the gradients move far beyond the tolerance
     model.zero_grad()
-    chunk_recurrent_backward(model, batch, chunk_loss, LongContextConfig(chunk_tokens=20, page_tokens=16), device="cpu")
+    chunk_recurrent_backward(model, batch, chunk_loss, LongContextConfig(chunk_tokens=chunk, page_tokens=16), device="cpu")
     moved = max(((p.grad - want[n]).abs().max() / want[n].abs().max()).item() for n, p in model.named_parameters())
     assert moved > 100 * REL
 
@@ -428,6 +433,26 @@ def test_the_planner_counts_the_kept_attention_of_the_chunks_pass_1_keeps(tmp_pa
     per_token = c.num_layers * 2 * c.num_heads * (c.head_dim * 4 + 4)  # batch 2, fp32 outputs and lse
     assert [kept(n) for n in (None, 3, 2, 1, 0)] == [39 * per_token, 39 * per_token, 26 * per_token,
                                                      13 * per_token, 0]
+
+
+def test_the_planner_counts_the_sparse_stores_gradient_pages_and_mean_keys(tmp_path):
+    """In sparse mode the planner's key/value bytes are the store's: key and value pools, each
+    page's mean key, and gradient pages for `sparse_grad_pages` pages a layer (not every page)."""
+    from types import SimpleNamespace
+
+    from student.long_context.store import _GradPages, store_for_model
+    from student.planner.profile import _kv_pages
+
+    _, folder = saved_hf("qwen2", tmp_path)
+    model = Student.from_pretrained(folder)
+    B, L, long = 2, 400, LongContextConfig(chunk_tokens=32, page_tokens=16, sparse_pages=1)
+    planned = _kv_pages(model, SimpleNamespace(device="cpu", long=long), (B, L), None)
+    store = store_for_model(model, B, L, long, torch.float32, "cpu")
+    grads = _GradPages(store.num_pages * B, store.grad_page_rows, store.page_shape, device="cpu", pin=False)
+    nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)
+    held = nbytes(store.k + store.v + store.mean_k) + model.config.num_layers * nbytes([grads.dk, grads.dv])
+    assert store.grad_page_rows == B * sparse_grad_pages(L, 32, 16, 1) < B * store.num_pages
+    assert planned.bytes()[0] == held + planned.kept_bytes
 
 
 def test_the_profile_times_pass_2s_forward_on_pass_1s_kept_attention(tmp_path, monkeypatch):

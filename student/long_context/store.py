@@ -26,7 +26,7 @@ import torch
 # The module, not its functions: they are looked up when called, so a test's spy on
 # page_attention.page_attention_forward sees every call.
 from kernels import page_attention
-from student.long_context.config import LongContextConfig
+from student.long_context.config import LongContextConfig, sparse_grad_pages
 
 logger = logging.getLogger(__name__)
 _WARNED = {"offload": False}  # warn once a process
@@ -42,7 +42,7 @@ def store_for_model(model, batch_size: int, seq_len: int, config: LongContextCon
     c = model.config
     return PagedKVStore(c.num_layers, batch_size, seq_len, c.num_kv_heads, c.head_dim, page_tokens=config.page_tokens,
                         dtype=dtype, device=device, offload=config.kv_offload, offload_pages=config.offload_pages,
-                        sparse_pages=config.sparse_pages)
+                        sparse_pages=config.sparse_pages, chunk_tokens=config.chunk_tokens)
 
 
 class PagedKVStore:
@@ -57,13 +57,15 @@ class PagedKVStore:
     into `dk[l]`, `dv[l]` (fp32) and returns the chunk's own keys and values their accumulated
     gradient. Pages are written before they are read (pass 1 in order, then the last chunk in
     pass 2), and gradient pages are zeroed on the GPU when first touched, by the last chunk,
-    which reads every page: nothing is cleared on the host. `store_for_model` builds one for a
-    Student and a LongContextConfig.
+    which reads every page: nothing is cleared on the host. In sparse mode a chunk reads few past
+    pages, and gradient pages exist only for pages some chunk's backward read (`_GradPages`, one
+    a layer in `grad_pages`; dk, dv stay None). `store_for_model` builds one for a Student and a
+    LongContextConfig.
     """
 
     def __init__(self, num_layers: int, batch_size: int, seq_len: int, num_kv_heads: int, head_dim: int, *,
                  page_tokens: int, dtype, device, offload: bool = False, offload_pages: int = 1024,
-                 sparse_pages: int | None = None):
+                 sparse_pages: int | None = None, chunk_tokens: int | None = None):
         self.P, self.B, self.seq_len = page_tokens, batch_size, seq_len
         self.num_pages = -(-seq_len // page_tokens)
         self.dtype, self.device = dtype, torch.device(device)
@@ -85,6 +87,11 @@ class PagedKVStore:
         self.mean_k = [torch.zeros(self.num_pages, batch_size, num_kv_heads, head_dim, device=self.device)
                        for _ in range(num_layers)] if sparse_pages is not None else None
         self.selected: dict[tuple[int, int], object] = {}
+        # Sparse mode's gradient pages, a layer's made by its first backward. Their rows: enough for
+        # pass 2 over chunks of `chunk_tokens` (`sparse_grad_pages`), else one a page.
+        self.grad_pages: list = [None] * num_layers
+        self.grad_page_rows = batch_size * (self.num_pages if sparse_pages is None or chunk_tokens is None
+                                            else sparse_grad_pages(seq_len, chunk_tokens, page_tokens, sparse_pages))
         # Training: each (layer, chunk)'s attention output and lse from pass 1 (in pinned host memory
         # on a GPU, so the GPU holds one chunk's), used by pass 2's run and by the recomputation of
         # its checkpointed layer instead of attending again; the backward drops it (`_AttendPages`).
@@ -159,13 +166,17 @@ class PagedKVStore:
         self._brought.pop((layer, self.start), None)  # brought for a recomputation that did not come
         self._bring((layer - 1, self.start), ahead=True)  # its recomputation comes next
         dq, dout = None, dout.contiguous()
+        sets = self._page_sets(layer, with_grads=True) if self.sparse_pages is None else self._gathered_sets(layer)
         with _no_autocast(q):
-            for k, v, dk, dv, table, first in self._page_sets(layer, with_grads=True):
+            for k, v, dk, dv, table, first in sets:
                 part = page_attention.page_attention_backward(q, dout, out, lse, k, v, dk, dv, table,
                                                               first_page=first, q_start=self.start)
                 dq = part if dq is None else dq + part
         # Complete now: later chunks ran before this one and this chunk's queries just added theirs.
-        dk, dv = self._own(self.dk[layer]), self._own(self.dv[layer])
+        if self.sparse_pages is None:
+            dk, dv = self._own(self.dk[layer]), self._own(self.dv[layer])
+        else:
+            dk, dv = self._own_sparse(self.grad_pages[layer])
         return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
     def _stash(self, x):
@@ -236,6 +247,44 @@ class PagedKVStore:
         lo = self.start - j0 * self.P
         return self._as_positions(self._pages(pool, j0, j1))[:, :, lo:lo + self.end - self.start]
 
+    def _own_sparse(self, grads: _GradPages):
+        """`_own` of sparse mode's gradient pages (dk, dv), then the pages that lie wholly in this
+        chunk or after it given back: pass 2 has passed them (the chunk before adds to the page it
+        shares with this one, which is kept)."""
+        j0, j1 = self._page_range()
+        lo = self.start - j0 * self.P
+        own = [self._as_positions(pages)[:, :, lo:lo + self.end - self.start]
+               for pages in grads.gather(torch.arange(j0 * self.B, j1 * self.B), self.device)]
+        grads.release(torch.arange(-(-self.start // self.P) * self.B, j1 * self.B))
+        return own
+
+    def _gathered_sets(self, layer: int):
+        """Sparse mode's `_page_sets` with gradients: the pages a chunk reads (its selected past pages,
+        given as pages 0..N-1 of a set, then its own; or, with no more past pages than the budget, all
+        up to its last) gathered into a set each, their keys and values with their gradient pages
+        (`_GradPages`, which makes the missing ones as zeros), the gradients put back after the
+        caller added to them. On a GPU with offloaded pages the host gather waits for the device
+        (a sync a call), as `_selected_set` does."""
+        j0, num = self._page_range()
+        if self.grad_pages[layer] is None:
+            self.grad_pages[layer] = _GradPages(self.num_pages * self.B, self.grad_page_rows, self.page_shape,
+                                                device="cpu" if self.offload else self.device, pin=self.offload)
+        grads, rows = self.grad_pages[layer], torch.arange(self.B)[:, None]
+        picked = self.selected.get((layer, self.start))
+        if picked is None:
+            sets = [(torch.arange(num).expand(self.B, num), 0)]
+        else:
+            sets = [(picked.cpu(), 0), (torch.arange(j0, num).expand(self.B, num - j0), j0)]
+        if self.offload:
+            torch.cuda.synchronize(self.device)  # pending writes of these pages (pass 1's, the last chunk's) land
+        for pages, first in sets:
+            slots = (pages * self.B + rows).reshape(-1)  # row-major: row b's pages, in order
+            k, v = (_gather(pool, slots, self.device) for pool in (self.k[layer], self.v[layer]))
+            dk, dv = grads.gather(slots, self.device)
+            table = torch.arange(slots.numel(), dtype=torch.int32, device=self.device).view(self.B, -1)
+            yield k, v, dk, dv, table, first
+            grads.put(slots, dk, dv)
+
     def _select(self, layer: int, q) -> None:
         """Sparse mode: choose the chunk's past pages once (pass 1, or pass 2 for the last chunk)
         with `select_pages`; none while the chunk has no more past pages than the budget."""
@@ -250,11 +299,9 @@ class PagedKVStore:
         of the set: every one lies before the chunk, so all are visible to its queries) and then
         the chunk's own pages. Resident pools give one set per kind; dk/dv are None without grads."""
         j0, num = self._page_range()
+        assert not (with_grads and self.sparse_pages is not None), "sparse mode's backward reads _gathered_sets"
         if with_grads and self.dk[layer] is None:
-            if self.offload and self.sparse_pages is not None:  # the last chunk does not read every page
-                self.dk[layer], self.dv[layer] = self._pool(torch.float32).zero_(), self._pool(torch.float32).zero_()
-                self.grads_touched.add(layer)
-            elif self.offload:
+            if self.offload:
                 self.dk[layer], self.dv[layer] = self._pool(torch.float32), self._pool(torch.float32)
             else:
                 self.dk[layer] = torch.zeros_like(self.k[layer], dtype=torch.float32)
@@ -271,7 +318,7 @@ class PagedKVStore:
         if picked is None:
             yield from _offloaded_sets(self, layer, 0, num, with_grads)
             return
-        yield from _selected_set(self, layer, picked, with_grads)
+        yield from _selected_set(self, layer, picked)
         yield from _offloaded_sets(self, layer, j0, num, with_grads)
 
     def _forward(self, layer: int, q):
@@ -420,21 +467,67 @@ def _take_prefetched(store: PagedKVStore, key):
     return None
 
 
-def _selected_set(store: PagedKVStore, layer: int, picked, with_grads: bool):
-    """The selected past pages of an offloaded sparse chunk, gathered on the host into one page set
-    (with their gradient pages, scattered back after the caller added to them). The host gather
-    waits for the device (a sync per call): simple, and sparse mode reads few pages."""
+def _selected_set(store: PagedKVStore, layer: int, picked):
+    """The selected past pages of an offloaded sparse chunk's forward, gathered on the host into one
+    page set. The host gather waits for the device (a sync per call): simple, and sparse mode reads
+    few pages."""
     B = store.B
     slots = (picked * B + torch.arange(B, device=picked.device)[:, None]).reshape(-1).cpu()  # syncs
-    torch.cuda.synchronize(store.device)  # pending writes of these pages (pass 1, gradient write-backs) land
-    pools = [store.k[layer], store.v[layer]] + ([store.dk[layer], store.dv[layer]] if with_grads else [])
-    gpu = [pool.index_select(0, slots).pin_memory().to(store.device, non_blocking=True) for pool in pools]
-    table = torch.arange(slots.numel(), dtype=torch.int32, device=store.device).view(B, -1)
-    k, v, *grads = gpu
-    yield k, v, *(grads or [None, None]), table, 0
-    if with_grads:
-        for pool, new in zip(pools[2:], grads):
-            pool.index_copy_(0, slots, new.cpu())
+    torch.cuda.synchronize(store.device)  # pending writes of these pages (pass 1's) land
+    k, v = (_gather(pool, slots, store.device) for pool in (store.k[layer], store.v[layer]))
+    yield k, v, None, None, torch.arange(slots.numel(), dtype=torch.int32, device=store.device).view(B, -1), 0
+
+
+def _gather(pool, slots, device):
+    """pool[slots] on `device` (slots: a CPU index tensor); from pinned host memory through a
+    pinned copy, so the copy to the device does not wait on the host."""
+    if pool.device.type == "cpu" and torch.device(device).type == "cuda":
+        return pool.index_select(0, slots).pin_memory().to(device, non_blocking=True)
+    return pool.index_select(0, slots.to(pool.device))
+
+
+class _GradPages:
+    """One layer's fp32 key and value gradient pages in sparse mode, only for the slots (page j of
+    row b: slot j * B + b, as the key and value pools) some chunk's backward read: a row of `dk`
+    and `dv` a slot, taken and zeroed when the slot is first read, given back (`release`) once
+    pass 2 has passed the slot's chunk. `rows` rows in all (PagedKVStore.grad_page_rows: enough
+    for pass 2, by `sparse_grad_pages`), on `device` (pinned on the host when offloaded)."""
+
+    def __init__(self, slots: int, rows: int, page_shape, *, device, pin: bool):
+        make = lambda: torch.empty((rows, *page_shape), dtype=torch.float32, device=device, pin_memory=pin)
+        self.dk, self.dv = make(), make()
+        self.row_of = torch.full((slots,), -1, dtype=torch.long)  # slot -> its row, -1: none yet
+        self.free = list(range(rows - 1, -1, -1))  # rows not in use, the next one taken last
+
+    def rows(self, slots):
+        """The rows of `slots` (a CPU index tensor), zeroed rows taken for those that have none."""
+        rows = self.row_of[slots]
+        new = (rows < 0).nonzero().flatten()
+        if new.numel():
+            assert new.numel() <= len(self.free), "sparse gradient pages: more in use than sparse_grad_pages bounds"
+            taken = torch.tensor([self.free.pop() for _ in range(new.numel())], dtype=torch.long)
+            rows[new] = taken
+            self.row_of[slots[new]] = taken
+            for pool in (self.dk, self.dv):
+                pool.index_fill_(0, taken.to(pool.device), 0.0)
+        return rows
+
+    def gather(self, slots, device):
+        """[dk, dv] of `slots` on `device`, in their order."""
+        rows = self.rows(slots)
+        return [_gather(pool, rows, device) for pool in (self.dk, self.dv)]
+
+    def put(self, slots, dk, dv) -> None:
+        """Write `gather`'s (updated) gradients of `slots` back."""
+        rows = self.row_of[slots]
+        for pool, new in ((self.dk, dk), (self.dv, dv)):
+            pool.index_copy_(0, rows.to(pool.device), new.to(pool.device))
+
+    def release(self, slots) -> None:
+        """Give the rows of `slots` back (those that have one)."""
+        rows = self.row_of[slots]
+        self.free.extend(rows[rows >= 0].tolist())
+        self.row_of[slots] = -1
 
 
 _SIDE_STREAMS: dict = {}

@@ -20,7 +20,7 @@ import torch
 from distill.files import distill_home
 from student.cross_tokenizer.batches import batches_for, open_cross_tokenizer
 from student.data import load_tokenizer, split_indices
-from student.long_context.config import chunk_bounds
+from student.long_context.config import chunk_bounds, sparse_grad_pages
 from student.long_context.store import store_for_model
 from student.model import rope_cos_sin
 from student.optim.build import build_optimizer, state_bytes
@@ -346,15 +346,20 @@ CHUNK_KEYS = ("first_forward_s", "last_forward_s", "first_kept_forward_s", "last
 def _kv_pages(model, config, shape, amp) -> KVPages:
     """The chunk-recurrent engine's key/value store for micro-batches of `shape` [B, L]
     (student/long_context/store.py's PagedKVStore), as config.long places it: per layer its key and value
-    pages in the attention dtype and their fp32 gradient pages (`KVPages.bytes` says where they
+    pages in the attention dtype and their fp32 gradient pages (in sparse mode only as many as
+    `sparse_grad_pages` bounds, and each page's fp32 mean key; `KVPages.bytes` says where they
     live), and pass 1's kept attention outputs (and their fp32 lse) of the chunks it keeps
     (config.long.keep_attention_chunks of those before the last: all full chunks)."""
     c, long = model.config, config.long
     B, L = shape
     size = (amp or model.embed_tokens.weight.dtype).itemsize
     page = B * c.num_kv_heads * long.page_tokens * c.head_dim
+    sparse = long.sparse_pages is not None
+    grad_pages = sparse_grad_pages(L, long.chunk_tokens, long.page_tokens, long.sparse_pages) if sparse else None
     return KVPages(num_layers=c.num_layers, seq_tokens=L, chunk_tokens=long.chunk_tokens, page_tokens=long.page_tokens,
                    kv_page_bytes=2 * size * page, grad_page_bytes=2 * 4 * page,
+                   grad_pages=grad_pages,
+                   mean_key_bytes=4 * B * c.num_kv_heads * c.head_dim if sparse else 0,
                    kept_out_bytes=B * c.num_heads * c.head_dim * size, kept_lse_bytes=B * c.num_heads * 4,
                    offloadable=config.device.startswith("cuda"), kv_offload=long.kv_offload,
                    offload_pages=long.offload_pages, keep_chunks=long.keep_attention_chunks)

@@ -136,6 +136,11 @@ class KVPages:
     kv_offload: bool = False
     offload_pages: int = 1024  # pages (of every row) of a page set, with kv_offload
     keep_chunks: int | None = None  # chunks whose attention pass 1 keeps (`kept_chunks`; None: all)
+    # Sparse mode (LongContextConfig.sparse_pages): gradient pages only for the pages chunks read,
+    # at most this many (of every row) per layer (`sparse_grad_pages`; None: dense, every page), and
+    # each page's fp32 mean key (of every row) on the device, for the selection.
+    grad_pages: int | None = None
+    mean_key_bytes: int = 0
 
     @property
     def chunks(self) -> int:
@@ -179,15 +184,18 @@ class KVPages:
         first), kept there for its layers' recomputations.
         Resident pages: the pages (of every row) the device holds at once, over all layers."""
         page = self.kv_page_bytes + self.grad_page_bytes
+        grad_pages = self.num_pages if self.grad_pages is None else self.grad_pages
+        mean_keys = self.num_layers * self.num_pages * self.mean_key_bytes
         if self.offloaded:  # per layer four pinned pools: keys, values and their gradients
             resident = 3 * min(self.offload_pages, self.num_pages)
             pools = 2 * pinned_block(self.num_pages * self.kv_page_bytes // 2) + 2 * pinned_block(
-                self.num_pages * self.grad_page_bytes // 2)
-            return resident * page, self.num_layers * pools + self.kept_bytes + self.kept_chunk_bytes, resident
+                grad_pages * self.grad_page_bytes // 2)
+            return resident * page + mean_keys, self.num_layers * pools + self.kept_bytes + self.kept_chunk_bytes, resident
         resident = self.num_layers * self.num_pages
+        held = self.num_layers * (self.num_pages * self.kv_page_bytes + grad_pages * self.grad_page_bytes) + mean_keys
         if self.offloadable:
-            return resident * page, self.kept_bytes + self.kept_chunk_bytes, resident
-        return resident * page + self.kept_bytes, 0, resident
+            return held, self.kept_bytes + self.kept_chunk_bytes, resident
+        return held + self.kept_bytes, 0, resident
 
 
 @dataclass(frozen=True)
