@@ -129,7 +129,8 @@ def train_config(args, device: str, dtype: str, *, chunk_tokens: int | None, kv_
     return TrainConfig.from_flat(cache="unused", out="unused", student="unused", device=device, dtype=dtype,
                                  optimizer=args.optimizer, clip_grad=1.0, chunk_tokens=chunk_tokens,
                                  page_tokens=args.page_tokens, kv_offload=kv_offload,
-                                 offload_pages=args.offload_pages, sparse_pages=sparse_pages)
+                                 offload_pages=args.offload_pages, sparse_pages=sparse_pages,
+                                 keep_attention_chunks=args.keep_attention_chunks)
 
 
 def build_ours(config: StudentConfig, device: str, seed: int) -> Student:
@@ -366,6 +367,10 @@ def parse_args(argv=None):
                         help="pages brought to the GPU at once by ours_offload (LongContextConfig.offload_pages)")
     parser.add_argument("--sparse-pages", type=int, default=128,
                         help="past pages a chunk attends in ours_sparse (LongContextConfig.sparse_pages)")
+    parser.add_argument("--keep-attention-chunks", type=int, default=None,
+                        help="ours variants: pass 1 keeps the attention outputs of only the last N chunks "
+                             "(LongContextConfig.keep_attention_chunks; default every chunk's): a host that cannot "
+                             "hold a million tokens' (7 KB a token a layer for the 7B shape) attends again")
     parser.add_argument("--optimizer", default="adamw8bit", choices=("adamw8bit", "adamw", "foam"),
                         help="optimizer of the ours variants (student.optim.build_optimizer)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before the timed ones")
@@ -449,7 +454,8 @@ def main(argv=None) -> list[dict]:
                     row_config.update(dtype=dtype, optimizer=args.optimizer, chunk_tokens=args.chunk_tokens,
                                       page_tokens=args.page_tokens, kv_offload=variant in OFFLOADED,
                                       offload_pages=args.offload_pages, top_k=TOP_K,
-                                      sparse_pages=args.sparse_pages if variant == "ours_sparse" else None)
+                                      sparse_pages=args.sparse_pages if variant == "ours_sparse" else None,
+                                      keep_attention_chunks=args.keep_attention_chunks)
                 results.add(f"{name}-T{length}/{variant}", figures, row_config)
     print_table(results.rows)
     if args.plot:
