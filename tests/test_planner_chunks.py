@@ -12,10 +12,10 @@ import pytest
 
 from cli_helpers import one_error_line, run_cli
 from distill.configs import ConfigError
-from student.planner.costs import kept_attention, kv_options, kv_residency
+from student.planner.costs import kept_attention, kv_options, kv_residency, with_layers
 from student.planner.table import ChunkSeconds, CostTable, KVPages
 from student.offload.config import OffloadConfig
-from student.offload.plan import OffloadPlan
+from student.offload.plan import LayerPlan, OffloadPlan
 from student.planner.solve import (BudgetError, SolverSettings, choose_chunks, predict, program_step_s, smallest_budget, solve,
                              solve_kept)
 from test_plan_command import plan_args
@@ -68,6 +68,28 @@ def test_the_pages_bytes_resident_and_offloaded():
     assert kv_options(pages) == [(False, 1024), (True, 2), (True, 4)]
     assert kv_options(dataclasses.replace(pages, offload_pages=1)) == [(False, 1), (True, 1), (True, 2), (True, 4)]
     assert kv_options(dataclasses.replace(pages, chunk_tokens=512)) == [(False, 1024), (True, 4)]  # one chunk
+
+
+def test_sparse_pages_count_their_gradient_pages_and_mean_keys():
+    """Sparse mode: gradient pages for `grad_pages` pages a layer, not all, and a mean key a page."""
+    pages = kv(num_layers=2, grad_pages=1, mean_key_bytes=5)
+    kept = 2 * GiB // 16 + 2 * GiB // 16
+    assert pages.bytes() == (2 * (4 * 10**6 + 1 * 2 * 10**6) + 2 * 4 * 5, kept, 8)
+    pools = 2 * (2 * 2 * MiB + 2 * 1 * MiB)  # the gradient pools of one page: 1e6 bytes, a pinned MiB
+    assert dataclasses.replace(pages, kv_offload=True, offload_pages=1).bytes() == (3 * 3 * 10**6 + 40, pools + kept, 3)
+
+
+def test_a_table_of_more_layers_like_its_first_is_the_table_measured_with_them():
+    """`with_layers`: the table of a student with n layers like the profiled one's, as a profile of
+    all n would have measured them: n layers, pass 1 n times as long, the pages of n layers."""
+    one = chunked(kv(num_layers=1), layer())
+    three = chunked(kv(num_layers=3), layer(), layer(), layer(), pass1_s=30 * MS,
+                    static_host_bytes=GiB + kv(num_layers=3).bytes()[1])
+    assert with_layers(one, 3) == three
+    # Priced after: `kv_residency` charges the top layer's page copies apart (no layer above prefetches them).
+    assert kv_residency(with_layers(one, 3), True, 1) == kv_residency(three, True, 1)
+    plan = OffloadPlan(layers=(LayerPlan("keep", "resident", "gpu"),) * 3, optimizer="gpu")
+    assert predict(with_layers(one, 3), plan) == predict(three, plan)
 
 
 def test_offloaded_pages_charge_the_copies_the_compute_does_not_hide():

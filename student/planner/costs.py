@@ -19,7 +19,7 @@ from student.planner.table import ChunkSeconds, CostTable, KVPages, LayerCosts
 
 # The cost table's types (student/planner/table.py) are named here too: the model's input.
 __all__ = ["PHASES", "LayerCosts", "ChunkSeconds", "KVPages", "CostTable", "predict", "kv_options", "kv_residency",
-           "kept_attention"]
+           "kept_attention", "with_layers"]
 
 
 # The phases of a step, in order, as `predict` returns them and OffloadRuntime.phase_s measures them:
@@ -272,6 +272,23 @@ def kv_residency(costs: CostTable, kv_offload: bool, offload_pages: int) -> Cost
                    for x, b_old, b_new in zip(costs.layers, backward_old, backward_new))
     (gpu_old, host_old, _), (gpu_new, host_new, resident) = old.bytes(), new.bytes()
     return replace(costs, layers=layers, pass1_s=max(costs.pass1_s + per_step * (forward_new - forward_old), 0.0),
+                   kv_gpu_bytes=costs.kv_gpu_bytes - gpu_old + gpu_new,
+                   static_host_bytes=costs.static_host_bytes - host_old + host_new, resident_pages=resident, kv=new)
+
+
+def with_layers(costs: CostTable, n: int) -> CostTable:
+    """`costs` of the same student with `n` decoder layers, each costing what its first did (a
+    shape's decoder layers are alike): the whole step of a length whose step outlasts what one run
+    may take, predicted from a profile of fewer layers (bench_offload_gpu.py --predict-layers).
+    Pass 1's seconds are the layers' (`profile`), so they scale with the count, and so do the
+    key/value store's bytes; the static part (embeddings, head, loss) stays. For a table as
+    `profile` measured it: `kv_residency` prices the top layer's page copies apart (no layer above
+    prefetches them), so a residency is priced after, on the table of every layer."""
+    old = costs.kv
+    new = None if old is None else replace(old, num_layers=n)
+    (gpu_old, host_old, _), (gpu_new, host_new, resident) = (
+        ((0, 0, costs.resident_pages),) * 2 if old is None else (old.bytes(), new.bytes()))
+    return replace(costs, layers=(costs.layers[0],) * n, pass1_s=costs.pass1_s * n / len(costs.layers),
                    kv_gpu_bytes=costs.kv_gpu_bytes - gpu_old + gpu_new,
                    static_host_bytes=costs.static_host_bytes - host_old + host_new, resident_pages=resident, kv=new)
 

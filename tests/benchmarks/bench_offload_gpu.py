@@ -200,10 +200,36 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
     plan, costs = make_plan(cfg, **budgets)
     if args.work is not None:  # what the plan was solved from, for reading a row's prediction against its phases
         (args.work / "planned-costs.json").write_text(json.dumps(dataclasses.asdict(costs), indent=1, default=str))
-    return plan, {"h2d_gb_s": costs.h2d_bytes_per_s / 1e9, "d2h_gb_s": costs.d2h_bytes_per_s / 1e9,
+    whole = {} if args.predict_layers is None else {"whole_step": whole_step(costs, plan, args.predict_layers)}
+    return plan, {**whole, "h2d_gb_s": costs.h2d_bytes_per_s / 1e9, "d2h_gb_s": costs.d2h_bytes_per_s / 1e9,
                   "h2d_duplex_gb_s": costs.h2d_duplex_bytes_per_s / 1e9,
                   "d2h_duplex_gb_s": costs.d2h_duplex_bytes_per_s / 1e9, "copy_latency_s": costs.copy_latency_s,
                   "clock_factor": costs.clock_factor, "predicted_gpu_peak_terms": gpu_peak_terms(costs, plan)}
+
+
+def whole_step(costs, plan: OffloadPlan, layers: int) -> dict:
+    """The planner's prediction of the step with `layers` decoder layers like the profiled ones
+    (`with_layers`), under the plan's budgets: its step seconds and GPU and host peaks, or where no
+    plan fits the host budget, the least host memory a plan needs (`smallest_budget`, pass 1
+    keeping no attention output) and that plan's figures."""
+    from student.planner.costs import kept_attention, with_layers
+    from student.planner.solve import BudgetError, smallest_budget, solve_kept
+
+    table = with_layers(costs, layers)
+    try:
+        p = solve_kept(table, plan.gpu_memory, plan.host_memory)[0].predicted
+        return {"layers": layers, "fits": True, "step_s": p.step_s, "gpu_peak_bytes": p.gpu_peak_bytes,
+                "host_peak_bytes": p.host_peak_bytes}
+    except BudgetError as e:
+        if e.field != "host_memory":
+            return {"layers": layers, "fits": False, "error": str(e)}
+    table = kept_attention(table, 0) if table.kv is not None else table
+    least = smallest_budget(table, "host", plan.gpu_memory)[1]
+    if least is None:
+        return {"layers": layers, "fits": False, "error": "no plan fits the GPU budget"}
+    p = solve_kept(table, plan.gpu_memory, int(least * 1.01))[0].predicted
+    return {"layers": layers, "fits": False, "host_needed_bytes": least, "step_s": p.step_s,
+            "gpu_peak_bytes": p.gpu_peak_bytes, "host_peak_bytes": p.host_peak_bytes}
 
 
 def step_fn(model: Student, plan: OffloadPlan | None, args, work: Path, batch, chunks_of: OffloadPlan | None = None):
@@ -384,6 +410,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--offload-pages", type=int, default=1024, help="pages brought to the GPU at once (--kv-offload)")
     parser.add_argument("--sparse-pages", type=int, default=None,
                         help="with --chunk-tokens: past pages a chunk attends (LongContextConfig.sparse_pages; not exact)")
+    parser.add_argument("--predict-layers", type=int, default=None,
+                        help="planned, with --num-layers: also the planner's prediction of the step with this many "
+                             "decoder layers like those profiled (the shape's whole step, at a length where it "
+                             "outlasts a command), its figures in the row's whole_step")
     parser.add_argument("--chunk-candidates", default=None,
                         help="planned: chunk sizes the planner chooses among, e.g. 8192,16384 (needs --chunk-tokens)")
     parser.add_argument("--warmup", type=int, default=2)
