@@ -193,7 +193,7 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config.to_hf_dict()))
     tok = make_tokenizer(folder, config.vocab_size)
-    write_cache(work / "cache", tok, num_seqs=4, seq_len=args.seq_len, k=32, shard_size=4)
+    write_cache(work / "cache", tok, num_seqs=2, seq_len=args.seq_len, k=32, shard_size=2)  # the profile reads one (heldout 1)
     cfg = train_config(args, work, offload="auto")
     budgets = {k: parse_bytes(v, k) if v else None for k, v in (("gpu_memory", args.gpu_memory),
                                                                   ("host_memory", args.host_memory))}
