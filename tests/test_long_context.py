@@ -353,6 +353,22 @@ def test_gpu_offloaded_pages_prefetched_across_layers_match_resident_pages(offlo
         assert err <= BF16_GRAD_REL, f"hidden states: relative norm error {err:.3g}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_sparse_pages_offloaded_match_resident():
+    """Sparse mode's gradient pages (`_GradPages`) in pinned host memory give what they give on the
+    GPU, bf16, with fewer gradient rows than pages (`sparse_grad_pages`)."""
+    model = gpu_student()
+    L, P, chunk, budget = 8192, 64, 1000, 8
+    assert sparse_grad_pages(L, chunk, P, budget) < L // P
+    batch = make_batch([L, 6001], vocab=model.config.vocab_size, k=16, seed=7).to("cuda")
+    resident = LongContextConfig(chunk_tokens=chunk, page_tokens=P, sparse_pages=budget)
+    want_loss, want = grads_of(model, batch, resident)
+    got_loss, got = grads_of(model, batch, LongContextConfig(chunk_tokens=chunk, page_tokens=P, sparse_pages=budget,
+                                                             kv_offload=True))
+    assert_bf16_close(got_loss, got, want_loss, want)
+
+
 @pytest.mark.parametrize("first,num,final,step", [
     (0, 10, 4, 3), (0, 10, 0, 3), (0, 10, 10, 4), (0, 10, 7, 20), (0, 11, 9, 3), (5, 12, 5, 3), (0, 1, 0, 1)])
 def test_offloaded_page_sets_cover_the_pages_and_split_at_the_chunks_first(first, num, final, step):
