@@ -153,3 +153,17 @@ def test_a_work_folder_used_again_keeps_its_complete_cache(tmp_path):
     write_cache(tmp_path / "c", tok, num_seqs=4, seq_len=16, k=4, shard_size=4)
     with pytest.raises(CacheMismatchError, match="seq_len"):
         write_cache(tmp_path / "c", tok, num_seqs=4, seq_len=32, k=4, shard_size=4)
+
+
+def test_a_budget_no_plan_meets_is_a_row_of_the_smallest_budget_and_what_holds_it(tmp_path, monkeypatch):
+    """The planner's refusal is a figure too: the smallest GPU budget a plan meets and that plan's
+    predicted peak term by term (its largest phase within that budget); the next variant still runs."""
+    monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
+    planned, none = bench.main([*SMOKE, "--seq-len", "128", "--chunk-tokens", "64", "--variants", "planned,none",
+                                "--gpu-memory", "1MB", "--results", str(tmp_path / "results.jsonl")])
+    assert planned["id"] == "offload/tiny-T128-gpu1MB-chunks64/planned@abc1234"
+    f = planned["figures"]
+    assert f["no_plan"] is True and f["error"].startswith("`gpu_memory` 976.6 KiB cannot hold")
+    peak = max(sum(terms.values()) for terms in f["least_gpu_peak_terms"].values())
+    assert 10**6 < peak <= f["smallest_gpu_bytes"]
+    assert none["figures"]["oom"] is False

@@ -28,8 +28,8 @@ import numpy as np
 from distill.configs import ConfigError
 from distill.devices import resolve_device
 from student.planner.costs import PHASES, kept_attention, kv_options, kv_residency, predict
-from student.planner.peaks import (backward_gpu_bytes, beside_backward, held_activation_bytes, in_turn, optimizer_slices,
-                                   peaks, widened_host_bytes)
+from student.planner.peaks import (backward_gpu_bytes, beside_backward, gpu_peak_terms, held_activation_bytes, in_turn,
+                                   optimizer_slices, peaks, widened_host_bytes)
 from student.offload.config import format_bytes, parse_bytes
 from student.offload.plan import UPDATE_SLOTS, ChunkChoice, LayerPlan, OffloadPlan
 from student.planner.profile import ProfileSettings, default_budgets, profile
@@ -63,10 +63,12 @@ class SolverSettings:
 
 
 class BudgetError(ConfigError):
-    """A memory budget no plan meets; `smallest_bytes` is the smallest that one plan does."""
+    """A memory budget no plan meets; `smallest_bytes` is the smallest that one plan does. For the GPU
+    budget, `peak_terms` is that plan's predicted GPU peak term by term (`gpu_peak_terms`): what
+    holds the memory no plan can move."""
 
-    def __init__(self, field_name: str, budget: int, smallest: int):
-        self.budget, self.smallest_bytes = budget, smallest
+    def __init__(self, field_name: str, budget: int, smallest: int, peak_terms: dict | None = None):
+        self.budget, self.smallest_bytes, self.peak_terms = budget, smallest, peak_terms
         super().__init__(field_name, f"{format_bytes(budget)} cannot hold this student's step; the smallest that "
                                      f"can is {format_bytes(smallest)}")
 
@@ -472,15 +474,16 @@ def _raise_budget_error(costs, gpu_memory, host_memory, time_limit_s, settings):
     least_host = least("host", gpu_memory)  # states on the GPU where its budget allows take the least host memory
     if least_host is not None and least_host + slack > host_memory:
         raise BudgetError("host_memory", host_memory, _rounded_up(least_host + slack))
-    least_gpu = least("gpu", host_memory if least_host is not None else None)
+    plan, least_gpu = smallest_budget(costs, "gpu", host_memory if least_host is not None else None,
+                                      time_limit_s=time_limit_s, settings=settings)
     if least_gpu is None:
-        least_gpu = least("gpu", None)
+        plan, least_gpu = smallest_budget(costs, "gpu", None, time_limit_s=time_limit_s, settings=settings)
     if least_gpu is not None:  # a budget holds the peak and the allocator's reserve
         least_gpu += costs.gpu_reserve_bytes
     if least_gpu is None or least_gpu + slack <= gpu_memory:
         raise ConfigError("gpu_memory", f"is {format_bytes(gpu_memory)}: the planner found no plan within its time "
                                         "limit; give more memory or plan again")
-    raise BudgetError("gpu_memory", gpu_memory, _rounded_up(least_gpu + slack))
+    raise BudgetError("gpu_memory", gpu_memory, _rounded_up(least_gpu + slack), gpu_peak_terms(costs, plan))
 
 
 def _rounded_up(n: int) -> int:

@@ -102,6 +102,7 @@ from student.model import Student, rope_inv_freq
 from student.offload.config import parse_bytes
 from student.offload.plan import OffloadPlan
 from student.offload.run import cap_allocator, cuda_index
+from student.planner.solve import BudgetError
 
 BENCH = "offload"
 VARIANTS = ("none", "zero_offload", "planned", "file", "hf_liger")
@@ -213,7 +214,7 @@ def whole_step(costs, plan: OffloadPlan, layers: int) -> dict:
     plan fits the host budget, the least host memory a plan needs (`smallest_budget`, pass 1
     keeping no attention output) and that plan's figures."""
     from student.planner.costs import kept_attention, with_layers
-    from student.planner.solve import BudgetError, smallest_budget, solve_kept
+    from student.planner.solve import smallest_budget, solve_kept
 
     table = with_layers(costs, layers)
     try:
@@ -306,6 +307,18 @@ def trace(step, stem: Path) -> None:
     raw.unlink()
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     stem.with_name(stem.name + ".txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=80))
+
+
+def case_suffix(args, plan: OffloadPlan | None) -> str:
+    """What makes a row's case other than its shape and length: a GPU budget, chunk-recurrent
+    settings, a capped allocator."""
+    budget = f"-gpu{args.gpu_memory}" if args.gpu_memory else ""  # a budgeted run is another case
+    if args.chunk_tokens is not None:  # and so is a chunk-recurrent one
+        budget += f"-chunks{args.chunk_tokens}" + ("-kvoffload" if args.kv_offload else "")
+        budget += f"-sparse{args.sparse_pages}" if args.sparse_pages is not None else ""
+    if capped(plan, args):  # and one whose allocator is capped
+        budget += "-capped"
+    return budget
 
 
 def capped(plan: OffloadPlan | None, args) -> bool:
@@ -470,7 +483,14 @@ def main(argv=None) -> list[dict]:
     for variant in variants:
         profiled = {}
         if variant == "planned":
-            plan, profiled = planner_plan(config, args, work / "planner")
+            try:
+                plan, profiled = planner_plan(config, args, work / "planner")
+            except BudgetError as e:  # a row of what the planner said: the smallest budget, and what holds it
+                print(f"planned: no plan: {e}", flush=True)
+                results.add(f"{name}-T{args.seq_len}{case_suffix(args, None)}/{variant}",
+                            {"no_plan": True, "error": str(e), f"smallest_{e.field.removesuffix('_memory')}_bytes":
+                             e.smallest_bytes, "least_gpu_peak_terms": e.peak_terms}, {**base, "variant": variant})
+                continue
         elif variant == "hf_liger":
             plan = None
         else:
@@ -485,13 +505,7 @@ def main(argv=None) -> list[dict]:
         free_memory(args.device)  # also after an out-of-memory error
         if capped(plan, args):  # the next variant uncapped, unless it caps again
             torch.cuda.set_per_process_memory_fraction(1.0, cuda_index(args.device))
-        budget = f"-gpu{args.gpu_memory}" if args.gpu_memory else ""  # a budgeted run is another case
-        if args.chunk_tokens is not None:  # and so is a chunk-recurrent one
-            budget += f"-chunks{args.chunk_tokens}" + ("-kvoffload" if args.kv_offload else "")
-            budget += f"-sparse{args.sparse_pages}" if args.sparse_pages is not None else ""
-        if capped(plan, args):  # and one whose allocator is capped
-            budget += "-capped"
-        results.add(f"{name}-T{args.seq_len}{budget}/{variant}", figures,
+        results.add(f"{name}-T{args.seq_len}{case_suffix(args, plan)}/{variant}", figures,
                     {**base, "variant": variant, "plan": plan.to_dict() if plan is not None else None})
     if args.work is None:
         import shutil
