@@ -63,3 +63,23 @@ def test_exactness_gate_stops_a_chunked_run_that_is_not_exact(tmp_path, whole_lo
             "whole": _run(tmp_path, "whole", whole_losses, 1.5, 1.5)}
     with pytest.raises(AssertionError, match="dense"):
         bench.check_exact({"runs": runs}, tmp_path)
+
+
+def test_seeds_run_every_variant_per_seed_and_compare_each_with_its_seeds_dense_run():
+    assert bench.seeded_specs("dense,sparse:2", None) == "dense,sparse:2"
+    assert bench.seeded_specs("dense,sparse:2", "0,1") == "seed0/dense,seed0/sparse:2,seed1/dense,seed1/sparse:2"
+    with pytest.raises(SystemExit, match="--seeds"):
+        bench.seeded_specs("dense", "0,a")
+    run = lambda kl, bpb: {"dense_eval": {"kl": kl, "ce": 0.0, "bits_per_byte": bpb}}
+    results = {"runs": {"seed0/dense": run(4.0, 2.0), "seed0/sparse_2": run(4.1, 2.1),
+                        "seed1/dense": run(3.0, 1.0), "seed1/sparse_2": run(3.5, 1.0)}}
+    summary = bench.summarize(results)
+    assert summary["seeds"] == ["seed0", "seed1"]
+    assert summary["dense"]["kl"]["mean"] == pytest.approx(3.5) and summary["dense"]["kl"]["std"] == pytest.approx(0.5 ** 0.5)
+    kl = summary["cost_vs_dense"]["sparse_2"]["kl"]
+    assert kl["values"] == pytest.approx([0.1, 0.5]) and kl["mean"] == pytest.approx(0.3)
+    assert kl["within_noise"] is True  # 0.3 <= the dense runs' sd, 0.71
+    bpb = summary["cost_vs_dense"]["sparse_2"]["bits_per_byte"]
+    assert bpb["mean"] == pytest.approx(0.05) and bpb["within_noise"] is True
+    results["runs"]["seed1/sparse_2"] = run(4.5, 1.0)  # 1.5 worse than its seed's dense run
+    assert bench.summarize(results)["cost_vs_dense"]["sparse_2"]["kl"]["within_noise"] is False
