@@ -14,6 +14,12 @@ layer that reads pages next (layer + 1 in a forward, layer - 1 in pass 2's backw
 already final when the chunk began. The GPU then holds up to three page sets at once: the two of
 the current layer and the next layer's first. The paper's reference code moves a whole layer's
 pages between host and GPU at once; that is not done here.
+
+With `sparse_pages` a chunk attends its own pages and the past pages its queries select
+(`select_pages`, against each page's mean key). Its backward gathers the pages it reads, with
+their gradient rows, into compact sets (`_gathered_sets`; from the host, a synchronous gather), and
+gradient rows exist only for pages some backward read, given back once pass 2 has passed their
+chunk (`_GradPages`; `sparse_grad_pages` bounds how many are held at once).
 """
 
 from __future__ import annotations
