@@ -284,12 +284,12 @@ def with_layers(costs: CostTable, n: int) -> CostTable:
     key/value store's bytes; the static part (embeddings, head, loss) stays. For a table as
     `profile` measured it: `kv_residency` prices the top layer's page copies apart (no layer above
     prefetches them), so a residency is priced after, on the table of every layer."""
-    old = costs.kv
-    new = None if old is None else replace(old, num_layers=n)
-    (gpu_old, host_old, _), (gpu_new, host_new, resident) = (
-        ((0, 0, costs.resident_pages),) * 2 if old is None else (old.bytes(), new.bytes()))
-    return replace(costs, layers=(costs.layers[0],) * n, pass1_s=costs.pass1_s * n / len(costs.layers),
-                   kv_gpu_bytes=costs.kv_gpu_bytes - gpu_old + gpu_new,
+    more = replace(costs, layers=(costs.layers[0],) * n, pass1_s=costs.pass1_s * n / len(costs.layers))
+    if costs.kv is None:
+        return more
+    new = replace(costs.kv, num_layers=n)
+    (gpu_old, host_old, _), (gpu_new, host_new, resident) = costs.kv.bytes(), new.bytes()
+    return replace(more, kv_gpu_bytes=costs.kv_gpu_bytes - gpu_old + gpu_new,
                    static_host_bytes=costs.static_host_bytes - host_old + host_new, resident_pages=resident, kv=new)
 
 
