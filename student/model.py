@@ -229,6 +229,9 @@ class Student(nn.Module):
         # -> (x, terms); student/offload/runtime.py installs one that streams the layer's weights and places its
         # activations (it then also decides recomputation: checkpoint_layers is not consulted).
         self.layer_runner = None
+        # How the input embedding runs, when not by itself: runner(input_ids) -> x; student/offload/runtime.py
+        # installs one that gathers the rows from host memory (student/offload/embedding.py).
+        self.embed_runner = None
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -259,7 +262,7 @@ class Student(nn.Module):
         if input_ids.ndim != 2:
             raise DistillUserError(f"`input_ids` must be [batch, seq], got shape {tuple(input_ids.shape)}")
         row_mask = None if token_mask is None else token_mask.reshape(-1)
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if self.embed_runner is None else self.embed_runner(input_ids)
         if position_ids is None:
             start = kv_store.past_length() if kv_store is not None else 0
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)

@@ -46,13 +46,13 @@ def config(small, out, **overrides) -> TrainConfig:
     return TrainConfig.from_flat(**{**base, **overrides})
 
 
-def plan_file(path: Path, layers: str, prefetch_depth: int, optimizer: str) -> str:
+def plan_file(path: Path, layers: str, prefetch_depth: int, optimizer: str, embedding: str = "gpu") -> str:
     """layers: per layer "activation/params" initials, e.g. "ks rs or og" (k keep, r recompute,
     o offload; s stream, r resident, g resident with the layer's states on the device)."""
     names = {"k": "keep", "r": "recompute", "o": "offload"}
     homes = {"r": ("resident", "host"), "s": ("stream", "host"), "g": ("resident", "gpu")}
     plan = OffloadPlan(layers=tuple(LayerPlan(names[a], *homes[p]) for a, p in layers.split()),
-                       prefetch_depth=prefetch_depth, optimizer=optimizer)
+                       prefetch_depth=prefetch_depth, optimizer=optimizer, embedding=embedding)
     plan.save(path)
     return str(path)
 
@@ -87,13 +87,16 @@ PLANS = {  # every activation x params pair, prefetch 0 / 1 / 2, the update on e
     "resident-cpu": ("kr or rr kr", 2, "cpu"),
     "states-cpu": ("kg os rr og", 1, "cpu"),  # layers 0 and 3: states on the device
     "states-gpu": ("rg ks kg or", 0, "gpu"),
+    "embedding-cpu": ("ks rs or og", 1, "cpu", "host"),  # the input embedding in host memory
+    "embedding-gpu": ("rg os kr rs", 0, "gpu", "host"),
 }
 
 
 @pytest.mark.parametrize("optimizer, plan", [("adamw", "mixed-cpu"), ("adamw", "streamed-gpu"),
                                              ("foam", "mixed-gpu"), ("foam", "resident-cpu"),
                                              ("adamw8bit", "mixed-cpu"), ("adamw8bit", "mixed-gpu"),
-                                             ("adamw", "states-cpu"), ("foam", "states-gpu")])
+                                             ("adamw", "states-cpu"), ("foam", "states-gpu"),
+                                             ("adamw8bit", "embedding-cpu"), ("adamw", "embedding-gpu")])
 def test_offloaded_training_equals_training_without_offload(small, tmp_path, tmp_path_factory, optimizer, plan):
     """Six steps of two micro-batches, evaluations at 0, 3 and 6 (the no-grad forward through the
     streamed layers): every loss, KL, gradient norm, evaluation and final weight is the run's
@@ -109,15 +112,19 @@ def test_offloaded_training_equals_training_without_offload(small, tmp_path, tmp
     assert OffloadPlan.from_dict(run["offload_plan"]) == OffloadPlan.load(tmp_path / "plan.json")
     row = rows(out)[-1]
     assert row["offload_step_s"] > 0 and row["offload_predicted_step_s"] == 0.0
-    on_host = [i for i, lp in enumerate(OffloadPlan.load(tmp_path / "plan.json").layers) if lp.states == "host"]
-    layers = Student.from_pretrained(want / "student").layers
-    master_and_grads = 2 * 4 * sum(p.numel() for i in on_host for p in layers[i].parameters())
-    # Plus the host layers' optimizer states, at most two fp32 moments (AdamW) and step counters.
-    assert master_and_grads < row["offload_host_bytes"] <= 2 * master_and_grads + 8 * 64 * len(on_host)
+    saved = OffloadPlan.load(tmp_path / "plan.json")
+    on_host = [i for i, lp in enumerate(saved.layers) if lp.states == "host"]
+    model = Student.from_pretrained(want / "student")
+    host_params = [p for i in on_host for p in model.layers[i].parameters()]
+    host_params += [model.embed_tokens.weight] if saved.embedding == "host" else []
+    master_and_grads = 2 * 4 * sum(p.numel() for p in host_params)
+    # Plus their optimizer states, at most two fp32 moments (AdamW) and step counters.
+    assert master_and_grads < row["offload_host_bytes"] <= 2 * master_and_grads + 8 * 64 * len(host_params)
     assert set(row["offload_phase_s"]) == set(PHASES) and all(t >= 0 for t in row["offload_phase_s"].values())
 
 
-@pytest.mark.parametrize("plan, grad_accum", [("mixed-gpu", 2), ("states-cpu", 2), ("streamed-gpu", 1)])
+@pytest.mark.parametrize("plan, grad_accum", [("mixed-gpu", 2), ("states-cpu", 2), ("streamed-gpu", 1),
+                                              ("embedding-cpu", 2)])
 def test_offloaded_clipping_equals_clipping_without_offload(small, tmp_path, plan, grad_accum):
     """A max norm small enough that every step clips: the host layers' norms measured on the device
     (of the micro-batches' sum), the coefficient applied inside the update (on the GPU in the slots,
@@ -294,6 +301,17 @@ def test_a_missing_plan_file_and_unsupported_combinations_are_refused(small, tmp
     assert config(small, tmp_path / "r2", offload="auto", chunk_tokens=8).long.chunk_tokens == 8  # chunked: supported
     with pytest.raises(ConfigError, match="sparse FFN"):
         config(small, tmp_path / "r3", offload="auto", sparse_ffn=True)
+
+
+def test_an_input_embedding_in_host_memory_is_refused_for_a_tied_head(tmp_path):
+    """The loss reads a tied head's matrix on the device: in one line naming --offload."""
+    from student.offload.runtime import OffloadRuntime
+
+    model = Student(Student.from_pretrained(make_student(tmp_path / "s", tie_word_embeddings=True)).config)
+    plan = OffloadPlan.uniform(model.config.num_layers, embedding="host")
+    with pytest.raises(ConfigError, match="tied") as e:
+        OffloadRuntime(model, plan, "cpu")
+    assert e.value.field == "offload"
 
 
 def test_offload_auto_trains_with_the_planners_plan(small, tmp_path, tmp_path_factory):

@@ -29,6 +29,7 @@ PLANS = {  # (layers, prefetch depth, optimizer side): test_offload.plan_file's 
     "states-cpu": ("rg rr kg rr", 1, "cpu"),  # layers 0 and 2: states on the device
     "states-gpu": ("kg rr rg or", 2, "gpu"),
     "streamed-gpu": ("rs os ks rr", 1, "gpu"),  # weights streamed, chunk by chunk
+    "embedding-gpu": ("rr rr kr rg", 0, "gpu", "host"),  # the input embedding in host memory
 }
 
 _REFERENCE: dict[str, Path] = {}
@@ -45,7 +46,8 @@ def reference(small, tmp_path_factory, optimizer: str, chunk_tokens: int = CHUNK
 
 
 @pytest.mark.parametrize("optimizer, plan", [("adamw", "host-cpu"), ("adamw", "host-gpu"), ("foam", "states-cpu"),
-                                             ("foam", "states-gpu"), ("adamw", "streamed-gpu")])
+                                             ("foam", "states-gpu"), ("adamw", "streamed-gpu"),
+                                             ("adamw", "embedding-gpu")])
 def test_offloaded_chunk_recurrent_training_equals_it_without_offload(small, tmp_path, tmp_path_factory,  # noqa: F811
                                                                       optimizer, plan):
     """Six steps of two micro-batches of four chunks, evaluations at 0, 3 and 6 (chunked, without

@@ -6,8 +6,8 @@ program for the fastest schedule under GPU and host memory budgets) and the runt
 `distill plan` writes one, `distill train-student --offload PLAN.json` uses it. A leaf: it imports
 nothing of torch.
 
-Per decoder layer i (its input is activation boundary i; the embeddings and the head are always
-resident):
+Per decoder layer i (its input is activation boundary i; the head is always resident, the input
+embedding where `embedding` says):
   activation  "keep":      the layer's forward keeps its activations for the backward (no recompute);
               "recompute": only the layer's input is kept, on the GPU; the backward runs the layer
                            again from it (activation checkpointing);
@@ -22,6 +22,11 @@ resident):
               "gpu":       they live on the GPU and the layer updates there (with the embeddings and
                            the head); its working weights are then resident (params "resident").
 A "keep" layer's weights stay on the GPU from its forward to its backward, whatever `params` says.
+The untied input embedding (`embedding`):
+  "gpu":  on the GPU with the head: master, gradient and optimizer states;
+  "host": its master, gradient and states in pinned host memory; the forward gathers its rows on the
+          host, the backward sums their gradient there, and the matrix comes to the GPU only for the
+          update (student/offload/embedding.py).
 
 Version 2 added `states` and the predicted phases; a version-1 plan reads as every layer "host".
 """
@@ -83,6 +88,7 @@ class ChunkChoice:
     offload_pages: int | None  # None: the micro-batch is one chunk (no pages were measured)
     resident_pages: int | None  # key/value pages (of every row) on the GPU at once, over all layers
     keep_attention_chunks: int | None = None  # as OffloadPlan's
+    embedding: str = "gpu"  # as OffloadPlan's
     # The best plan's predictions under the budgets; None where no plan fits them.
     step_s: float | None = None
     gpu_peak_bytes: int | None = None
@@ -111,6 +117,7 @@ class OffloadPlan:
     # as the plan's host peak counts them; None: every chunk's. A run without --keep-attention-chunks
     # trains with the plan's; a run with another is refused (its host memory was not planned).
     keep_attention_chunks: int | None = None
+    embedding: Literal["gpu", "host"] = "gpu"  # where the untied input embedding lives (the module docstring)
     chunk_choices: tuple[ChunkChoice, ...] = ()  # what the planner chose among (--chunk-candidates), in order
     gpu_memory: int | None = None  # the budgets the plan was solved for, bytes
     host_memory: int | None = None

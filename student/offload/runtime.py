@@ -17,8 +17,9 @@ Where things live:
       (the optimizer creates them on the parameters' device) and, when the compute dtype is not
       fp32, a staging copy of its matrices in that dtype (what the device reads: half the bytes of
       the masters).
-  device: the embeddings, the final norm and the lm-head with their gradients and optimizer states,
-      exactly as without offload (they are not offloaded); the same flat master, gradient and
+  device: the input embedding (unless the plan puts it on the host: student/offload/embedding.py),
+      the final norm and the lm-head with their gradients and optimizer states, exactly as without
+      offload; the same flat master, gradient and
       staging buffers of the layers whose plan says states "gpu" (their staging copies are their
       working weights; the optimizer keeps their states beside them; when a step is one
       backward their gradients are one buffer per group in the group's dtype, as a host layer's,
@@ -103,6 +104,7 @@ from torch.func import functional_call
 
 from distill.configs import ConfigError
 from student.offload.clock import PhaseClock
+from student.offload.embedding import HostEmbedding
 from student.offload.plan import OffloadPlan
 from student.offload.streams import Streams
 from student.offload.update import HostLayer, UpdateRing
@@ -195,8 +197,10 @@ class _LayerFunction(torch.autograd.Function):
 
 class OffloadRuntime:
     """Carries out `plan` for `model` (a student.model.Student): moves its decoder layers' weights
-    into host memory and installs itself as the model's layer runner; the embeddings, the final
-    norm, the lm-head and the RoPE table go to `device` (they stay there, not offloaded).
+    into host memory and installs itself as the model's layer runner; the final norm, the lm-head,
+    the RoPE table and (plan.embedding "gpu") the input embedding go to `device` (they stay there,
+    not offloaded); with plan.embedding "host" the input embedding stays in host memory and the
+    runtime installs its runner (student/offload/embedding.py).
 
     compute_dtype: the autocast dtype the trainer runs under (None: fp32). The trainer calls
     `finish_grads()` after the micro-batches' backwards, `clip_grad_norm(max_norm)`, then
@@ -214,7 +218,12 @@ class OffloadRuntime:
         self.model, self.plan, self.device = model, plan, torch.device(device)
         self.cuda = self.device.type == "cuda"
         compute_dtype = compute_dtype or torch.float32
-        for module in (model.embed_tokens, model.norm, model.lm_head):
+        if plan.embedding == "host" and model.lm_head is None:
+            raise ConfigError("offload", "puts the input embedding in host memory, but this student's lm-head is "
+                                         "tied to it (the loss reads it on the GPU); make the plan for this student "
+                                         "(`distill plan`) or use --offload auto")
+        self.embedding = HostEmbedding(model.embed_tokens, self.device) if plan.embedding == "host" else None
+        for module in (model.embed_tokens if self.embedding is None else None, model.norm, model.lm_head):
             if module is not None:
                 module.to(self.device)
         model.inv_freq = model.inv_freq.to(self.device)
@@ -251,6 +260,7 @@ class OffloadRuntime:
         self._clock = PhaseClock(self.device)
         self.refresh()
         model.layer_runner = self.run_layer
+        model.embed_runner = self.embedding.run if self.embedding is not None else None
 
     # --- copies ----------------------------------------------------------------------------------
 
@@ -478,6 +488,8 @@ class OffloadRuntime:
         clipping has their norms)."""
         self._clock.backward_done()
         self._release()
+        if self.embedding is not None:  # its parameter and gradient on the device until the end of `step`
+            self.embedding.finish_grads()
         if self.plan.optimizer == "cpu":
             for h in self.host:
                 if h.grad_out is not None:
@@ -514,10 +526,14 @@ class OffloadRuntime:
         copies from the updated masters. Call after `finish_grads` and `clip_grad_norm`."""
         self._clock.host_mark("step0")
         self._clock.device_mark("step0")
+        if self.embedding is not None:  # it steps with the device parameters
+            self.embedding.states_in(optimizer)
         if self.plan.optimizer == "cpu":
             self._step_on_host(optimizer)
         else:
             self._step_on_device(optimizer)
+        if self.embedding is not None:
+            self.embedding.home(optimizer)
         self._clock.device_mark("updated")
         self._clock.host_mark("updated")
         for h in self.host:
@@ -632,6 +648,8 @@ class OffloadRuntime:
         """Every copy done: the host masters, states and gradients may be read (a checkpoint, the
         end of training; the update's copies out are otherwise still in flight after `step`)."""
         self.streams.synchronize()
+        if self.embedding is not None:
+            self.embedding.synchronize()
 
     def host_bytes(self, optimizer=None) -> int:
         """Bytes the offloaded layers hold in host memory: masters, gradients, separate staging copies
@@ -639,6 +657,7 @@ class OffloadRuntime:
         total = sum(h.master.nbytes + sum(g.nbytes for g in h.grads) + sum(s.nbytes for _, s in h.separate_staging())
                     for h in self.host if not h.on_device)
         total += self._widened.nbytes if self._widened is not None else 0
+        total += self.embedding.host_bytes() if self.embedding is not None else 0
         if optimizer is not None:
             total += sum(v.nbytes for p in self._host_params for v in optimizer.state.get(p, {}).values()
                          if isinstance(v, torch.Tensor))
@@ -648,6 +667,8 @@ class OffloadRuntime:
         """Wait for every copy and leave the model's layers to run by themselves again (their
         weights stay in host memory)."""
         self.synchronize()
-        self.model.layer_runner = None
+        self.model.layer_runner = self.model.embed_runner = None
         for h in self.host:
             h.unpin_buffers()
+        if self.embedding is not None:
+            self.embedding.unpin_buffers()
