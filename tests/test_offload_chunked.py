@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from distill.configs import ConfigError
+from student.model import Student
 from student.offload.plan import OffloadPlan
 from student.planner.solve import PHASES
 from student.trainer import train
@@ -100,7 +101,7 @@ def test_offload_auto_with_chunk_candidates_trains_with_the_chosen_chunk_size(sm
                  page_tokens=16), progress=False)
     run = json.loads((out / "run.json").read_text())
     plan = OffloadPlan.from_dict(run["offload_plan"])
-    assert plan.chunk_tokens in (7, 12) and [c.chunk_tokens for c in plan.chunk_choices] == [7, 12]
+    assert plan.chunk_tokens in (7, 12) and [c.chunk_tokens for c in plan.chunk_choices] == [7, 7, 12, 12]  # x 2 embedding homes
     assert (run["config"]["chunk_tokens"], run["config"]["kv_offload"]) == (plan.chunk_tokens, False)
     want = reference(small, tmp_path_factory, "adamw", plan.chunk_tokens)
     assert results(out) == results(want)
@@ -181,3 +182,20 @@ def test_the_cost_table_accumulates_as_the_runtime_does_even_at_one_chunk(small,
     assert costs.micro_batches == 1 and costs.accumulates and steps_accumulate(one_chunk)
     whole = config(small, tmp_path / "b", grad_accum=1)
     assert not profile(whole).accumulates and not steps_accumulate(whole)
+
+
+def test_the_cost_table_measures_the_untied_input_embedding_a_plan_may_keep_on_the_host(small, tmp_path):  # noqa: F811
+    """Its fp32 master's bytes, and its optimizer states' as the optimizer makes them (its share of
+    the static states, within the 8-bit blocks' scales)."""
+    from student.optim.build import build_optimizer
+    from student.planner.profile import profile
+
+    cfg = config(small, tmp_path / "a", grad_accum=1, optimizer="adamw8bit")
+    costs = profile(cfg)
+    weight = Student.from_pretrained(small[0]).embed_tokens.weight
+    assert costs.embedding_bytes == weight.numel() * 4 and costs.embedding == "gpu"
+    optimizer = build_optimizer(torch.nn.ParameterList([weight]), cfg.optim, "cpu")
+    weight.grad = torch.ones_like(weight)
+    optimizer.step()
+    states = sum(v.nbytes for v in optimizer.state[weight].values() if isinstance(v, torch.Tensor))
+    assert costs.embedding_state_bytes == pytest.approx(states, rel=0.02)

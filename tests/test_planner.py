@@ -14,8 +14,10 @@ import pytest
 from distill.configs import ConfigError
 from student.offload.config import parse_bytes
 from student.offload.plan import LayerPlan, OffloadPlan
-from student.planner.solve import (CHOICES, PHASES, BudgetError, CostTable, LayerCosts, SolverSettings, predict, program_step_s,
-                             smallest_budget, solve, solve_fixed)
+from student.planner.costs import embedding_on_host
+from student.planner.peaks import gpu_peak_terms, in_turn
+from student.planner.solve import (CHOICES, PHASES, BudgetError, CostTable, LayerCosts, SolverSettings, embedding_homes,
+                                   fastest, predict, program_step_s, smallest_budget, solve, solve_fixed)
 
 GiB = 2**30
 MS = 1e-3
@@ -613,3 +615,53 @@ def test_at_one_backward_the_program_finds_the_brute_force_optimum(seed):
         assert plan.predicted.gpu_peak_bytes <= gpu and plan.predicted.host_peak_bytes <= host
         states_on_gpu += sum(lp.states == "gpu" for lp in plan.layers)
     assert states_on_gpu  # the "gpu" layers' bytes are part of some optimum's peak
+
+
+# --- the input embedding in host memory -----------------------------------------------------------
+
+
+def test_an_input_embedding_in_host_memory_moves_its_bytes_to_the_host_and_to_the_optimizer_phase():
+    """`embedding_on_host`: master, gradient and states leave the static GPU bytes for the host, the
+    backward's gradient of the matrix's size is gone from the turnaround, and the optimizer phase
+    holds the three again; the rows' copies and the update's are charged on the compute queue."""
+    E, S = 3 * GiB, GiB
+    costs = random_table(3, seed=2, static_gpu_bytes=2 * E + S + GiB, late_grad_bytes=E, embedding_bytes=E,
+                         embedding_state_bytes=S, accumulates=True)
+    moved = embedding_on_host(costs)
+    plan = OffloadPlan.uniform(3)
+    before, after = gpu_peak_terms(costs, plan), gpu_peak_terms(moved, plan)
+    assert after["turnaround"]["static"] == before["turnaround"]["static"] - 2 * E - S == GiB
+    assert in_turn(moved, 0, ["recompute"] * 3)["embedding_gradient"][1] == \
+        in_turn(costs, 0, ["recompute"] * 3)["embedding_gradient"][1] - E
+    assert after["optimizer_phase"]["embedding_update"] == 2 * E + S and before["optimizer_phase"]["embedding_update"] == 0
+    assert sum(after["optimizer_phase"].values()) == sum(before["optimizer_phase"].values())
+    assert predict(moved, plan).host_peak_bytes == predict(costs, plan).host_peak_bytes + 2 * E + S
+    rows = costs.layers[0].boundary_bytes
+    assert moved.head_s == pytest.approx(costs.head_s + rows / costs.h2d_bytes_per_s + rows / costs.d2h_bytes_per_s)
+    update = (E + S + min(E, 2 * rows)) / costs.h2d_bytes_per_s + (E + S) / costs.d2h_bytes_per_s
+    assert moved.static_update_s == pytest.approx(costs.static_update_s + update)
+    for side in ("cpu", "gpu"):  # the program encodes the moved table as predict does
+        p = OffloadPlan.uniform(3, optimizer=side)
+        assert program_step_s(moved, p) == pytest.approx(predict(moved, p).step_s, rel=1e-7)
+
+
+def test_a_gpu_budget_only_the_host_embedding_meets_is_planned_with_it():
+    """Between the two placements' smallest GPU budgets the planner keeps the embedding in host memory
+    (and says so in the plan); with room for both it takes the faster, on the GPU; a tied head has
+    no choice."""
+    E, S = 3 * GiB, GiB
+    costs = random_table(3, seed=4, static_gpu_bytes=2 * E + S + GiB, late_grad_bytes=E, embedding_bytes=E,
+                         embedding_state_bytes=S, accumulates=True)
+    assert [t.embedding for t in embedding_homes(costs)] == ["gpu", "host"]
+    assert [t.embedding for t in embedding_homes(dataclasses.replace(costs, embedding_bytes=0))] == ["gpu"]
+    least = {}
+    for home in embedding_homes(costs):
+        with pytest.raises(BudgetError) as caught:
+            solve(home, GiB, 100 * GiB)
+        least[home.embedding] = caught.value.smallest_bytes
+    assert least["host"] < least["gpu"]
+    plan, chosen = fastest(embedding_homes(costs), (least["host"] + least["gpu"]) // 2, 100 * GiB)
+    assert plan.embedding == chosen.embedding == "host"
+    assert [c.embedding for c in plan.chunk_choices] == ["gpu", "host"] and plan.chunk_choices[0].step_s is None
+    plan, _ = fastest(embedding_homes(costs), 100 * GiB, 100 * GiB)
+    assert plan.embedding == "gpu"  # no copies of rows, no update over the bus

@@ -303,19 +303,21 @@ def test_distill_plan_refuses_bad_candidates_in_one_line(tiny, capsys):  # noqa:
 
 
 def test_distill_plan_chooses_the_chunk_size_and_lists_the_candidates(tiny, tmp_path, capsys):  # noqa: F811
-    """On the CPU (pages stay resident): each candidate profiled and planned, the table lists them
-    with their predicted step time and peaks and marks the chosen one, the JSON holds the choice."""
+    """On the CPU (pages stay resident): each candidate profiled and planned, with the untied input
+    embedding on the device and in host memory; the table lists them with their predicted step time
+    and peaks and marks the chosen one, the JSON holds the choice."""
     path = tmp_path / "plan.json"
     code, out, err = run_cli(plan_args(tiny, "--gpu-memory", "1GiB", "--chunk-candidates", "7,12", "--page-tokens",
                                        "16", "--out", path), capsys)
     assert code == 0, err
     plan = OffloadPlan.load(path)
     assert plan.chunk_tokens in (7, 12) and plan.kv_offload is False
-    assert [c.chunk_tokens for c in plan.chunk_choices] == [7, 12]
-    chosen = [c for c in plan.chunk_choices if c.chunk_tokens == plan.chunk_tokens][0]
+    assert [(c.chunk_tokens, c.embedding) for c in plan.chunk_choices] == [(7, "gpu"), (7, "host"), (12, "gpu"),
+                                                                           (12, "host")]
+    chosen = [c for c in plan.chunk_choices if (c.chunk_tokens, c.embedding) == (plan.chunk_tokens, plan.embedding)][0]
     assert chosen.step_s == plan.predicted.step_s == min(c.step_s for c in plan.chunk_choices)
     assert "chunk sizes and key/value pages considered" in out
-    rows = [line for line in out.splitlines() if line.strip().startswith(("│            7", "│           12"))]
-    assert len(rows) == 2 and sum("chosen" in row for row in rows) == 1
+    rows = [line for line in out.splitlines() if line.startswith("│") and line.split("│")[1].strip() in ("7", "12")]
+    assert len(rows) == 4 and sum("chosen" in row for row in rows) == 1
     assert f"{plan.chunk_tokens} tokens a chunk" in out
     assert json.loads(path.read_text())["chunk_choices"][0]["chunk_tokens"] == 7

@@ -83,7 +83,7 @@ class Predicted:
 class ChunkChoice:
     """One chunk size and key/value residency the planner considered (`OffloadPlan.chunk_choices`)."""
 
-    chunk_tokens: int
+    chunk_tokens: int | None  # None: whole sequences (a table without chunks: the embedding's homes alone)
     kv_offload: bool  # the pages in pinned host memory, a page set of offload_pages at a time on the GPU
     offload_pages: int | None  # None: the micro-batch is one chunk (no pages were measured)
     resident_pages: int | None  # key/value pages (of every row) on the GPU at once, over all layers

@@ -19,7 +19,7 @@ from student.planner.table import ChunkSeconds, CostTable, KVPages, LayerCosts
 
 # The cost table's types (student/planner/table.py) are named here too: the model's input.
 __all__ = ["PHASES", "LayerCosts", "ChunkSeconds", "KVPages", "CostTable", "predict", "kv_options", "kv_residency",
-           "kept_attention", "with_layers"]
+           "kept_attention", "embedding_on_host", "with_layers"]
 
 
 # The phases of a step, in order, as `predict` returns them and OffloadRuntime.phase_s measures them:
@@ -119,6 +119,9 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       micro-batch the fp32 buffer the "gpu" layers' updates widen their gradients into, one of the
       largest such layer's master (`LayerCosts.gpu_widened_bytes`; the turnaround's fp32 sum
       being formed is as large, so it does not raise the peak).
+    - An input embedding in host memory (`embedding_on_host`): its bytes on the GPU in the
+      optimizer phase only (`CostTable.embedding_update_bytes`), its copies in `head_s`, `pass1_s`
+      and `static_update_s`.
     - Host peak: static + the host layers' master, gradient, states and staging copy + the
       offloaded inputs of one micro-batch (on a GPU each the `pinned_block` torch's allocator
       gives it: `CostTable.offloaded_bytes`) + with one micro-batch and the update on the CPU the fp32
@@ -274,6 +277,30 @@ def kv_residency(costs: CostTable, kv_offload: bool, offload_pages: int) -> Cost
     return replace(costs, layers=layers, pass1_s=max(costs.pass1_s + per_step * (forward_new - forward_old), 0.0),
                    kv_gpu_bytes=costs.kv_gpu_bytes - gpu_old + gpu_new,
                    static_host_bytes=costs.static_host_bytes - host_old + host_new, resident_pages=resident, kv=new)
+
+
+def embedding_on_host(costs: CostTable) -> CostTable:
+    """`costs` (the untied input embedding on the GPU, as measured) with it in host memory
+    (OffloadPlan.embedding "host"; student/offload/embedding.py). Memory: its master, gradient and
+    states leave the static GPU bytes for the host's, its backward's gradient of the matrix's size
+    (`late_grad_bytes`) is gone, and in the optimizer phase master, gradient and states are on the
+    GPU (`CostTable.embedding_update_bytes`). Time, on the compute queue: each micro-batch's forward
+    copies its rows in and its backward their gradient out (the head's seconds; pass 1's forwards
+    copy rows in too); the update copies master, states and the touched rows' gradient in and master
+    and states out (the static update's seconds). Not modelled: the host's gathers and sums (the
+    host thread, while the device runs what is queued) and the host sync that brings each
+    micro-batch's token ids over."""
+    E, S = costs.embedding_bytes, costs.embedding_state_bytes
+    assert E > 0 and costs.embedding == "gpu", "a table with an untied input embedding on the GPU"
+    h2d = lambda n: n / costs.h2d_bytes_per_s
+    d2h = lambda n: n / costs.d2h_bytes_per_s
+    rows = costs.layers[0].boundary_bytes  # a micro-batch's embedding output: layer 0's input
+    per_step = costs.micro_batches // costs.chunks  # grad_accum
+    update = h2d(E + S + min(E, costs.micro_batches * rows)) + d2h(E + S)
+    return replace(costs, static_gpu_bytes=costs.static_gpu_bytes - 2 * E - S, late_grad_bytes=0,
+                   static_host_bytes=costs.static_host_bytes + 2 * E + S, head_s=costs.head_s + h2d(rows) + d2h(rows),
+                   pass1_s=costs.pass1_s + (costs.micro_batches - per_step) * h2d(rows),
+                   static_update_s=costs.static_update_s + update, embedding="host")
 
 
 def with_layers(costs: CostTable, n: int) -> CostTable:

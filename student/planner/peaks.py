@@ -61,7 +61,7 @@ def gpu_peak_terms(costs: CostTable, plan: OffloadPlan) -> dict[str, dict[str, i
     optimizer_phase = {
         "static": costs.static_gpu_bytes, "weights_resident": resident, "gpu_states": states,
         "widened_gradient": most(x.gpu_widened_bytes(costs.accumulates) for x, lp in zip(c, p) if lp.states == "gpu"),
-        "update_ring": ring}
+        "update_ring": ring, "embedding_update": costs.embedding_update_bytes}
     return {"turnaround": turnaround, "optimizer_phase": optimizer_phase}
 
 

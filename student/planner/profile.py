@@ -123,6 +123,10 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
                                   if getattr(model, name) is not None})
     static_update_s, static_states = _update_seconds(static, build, device, settings, copy_first=False)
     static_params = sum(p.numel() * p.element_size() for p in static.parameters())
+    # The untied input embedding, which a plan may keep in host memory: its share of the states by
+    # its share of the static parameters (the 8-bit and fp32 moments are per element).
+    embedding = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size() if model.lm_head is not None else 0
+    embedding_states = int(static_states * embedding / static_params)
     h2d, d2h, h2d_duplex, d2h_duplex, latency = _bandwidths(device, settings)
     kv = _kv_pages(model, config, batches[0].input_ids.shape, amp) if chunks > 1 else None
     kv_gpu, kv_host, resident_pages = kv.bytes() if kv is not None else (0, 0, None)
@@ -146,7 +150,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
                      chunks=chunks, pass1_s=pass1_s, kv_gpu_bytes=kv_gpu,
                      chunk_tokens=config.long.chunk_tokens if chunks > 1 else None, resident_pages=resident_pages,
                      kv=kv, copy_latency_s=latency, accumulates=steps_accumulate(config), pinned_blocks=cuda,
-                     clock_factor=clock)
+                     clock_factor=clock, embedding_bytes=embedding, embedding_state_bytes=embedding_states)
 
 
 def _grad_bytes_of_embedding(model) -> tuple[int, int]:

@@ -25,8 +25,9 @@ def plan_table(plan: OffloadPlan, costs: CostTable, device: str = "cuda") -> str
     gpu = "device" if device == "cpu" else "GPU"
     size = lambda n: format_bytes(n) if n else "-"
     update_on = {"gpu": gpu, "cpu": "host" if device == "cpu" else "CPU"}[plan.optimizer]
+    embedding = "" if not costs.embedding_bytes else f", input embedding on the {gpu if plan.embedding == 'gpu' else 'host'}"
     table = Table(title=f"offload plan: prefetch depth {plan.prefetch_depth}, optimizer update on the "
-                        f"{update_on}, {costs.micro_batches} micro-batch(es) a step")
+                        f"{update_on}, {costs.micro_batches} micro-batch(es) a step{embedding}")
     for column in ("layer", "activation", "params", "states", "weights", "input", "kept for backward", "predicted"):
         table.add_column(column, justify="left" if column in ("activation", "params", "states") else "right")
     predicted = plan.predicted
@@ -84,18 +85,18 @@ def _choices_table(plan: OffloadPlan, gpu: str):
     from rich.table import Table
 
     table = Table(title="chunk sizes and key/value pages considered (--chunk-candidates)")
-    for column in ("chunk tokens", "key/value pages", f"pages on {gpu}", "attention kept", "predicted step",
-                   f"peak {gpu}", "peak host", ""):
-        table.add_column(column, justify="left" if column in ("key/value pages", "") else "right")
-    key = (plan.chunk_tokens, bool(plan.kv_offload), plan.offload_pages, plan.resident_pages)
+    for column in ("chunk tokens", "key/value pages", f"pages on {gpu}", "attention kept", "input embedding",
+                   "predicted step", f"peak {gpu}", "peak host", ""):
+        table.add_column(column, justify="left" if column in ("key/value pages", "input embedding", "") else "right")
+    key = (plan.chunk_tokens, bool(plan.kv_offload), plan.offload_pages, plan.resident_pages, plan.embedding)
     chosen = next((c for c in plan.chunk_choices
-                   if (c.chunk_tokens, c.kv_offload, c.offload_pages, c.resident_pages) == key), None)
+                   if (c.chunk_tokens, c.kv_offload, c.offload_pages, c.resident_pages, c.embedding) == key), None)
     for c in plan.chunk_choices:
         fits = c.step_s is not None
         table.add_row(str(c.chunk_tokens), f"offloaded, sets of {c.offload_pages}" if c.kv_offload else "resident",
                       "-" if c.resident_pages is None else str(c.resident_pages),
                       "all" if c.keep_attention_chunks is None else f"last {c.keep_attention_chunks}",
-                      f"{c.step_s * 1e3:.2f} ms" if fits else "-", format_bytes(c.gpu_peak_bytes) if fits else "-",
+                      gpu if c.embedding == "gpu" else "host", f"{c.step_s * 1e3:.2f} ms" if fits else "-", format_bytes(c.gpu_peak_bytes) if fits else "-",
                       format_bytes(c.host_peak_bytes) if fits else "-",
                       "chosen" if c is chosen else ("" if fits else "does not fit"))
     return table

@@ -27,7 +27,7 @@ import numpy as np
 
 from distill.configs import ConfigError
 from distill.devices import resolve_device
-from student.planner.costs import PHASES, kept_attention, kv_options, kv_residency, predict
+from student.planner.costs import PHASES, embedding_on_host, kept_attention, kv_options, kv_residency, predict
 from student.planner.peaks import (backward_gpu_bytes, beside_backward, gpu_peak_terms, held_activation_bytes, in_turn,
                                    optimizer_slices, peaks, widened_host_bytes)
 from student.offload.config import format_bytes, parse_bytes
@@ -37,7 +37,8 @@ from student.planner.table import CostTable, LayerCosts
 from teacher_cache.reader import CacheReader
 
 __all__ = ["PHASES", "LayerCosts", "CostTable", "SolverSettings", "BudgetError", "ProfileSettings", "predict", "solve",
-           "solve_kept", "smallest_budget", "program_step_s", "profile", "choose_chunks", "make_plan", "plan_for_training"]
+           "solve_kept", "smallest_budget", "program_step_s", "profile", "choose_chunks", "embedding_homes", "fastest",
+           "make_plan", "plan_for_training"]
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +314,8 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
                             * per_byte),
                       {MW: d + 1.0, MA: 2.0 * (d + 1), MT: 1.0}, *resident, *states,
                       *[pick(i, c[i].weight_bytes * per_byte, "keep", "stream") for i in range(L)])
-    optimizer_phase = _add(const((costs.static_gpu_bytes + optimizer_slices(costs, optimizer)) * per_byte),
+    optimizer_phase = _add(const((costs.static_gpu_bytes + optimizer_slices(costs, optimizer) + costs.embedding_update_bytes)
+                                 * per_byte),
                            {MS: 1.0}, *resident, *states)
     # The fp32 buffer the update on the CPU widens gradients into: the largest host layer's master.
     MH = prog.var()
@@ -431,7 +433,7 @@ def solve(costs: CostTable, gpu_memory: int, host_memory: int, *, time_limit_s: 
     return replace(best.plan, gpu_memory=gpu_memory, host_memory=host_memory, predicted=predict(costs, best.plan),
                    chunk_tokens=costs.chunk_tokens, resident_pages=costs.resident_pages,
                    kv_offload=kv.kv_offload if kv else None, offload_pages=kv.offload_pages if kv else None,
-                   keep_attention_chunks=kv.keep_chunks if kv else None)
+                   keep_attention_chunks=kv.keep_chunks if kv else None, embedding=costs.embedding)
 
 
 def solve_kept(costs: CostTable, gpu_memory: int, host_memory: int, *, time_limit_s: float = 60.0,
@@ -498,16 +500,30 @@ def choose_chunks(tables: dict[int, CostTable], gpu_memory: int, host_memory: in
     """The fastest plan over chunk sizes and key/value residencies: `tables` holds, per candidate
     chunk size, its measured chunk-recurrent CostTable (a size the micro-batch fits in whole: its
     whole-sequence table). Each table is priced with every residency of `kv_options` (`kv_residency`)
-    and solved under the budgets (`solve`, the time limit shared evenly). Returns the plan of least
-    predicted step time that fits, every pair considered in its chunk_choices, and its costs. When
-    none fits, the BudgetError of the pair that comes closest (the least smallest GPU budget, else
-    host budget)."""
+    and both homes of an untied input embedding (`embedding_homes`), and solved under the budgets
+    (`fastest`). Returns the plan of least predicted step time that fits, every choice considered
+    in its chunk_choices, and its costs."""
     priced = []
     for size, costs in tables.items():
         if costs.kv is None:
             priced.append(replace(costs, chunk_tokens=size))
         else:
             priced += [kv_residency(costs, *option) for option in kv_options(costs.kv)]
+    return fastest([home for costs in priced for home in embedding_homes(costs)], gpu_memory, host_memory,
+                   time_limit_s=time_limit_s, settings=settings)
+
+
+def embedding_homes(costs: CostTable) -> list[CostTable]:
+    """`costs`, and for an untied input embedding the same with it in host memory (`embedding_on_host`)."""
+    return [costs, embedding_on_host(costs)] if costs.embedding_bytes else [costs]
+
+
+def fastest(priced: list[CostTable], gpu_memory: int, host_memory: int, *, time_limit_s: float = 60.0,
+            settings: SolverSettings = SolverSettings()) -> tuple[OffloadPlan, CostTable]:
+    """The plan of least predicted step time over the tables in `priced` (`solve_kept` of each, the
+    time limit shared evenly), every table considered in its chunk_choices, and its costs. When none
+    fits, the BudgetError of the table that comes closest (the least smallest GPU budget, else host
+    budget)."""
     choices, best, errors = [], None, []
     for costs in priced:
         try:
@@ -520,7 +536,8 @@ def choose_chunks(tables: dict[int, CostTable], gpu_memory: int, host_memory: in
         figures = dict(step_s=p.step_s, gpu_peak_bytes=p.gpu_peak_bytes, host_peak_bytes=p.host_peak_bytes) if p else {}
         choices.append(ChunkChoice(chunk_tokens=costs.chunk_tokens, kv_offload=kv.kv_offload if kv else False,
                                    offload_pages=kv.offload_pages if kv else None, resident_pages=costs.resident_pages,
-                                   keep_attention_chunks=kv.keep_chunks if kv else None, **figures))
+                                   keep_attention_chunks=kv.keep_chunks if kv else None, embedding=costs.embedding,
+                                   **figures))
         if p is not None and (best is None or p.step_s < best[0].predicted.step_s):
             best = plan, costs
     if best is None:
@@ -570,7 +587,8 @@ def make_plan(config, gpu_memory: int | None = None, host_memory: int | None = N
     if candidates is not None:
         tables = {size: profile(config.with_flat(chunk_tokens=size)) for size in candidates}
         return choose_chunks(tables, gpu_memory, host_memory, time_limit_s=time_limit_s)
-    return solve_kept(profile(config), gpu_memory, host_memory, time_limit_s=time_limit_s)
+    plan, costs = fastest(embedding_homes(profile(config)), gpu_memory, host_memory, time_limit_s=time_limit_s)
+    return replace(plan, chunk_choices=()), costs
 
 
 def plan_for_training(config, gpu_memory: int | None = None, host_memory: int | None = None) -> OffloadPlan:

@@ -260,6 +260,12 @@ class CostTable:
     # What the profile's compute seconds (layers, head, pass 1) were multiplied by: a layer's time
     # back to back over its time in bursts (`student.step_profile.load_factor`; 1.0 unmeasured).
     clock_factor: float = 1.0
+    # The untied input embedding (OffloadPlan.embedding): its fp32 master's bytes and its optimizer
+    # states' bytes (0: tied, the head's matrix, which stays on the GPU), and where this table prices
+    # it: "gpu" as measured (in the static bytes), "host" as student.planner.costs.embedding_on_host moved it.
+    embedding_bytes: int = 0
+    embedding_state_bytes: int = 0
+    embedding: str = "gpu"
 
     def __post_init__(self):
         assert self.layers and self.micro_batches >= 1 and self.chunks >= 1 and self.h2d_bytes_per_s > 0 and self.d2h_bytes_per_s > 0
@@ -272,6 +278,12 @@ class CostTable:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, simplex)
             assert getattr(self, name) > 0
+
+    @property
+    def embedding_update_bytes(self) -> int:
+        """GPU bytes of an input embedding in host memory in the optimizer phase: its master,
+        gradient and states come to the GPU for the update (student/offload/embedding.py)."""
+        return 2 * self.embedding_bytes + self.embedding_state_bytes if self.embedding == "host" else 0
 
     def offloaded_bytes(self, layer: LayerCosts) -> int:
         """Host bytes of `layer`'s input while it is offloaded."""
