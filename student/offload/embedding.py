@@ -143,8 +143,9 @@ class HostEmbedding:
         self.param.grad = grad
 
     def states_in(self, optimizer: torch.optim.Optimizer) -> None:
-        """Before the optimizer's step: the parameter's tensor states on the device."""
-        if self.param.device == self.device:
+        """Before the optimizer's step: the parameter's tensor states on the device (when
+        `finish_grads` brought the parameter there)."""
+        if self.param.device != self.master.device:
             state = optimizer.state.get(self.param, {})
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
