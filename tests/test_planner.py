@@ -14,7 +14,7 @@ import pytest
 from distill.configs import ConfigError
 from student.offload.config import parse_bytes
 from student.offload.plan import LayerPlan, OffloadPlan
-from student.planner.costs import embedding_on_host
+from student.planner.costs import embedding_on_host, pass_one_forwards, pass_one_s
 from student.planner.peaks import gpu_peak_terms, in_turn
 from student.planner.solve import (CHOICES, PHASES, BudgetError, CostTable, LayerCosts, SolverSettings, embedding_homes,
                                    fastest, predict, program_step_s, smallest_budget, solve, solve_fixed)
@@ -467,6 +467,31 @@ def test_a_tight_budget_recomputes_the_cheap_layer_then_offloads_then_streams():
     assert plan.predicted.gpu_peak_bytes <= resident - 1
 
 
+def test_pass_one_waits_for_streamed_weights_from_empty_queues_each_forward():
+    """Chunk-recurrent pass 1 (`pass_one_s`): resident weights give pass1_s as measured; streamed
+    ones are waited for as the forward waits for them, each of its forwards starting from empty
+    queues, the layer's seconds pass1_s spread evenly; the program encodes it for every plan."""
+    costs = random_table(3, seed=8, micro_batches=8, chunks=4, pass1_s=0.6, h2d_bytes_per_s=20e9)  # 2 x 3 forwards
+    resident = OffloadPlan.uniform(3, "recompute", prefetch_depth=0)
+    assert pass_one_s(costs, resident) == 0.6 and pass_one_forwards(costs) == 6
+    streamed = OffloadPlan.uniform(3, "recompute", "stream", prefetch_depth=0)
+    f, w = 0.6 / 18, [x.weight_bytes / 20e9 for x in costs.layers]
+    # depth 0: a layer's weights come in once the previous layer's forward ends, and it waits for them
+    one = w[0] + f + w[1] + f + w[2] + f
+    assert pass_one_s(costs, streamed) == pytest.approx(6 * one)
+    unmeasured = dataclasses.replace(costs, pass1_s=0.0)  # pass 1 then waits for the weights alone
+    assert pass_one_s(unmeasured, streamed) == pytest.approx(6 * sum(w))
+    assert predict(costs, streamed).step_s - predict(unmeasured, streamed).step_s == pytest.approx(6 * one - 6 * sum(w))
+    r = random.Random(9)
+    for trial in range(12):
+        chunks = r.choice([2, 4])
+        chunked = random_table(3, seed=trial, chunks=chunks, micro_batches=chunks * r.choice([1, 2]),
+                               pass1_s=r.choice([0.05, 0.5]), h2d_bytes_per_s=r.choice([5e9, 50e9]), accumulates=True)
+        plan = OffloadPlan(layers=tuple(LayerPlan(*r.choice(CHOICES)) for _ in range(3)),
+                           prefetch_depth=r.choice([0, 1, 2]), optimizer=r.choice(["cpu", "gpu"]))
+        assert program_step_s(chunked, plan) == pytest.approx(predict(chunked, plan).step_s, rel=1e-7), plan
+
+
 def test_a_budget_no_plan_meets_names_the_option_and_the_smallest_that_works():
     costs = random_table(3, seed=11)
     least_gpu = min(predict(costs, p).gpu_peak_bytes for p in every_plan(3, (0,)))
@@ -528,10 +553,11 @@ def test_a_version_1_plan_reads_as_every_layers_states_on_the_host(tmp_path):
 # --- chunk-recurrent training -------------------------------------------------------------------
 
 
-def test_chunked_costs_add_pass_one_hold_the_pages_and_plan_resident_weights():
+def test_chunked_costs_add_pass_one_hold_the_pages_and_stream_weights_only_when_memory_asks():
     """A chunked table: pass 1 adds its seconds to the step and to the forward phase, the store's
     device pages add to the GPU peak, the program still encodes `predict` exactly, and the solver
-    keeps every layer's weights resident (streaming would come again for every chunk)."""
+    keeps every layer's weights resident when they fit (streamed ones come in again for every
+    chunk's forwards, pass 1's too, and backward)."""
     whole = random_table(3, seed=5, micro_batches=8)
     chunked = dataclasses.replace(whole, chunks=4, pass1_s=70 * MS, kv_gpu_bytes=3 * GiB, chunk_tokens=512,
                                   resident_pages=96)
@@ -548,6 +574,9 @@ def test_chunked_costs_add_pass_one_hold_the_pages_and_plan_resident_weights():
     assert any(lp.params == "stream" for lp in solve(whole, gpu, 100 * GiB, settings=SolverSettings(depths=(0,))).layers)
     made = solve(chunked, gpu + 3 * GiB + 8 * GiB, 100 * GiB, settings=SolverSettings(depths=(0,)))
     assert all(lp.params == "resident" for lp in made.layers)
+    tight = solve(chunked, gpu + 3 * GiB, 100 * GiB, settings=SolverSettings(depths=(0,)))
+    assert any(lp.params == "stream" for lp in tight.layers)
+    assert tight.predicted.step_s == pytest.approx(program_step_s(chunked, tight), rel=1e-6)
     assert (made.chunk_tokens, made.resident_pages) == (512, 96)
     assert made.predicted.step_s == pytest.approx(predict(chunked, made).step_s)
 

@@ -19,7 +19,7 @@ from student.planner.table import ChunkSeconds, CostTable, KVPages, LayerCosts
 
 # The cost table's types (student/planner/table.py) are named here too: the model's input.
 __all__ = ["PHASES", "LayerCosts", "ChunkSeconds", "KVPages", "CostTable", "predict", "kv_options", "kv_residency",
-           "kept_attention", "embedding_on_host", "with_layers"]
+           "kept_attention", "embedding_on_host", "with_layers", "pass_one_forwards", "pass_one_s"]
 
 
 # The phases of a step, in order, as `predict` returns them and OffloadRuntime.phase_s measures them:
@@ -97,9 +97,10 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
       when the compute queue is through, unless the next step's forward of a streamed host layer
       would wait for its copy out (its weights come in after it, and the layers before it take at
       least their forward time), which delays that step as much.
-    - Chunk-recurrent training: pass 1 (`pass1_s`, no-grad forwards, the weights resident) runs
-      before the chunks' forwards and backwards, which are the micro-batches above; the key/value
-      store's device bytes are held at the turnaround.
+    - Chunk-recurrent training: pass 1 (`pass_one_s`: no-grad forwards, measured with the weights
+      resident; a streamed layer waits for its weights as in the forward above) runs before the
+      chunks' forwards and backwards, which are the micro-batches above; the key/value store's
+      device bytes are held at the turnaround.
     - GPU peak: the larger of the turnaround (end of the forward) and the optimizer phase.
       Turnaround: static + weights of resident and kept layers + master, gradient and states of
       "gpu" layers (with one micro-batch the gradient in the working dtypes) + (d+1) buffers of the
@@ -197,8 +198,9 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
         updated += device_update
         last = max(micro_batch, updated, *[wb_end[i] + h2d(c[i].weight_bytes) - sum(x.forward_s for x in c[:i])
                                            for i in range(L) if on_host[i] and stream[i]])
-    step_s = (m - 1) * micro_batch + last + costs.pass1_s
-    phase_s = dict(forward=m * fwd_end[-1] + costs.pass1_s, head=m * costs.head_s, backward=m * (compute - fwd_end[-1] - costs.head_s),
+    pass1_s = pass_one_s(costs, plan)
+    step_s = (m - 1) * micro_batch + last + pass1_s
+    phase_s = dict(forward=m * fwd_end[-1] + pass1_s, head=m * costs.head_s, backward=m * (compute - fwd_end[-1] - costs.head_s),
                    grads=(m - 1) * (micro_batch - compute) + start - compute, clip=0.0, optimizer=updated - start,
                    refresh=last - updated)
 
@@ -206,6 +208,33 @@ def predict(costs: CostTable, plan: OffloadPlan) -> Predicted:
     layer_s = tuple(m * (c[i].forward_s + backward[i] + stall[i]) for i in range(L))
     return Predicted(step_s=step_s, gpu_peak_bytes=gpu_peak, host_peak_bytes=host_peak, layer_s=layer_s,
                      phase_s=phase_s)
+
+
+def pass_one_forwards(costs: CostTable) -> int:
+    """Chunk-recurrent training: the no-grad chunk forwards of pass 1 in a step (every chunk but the
+    last of each micro-batch); 0 for whole sequences."""
+    return costs.micro_batches - costs.micro_batches // costs.chunks
+
+
+def pass_one_s(costs: CostTable, plan: OffloadPlan) -> float:
+    """Pass 1's seconds under `plan` (predict's docstring): `pass_one_forwards` forwards, each from
+    empty queues (the runtime schedules each forward anew), each layer taking pass1_s spread evenly
+    over the forwards and layers and waiting for its streamed weights, which come in when the
+    forward of the layer `prefetch_depth` + 1 places before it ends. No copies out (nothing is kept
+    for a backward). With every layer's weights resident, pass1_s as measured. The even spread
+    underestimates the waits of the early chunks (fewer past pages, a shorter forward than the
+    mean) and overestimates the late ones'."""
+    n, L, d = pass_one_forwards(costs), len(costs.layers), plan.prefetch_depth
+    stream = [lp.params == "stream" for lp in plan.layers]
+    if n == 0 or not any(stream):
+        return costs.pass1_s
+    seconds = costs.pass1_s / (n * L)
+    copy_in, fwd_end = 0.0, [0.0] * L
+    for i in range(L):
+        issue = fwd_end[i - d - 1] if i - d - 1 >= 0 else 0.0
+        copy_in = max(copy_in, issue) + stream[i] * costs.layers[i].weight_bytes / costs.h2d_bytes_per_s
+        fwd_end[i] = max(fwd_end[i - 1] if i else 0.0, copy_in) + seconds
+    return n * fwd_end[-1]
 
 
 def _ring(costs: CostTable, plan: OffloadPlan, start: float, bwd_end: list[float], grad_end: list[float]

@@ -27,7 +27,8 @@ import numpy as np
 
 from distill.configs import ConfigError
 from distill.devices import resolve_device
-from student.planner.costs import PHASES, embedding_on_host, kept_attention, kv_options, kv_residency, predict
+from student.planner.costs import (PHASES, embedding_on_host, kept_attention, kv_options, kv_residency, pass_one_forwards,
+                                   predict)
 from student.planner.peaks import (backward_gpu_bytes, beside_backward, gpu_peak_terms, held_activation_bytes, in_turn,
                                    optimizer_slices, peaks, widened_host_bytes)
 from student.offload.config import format_bytes, parse_bytes
@@ -168,9 +169,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
     for i in range(L):
         prog.rows.append(({col: 1.0 for col in y[i]}, 1.0, 1.0))
         for col, (_, p, st) in zip(y[i], CHOICES):
-            # Chunk-recurrent training keeps the weights resident: streamed ones would come in again
-            # for every chunk's forward and backward, and pass 1's, which the model does not charge.
-            if st not in settings.states or (p == "stream" and costs.chunks > 1):
+            if st not in settings.states:
                 prog.rows.append(({col: 1.0}, 0.0, 0.0))
     pick = lambda i, scale, act=None, par=None, st=None: {
         y[i][j]: scale for j, (a, p, s) in enumerate(CHOICES) if act in (None, a) and par in (None, p) and st in (None, s)}
@@ -283,6 +282,20 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
         bus(WB, range(L), BE[0], lambda k: _add(ring_out(L - 1 - k, ms / costs.d2h_bytes_per_s),
                                                 ring_in(L - 1 - k, delay_out) if k >= R else {}))
     step = {T: (costs.micro_batches - 1) / ms, T2: 1.0 / ms}  # seconds
+    # Pass 1 (`pass_one_s`): its forwards from empty queues, a layer's seconds spread evenly, a
+    # streamed layer's weights coming in when the forward depth + 1 places before it ends.
+    n1 = pass_one_forwards(costs)
+    if n1:
+        P1, Y1 = [prog.var() for _ in range(L)], [prog.var() for _ in range(L)]
+        pass1 = const(costs.pass1_s / (n1 * L) * ms)
+        for i in range(L):
+            weights_in = pick(i, h2d(c[i].weight_bytes), par="stream")
+            prog.at_least(Y1[i], prev(Y1, i - 1), weights_in)
+            prog.at_least(Y1[i], prev(P1, i - d - 1), weights_in)
+            for before in (prev(P1, i - 1), Y1[i]):
+                prog.at_least(P1[i], before, pass1)
+        prog.objective[P1[-1]] += n1
+        step[P1[-1]] = n1 / ms
 
     # Memory (in units): the two GPU peaks of `peaks` and the host's.
     MW, MA = prog.var(), prog.var()
@@ -356,8 +369,8 @@ def solve_fixed(costs: CostTable, gpu_memory: int | None, host_memory: int | Non
     if result.x is None:
         return None
     plan = _plan_of(result.x, y, depth, optimizer)
-    step_s = sum(coef * result.x[col] for col, coef in step.items()) + costs.pass1_s
-    return ProgramResult(plan, step_s, result.fun / 1e3 + costs.pass1_s, optimal=result.status == 0)
+    step_s = sum(coef * result.x[col] for col, coef in step.items())
+    return ProgramResult(plan, step_s, result.fun / 1e3, optimal=result.status == 0)
 
 
 def program_step_s(costs: CostTable, plan: OffloadPlan) -> float:
@@ -370,7 +383,7 @@ def program_step_s(costs: CostTable, plan: OffloadPlan) -> float:
             prog.rows.append(({col: 1.0}, value, value))
     result = prog.solve(60.0, 0.0)
     assert result.status == 0, result.message
-    return sum(coef * result.x[col] for col, coef in step.items()) + costs.pass1_s
+    return sum(coef * result.x[col] for col, coef in step.items())
 
 
 def _plan_of(x, y, depth: int, optimizer: str) -> OffloadPlan:
@@ -413,10 +426,10 @@ def smallest_budget(costs: CostTable, which: str, other_budget: int | None, *, t
 def solve(costs: CostTable, gpu_memory: int, host_memory: int, *, time_limit_s: float = 60.0,
           settings: SolverSettings = SolverSettings()) -> OffloadPlan:
     """The plan of least predicted step time whose peaks fit `gpu_memory` and `host_memory` (bytes),
-    over every per-layer choice, the prefetch depths of `settings` and both optimizer sides (with
-    chunk-recurrent costs, resident weights only). The plan carries `predict`'s figures, the
-    budgets and the chunk engine's chunk size and key/value residency as in `costs`. A budget no plan meets raises BudgetError
-    naming the option and the smallest budget that one plan meets (under the other budget)."""
+    over every per-layer choice, the prefetch depths of `settings` and both optimizer sides. The plan
+    carries `predict`'s figures, the budgets and the chunk engine's chunk size and key/value
+    residency as in `costs`. A budget no plan meets raises BudgetError naming the option and the
+    smallest budget that one plan meets (under the other budget)."""
     runs = [(d, side) for d in settings.depths for side in OPTIMIZER_SIDES]
     best = None
     for d, side in runs:
