@@ -10,7 +10,7 @@ the device is CUDA):
   forward   the rows of the batch's tokens are gathered on the host from the fp32 master and
             copied to the device: the values the device's gather gives. The token ids come to the
             host once per micro-batch (the chunks of the long-context engine are views of one
-            device tensor, copied whole at its first chunk: one host sync, not one a chunk).
+            device storage, copied whole at its first chunk: one host sync, not one a chunk).
   backward  the rows' gradient goes to the host (on the compute stream, into pinned memory) and is
             summed there, once the copy is done, into the fp32 gradient buffer: per distinct token,
             its rows in the order of the tokens, then added to the buffer, the additions torch's
@@ -36,18 +36,18 @@ __all__ = ["HostEmbedding"]
 
 
 class _Gather(torch.autograd.Function):
-    """The embedding's forward on the host (`HostEmbedding._gather`) as one autograd node; its
+    """The embedding's forward on the host (`HostEmbedding.gather`) as one autograd node; its
     backward hands the rows' gradient to the owner and gives the parameter none (the owner keeps
     the sum)."""
 
     @staticmethod
     def forward(ctx, weight, ids, owner):
         ctx.ids, ctx.owner = ids, owner
-        return owner._gather(ids)
+        return owner.gather(ids)
 
     @staticmethod
     def backward(ctx, dy):
-        ctx.owner._add_grad(ctx.ids, dy)
+        ctx.owner.add_grad(ctx.ids, dy)
         return None, None, None
 
 
@@ -68,7 +68,7 @@ class HostEmbedding:
         self.param.data = self.master
         self._touched: torch.Tensor | None = None  # the rows with gradient this step (sorted), None: none yet
         self._pending: list[tuple] = []  # backward copies not summed yet: (event or None, rows, inverse, host rows' gradient)
-        self._ids: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (device ids, their host copy)
+        self._ids: tuple = (None, None)  # (the device storage of the last ids, its host copy)
         self._homes: dict[str, torch.Tensor] = {}  # optimizer state key -> its host buffer
         self._written = None  # CUDA event: the last update's copies back to the host are done
 
@@ -79,28 +79,32 @@ class HostEmbedding:
         ids = self._host_ids(input_ids)
         if torch.is_grad_enabled():
             return _Gather.apply(self.param, ids, self)
-        return self._gather(ids)
+        return self.gather(ids)
 
     def _host_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The ids on the host. A view of a contiguous device tensor (a chunk of the micro-batch) is
-        read from one host copy of that tensor, made at its first use."""
+        """The ids on the host, read from one host copy of the device storage they are a view of (a
+        chunk of the micro-batch's ids), made at the first view of that storage: one host sync a
+        micro-batch. The storage is held until another one comes, so no other tensor is allocated
+        at its address meanwhile; ids written in place into a storage already copied would not be
+        seen (the engine and the trainer copy each micro-batch's ids to the device anew)."""
         if input_ids.device.type == "cpu":
             return input_ids
-        base = input_ids if input_ids._base is None else input_ids._base
-        if not base.is_contiguous():
-            return input_ids.cpu()
-        if self._ids[0] is not base:
-            self._ids = (base, base.cpu())
-        return self._ids[1].as_strided(input_ids.shape, input_ids.stride(),
-                                       input_ids.storage_offset() - base.storage_offset())
+        storage = input_ids.untyped_storage()
+        held, host = self._ids
+        if held is None or held.data_ptr() != storage.data_ptr() or held.nbytes() != storage.nbytes():
+            whole = torch.empty(0, dtype=input_ids.dtype, device=input_ids.device).set_(storage)
+            held, host = storage, whole.cpu()
+            self._ids = (held, host)
+        return host.as_strided(input_ids.shape, input_ids.stride(), input_ids.storage_offset())
 
-    def _gather(self, ids: torch.Tensor) -> torch.Tensor:
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of `ids` (host) from the master, on the device."""
         self._wait_written()
         rows = torch.empty((*ids.shape, self.width), dtype=torch.float32, pin_memory=self.cuda)
         torch.index_select(self.master, 0, ids.reshape(-1), out=rows.view(-1, self.width))
         return rows.to(self.device, non_blocking=True)
 
-    def _add_grad(self, ids: torch.Tensor, dy: torch.Tensor) -> None:
+    def add_grad(self, ids: torch.Tensor, dy: torch.Tensor) -> None:
         """The backward of one gather: its rows' gradient to the host, summed once there."""
         rows, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
         dy = dy.reshape(-1, self.width)

@@ -324,11 +324,10 @@ def embedding_on_host(costs: CostTable) -> CostTable:
     h2d = lambda n: n / costs.h2d_bytes_per_s
     d2h = lambda n: n / costs.d2h_bytes_per_s
     rows = costs.layers[0].boundary_bytes  # a micro-batch's embedding output: layer 0's input
-    per_step = costs.micro_batches // costs.chunks  # grad_accum
     update = h2d(E + S + min(E, costs.micro_batches * rows)) + d2h(E + S)
     return replace(costs, static_gpu_bytes=costs.static_gpu_bytes - 2 * E - S, late_grad_bytes=0,
                    static_host_bytes=costs.static_host_bytes + 2 * E + S, head_s=costs.head_s + h2d(rows) + d2h(rows),
-                   pass1_s=costs.pass1_s + (costs.micro_batches - per_step) * h2d(rows),
+                   pass1_s=costs.pass1_s + pass_one_forwards(costs) * h2d(rows),
                    static_update_s=costs.static_update_s + update, embedding="host")
 
 

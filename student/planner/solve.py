@@ -168,7 +168,7 @@ def _build(costs: CostTable, depth: int, optimizer: str, settings: SolverSetting
     y = [[prog.var(binary=True, cost=tie(*k) * settings.tie_break_s * ms) for k in CHOICES] for _ in range(L)]
     for i in range(L):
         prog.rows.append(({col: 1.0 for col in y[i]}, 1.0, 1.0))
-        for col, (_, p, st) in zip(y[i], CHOICES):
+        for col, (_, _, st) in zip(y[i], CHOICES):
             if st not in settings.states:
                 prog.rows.append(({col: 1.0}, 0.0, 0.0))
     pick = lambda i, scale, act=None, par=None, st=None: {
