@@ -87,9 +87,7 @@ class HostEmbedding:
         micro-batch. The storage is held until another one comes, so no other tensor is allocated
         at its address meanwhile; ids written in place into a storage already copied would not be
         seen (the engine and the trainer copy each micro-batch's ids to the device anew)."""
-        if input_ids.device.type == "cpu":
-            return input_ids
-        storage = input_ids.untyped_storage()
+        storage = input_ids.untyped_storage()  # on a CPU device the copy is the storage itself
         held, host = self._ids
         if held is None or held.data_ptr() != storage.data_ptr() or held.nbytes() != storage.nbytes():
             whole = torch.empty(0, dtype=input_ids.dtype, device=input_ids.device).set_(storage)
