@@ -251,16 +251,18 @@ def test_a_checkpoint_right_after_an_offloaded_step_has_the_updated_masters(smal
     step); the trainer's checkpoint after the last step waits for them: it holds the final weights."""
     from student.checkpoint import latest_checkpoint, load_checkpoint
 
-    out = tmp_path / "run"
-    train(config(small, out, device="cuda", steps=2, save_every=1, eval_every=0,
-                 offload=plan_file(tmp_path / "plan.json", *PLANS["streamed-gpu"])), progress=False)
-    model = Student.from_pretrained(small[0])
-    load_checkpoint(latest_checkpoint(out), model)
-    final = Student.from_pretrained(out / "student").state_dict()
-    assert all(torch.equal(v.float(), final[k].float()) for k, v in model.state_dict().items())
+    for name in ("streamed-gpu", "embedding-gpu"):  # the input embedding's copies home are in flight too
+        out = tmp_path / name
+        train(config(small, out, device="cuda", steps=2, save_every=1, eval_every=0,
+                     offload=plan_file(tmp_path / f"{name}.json", *PLANS[name])), progress=False)
+        model = Student.from_pretrained(small[0])
+        load_checkpoint(latest_checkpoint(out), model)
+        final = Student.from_pretrained(out / "student").state_dict()
+        assert all(torch.equal(v.float(), final[k].float()) for k, v in model.state_dict().items()), name
 
 
-@pytest.mark.parametrize("killed, resumed", [("mixed-gpu", "none"), ("none", "mixed-cpu")])
+@pytest.mark.parametrize("killed, resumed", [("mixed-gpu", "none"), ("none", "mixed-cpu"),
+                                             ("embedding-gpu", "embedding-cpu")])
 def test_killed_run_resumes_with_or_without_offload(small, tmp_path, tmp_path_factory, killed, resumed):
     """Killed (SIGKILL) after step 5 with a checkpoint at 4; the rerun, with the
     other offload setting (a change a run may make: the checkpoint format is the same), resumes at
