@@ -184,18 +184,22 @@ def test_the_cost_table_accumulates_as_the_runtime_does_even_at_one_chunk(small,
     assert not profile(whole).accumulates and not steps_accumulate(whole)
 
 
-def test_the_cost_table_measures_the_untied_input_embedding_a_plan_may_keep_on_the_host(small, tmp_path):  # noqa: F811
-    """Its fp32 master's bytes, and its optimizer states' as the optimizer makes them (its share of
-    the static states, within the 8-bit blocks' scales)."""
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "foam"])
+def test_the_cost_table_measures_the_untied_input_embedding_a_plan_may_keep_on_the_host(small, tmp_path,  # noqa: F811
+                                                                                        optimizer):
+    """Its fp32 master's bytes, and its optimizer states' as the optimizer makes them (FOAM keeps an
+    embedding in plain Adam, unlike the head)."""
     from student.optim.build import build_optimizer
     from student.planner.profile import profile
 
-    cfg = config(small, tmp_path / "a", grad_accum=1, optimizer="adamw8bit")
+    cfg = config(small, tmp_path / "a", grad_accum=1, optimizer=optimizer)
     costs = profile(cfg)
-    weight = Student.from_pretrained(small[0]).embed_tokens.weight
+    student = Student.from_pretrained(small[0])
+    weight = student.embed_tokens.weight
     assert costs.embedding_bytes == weight.numel() * 4 and costs.embedding == "gpu"
-    optimizer = build_optimizer(torch.nn.ParameterList([weight]), cfg.optim, "cpu")
-    weight.grad = torch.ones_like(weight)
+    optimizer = build_optimizer(student, cfg.optim, "cpu")  # as the trainer builds it: FOAM knows an embedding by its module
+    for p in student.parameters():
+        p.grad = torch.ones_like(p)
     optimizer.step()
     states = sum(v.nbytes for v in optimizer.state[weight].values() if isinstance(v, torch.Tensor))
-    assert costs.embedding_state_bytes == pytest.approx(states, rel=0.02)
+    assert costs.embedding_state_bytes == states > 0

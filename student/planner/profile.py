@@ -106,7 +106,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     # The optimizer as the trainer builds it for this device, wherever its parameters are: on a GPU
     # run torch's AdamW is the fused one, and so is its update of the layers in host memory.
     build = lambda module: build_optimizer(module, config.optim, device)
-    gpu_update_s, states = _update_seconds(model.layers[0], build, device, settings)
+    gpu_update_s, states, _ = _update_seconds(model.layers[0], build, device, settings)
     # On the CPU the update also casts the layer's matrices to its staging copy (the runtime's refresh).
     cpu_update_s = _update_seconds(model.layers[0], build, "cpu", settings, cast_to=amp)[0] if cuda else gpu_update_s
     numel0 = sum(p.numel() for p in model.layers[0].parameters())
@@ -121,12 +121,14 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
                                  update_cpu_s=cpu_update_s * share, chunk=chunk))
     static = torch.nn.ModuleDict({name: getattr(model, name) for name in ("embed_tokens", "norm", "lm_head")
                                   if getattr(model, name) is not None})
-    static_update_s, static_states = _update_seconds(static, build, device, settings, copy_first=False)
+    # The untied input embedding, which a plan may keep in host memory, and its own states (FOAM,
+    # say, keeps an embedding in plain Adam and folds the head).
+    weight = model.embed_tokens.weight
+    static_update_s, static_states, embedding_states = _update_seconds(static, build, device, settings,
+                                                                       copy_first=False, of=weight)
     static_params = sum(p.numel() * p.element_size() for p in static.parameters())
-    # The untied input embedding, which a plan may keep in host memory: its share of the states by
-    # its share of the static parameters (the 8-bit and fp32 moments are per element).
-    embedding = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size() if model.lm_head is not None else 0
-    embedding_states = int(static_states * embedding / static_params)
+    embedding = weight.numel() * weight.element_size() if model.lm_head is not None else 0
+    embedding_states = embedding_states if embedding else 0
     h2d, d2h, h2d_duplex, d2h_duplex, latency = _bandwidths(device, settings)
     kv = _kv_pages(model, config, batches[0].input_ids.shape, amp) if chunks > 1 else None
     kv_gpu, kv_host, resident_pages = kv.bytes() if kv is not None else (0, 0, None)
@@ -478,10 +480,11 @@ def _measure_layers(model, batch, config, amp, settings: ProfileSettings, cache_
 
 
 def _update_seconds(module, build, device: str, settings: ProfileSettings, copy_first: bool = True,
-                    cast_to=None) -> tuple[float, int]:
+                    cast_to=None, of=None) -> tuple[float, int, int]:
     """(seconds of one optimizer update of `module`'s fp32 parameters on `device`, by the optimizer
     `build(module)` makes, then a cast of its matrices into a staging copy of dtype `cast_to` if
-    given, as OffloadRuntime's refresh casts them; the optimizer's state bytes after it): the first
+    given, as OffloadRuntime's refresh casts them; the optimizer's state bytes after it; those of
+    the parameter `of` alone, one of `module`'s when `copy_first` is False, else 0): the first
     update (which creates the states) is not timed."""
     module = copy.deepcopy(module).to(device=device, dtype=torch.float32) if copy_first else module
     optimizer = build(module)
@@ -499,9 +502,10 @@ def _update_seconds(module, build, device: str, settings: ProfileSettings, copy_
 
     seconds = [_timed(device, update)[0] for _ in range(settings.repeats + 1)][1:]
     states = state_bytes(optimizer)
+    own = sum(v.nbytes for v in optimizer.state[of].values() if isinstance(v, torch.Tensor)) if of is not None else 0
     for p in module.parameters():
         p.grad = None
-    return sorted(seconds)[len(seconds) // 2], states
+    return sorted(seconds)[len(seconds) // 2], states, own
 
 
 def _bandwidths(device: str, settings: ProfileSettings) -> tuple[float, float, float, float, float]:
