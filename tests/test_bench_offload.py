@@ -167,3 +167,16 @@ def test_a_budget_no_plan_meets_is_a_row_of_the_smallest_budget_and_what_holds_i
     peak = max(sum(terms.values()) for terms in f["least_gpu_peak_terms"].values())
     assert 10**6 < peak <= f["smallest_gpu_bytes"]
     assert none["figures"]["oom"] is False
+
+
+def test_one_profiled_layer_predicts_the_whole_step(tmp_path, monkeypatch):
+    """--num-layers 1 --predict-layers N: beside the one-layer row, the planner's prediction of the
+    step with N such layers under the same budgets (`whole_step`), slower than the one layer's."""
+    monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
+    rows = bench.main([*SMOKE, "--seq-len", "256", "--chunk-tokens", "64", "--num-layers", "1", "--predict-layers", "6",
+                       "--variants", "planned", "--check-layers", "0", "--results", str(tmp_path / "results.jsonl")])
+    figures = rows[0]["figures"]
+    whole = figures["whole_step"]
+    assert whole["layers"] == 6 and whole["fits"] is True and whole["embedding"] in ("gpu", "host")
+    assert whole["step_s"] > figures["predicted_step_s"] > 0
+    assert whole["gpu_peak_bytes"] >= figures["predicted_gpu_peak_bytes"]

@@ -527,8 +527,9 @@ def choose_chunks(tables: dict[int, CostTable], gpu_memory: int, host_memory: in
 
 
 def embedding_homes(costs: CostTable) -> list[CostTable]:
-    """`costs`, and for an untied input embedding the same with it in host memory (`embedding_on_host`)."""
-    return [costs, embedding_on_host(costs)] if costs.embedding_bytes else [costs]
+    """`costs`, and for an untied input embedding on the GPU the same with it in host memory
+    (`embedding_on_host`)."""
+    return [costs, embedding_on_host(costs)] if costs.embedding_bytes and costs.embedding == "gpu" else [costs]
 
 
 def fastest(priced: list[CostTable], gpu_memory: int, host_memory: int, *, time_limit_s: float = 60.0,

@@ -210,17 +210,19 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
 
 def whole_step(costs, plan: OffloadPlan, layers: int) -> dict:
     """The planner's prediction of the step with `layers` decoder layers like the profiled ones
-    (`with_layers`), under the plan's budgets: its step seconds and GPU and host peaks, or where no
-    plan fits the host budget, the least host memory a plan needs (`smallest_budget`, pass 1
-    keeping no attention output) and that plan's figures."""
+    (`with_layers`), under the plan's budgets, the input embedding where it fits best
+    (`embedding_homes`): its step seconds and GPU and host peaks, or where no plan fits the host
+    budget, the least host memory a plan needs (`smallest_budget`, pass 1 keeping no attention
+    output) and that plan's figures."""
     from student.planner.costs import kept_attention, with_layers
-    from student.planner.solve import smallest_budget, solve_kept
+    from student.planner.solve import embedding_homes, fastest, smallest_budget, solve_kept
 
     table = with_layers(costs, layers)
     try:
-        p = solve_kept(table, plan.gpu_memory, plan.host_memory)[0].predicted
+        found, _ = fastest(embedding_homes(table), plan.gpu_memory, plan.host_memory)
+        p = found.predicted
         return {"layers": layers, "fits": True, "step_s": p.step_s, "gpu_peak_bytes": p.gpu_peak_bytes,
-                "host_peak_bytes": p.host_peak_bytes}
+                "host_peak_bytes": p.host_peak_bytes, "embedding": found.embedding}
     except BudgetError as e:
         if e.field != "host_memory":
             return {"layers": layers, "fits": False, "error": str(e)}
