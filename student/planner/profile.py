@@ -123,12 +123,11 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
                                   if getattr(model, name) is not None})
     # The untied input embedding, which a plan may keep in host memory, and its own states (FOAM,
     # say, keeps an embedding in plain Adam and folds the head).
-    weight = model.embed_tokens.weight
+    weight = model.embed_tokens.weight if model.lm_head is not None else None
     static_update_s, static_states, embedding_states = _update_seconds(static, build, device, settings,
                                                                        copy_first=False, of=weight)
     static_params = sum(p.numel() * p.element_size() for p in static.parameters())
-    embedding = weight.numel() * weight.element_size() if model.lm_head is not None else 0
-    embedding_states = embedding_states if embedding else 0
+    embedding = weight.numel() * weight.element_size() if weight is not None else 0
     h2d, d2h, h2d_duplex, d2h_duplex, latency = _bandwidths(device, settings)
     kv = _kv_pages(model, config, batches[0].input_ids.shape, amp) if chunks > 1 else None
     kv_gpu, kv_host, resident_pages = kv.bytes() if kv is not None else (0, 0, None)

@@ -25,7 +25,8 @@ def plan_table(plan: OffloadPlan, costs: CostTable, device: str = "cuda") -> str
     gpu = "device" if device == "cpu" else "GPU"
     size = lambda n: format_bytes(n) if n else "-"
     update_on = {"gpu": gpu, "cpu": "host" if device == "cpu" else "CPU"}[plan.optimizer]
-    embedding = "" if not costs.embedding_bytes else f", input embedding on the {gpu if plan.embedding == 'gpu' else 'host'}"
+    home = gpu if plan.embedding == "gpu" else "host"
+    embedding = f", input embedding on the {home}" if costs.embedding_bytes else ""
     table = Table(title=f"offload plan: prefetch depth {plan.prefetch_depth}, optimizer update on the "
                         f"{update_on}, {costs.micro_batches} micro-batch(es) a step{embedding}")
     for column in ("layer", "activation", "params", "states", "weights", "input", "kept for backward", "predicted"):
@@ -96,7 +97,8 @@ def _choices_table(plan: OffloadPlan, gpu: str):
         table.add_row(str(c.chunk_tokens), f"offloaded, sets of {c.offload_pages}" if c.kv_offload else "resident",
                       "-" if c.resident_pages is None else str(c.resident_pages),
                       "all" if c.keep_attention_chunks is None else f"last {c.keep_attention_chunks}",
-                      gpu if c.embedding == "gpu" else "host", f"{c.step_s * 1e3:.2f} ms" if fits else "-", format_bytes(c.gpu_peak_bytes) if fits else "-",
+                      gpu if c.embedding == "gpu" else "host", f"{c.step_s * 1e3:.2f} ms" if fits else "-",
+                      format_bytes(c.gpu_peak_bytes) if fits else "-",
                       format_bytes(c.host_peak_bytes) if fits else "-",
                       "chosen" if c is chosen else ("" if fits else "does not fit"))
     return table
