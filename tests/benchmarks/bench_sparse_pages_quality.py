@@ -66,7 +66,8 @@ def variant_parser(args):
     {..., "sparse_pages": 8, "seed": 1}). Every variant gets the same shared settings, so only the
     attention (and the seed) differs."""
     shared = {"seq_len": args.train_seq_len, "num_layers": args.num_layers, "batch_size": args.batch_size, "heldout": args.heldout,
-              "warmup_steps": args.warmup_steps, "save_every": args.steps, "log_every": 1}
+              "warmup_steps": args.warmup_steps, "save_every": args.steps, "log_every": 1,
+              **({} if args.lr is None else {"lr": args.lr})}
     chunked = {"chunk_tokens": args.chunk_tokens, "page_tokens": args.page_tokens}
 
     def parse(spec: str) -> tuple[str, dict]:
@@ -271,6 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--num-layers", type=int, default=4, help="layers the student keeps of the teacher")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--warmup-steps", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=None,
+                    help="peak learning rate of every variant (default: the recipe's); small when the student "
+                         "starts converged (--num-layers of all the teacher's layers: the teacher itself)")
     ap.add_argument("--chunk-tokens", type=int, default=128)
     ap.add_argument("--page-tokens", type=int, default=16)
     args = ap.parse_args(argv)
