@@ -41,7 +41,8 @@ except ImportError:  # the torch path needs no Triton
     triton = None
 
 __all__ = ["AdamW8bitLaunch", "AdamW8bitStepSettings", "adamw8bit_launch_key", "adamw8bit_step",
-           "adamw8bit_step_torch", "adamw_step_scalars", "dequantize_blockwise", "dynamic_code", "quantize_blockwise"]
+           "adamw8bit_step_torch", "adamw_step_scalars", "dequantize_blockwise", "dynamic_code", "nearest_code",
+           "quantize_blockwise"]
 
 
 def _nextis_power_of_two(value: int) -> int:
@@ -116,25 +117,57 @@ def _padded_blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
     return flat.view(-1, block_size)
 
 
+_NEAREST: dict[tuple[bool, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _nearest_tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lookup `nearest_code` reads, by the top 16 bits of an fp32 value (sign, exponent and 7
+    mantissa bits; a "prefix", offset by 2^15 to index from 0): (below uint8 [2^16], the number of
+    midpoints below every value of the prefix; next fp32 [2^16], the first midpoint at or above the
+    prefix's least value, +inf where none). No prefix's values straddle two midpoints (checked here:
+    in [0.5, 1), where prefixes are widest, they span 2^-8 and the midpoints lie 0.9 / 2^7 apart),
+    so a value's count of midpoints below it is below + (value > next)."""
+    key = (signed, device)
+    if key not in _NEAREST:
+        _, midpoints = _code_and_midpoints(signed, torch.device("cpu"))
+        low = torch.arange(-2**15, 2**15, dtype=torch.int32) << 16
+        ends = (low.view(torch.float32), (low | 0xFFFF).view(torch.float32))  # a prefix's first and last value
+        least, most = torch.minimum(*ends), torch.maximum(*ends)
+        finite = least.isfinite() & most.isfinite()
+        least, most = torch.where(finite, least, 0.0), torch.where(finite, most, 0.0)
+        below = torch.bucketize(least, midpoints)  # midpoints < least
+        assert int((torch.bucketize(most, midpoints, right=True) - below).max()) <= 1, "a prefix holds two midpoints"
+        next_midpoint = torch.cat([midpoints, torch.tensor([math.inf])])[below]
+        _NEAREST[key] = below.to(torch.uint8).to(device), next_midpoint.to(device)
+    return _NEAREST[key]
+
+
+def nearest_code(normed: torch.Tensor, signed: bool) -> torch.Tensor:
+    """uint8 index of the code value nearest each element of `normed` (fp32 in [-1, 1], or [0, 1]
+    unsigned; ties to the lower code): torch.bucketize(normed, midpoints) exactly, by two table
+    reads a value (`_nearest_tables`) instead of a binary search over the 254 or 255 midpoints."""
+    below, next_midpoint = _nearest_tables(signed, normed.device)
+    prefix = (normed.view(torch.int32) >> 16).long().add_(2**15)
+    return torch.take(below, prefix).add_(torch.take(next_midpoint, prefix) < normed)
+
+
 def quantize_blockwise(x: torch.Tensor, block_size: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x (float, any shape, n elements) -> (codes uint8 [n], absmax fp32 [ceil(n / block_size)]).
 
     Each element maps to the nearest code value of x / absmax(its block); an all-zero block keeps
     absmax 0 and decodes to zeros. Unsigned codes clamp negative inputs to 0.
     """
-    code, midpoints = _code_and_midpoints(signed, x.device)
     blocks = _padded_blocks(x.reshape(-1).float(), block_size)
-    absmax = blocks.abs().amax(dim=1)
+    absmax = torch.linalg.vector_norm(blocks, ord=math.inf, dim=1)  # the largest |x| of a block
     normed = (blocks / torch.where(absmax > 0, absmax, 1.0)[:, None]).clamp_(-1.0 if signed else 0.0, 1.0)
-    codes = torch.bucketize(normed, midpoints).to(torch.uint8)
-    return codes.view(-1)[: x.numel()], absmax
+    return nearest_code(normed, signed).view(-1)[: x.numel()], absmax
 
 
 def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, block_size: int,
                          signed: bool) -> torch.Tensor:
     """(codes uint8 [n], absmax fp32 [num_blocks]) -> fp32 [n]."""
     code, _ = _code_and_midpoints(signed, codes.device)
-    values = _padded_blocks(code[codes.long()], block_size) * absmax[:, None]
+    values = _padded_blocks(torch.take(code, codes.long()), block_size) * absmax[:, None]
     return values.view(-1)[: codes.numel()]
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels.adamw8bit_step import (AdamW8bitStepSettings, adamw8bit_launch_key, adamw8bit_step, adamw_step_scalars,
-                                    dequantize_blockwise, dynamic_code, quantize_blockwise)
+                                    dequantize_blockwise, dynamic_code, nearest_code, quantize_blockwise)
 from student.config import StudentConfig
 from student.model import Student
 from student.optim.adam8bit import AdamW8bit, adam8bit_state_bytes_formula
@@ -115,6 +115,26 @@ def test_round_trip_is_nearest_code_within_decade_error(signed, numel, block_siz
         sl = slice(block * block_size, (block + 1) * block_size)
         top = x[sl].abs().argmax()
         assert decoded[sl][top] == x[sl][top]
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_nearest_code_is_bucketize_over_every_prefix_and_midpoint(signed):
+    """The table lookup against torch.bucketize over the midpoints (the rule it replaces): within one
+    16-bit prefix the count of midpoints below a value changes at most once, at a midpoint, so the
+    prefixes' first and last values of [-1, 1] and every midpoint with its neighbouring floats
+    cover every case; random values besides."""
+    code = dynamic_code(signed)
+    midpoints = (code[1:] + code[:-1]) / 2
+    low = torch.arange(-2**15, 2**15, dtype=torch.int32) << 16
+    ends = torch.cat([low.view(torch.float32), (low | 0xFFFF).view(torch.float32)])
+    up, down = torch.tensor(2.0), torch.tensor(-2.0)
+    x = torch.cat([ends, midpoints, midpoints.nextafter(up), midpoints.nextafter(down),
+                   torch.rand(100_000, generator=torch.Generator().manual_seed(0)) * 2 - 1,
+                   torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-38, 1e-45])])
+    x = x[x.isfinite()].clamp(-1.0 if signed else 0.0, 1.0)
+    got = nearest_code(x, signed)
+    assert got.dtype == torch.uint8
+    assert torch.equal(got.long(), torch.bucketize(x, midpoints))
 
 
 def test_zero_blocks_and_tail_decode_to_zero():

@@ -8,6 +8,11 @@ Triton step and its torch path; plus global-norm clipping, torch's against ours.
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python tests/benchmarks/bench_optimizer_step_gpu.py \
         --device cpu --shape tiny --repeats 2 --results /tmp/optimizer_step.jsonl
 
+    # the update an offload plan runs on the host (plan.optimizer "cpu"): one Qwen2.5-7B layer,
+    # torch's AdamW against 8-bit AdamW's torch path, on the CPU
+    PYTHONPATH=$PWD python tests/benchmarks/bench_optimizer_step_gpu.py --device cpu \
+        --shape qwen2.5-7b-layer --variants torch-adamw-fused,torch-adamw-foreach,adamw8bit-torch --repeats 3
+
 fp32 parameters and gradients (the trainer keeps fp32 master weights), random gradients, the
 trainer's groups (weight decay 0.1 on matrices). Before anything is timed, one step of every
 variant from the same parameters and gradients (at CHECK_LR) is checked against its reference (the Triton steps
@@ -18,7 +23,7 @@ them, the states included by then). GB/s counts the fewest bytes a step must mov
 written and grads read once (3 x 4 B per parameter) plus every state byte read and written once;
 clipping reads the grads twice and writes them once. `copy_fraction` is that against the device's
 copy ceiling (harness.ceilings()). One row per variant, bench "optimizer_step",
-case "<shape>/<variant>".
+case "<shape>/<variant>" ("cpu/<shape>/<variant>" on a CPU).
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ SHAPES = {
     "qwen2-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                        num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, tie_word_embeddings=True,
                        attention_bias=True),
+    # one decoder layer of Qwen2.5-7B (233M parameters), the unit an offload plan updates; a token
+    # table of 64 rows beside it
+    "qwen2.5-7b-layer": dict(model_type="qwen2", vocab_size=64, hidden_size=3584, intermediate_size=18944,
+                             num_layers=1, num_heads=28, num_kv_heads=4, head_dim=128, tie_word_embeddings=False,
+                             attention_bias=True),
     # the script's CPU smoke test (odd sizes, so the 8-bit blocks and FOAM's folds have tails)
     "tiny": dict(model_type="qwen2", vocab_size=301, hidden_size=72, intermediate_size=100, num_layers=2,
                  num_heads=6, num_kv_heads=2, head_dim=12, tie_word_embeddings=True, attention_bias=True),
@@ -115,13 +125,21 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-0.5b")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test (Triton steps need "
                                                     "TRITON_INTERPRET=1 there)")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated variants to check and time (default: all); a checked variant's "
+                         "reference runs too, untimed unless named")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
     add_results_arg(ap)
     args = ap.parse_args()
     on_gpu = args.device.startswith("cuda")
-    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        ap.error("--device cpu runs the Triton steps in Triton's interpreter: set TRITON_INTERPRET=1")
+    every = variants(None, [], LR)
+    chosen = list(every) if args.variants is None else args.variants.split(",")
+    if unknown := sorted(set(chosen) - set(every)):
+        ap.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(every)}")
+    if not on_gpu and any("triton" in name for name in chosen) and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("--device cpu runs the Triton steps in Triton's interpreter: set TRITON_INTERPRET=1, "
+                 "or leave them out of --variants")
     results = Results(bench="optimizer_step", path=args.results)
     timer = (lambda fn: time_gpu(fn, warmup=args.warmup, repeats=args.repeats)) if on_gpu else (
         lambda fn: time_cpu(fn, warmup=1, repeats=args.repeats))
@@ -141,11 +159,11 @@ def main() -> None:
     checked = variants(model, params, CHECK_LR)
     errors = {}
     for ref_name, (make_ref, parent) in checked.items():
-        if parent is not None:
+        if parent is not None or not any(checked[name][1] == ref_name for name in chosen):
             continue
         want = one_step(make_ref, params, start, grads)
         for name, (make, ref) in checked.items():
-            if ref == ref_name:
+            if ref == ref_name and name in chosen:
                 errors[name] = check_variant(name, one_step(make, params, start, grads), want)
         del want
     for p, g in zip(params, grads):
@@ -154,20 +172,22 @@ def main() -> None:
     clip_err = check_close("clip norm", clip_grad_norm_foreach(params, 1e9), clip_ref, atol=0.0, rtol=1e-5)
 
     fused_ms = None
+    prefix = "" if on_gpu else "cpu/"
     for name, (make, _) in variants(model, params, LR).items():
-        if name == "torch-adamw-single":
+        if name == "torch-adamw-single" or name not in chosen:
             continue
         opt = make()
         timing = timer(opt.step)
         state = state_bytes(opt)
-        fused_ms = fused_ms or timing.median_ms
+        fused_ms = timing.median_ms if name == "torch-adamw-fused" else fused_ms  # timed first when chosen
         moved = 3 * 4 * num_params + 2 * state
-        figures = {**timing.figures(), "x_fused_adamw": timing.median_ms / fused_ms,
-                   "gbps": gbps(moved, timing.median_ms), "state_gib": state / 2**30,
+        figures = {**timing.figures(), "gbps": gbps(moved, timing.median_ms), "state_gib": state / 2**30,
                    "check_max_err": errors.get(name, 0.0)}
+        if fused_ms is not None:
+            figures["x_fused_adamw"] = timing.median_ms / fused_ms
         if copy_gbps:
             figures["copy_fraction"] = figures["gbps"] / copy_gbps
-        results.add(f"{args.shape}/{name}", figures, config)
+        results.add(f"{prefix}{args.shape}/{name}", figures, config)
         del opt
         if on_gpu:
             torch.cuda.empty_cache()
@@ -178,7 +198,7 @@ def main() -> None:
                    "check_max_err": clip_err if name == "clip-ours" else 0.0}
         if copy_gbps:
             figures["copy_fraction"] = figures["gbps"] / copy_gbps
-        results.add(f"{args.shape}/{name}", figures, config)
+        results.add(f"{prefix}{args.shape}/{name}", figures, config)
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ SECTIONS: tuple[Section, ...] = (
         "quickstart student, 80 steps; H200: SmolLM2-135M shape, 300; lr 1e-3 unless named.",
         tables=(
             Table(
-                ("optimizer_step/*torch-adamw*", "optimizer_step/*-triton@*"),
+                ("optimizer_step/qwen2-0.5b/*torch-adamw*", "optimizer_step/qwen2-0.5b/*-triton@*"),
                 (label("optimizer", variant), fig("step ms", "median_ms", "{:.2f}"),
                  fig("x fused AdamW", "x_fused_adamw", "{:.2f}"),
                  with_ratio("GB/s (of copy ceiling)", "gbps", "copy_fraction", "{:,.0f}", "{:.2f}"),
