@@ -42,6 +42,14 @@ def test_tiny_run_checks_then_appends_one_row_per_variant_and_plots(tmp_path, mo
     assert (out / "sparse_pages_quality.png").stat().st_size > 0
     assert (out / "cache_L96_n3" / "manifest.json").exists() and results["seq_len"] == 80
     assert all(row["config"]["overrides"]["seq_len"] == 80 for row in rows.values())
+    # --resume keeps the finished runs of the same settings (not trained again: the same wall time)
+    # and trains the new one.
+    again = bench.main([*SMOKE, "--variants", "dense,sparse:1,sparse:2", "--out", str(out), "--results",
+                        str(tmp_path / "again.jsonl"), "--resume"])["runs"]
+    assert list(again) == ["dense", "sparse_1", "sparse_2"]
+    for name in ("dense", "sparse_1"):
+        assert again[name]["seconds"] == runs[name]["seconds"] and again[name]["eval"] == runs[name]["eval"]
+    assert again["sparse_2"]["overrides"]["sparse_pages"] == 2 and (out / "sparse_2").is_dir()
 
 
 def _run(root: Path, name: str, losses: list[float], last_kl: float, dense_kl: float) -> dict:

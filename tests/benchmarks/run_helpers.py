@@ -92,6 +92,9 @@ def add_variant_run_args(ap, *, variants: str, eval_every: int | None, results_j
     ap.add_argument("--steps", type=int, default=None, help="override [train] steps")
     ap.add_argument("--eval-every", type=int, default=eval_every)
     ap.add_argument("--replot", action="store_true", help=f"only redraw the plot from OUT/{results_json}")
+    ap.add_argument("--resume", action="store_true",
+                    help=f"keep the runs OUT/{results_json} holds with the same settings (a call stopped after "
+                         "them) and train only the others")
     add_results_arg(ap)
 
 
@@ -112,8 +115,9 @@ def run_variants(args, parse, describe, results_json: str, bench: str | None = N
     """Train the recipe's student once per comma-separated spec of args.variants, in OUT/NAME, where
     parse(spec) -> (NAME, flat TrainConfig overrides) and describe(spec, config, run_dir) -> (fields
     for the run's record, a label among them; text for its printed line). OUT/results_json is
-    rewritten after every run, so an interrupted call keeps the runs it finished; with `bench`, each
-    run also appends a row `bench/NAME` to args.results."""
+    rewritten after every run, so an interrupted call keeps the runs it finished, and with
+    args.resume the next call keeps those whose overrides are the same instead of training them
+    again; with `bench`, each run it trains also appends a row `bench/NAME` to args.results."""
     import sys
     import time
 
@@ -125,8 +129,15 @@ def run_variants(args, parse, describe, results_json: str, bench: str | None = N
     results = {"command": " ".join(sys.argv), "config": {k: str(v) for k, v in flat.items()}, "runs": {}}
     rows = Results(bench=bench, path=args.results) if bench else None
     args.out.mkdir(parents=True, exist_ok=True)
+    earlier = (json.loads((args.out / results_json).read_text())
+               if getattr(args, "resume", False) and (args.out / results_json).exists() else {"runs": {}})
     for spec in args.variants.split(","):
         name, kw = parse(spec)
+        kept = earlier["runs"].get(name)
+        if kept is not None and kept["overrides"] == json.loads(json.dumps(kw)) and earlier["config"] == results["config"]:
+            results["runs"][name] = kept
+            print(f"{kept['label']}: kept from {args.out / results_json} (--resume)", flush=True)
+            continue
         config = base.with_flat(out=str(args.out / name), **kw)
         start = time.perf_counter()
         report = train(config)
