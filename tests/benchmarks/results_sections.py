@@ -134,8 +134,7 @@ SECTIONS: tuple[Section, ...] = (
         "Offloaded training", "offload.md",
         "`bench_offload_gpu.py` (the planner): random-init students, fp32 masters, 8,192 tokens a step, FOAM states "
         "unless said; planned: under the budget, the allocator capped there; 3B at 1M: one layer against the "
-        "hand-set best. Exact clipping holds every update until the backward ends and the host layers' bytes have "
-        "crossed the bus: that bounds 8B and 14B; 32B exceeds this machine.",
+        "hand-set best. Exact clipping holds every update until the backward ends: that bounds 8B and 14B.",
         tables=(
             Table(
                 ("offload/llama-3.1-8b-T8192/none@*", "offload/llama-3.1-8b-T8192/planned@*",
@@ -181,13 +180,16 @@ SECTIONS: tuple[Section, ...] = (
     ),
     Section(
         "Optimizers", "kernels.md, quality.md",
-        "Step alone (`bench_optimizer_step_gpu.py`, Qwen2-0.5B shape, median of 20; GB/s: 12 bytes a parameter plus "
-        "state); state bytes (every matrix but the embedding folded); convergence: held-out KL, one seed; CPU: "
-        "quickstart student, 80 steps; H200: SmolLM2-135M shape, 300; lr 1e-3 unless named.",
+        "Step alone (`bench_optimizer_step_gpu.py`: Qwen2-0.5B, median of 20; CPU: a Qwen2.5-7B layer, of 3; GB/s: "
+        "12 B a parameter plus state); state (all matrices but the embedding folded); convergence: held-out KL, one "
+        "seed; CPU: quickstart student, 80 steps; H200: SmolLM2-135M shape, 300; lr 1e-3 unless named.",
         tables=(
             Table(
-                ("optimizer_step/qwen2-0.5b/*torch-adamw*", "optimizer_step/qwen2-0.5b/*-triton@*"),
-                (label("optimizer", variant), fig("step ms", "median_ms", "{:.2f}"),
+                ("optimizer_step/qwen2-0.5b/*torch-adamw*", "optimizer_step/qwen2-0.5b/*-triton@*",
+                 "optimizer_step/cpu/qwen2.5-7b-layer/torch-adamw-fused@41ef6c4*",
+                 "optimizer_step/cpu/qwen2.5-7b-layer/adamw8bit-torch@41ef6c4*"),
+                (label("optimizer", lambda key: ("CPU, a 7B layer: " if key.startswith("cpu/") else "") + variant(key)),
+                 fig("step ms", "median_ms", "{:.2f}"),
                  fig("x fused AdamW", "x_fused_adamw", "{:.2f}"),
                  with_ratio("GB/s (of copy ceiling)", "gbps", "copy_fraction", "{:,.0f}", "{:.2f}"),
                  fig("state GiB", "state_gib", "{:.3f}"), ROW_IDS)),
@@ -246,8 +248,7 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "Teacher capture", "capture.md",
         "Stage one end to end (`bench_teacher_gpu.py`): random weights, 1,024 x 2,048 token ids, k 100; "
-        "`build_cache` to a finished cache on disk against the plain transformers pass of the same run. Sampled "
-        "targets cost the teacher side. No multi-GPU host lent yet.",
+        "`build_cache` to a finished cache on disk against the plain transformers pass of the same run.",
         tables=(
             Table(
                 ("teacher_gpu/*/plain@*", "teacher_gpu/*/default@*", "teacher_gpu/*/rs12@*"),
@@ -307,9 +308,8 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "Sampled teacher targets", "quality.md",
         "`bench_sampled_targets.py` (H200): top-k and sampled caches (S draws a position) of SmolLM2-135M-Instruct "
-        "over the standard library and torch's sources; the quickstart's student trained 3,000 steps from each, 64 "
-        "held-out sequences. KL: exact, whole vocabulary; ECE: top-1, 15 bins; ±: over training seeds, between which "
-        "ECE moves by about the gap, so these seeds cannot tell the sampled students' calibration from top-100's.",
+        "over the stdlib and torch's sources; the quickstart's student, 3,000 steps from each, 64 held-out sequences. "
+        "KL: exact, whole vocabulary; ECE: top-1, 15 bins; ±: over seeds, between which ECE moves by about the gap.",
         tables=(Table(
             ("sampled_targets/*@4ad1199", "sampled_targets/*@26a51ff", "sampled_targets/*@6a52d40"),
             (label("targets", name), fig("ids / position", "unique_ids_per_position", "{:.1f}"),
