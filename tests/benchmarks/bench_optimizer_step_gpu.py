@@ -9,9 +9,9 @@ Triton step and its torch path; plus global-norm clipping, torch's against ours.
         --device cpu --shape tiny --repeats 2 --results /tmp/optimizer_step.jsonl
 
     # the update an offload plan runs on the host (plan.optimizer "cpu"): one Qwen2.5-7B layer,
-    # torch's AdamW against 8-bit AdamW's torch path, on the CPU
-    PYTHONPATH=$PWD python tests/benchmarks/bench_optimizer_step_gpu.py --device cpu \
-        --shape qwen2.5-7b-layer --variants torch-adamw-fused,torch-adamw-foreach,adamw8bit-torch --repeats 3
+    # torch's AdamW against the CPU paths of 8-bit AdamW and FOAM
+    PYTHONPATH=$PWD python tests/benchmarks/bench_optimizer_step_gpu.py --device cpu --shape qwen2.5-7b-layer \
+        --variants torch-adamw-fused,adamw8bit-torch,foam-l2-torch,foam-l4-torch --repeats 3
 
 fp32 parameters and gradients (the trainer keeps fp32 master weights), random gradients, the
 trainer's groups (weight decay 0.1 on matrices). Before anything is timed, one step of every
