@@ -19,8 +19,8 @@ and where it departs from them.
 
 Layout, as every kernel here: ``foam_step_torch`` is the reference for one tensor (and the path
 of CUDA tensors without Triton); ``foam_step_cpu`` the CPU path, the reference on cache-sized slices
-of rows, equal to it bit for bit; ``_foam_kernel`` the Triton step, which reads p and g once per tile, updates the folded
-moments and writes p, with no [rows, n] temporaries; ``FoamLaunch`` the launcher of one
+of rows, equal to it bit for bit; ``_foam_kernel`` the Triton step, which reads p and g once per
+tile, updates the folded moments and writes p, with no [rows, n] temporaries; ``FoamLaunch`` the launcher of one
 multi-tensor launch (kernels/multi_tensor.py), which the optimizer keeps from step to step;
 ``foam_step`` the public function over lists of tensors, validating its inputs, with
 impl="auto" | "triton" | "torch". Bias corrections are host arithmetic on the step count, so a
