@@ -42,8 +42,8 @@ try:
 except ImportError:  # the torch path needs no Triton
     triton = None
 
-__all__ = ["AdamW8bitLaunch", "AdamW8bitStepSettings", "adamw8bit_launch_key", "adamw8bit_step",
-           "adamw8bit_step_cpu", "adamw8bit_step_torch", "adamw_step_scalars", "dequantize_blockwise", "dynamic_code", "nearest_code",
+__all__ = ["AdamW8bitLaunch", "AdamW8bitStepSettings", "adamw8bit_launch_key", "adamw8bit_step", "adamw8bit_step_cpu",
+           "adamw8bit_step_torch", "adamw_step_scalars", "dequantize_blockwise", "dynamic_code", "nearest_code",
            "quantize_blockwise"]
 
 

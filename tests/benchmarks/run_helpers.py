@@ -134,7 +134,8 @@ def run_variants(args, parse, describe, results_json: str, bench: str | None = N
     for spec in args.variants.split(","):
         name, kw = parse(spec)
         kept = earlier["runs"].get(name)
-        if kept is not None and kept["overrides"] == json.loads(json.dumps(kw)) and earlier["config"] == results["config"]:
+        same = kept is not None and kept["overrides"] == json.loads(json.dumps(kw))
+        if same and earlier["config"] == results["config"]:
             results["runs"][name] = kept
             print(f"{kept['label']}: kept from {args.out / results_json} (--resume)", flush=True)
             continue
