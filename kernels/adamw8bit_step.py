@@ -16,8 +16,8 @@ as a linear code would. Precision falls with the decade: in (0.1, 1] the worst r
 
 Layout, as every kernel here: ``quantize_blockwise`` / ``dequantize_blockwise`` and
 ``adamw8bit_step_torch`` are the reference for one tensor (and the path of CUDA tensors without
-Triton); ``adamw8bit_step_cpu`` the CPU path, the reference's ops over cache-sized pieces, equal to
-it bit for bit; ``_adam8bit_kernel`` the Triton step, which dequantises, updates and requantises
+Triton); ``adamw8bit_step_cpu`` the CPU path, the reference on cache-sized pieces, equal to it
+bit for bit; ``_adam8bit_kernel`` the Triton step, which dequantises, updates and requantises
 each block in one pass;
 ``AdamW8bitLaunch`` the launcher of one multi-tensor launch (kernels/multi_tensor.py), kept by the
 optimizer from step to step; ``adamw8bit_step`` the public function over lists of tensors,
@@ -148,21 +148,9 @@ def nearest_code(normed: torch.Tensor, signed: bool) -> torch.Tensor:
     """uint8 index of the code value nearest each element of `normed` (fp32 in [-1, 1], or [0, 1]
     unsigned; ties to the lower code): torch.bucketize(normed, midpoints) exactly, by two table
     reads a value (`_nearest_tables`) instead of a binary search over the 254 or 255 midpoints."""
-    flat = normed.reshape(-1)
-    out = torch.empty(flat.shape, dtype=torch.uint8, device=flat.device)
-    _nearest_code_into(flat, signed, torch.empty(flat.shape, dtype=torch.int32, device=flat.device),
-                       torch.empty_like(flat), torch.empty(flat.shape, dtype=torch.bool, device=flat.device), out)
-    return out.view(normed.shape)
-
-
-def _nearest_code_into(normed, signed: bool, prefix, upper, above, out) -> None:
-    """`nearest_code` of a flat contiguous fp32 `normed` into `out` (uint8), through the scratch
-    `prefix` (int32), `upper` (fp32) and `above` (bool) of its length."""
     below, next_midpoint = _nearest_tables(signed, normed.device)
-    torch.bitwise_right_shift(normed.view(torch.int32), 16, out=prefix).add_(2**15)
-    torch.index_select(below, 0, prefix, out=out)
-    torch.lt(torch.index_select(next_midpoint, 0, prefix, out=upper), normed, out=above)
-    out.add_(above)
+    prefix = (normed.contiguous().view(torch.int32) >> 16).long().add_(2**15)
+    return torch.take(below, prefix).add_(torch.take(next_midpoint, prefix) < normed)
 
 
 def quantize_blockwise(x: torch.Tensor, block_size: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,58 +199,28 @@ def adamw8bit_step_torch(p, grad, codes_m, absmax_m, codes_r, absmax_r, *, block
 
 # --- CPU step -------------------------------------------------------------------------------------
 
-# The CPU step's default piece, 4 MiB of fp32 a scratch buffer: on a 2-core CPU, pieces of 2^18 and 2^20
-# elements ran the step fastest of 2^14..2^22, within each other's noise.
-CPU_CHUNK_ELEMENTS = 1 << 20
+# The CPU step's piece: on a 2-core CPU, pieces of 2^18 elements ran the step fastest of 2^14..2^22.
+CPU_CHUNK_ELEMENTS = 1 << 18
 
 
 def adamw8bit_step_cpu(p, grad, codes_m, absmax_m, codes_r, absmax_r, *, block_size, lr, beta1, beta2, eps,
                        weight_decay, step, chunk_elements: int = CPU_CHUNK_ELEMENTS) -> None:
-    """``adamw8bit_step_torch``'s step, bit for bit, for CPU tensors, over pieces of whole blocks
-    (about `chunk_elements` elements) in scratch buffers made once a call: each pass over a piece
-    stays in the CPU's caches, and no pass allocates (the reference's fresh n-element temporaries
-    cost a page fault every 4 KiB). The same ops in the same order per element: dequantise into
-    the scratch, update, requantise into the piece's codes and scales (a tail block's padding
-    zeroed first, as the reference pads)."""
+    """``adamw8bit_step_torch``'s step, bit for bit, for CPU tensors: the reference on pieces of whole
+    blocks of about `chunk_elements` elements (a block's update depends on that block alone), so
+    each piece's temporaries stay in the CPU's caches and come from the allocator's free lists
+    instead of fresh pages (the reference's n-element temporaries cost a page fault every 4 KiB)."""
     n = p.numel()
     if n == 0:
         return
     per = min(max(1, chunk_elements // block_size), -(-n // block_size)) * block_size
     work = p.detach().reshape(-1)  # p itself when contiguous
-    param32 = work if work.dtype == torch.float32 else torch.empty(per)
-    g_flat = grad.reshape(-1)
-    g32 = g_flat if g_flat.dtype == torch.float32 else torch.empty(per)
-    m, r, normed, upper = (torch.empty(per) for _ in range(4))
-    index = torch.empty(per, dtype=torch.int32)
-    above = torch.empty(per, dtype=torch.bool)
-    step_size, bias_correction2_sqrt = adamw_step_scalars(lr, beta1, beta2, step)
-    signed_code, _ = _code_and_midpoints(True, p.device)
-    unsigned_code, _ = _code_and_midpoints(False, p.device)
+    g = grad.reshape(-1)
     for start in range(0, n, per):
         end = min(start + per, n)
-        k, b0, b1 = end - start, start // block_size, -(-end // block_size)
-        padded = (b1 - b0) * block_size
-        for value, codes, absmax, code in ((m, codes_m, absmax_m, signed_code), (r, codes_r, absmax_r, unsigned_code)):
-            index[:k].copy_(codes[start:end])
-            torch.index_select(code, 0, index[:k], out=value[:k])
-            value[:padded].view(-1, block_size).mul_(absmax[b0:b1, None])
-        param = work[start:end] if param32 is work else param32[:k].copy_(work[start:end])
-        g = g_flat[start:end] if g32 is g_flat else g32[:k].copy_(g_flat[start:end])
-        param.mul_(1 - lr * weight_decay)
-        m[:k].lerp_(g, 1 - beta1)
-        r[:k].square_().mul_(beta2).addcmul_(g, g, value=1 - beta2).sqrt_()
-        denom = torch.div(r[:k], bias_correction2_sqrt, out=upper[:k]).add_(eps)
-        param.addcdiv_(m[:k], denom, value=-step_size)
-        if param32 is not work:
-            work[start:end].copy_(param)
-        for value, codes, absmax, signed in ((m, codes_m, absmax_m, True), (r, codes_r, absmax_r, False)):
-            value[k:padded].zero_()  # a tail block's padding: the reference pads what it quantises with zeros
-            blocks = value[:padded].view(-1, block_size)
-            scale = torch.abs(blocks, out=normed[:padded].view(-1, block_size)).amax(dim=1)
-            absmax[b0:b1].copy_(scale)
-            torch.div(blocks, torch.where(scale > 0, scale, 1.0)[:, None],
-                      out=normed[:padded].view(-1, block_size)).clamp_(-1.0 if signed else 0.0, 1.0)
-            _nearest_code_into(normed[:k], signed, index[:k], upper[:k], above[:k], codes[start:end])
+        blocks = slice(start // block_size, -(-end // block_size))
+        adamw8bit_step_torch(work[start:end], g[start:end], codes_m[start:end], absmax_m[blocks], codes_r[start:end],
+                             absmax_r[blocks], block_size=block_size, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                             weight_decay=weight_decay, step=step)
     if work.data_ptr() != p.data_ptr():  # p was not contiguous: reshape copied it
         p.copy_(work.view_as(p))
 

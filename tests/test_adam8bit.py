@@ -143,10 +143,9 @@ def test_nearest_code_is_bucketize_over_every_prefix_and_midpoint(signed):
 @pytest.mark.parametrize("param_dtype,grad_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                     (torch.float16, torch.bfloat16)])
 def test_cpu_step_equals_the_reference_bit_for_bit(numel, block_size, chunk, param_dtype, grad_dtype):
-    """The CPU step (pieces of whole blocks, scratch buffers) against the whole-tensor reference:
-    params, codes and scales equal after three steps, over pieces of one block, pieces that end in
-    the tail block, one piece for all, strided params, and inf scales (whose padding the reference
-    never multiplies into a block's maximum)."""
+    """The CPU step (the reference on pieces of whole blocks) against the reference on the whole
+    tensor: params, codes and scales equal after three steps, over pieces of one block, pieces that
+    end in the tail block, one piece for all, strided params, and an inf scale."""
     gen = torch.Generator().manual_seed(numel + block_size)
     blocks = -(-numel // block_size)
     param = torch.randn(numel, 2, generator=gen).to(param_dtype)[:, 0]  # strided

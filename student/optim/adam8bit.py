@@ -19,8 +19,8 @@ Parameters with fewer than `min_8bit_size` elements (norms, biases) keep fp32 mo
 torch.optim.AdamW's single-tensor arithmetic op for op, batched with foreach ops over the params
 that share a group and a step count.
 
-The 8-bit step is kernels/adamw8bit_step.py: for CPU params its CPU path (the torch reference's
-ops over cache-sized pieces, bit for bit), for CUDA params the torch reference or, when Triton is
+The 8-bit step is kernels/adamw8bit_step.py: for CPU params its CPU path (the torch reference on
+cache-sized pieces, bit for bit), for CUDA params the torch reference or, when Triton is
 installed (`fused`), one Triton kernel that dequantises, updates and
 requantises each block in one pass, launched once per group of tensors sharing a param group,
 dtypes and step count through address tables built once while the parameter set is unchanged
