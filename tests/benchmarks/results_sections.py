@@ -186,8 +186,8 @@ SECTIONS: tuple[Section, ...] = (
         tables=(
             Table(
                 ("optimizer_step/qwen2-0.5b/*torch-adamw*", "optimizer_step/qwen2-0.5b/*-triton@*",
-                 "optimizer_step/cpu/qwen2.5-7b-layer/torch-adamw-fused@41ef6c4*",
-                 "optimizer_step/cpu/qwen2.5-7b-layer/adamw8bit-torch@41ef6c4*"),
+                 "optimizer_step/cpu/qwen2.5-7b-layer/torch-adamw-fused@9bc49c1*",
+                 "optimizer_step/cpu/qwen2.5-7b-layer/adamw8bit-torch@9bc49c1*"),
                 (label("optimizer", lambda key: ("CPU, a 7B layer: " if key.startswith("cpu/") else "") + variant(key)),
                  fig("step ms", "median_ms", "{:.2f}"),
                  fig("x fused AdamW", "x_fused_adamw", "{:.2f}"),
