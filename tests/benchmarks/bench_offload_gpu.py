@@ -39,8 +39,8 @@ peak GPU memory (max_memory_allocated over the timed steps, and max_memory_reser
 caching allocator held from the device: the allocated bytes plus its slack), the process's resident host memory
 before them and its peak over them (host_rss_before_bytes, peak_host_rss_bytes: pinned memory,
 the layers' host bytes, the process itself; harness.host_peak) and the host bytes of the
-offloaded layers; for an offloaded variant the phases of one
-more step (phase_s: forward, head, backward, grads, clip, optimizer, refresh, as the runtime
+offloaded layers; for an offloaded variant the phases of the
+last timed step (phase_s: forward, head, backward, grads, clip, optimizer, refresh, as the runtime
 measures them); for a planned variant the plan's predicted step time, phases and peaks beside
 them (predicted / measured), and the predicted GPU peak term by term (predicted_gpu_peak_terms,
 offload_peaks.gpu_peak_terms), so a row says which term of the cost model is off. Before a variant is timed, its plan (its
@@ -89,6 +89,7 @@ import argparse
 import dataclasses
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -109,6 +110,13 @@ VARIANTS = ("none", "zero_offload", "planned", "file", "hf_liger")
 # Two steps of a few layers, offloaded against not, both under bf16 autocast: the same roundings in
 # principle, but other kernels' orders of sums (and the update of the first step feeds the second).
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-2, 5e-2
+_STARTED = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    """A line of where the run is, seconds since it started: what a run cut off at a command's
+    time limit had got through."""
+    print(f"[{time.perf_counter() - _STARTED:7.1f} s] {what}", flush=True)
 
 
 def shape_config(shape: str, max_len: int = 32768) -> StudentConfig:
@@ -348,14 +356,17 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
             model = build_student(config, args.seed, args.device, layers_on_host=plan is not None)
             batch = random_batch(args.seq_len, config.vocab_size, args.device, args.seed + 1)
             step, runtime, optimizer, losses = step_fn(model, plan, args, work, batch)
+            progress(f"{name}: student built")
             if prime:
                 step(random_batch(prime, config.vocab_size, args.device, args.seed + 2))
+                progress(f"{name}: primed with {prime} tokens")
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         host_before = reset_host_peak()
         timer = time_gpu if args.device == "cuda" else time_cpu
         timing = timer(step, warmup=args.warmup, repeats=args.repeats)
         host_peak_bytes = host_peak()
+        progress(f"{name}: {args.warmup} warm-up and {args.repeats} timed steps done")
     except torch.OutOfMemoryError as error:
         return {"oom": True, "peak_gib_at_oom": torch.cuda.max_memory_allocated() / GIB,
                 "error": str(error).splitlines()[0]}
@@ -364,9 +375,8 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
         steps = ", ".join(f"{loss.item():.4g} (norm {norm.item():.4g})" for loss, norm in losses)
         raise RuntimeError(f"a non-finite loss in the timed steps; losses step by step: {steps}")
     phases = {}
-    if runtime is not None:  # one more step, its phases read after it (a host sync the timed steps do not have)
-        step()
-        phases = runtime.phase_s()
+    if runtime is not None:  # the last timed step's, read once its timing is done (the host sync they need
+        phases = runtime.phase_s()  # comes after it); not one more step, which at 256K costs minutes
     if args.trace is not None:
         trace(step, args.trace / name)
     peak_gpu = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
@@ -487,6 +497,7 @@ def main(argv=None) -> list[dict]:
         if variant == "planned":
             try:
                 plan, profiled = planner_plan(config, args, work / "planner")
+                progress("planned: profiled and solved")
             except BudgetError as e:  # a row of what the planner said: the smallest budget, and what holds it
                 print(f"planned: no plan: {e}", flush=True)
                 results.add(f"{name}-T{args.seq_len}{case_suffix(args, None)}/{variant}",
