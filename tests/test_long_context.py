@@ -493,6 +493,35 @@ def test_the_profile_times_pass_2s_forward_on_pass_1s_kept_attention(tmp_path, m
                               "workspace_bytes", "master_bytes", *CHUNK_KEYS} for layer in measured["layers"])
 
 
+def test_the_profile_builds_its_two_chunks_stores_one_at_a_time(tmp_path, monkeypatch):
+    """The first and last chunk's key/value stores are each the whole sequence's pages: the first is
+    gone (no garbage collection asked) before the second is built: at the 7B's 192K tokens a store's
+    pinned pages are about 45 GB."""
+    import weakref
+
+    import student.planner.profile as profile_module
+    from student.planner.profile import ProfileSettings, _measure_chunks
+    from student.trainer import TrainConfig
+
+    _, folder = saved_hf("qwen2", tmp_path)
+    model = Student.from_pretrained(folder)
+    batch = make_batch([45, 30], vocab=model.config.vocab_size, k=32, seed=5)
+    config = TrainConfig.from_flat(cache="unused", out="unused", student=str(folder), device="cpu", dtype="float32",
+                                   chunk_tokens=13, page_tokens=16)
+    built, alive_at_build = [], []
+    real = profile_module.store_for_model
+
+    def spy(*args, **kwargs):  # a spy: records which stores are alive when the next is built
+        alive_at_build.append(sum(ref() is not None for ref in built))
+        store = real(*args, **kwargs)
+        built.append(weakref.ref(store))
+        return store
+
+    monkeypatch.setattr(profile_module, "store_for_model", spy)
+    _measure_chunks(model, batch, config, None, ProfileSettings(repeats=1), 1.0)
+    assert alive_at_build == [0, 0]
+
+
 @pytest.mark.parametrize("keep,want_forward", [(None, (1 + 2 + 3 + 40) / 4), (1, (10 + 20 + 3 + 40) / 4),
                                                (0, (10 + 20 + 30 + 40) / 4)])
 def test_a_layers_pass_2_forward_is_the_mean_over_chunks_kept_or_attending(keep, want_forward):

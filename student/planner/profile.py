@@ -137,6 +137,11 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
         del model, static
         gc.collect()
         torch.cuda.empty_cache()
+        # And the pinned host blocks of the profile's key/value stores, which torch's pinned allocator
+        # keeps for reuse: the training's own store and offloaded inputs take what the plan says.
+        empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)  # not in every torch
+        if empty_host_cache is not None:
+            empty_host_cache()
         # What stays allocated (cuBLAS's workspaces, one a stream that ran a matmul, and whatever
         # the caller holds) stays so through the training after the profile in this process, and
         # max_memory_allocated counts it.
@@ -314,6 +319,9 @@ def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_
         store.begin(s, e, grad=True)
         ends.append(_measure_layers(model, batch.positions(s, e), config, amp, settings, cache_temperature,
                                     store=store))
+        # One store at a time: at long lengths a store is much of the host's memory (the 7B's pinned
+        # pages at 192K tokens: about 45 GB), and the next one would otherwise be built beside it.
+        del store
     first, last = ends
     return {**_chunk_layers(first["layers"], last["layers"], bounds, config.long.keep_attention_chunks),
             "head_s": (first["head_s"] + last["head_s"]) / 2, "chunks": len(bounds),
