@@ -139,7 +139,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
         torch.cuda.empty_cache()
         # And the pinned host blocks of the profile's key/value stores, which torch's pinned allocator
         # keeps for reuse: the training's own store and offloaded inputs take what the plan says.
-        empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)  # not in every torch
+        empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)  # not in every torch
         if empty_host_cache is not None:
             empty_host_cache()
         # What stays allocated (cuBLAS's workspaces, one a stream that ran a matmul, and whatever
