@@ -494,9 +494,9 @@ def test_the_profile_times_pass_2s_forward_on_pass_1s_kept_attention(tmp_path, m
 
 
 def test_the_profile_builds_its_two_chunks_stores_one_at_a_time(tmp_path, monkeypatch):
-    """The first and last chunk's key/value stores are each the whole sequence's pages: the first is
-    gone (no garbage collection asked) before the second is built: at the 7B's 192K tokens a store's
-    pinned pages are about 45 GB."""
+    """The first and last chunk's key/value stores each hold the whole sequence's pages (at the 7B's
+    192K tokens, about 45 GB pinned): the first is gone, with no garbage collection asked, before the
+    second is built."""
     import weakref
 
     import student.planner.profile as profile_module
