@@ -34,7 +34,8 @@ clipping, its host layers' norms taken on the device), runtime.step, zero_grad.
 
 Rows `offload/<shape>-T<tokens>/<variant>`: median step seconds over --repeats after --warmup
 steps, and after one step of --prime-tokens tokens where given (CUDA events, harness.time_gpu), tokens/s, model TFLOP/s = 6 x parameters x tokens / step
-time (the issue's measure; recomputation not counted) and its share of the bf16 matmul ceiling,
+time (the issue's measure; recomputation not counted) and its share of the bf16 matmul ceiling
+(with --chunk-tokens, and for hf_liger, model_tflops_with_attention too: causal attention counted),
 peak GPU memory (max_memory_allocated over the timed steps, and max_memory_reserved, what the
 caching allocator held from the device: the allocated bytes plus its slack), the process's resident host memory
 before them and its peak over them (host_rss_before_bytes, peak_host_rss_bytes: pinned memory,
@@ -390,7 +391,7 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
                "tok_s": args.seq_len / seconds, "model_tflops": tflops(6 * params * args.seq_len, timing.median_ms)}
     if host_before is not None:
         figures.update(host_rss_before_bytes=host_before, peak_host_rss_bytes=host_peak_bytes)
-    if args.chunk_tokens is not None:
+    if args.chunk_tokens is not None or hf_liger:  # the long-context rows and their baseline, on one measure
         from bench_long_context_gpu import model_flops
 
         figures["model_tflops_with_attention"] = tflops(model_flops(config, params, args.seq_len), timing.median_ms)
