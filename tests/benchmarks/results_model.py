@@ -176,7 +176,7 @@ def by_sparsity(row: dict) -> tuple[str, str]:
 
 NAMES = {  # how a case's parts read on the page
     "smollm2-135m": "SmolLM2-135M", "qwen2-0.5b": "0.5B", "qwen2-1.5b": "1.5B", "qwen2.5-3b": "3B",
-    "qwen2.5-14b": "14B", "llama-3.1-8b": "8B", "ours_offload": "ours offload", "ours_sparse": "ours sparse",
+    "qwen2.5-7b": "7B", "qwen2.5-14b": "14B", "llama-3.1-8b": "8B", "ours_offload": "ours offload", "ours_sparse": "ours sparse",
     "hf_liger": "transformers + Liger", "hf": "transformers", "none": "none (no offload)",
     "zero_offload": "ZeRO-Offload policy", "train": "`student.trainer.train` end to end",
     "plain": "plain transformers pass", "default": "ours, default settings", "rs12": "ours, sampled S = 12",
@@ -196,7 +196,7 @@ NAMES = {  # how a case's parts read on the page
     "sampled4": "sampled, S = 4", "sampled12": "sampled, S = 12", "sampled32": "sampled, S = 32",
     "hybrid8+12": "top-8 + S = 12 outside it",
 }
-SHAPES = ("smollm2-135m", "qwen2-0.5b", "qwen2-1.5b", "qwen2.5-3b", "qwen2.5-14b", "llama-3.1-8b")
+SHAPES = ("smollm2-135m", "qwen2-0.5b", "qwen2-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "llama-3.1-8b")
 
 
 def name(text: str) -> str:
@@ -268,11 +268,18 @@ def rate(header: str, key: str = "model_tflops", share: str = "of_matmul_ceiling
 
 
 def attention_rate(header: str = "TFLOP/s (of ceiling)") -> Col:
-    """The model rate counting attention; empty for sparse pages, whose count would include the
-    attention they skip."""
-    dense, offload = rate(header), rate(header, "model_tflops_with_attention")
-    return Col(header, lambda line: "" if "sparse" in line.key else
-               (offload if line.fig("model_tflops_with_attention") else dense).cell(line))
+    """The model rate counting attention: long_context rows' model_tflops, offload rows'
+    model_tflops_with_attention (their model_tflops leaves attention out: empty where a row has only
+    that). Empty for sparse pages, whose count would include the attention they skip."""
+    counted, offload = rate(header), rate(header, "model_tflops_with_attention")
+
+    def cell(line: Line) -> str:
+        if "sparse" in line.key:
+            return ""
+        if line.fig("model_tflops_with_attention") is not None:
+            return offload.cell(line)
+        return counted.cell(line) if line.row()["id"].startswith("long_context/") else ""
+    return Col(header, cell)
 
 
 def gpu_gib(header: str = "peak GPU GiB") -> Col:

@@ -99,14 +99,14 @@ SECTIONS: tuple[Section, ...] = (
         "Long context", "long-context.md",
         "One sequence a step against transformers' Qwen2 with Liger's patch, gradient checkpointing, bf16 weights, "
         "fused AdamW. Ours: fp32 masters, 8-bit AdamW, chunks of 16,384, pages of 64, cuDNN page attention; offload: "
-        "pages in host memory; sparse: `--sparse-pages 128` (not exact). First table: warm or primed steps, `offload` "
-        "planned under a GPU budget. TFLOP/s: 6 x parameters + attention.",
+        "pages in host memory; sparse: `--sparse-pages 128` (not exact); planned: under a GPU budget. Warm or primed "
+        "steps; 1 layer: with the embedding and head. TFLOP/s: 6 x parameters + attention.",
         tables=(
             Table(
                 ("long_context/qwen2-0.5b-T131072/ours*@26a51ff", "long_context/qwen2-0.5b-T131072/hf_liger@ba4977c",
                  "long_context/qwen2-0.5b-T524288/ours_offload@ba4977c", "long_context/*-T1048576/*@2323375",
                  "long_context/*-L1-T4194304/*", PAIR_05B.format("-capped/planned"), PAIR_05B.format("/hf_liger"),
-                 PAIR_3B.format("*")),
+                 PAIR_3B.format("*"), "offload/qwen2.5-7b-T196608/*@*", "offload/qwen2.5-7b-L1-T262144*/planned@*"),
                 (label("shape", lambda key: shape(key) + (", 1 layer" if "-L1-" in key else "")),
                  label("tokens", length), label("variant", variant),
                  label("GPU budget", lambda key: budget(key) if key.endswith("planned") else ""),
@@ -181,8 +181,8 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "Optimizers", "kernels.md, quality.md",
         "Step alone (`bench_optimizer_step_gpu.py`: Qwen2-0.5B, median of 20; CPU: a Qwen2.5-7B layer, of 3; GB/s: "
-        "12 B a parameter plus state); state (all matrices but the embedding folded); convergence: held-out KL, one "
-        "seed; CPU: quickstart student, 80 steps; H200: SmolLM2-135M shape, 300; lr 1e-3 unless named.",
+        "12 B a parameter plus state); state: matrices folded, not the embedding; convergence: held-out KL, one seed; "
+        "CPU: quickstart student, 80 steps; H200: SmolLM2-135M, 300; lr 1e-3 unless said.",
         tables=(
             Table(
                 ("optimizer_step/qwen2-0.5b/*torch-adamw*", "optimizer_step/qwen2-0.5b/*-triton@*",
@@ -276,8 +276,7 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "Value codecs", "capture.md",
         "`bench_codecs.py` on real targets (SmolLM2-135M-Instruct, stdlib text, exact top-100): bytes per token "
-        "(top-k arrays in the Zarr store; whole shard), KL(exact || decoded) in nats; sqrt8 at larger vocabularies: "
-        "notes/capture.md.",
+        "(top-k arrays in the Zarr store; whole shard), KL(exact || decoded) in nats.",
         tables=(Table(
             ("codecs/V49152/fp32@*", "codecs/V49152/bf16@*", "codecs/V49152/sqrt8@*"),  # fp16: notes/capture.md
             (label("vocabulary", lambda key: f"{int(key[1:].split('/')[0].split('-')[0]):,}"
