@@ -30,7 +30,7 @@ FAST = SolverSettings(depths=(0,))  # one depth: a few small programs per choice
 def kv(**changes) -> KVPages:
     """Four pages a layer (128 positions, pages of 32), two chunks of 64, on a GPU, resident; pass 1
     keeps the first chunk's attention output, GiB / 16 a layer. Offloaded, a layer's four pinned
-    pools hold 2 x 2 MiB (keys, values: 2e6 bytes each) and 2 x 4 MiB (their gradients)."""
+    pools hold exactly 2 x 2e6 bytes (keys, values) and 2 x 4e6 (their gradients)."""
     base = dict(num_layers=1, seq_tokens=128, chunk_tokens=64, page_tokens=32, kv_page_bytes=10**6,
                 grad_page_bytes=2 * 10**6, kept_out_bytes=GiB // 16 // 64, kept_lse_bytes=0, offloadable=True)
     return KVPages(**{**base, **changes})
@@ -49,12 +49,13 @@ def chunked(pages: KVPages, *layers, **changes) -> tuple:
 
 
 def test_the_pages_bytes_resident_and_offloaded():
-    """Offloaded, each pinned pool holds the power of two torch's pinned allocator rounds it to;
-    on the CPU nothing is pinned and every byte is counted as it is."""
+    """Offloaded, each pinned pool holds its exact bytes (student/pinned.py) and each kept output
+    the power of two torch's pinned allocator rounds it to; on the CPU nothing is pinned and every
+    byte is counted as it is."""
     pages = kv(num_layers=2)
     page = 3 * 10**6  # keys, values and their gradients, of every row
     kept = 2 * GiB // 16 + 2 * GiB // 16  # pass 1's of the first chunk, and pass 2's own of the last
-    pools = 2 * (2 * 2 * MiB + 2 * 4 * MiB)  # two layers' four pools
+    pools = 2 * (2 * 2 * 10**6 + 2 * 4 * 10**6)  # two layers' four pools
     assert pages.bytes() == (2 * 4 * page, kept, 8)
     assert dataclasses.replace(pages, kv_offload=True, offload_pages=1).bytes() == (3 * page, pools + kept, 3)
     assert dataclasses.replace(pages, kv_offload=True, offload_pages=9).bytes() == (12 * page, pools + kept, 12)
@@ -75,7 +76,7 @@ def test_sparse_pages_count_their_gradient_pages_and_mean_keys():
     pages = kv(num_layers=2, grad_pages=1, mean_key_bytes=5)
     kept = 2 * GiB // 16 + 2 * GiB // 16
     assert pages.bytes() == (2 * (4 * 10**6 + 1 * 2 * 10**6) + 2 * 4 * 5, kept, 8)
-    pools = 2 * (2 * 2 * MiB + 2 * 1 * MiB)  # the gradient pools of one page: 1e6 bytes, a pinned MiB
+    pools = 2 * (2 * 2 * 10**6 + 2 * 1 * 10**6)  # the gradient pools of one page: 1e6 bytes each
     assert dataclasses.replace(pages, kv_offload=True, offload_pages=1).bytes() == (3 * 3 * 10**6 + 40, pools + kept, 3)
 
 
@@ -103,7 +104,7 @@ def test_offloaded_pages_charge_the_copies_the_compute_does_not_hide():
     assert offloaded.pass1_s == pytest.approx(costs.pass1_s + 10 * MS)
     assert offloaded.layers[0].backward_s == pytest.approx(costs.layers[0].backward_s + 16 * MS)
     assert offloaded.kv_gpu_bytes == 3 * 4 * 3 * 10**6 and offloaded.resident_pages == 12
-    assert offloaded.static_host_bytes == GiB + 2 * 2 * MiB + 2 * 4 * MiB + 2 * GiB // 16  # pinned pools: `kv`
+    assert offloaded.static_host_bytes == GiB + 2 * 2 * 10**6 + 2 * 4 * 10**6 + 2 * GiB // 16  # pinned pools: `kv`
     assert (offloaded.kv.kv_offload, offloaded.kv.offload_pages) == (True, 4)
     assert kv_residency(costs, False, 1024) == costs  # as measured: nothing changes
     # Both directions at half their rates alone when copying together (no better than taking

@@ -33,6 +33,7 @@ import torch
 # page_attention.page_attention_forward sees every call.
 from kernels import page_attention
 from student.long_context.config import LongContextConfig, sparse_grad_pages
+from student.pinned import POOLS
 
 logger = logging.getLogger(__name__)
 _WARNED = {"offload": False}  # warn once a process
@@ -119,8 +120,8 @@ class PagedKVStore:
 
     def _pool(self, dtype):
         shape = (self.num_pages * self.B, *self.page_shape)
-        if self.offload:
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        if self.offload:  # page-locked at its exact size, kept for the next step's store (student/pinned.py)
+            return POOLS.empty(self, shape, dtype)
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     # --- the KVStore seam ---------------------------------------------------------------------------
@@ -500,7 +501,9 @@ class _GradPages:
     for pass 2, by `sparse_grad_pages`), on `device` (pinned on the host when offloaded)."""
 
     def __init__(self, slots: int, rows: int, page_shape, *, device, pin: bool):
-        make = lambda: torch.empty((rows, *page_shape), dtype=torch.float32, device=device, pin_memory=pin)
+        shape = (rows, *page_shape)
+        make = (lambda: POOLS.empty(self, shape, torch.float32)) if pin else \
+            (lambda: torch.empty(shape, dtype=torch.float32, device=device))
         self.dk, self.dv = make(), make()
         self.row_of = torch.full((slots,), -1, dtype=torch.long)  # slot -> its row, -1: none yet
         self.free = list(range(rows - 1, -1, -1))  # rows not in use, the next one taken last

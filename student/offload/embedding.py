@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from student.offload.update import host_empty, unpin
+from student.pinned import host_empty, unpin
 
 __all__ = ["HostEmbedding"]
 

@@ -29,8 +29,9 @@ import torch
 
 from student.offload.plan import UPDATE_SLOTS
 from student.offload.streams import Streams
+from student.pinned import host_empty, unpin
 
-__all__ = ["HostLayer", "UpdateRing", "host_empty", "unpin"]
+__all__ = ["HostLayer", "UpdateRing"]
 
 
 @dataclass(frozen=True)
@@ -47,24 +48,6 @@ class _Group:
     @property
     def span(self) -> slice:
         return slice(self.start, self.start + self.numel)
-
-
-def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """Host memory, page-locked in place when `pin` (cudaHostRegister, as torch.cuda's own helper
-    does): torch's pinned allocator would round each buffer up to a power of two, a third more
-    host memory for a layer's weights. `unpin` gives it back."""
-    tensor = torch.empty(numel, dtype=dtype)
-    if pin and numel:
-        error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
-        if error:
-            raise RuntimeError(f"page-locking {tensor.nbytes} bytes of host memory failed (cudaError {error}); "
-                               "give the plan a smaller host budget (--host-memory)")
-    return tensor
-
-
-def unpin(tensor: torch.Tensor) -> None:
-    error = int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
-    assert not error, f"cudaHostUnregister of a buffer this runtime registered failed (cudaError {error})"
 
 
 class HostLayer:

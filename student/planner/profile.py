@@ -24,6 +24,7 @@ from student.long_context.config import chunk_bounds, sparse_grad_pages
 from student.long_context.store import store_for_model
 from student.model import rope_cos_sin
 from student.optim.build import build_optimizer, state_bytes
+from student.pinned import release_cached
 from student.planner.table import ChunkSeconds, CostTable, KVPages, LayerCosts
 from student.step import initial_student, micro_batch_loss, resolve, steps_accumulate
 from teacher_cache.reader import CacheReader
@@ -137,11 +138,10 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
         del model, static
         gc.collect()
         torch.cuda.empty_cache()
-        # And the pinned host blocks of the profile's key/value stores, which torch's pinned allocator
-        # keeps for reuse: the training's own store and offloaded inputs take what the plan says.
-        empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)  # not in every torch
-        if empty_host_cache is not None:
-            empty_host_cache()
+        # And the page-locked host memory of the profile's key/value stores, kept for reuse (by
+        # student/pinned.py and torch's pinned allocator): the training's own store and offloaded
+        # inputs take what the plan says.
+        release_cached()
         # What stays allocated (cuBLAS's workspaces, one a stream that ran a matmul, and whatever
         # the caller holds) stays so through the training after the profile in this process, and
         # max_memory_allocated counts it.

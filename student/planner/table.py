@@ -20,8 +20,8 @@ def pinned_block(n: int) -> int:
     """Bytes of pinned host memory a request of `n` bytes holds when it comes from torch's pinned
     allocator (torch.empty(..., pin_memory=True): CachingHostAllocator, whose free lists are by
     power of two): the next power of two. The runtime's buffers of a step (offloaded layer inputs,
-    key/value pages, kept attention outputs) come from it; the layers' own host bytes are
-    registered in place (student/offload/update.py's `pin`), exactly."""
+    kept attention outputs) come from it; the layers' own host bytes and the key/value store's
+    pools are page-locked in place, exactly (student/pinned.py)."""
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
@@ -129,9 +129,9 @@ class KVPages:
     # Pass 1's kept attention of one position (every row), one layer: its output and its fp32 lse.
     kept_out_bytes: int
     kept_lse_bytes: int
-    # On a GPU: the pages may live in pinned host memory (elsewhere they stay put), and every pinned
-    # buffer (a layer's key, value and gradient pools; a kept chunk's output and lse) holds a
-    # `pinned_block`.
+    # On a GPU: the pages may live in pinned host memory (elsewhere they stay put): a layer's key,
+    # value and gradient pools exactly (student/pinned.py), a kept chunk's output and lse each a
+    # `pinned_block` of torch's pinned allocator.
     offloadable: bool
     kv_offload: bool = False
     offload_pages: int = 1024  # pages (of every row) of a page set, with kv_offload
@@ -186,10 +186,9 @@ class KVPages:
         page = self.kv_page_bytes + self.grad_page_bytes
         grad_pages = self.num_pages if self.grad_pages is None else self.grad_pages
         mean_keys = self.num_layers * self.num_pages * self.mean_key_bytes
-        if self.offloaded:  # per layer four pinned pools: keys, values and their gradients
+        if self.offloaded:  # per layer four page-locked pools, exact: keys, values and their gradients
             resident = 3 * min(self.offload_pages, self.num_pages)
-            pools = 2 * pinned_block(self.num_pages * self.kv_page_bytes // 2) + 2 * pinned_block(
-                grad_pages * self.grad_page_bytes // 2)
+            pools = self.num_pages * self.kv_page_bytes + grad_pages * self.grad_page_bytes
             return resident * page + mean_keys, self.num_layers * pools + self.kept_bytes + self.kept_chunk_bytes, resident
         resident = self.num_layers * self.num_pages
         held = self.num_layers * (self.num_pages * self.kv_page_bytes + grad_pages * self.grad_page_bytes) + mean_keys

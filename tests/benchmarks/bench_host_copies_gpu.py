@@ -9,7 +9,7 @@ the H200 the ring's copies ran slower than the profile's rates both alone and bo
 
 Cases `host_copies/<memory>-<span>/<direction>`:
   memory     pinned: torch.empty(pin_memory=True), as the profile; registered: the runtime's own
-             host buffers (student.offload.update.host_empty)
+             host buffers (student.pinned.host_empty)
   span       64MiBx1: one 64 MiB buffer, copied each time (the profile); 1GiBx8: eight distinct
              1 GiB buffers, each copied once in turn (streaming a student's layers)
   direction  h2d, d2h, or both: the same copies each way at once on two side streams
@@ -26,7 +26,7 @@ import argparse
 import torch
 from harness import Results, add_results_arg, gbps, time_gpu
 
-from student.offload.update import host_empty, unpin
+from student.pinned import host_empty, unpin
 
 BENCH = "host_copies"
 SPANS = {"64MiBx1": (64 * 2**20, 1), "1GiBx8": (2**30, 8)}

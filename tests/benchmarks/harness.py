@@ -158,8 +158,8 @@ def gbps(num_bytes: float, ms: float) -> float:
 
 def free_memory(device: str) -> None:
     """Give a finished variant's memory back, so that the next one's peaks (also after an
-    out-of-memory error) are its own: Python's garbage, torch's cached device blocks and its
-    cached pinned host blocks; the device's peak counter reset."""
+    out-of-memory error) are its own: Python's garbage, torch's cached device blocks, the cached
+    page-locked host memory (student.pinned.release_cached); the device's peak counter reset."""
     import gc
 
     import torch
@@ -169,8 +169,9 @@ def free_memory(device: str) -> None:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        if hasattr(torch._C, "_host_emptyCache"):
-            torch._C._host_emptyCache()
+        from student.pinned import release_cached
+
+        release_cached()
 
 
 def reset_host_peak() -> int | None:
@@ -178,7 +179,7 @@ def reset_host_peak() -> int | None:
     it (Linux: /proc/self/clear_refs); None where that is not there. `host_peak` then reads the
     peak since. (torch's pinned-memory counters are no such peak: torch.cuda.host_memory_stats
     sums per-size peaks reached at different times, and keeps freed blocks cached until
-    torch._C._host_emptyCache.)"""
+    they are released: student.pinned.release_cached.)"""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
