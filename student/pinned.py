@@ -5,10 +5,9 @@ torch's pinned allocator (`torch.empty(..., pin_memory=True)`) rounds every requ
 two and keeps freed blocks cached by size until its cache is emptied. That suits the small buffers a
 step makes and drops (a chunk's attention output, a page set's copy), not the large ones: a layer's
 fp32 master and gradient (student/offload/update.py), the host embedding's (student/offload/
-embedding.py) and the key/value store's page pools (student/long_context/store.py). At the
-Qwen2.5-7B shape and 196,608 tokens the store's pools are 33.8 GB, which that allocator holds in
-45.1 GB; and a step of another length (a priming step, the profile's) leaves its sizes cached beside
-the new ones.
+embedding.py) and the key/value store's page pools (student/long_context/store.py): rounded up,
+they hold up to twice their bytes, and a step of another length (a priming step, the profile's)
+leaves its sizes cached beside the new ones (notes/long-context.md, "The 7B on an H100 again").
 
 host_empty / unpin: plain host memory page-locked in place (cudaHostRegister, as torch.cuda's own
     helper does), and its page-locking given back.
