@@ -495,7 +495,7 @@ def test_the_profile_times_pass_2s_forward_on_pass_1s_kept_attention(tmp_path, m
 
 def test_the_profile_builds_its_two_chunks_stores_one_at_a_time(tmp_path, monkeypatch):
     """The first and last chunk's key/value stores each hold the whole sequence's pages (at the 7B's
-    192K tokens, about 45 GB pinned): the first is gone, with no garbage collection asked, before the
+    192K tokens, tens of GB pinned): the first is gone, with no garbage collection asked, before the
     second is built."""
     import weakref
 

@@ -319,8 +319,8 @@ def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_
         store.begin(s, e, grad=True)
         ends.append(_measure_layers(model, batch.positions(s, e), config, amp, settings, cache_temperature,
                                     store=store))
-        # One store at a time: at long lengths a store is much of the host's memory (the 7B's pinned
-        # pages at 192K tokens: about 45 GB), and the next one would otherwise be built beside it.
+        # One store at a time: at long lengths a store is much of the host's memory (notes/
+        # long-context.md, "The 7B on an H200"), and the next one would otherwise be built beside it.
         del store
     first, last = ends
     return {**_chunk_layers(first["layers"], last["layers"], bounds, config.long.keep_attention_chunks),
