@@ -493,13 +493,13 @@ def test_the_profile_times_pass_2s_forward_on_pass_1s_kept_attention(tmp_path, m
                               "workspace_bytes", "master_bytes", *CHUNK_KEYS} for layer in measured["layers"])
 
 
-def test_the_profile_builds_its_two_chunks_stores_one_at_a_time(tmp_path, monkeypatch):
+def test_the_profile_builds_its_two_chunks_stores_one_at_a_time(tmp_path):
     """The first and last chunk's key/value stores each hold the whole sequence's pages (at the 7B's
     192K tokens, tens of GB pinned): the first is gone, with no garbage collection asked, before the
     second is built."""
     import weakref
 
-    import student.planner.profile as profile_module
+    from student.long_context.store import store_for_model
     from student.planner.profile import ProfileSettings, _measure_chunks
     from student.trainer import TrainConfig
 
@@ -509,16 +509,14 @@ def test_the_profile_builds_its_two_chunks_stores_one_at_a_time(tmp_path, monkey
     config = TrainConfig.from_flat(cache="unused", out="unused", student=str(folder), device="cpu", dtype="float32",
                                    chunk_tokens=13, page_tokens=16)
     built, alive_at_build = [], []
-    real = profile_module.store_for_model
 
     def spy(*args, **kwargs):  # a spy: records which stores are alive when the next is built
         alive_at_build.append(sum(ref() is not None for ref in built))
-        store = real(*args, **kwargs)
+        store = store_for_model(*args, **kwargs)
         built.append(weakref.ref(store))
         return store
 
-    monkeypatch.setattr(profile_module, "store_for_model", spy)
-    _measure_chunks(model, batch, config, None, ProfileSettings(repeats=1), 1.0)
+    _measure_chunks(model, batch, config, None, ProfileSettings(repeats=1), 1.0, build_store=spy)
     assert alive_at_build == [0, 0]
 
 

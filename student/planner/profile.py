@@ -297,7 +297,8 @@ class _SavedBytes:
         return max(self.storages.values(), default=0)
 
 
-def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_temperature: float) -> dict:
+def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_temperature: float,
+                    build_store=store_for_model) -> dict:
     """`_measure_layers` of one micro-batch, whole, or with chunk-recurrent training per chunk as
     pass 2 runs it: a chunk's attention grows with its past pages, linearly, so its first and last
     chunks are measured and chunk j's seconds are interpolated between them (a chunk's bytes are
@@ -312,8 +313,8 @@ def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_
         return {**_measure_layers(model, batch, config, amp, settings, cache_temperature), "chunks": 1, "pass1_s": 0.0}
     ends = []
     for s, e in (bounds[0], bounds[-1]):
-        store = store_for_model(model, batch.input_ids.shape[0], batch.input_ids.shape[1], config.long,
-                                amp or model.embed_tokens.weight.dtype, config.device)
+        store = build_store(model, batch.input_ids.shape[0], batch.input_ids.shape[1], config.long,
+                            amp or model.embed_tokens.weight.dtype, config.device)
         for pool in store.k + store.v:
             pool.zero_()  # the past pages' values do not matter to the timing, only that they are finite
         store.begin(s, e, grad=True)
