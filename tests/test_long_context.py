@@ -537,3 +537,36 @@ def test_a_layers_pass_2_forward_is_the_mean_over_chunks_kept_or_attending(keep,
                      "first_forward_s": 10.0, "last_forward_s": 40.0, "first_kept_forward_s": 1.0,
                      "last_kept_forward_s": 4.0}
     assert measured["pass1_s"] == pytest.approx(8 + 18 + 28)
+
+
+def test_sparse_chunks_attend_at_most_the_budget_and_pass_1_pays_each_selection():
+    """With a budget of one chunk's worth of past pages, chunks 1..3 attend as much as the last one
+    (not j / 3 of it); each chunk past the budget (2 and 3, the last in pass 2) selects once, in
+    proportion to its past: the last chunk's selection seconds times 2/3 and 1."""
+    from student.planner.profile import _chunk_layers
+
+    first = {"forward_s": 10.0, "kept_forward_s": 1.0, "pass1_forward_s": 8.0, "backward_s": 5.0, "keep_bytes": 7}
+    last = {"forward_s": 40.0, "kept_forward_s": 4.0, "pass1_forward_s": 38.0, "backward_s": 9.0, "keep_bytes": 11}
+    measured = _chunk_layers([first], [last], chunk_bounds(64, 16), 0, budget_chunks=1.0, select_s=3.0)
+    assert measured["layers"][0]["forward_s"] == pytest.approx((10 + 40 + 40 + 40) / 4)
+    assert measured["pass1_s"] == pytest.approx(8 + 38 + 38 + 3.0 * (2 / 3 + 1))
+    dense = _chunk_layers([first], [last], chunk_bounds(64, 16), 0)
+    assert dense["layers"][0]["forward_s"] == pytest.approx((10 + 20 + 30 + 40) / 4)
+
+
+def test_the_profile_times_a_selection_only_where_a_chunk_selects(tmp_path):
+    """`_select_seconds` times `select_pages` over every past page of the chunk a store is begun at,
+    and is 0 where the chunk's past is within the budget (the store selects nothing there)."""
+    from student.long_context.store import store_for_model
+    from student.planner.profile import ProfileSettings, _select_seconds
+
+    _, folder = saved_hf("qwen2", tmp_path)
+    model = Student.from_pretrained(folder)
+    long = LongContextConfig(chunk_tokens=32, page_tokens=16, sparse_pages=2)
+    assert long.budget_chunks == 1.0
+    seconds = {}
+    for start in (32, 64):  # 2 past pages (the budget), then 4
+        store = store_for_model(model, 2, 128, long, torch.float32, "cpu")
+        store.begin(start, start + 32, grad=True)
+        seconds[start] = _select_seconds(store, model.config.num_heads, 32, None, ProfileSettings(repeats=1), "cpu")
+    assert seconds[32] == 0.0 < seconds[64]

@@ -52,6 +52,12 @@ class LongContextConfig:
         "tokens, the same results; default: every chunk's, or with --offload auto the most that fit "
         "--host-memory."))
 
+    @property
+    def budget_chunks(self) -> float | None:
+        """Sparse mode's budget of past pages in chunks' worth of pages (None: dense), by which the
+        planner prices a chunk's attention (student/planner/table.py's `past_read_share`)."""
+        return None if self.sparse_pages is None else self.sparse_pages * self.page_tokens / self.chunk_tokens
+
     def __post_init__(self):
         check_types(self)
         require("chunk_tokens", self.chunk_tokens, self.chunk_tokens is None or self.chunk_tokens >= 1,

@@ -21,11 +21,11 @@ from distill.files import distill_home
 from student.cross_tokenizer.batches import batches_for, open_cross_tokenizer
 from student.data import load_tokenizer, split_indices
 from student.long_context.config import chunk_bounds, sparse_grad_pages
-from student.long_context.store import store_for_model
+from student.long_context.store import select_pages, store_for_model
 from student.model import rope_cos_sin
 from student.optim.build import build_optimizer, state_bytes
 from student.pinned import release_cached
-from student.planner.table import ChunkSeconds, CostTable, KVPages, LayerCosts
+from student.planner.table import ChunkSeconds, CostTable, KVPages, LayerCosts, past_read_share
 from student.step import initial_student, micro_batch_loss, resolve, steps_accumulate
 from teacher_cache.reader import CacheReader
 
@@ -116,7 +116,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
         share = sum(p.numel() for p in layer.parameters()) / numel0
         chunk = None
         if CHUNK_KEYS[0] in m:  # forward_s from the medians' ChunkSeconds, as `kept_attention` reprices it
-            chunk = ChunkSeconds(**{key: m.pop(key) for key in CHUNK_KEYS})
+            chunk = ChunkSeconds(**{key: m.pop(key) for key in CHUNK_KEYS}, budget_chunks=config.long.budget_chunks)
             m["forward_s"] = chunk.forward_s(chunks, config.long.keep_attention_chunks)
         layers.append(LayerCosts(**m, state_bytes=int(states * share), update_gpu_s=gpu_update_s * share,
                                  update_cpu_s=cpu_update_s * share, chunk=chunk))
@@ -311,7 +311,7 @@ def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_
     bounds = chunk_bounds(batch.input_ids.shape[1], config.long.chunk_tokens)
     if len(bounds) == 1:
         return {**_measure_layers(model, batch, config, amp, settings, cache_temperature), "chunks": 1, "pass1_s": 0.0}
-    ends = []
+    ends, select_s = [], 0.0
     for s, e in (bounds[0], bounds[-1]):
         store = build_store(model, batch.input_ids.shape[0], batch.input_ids.shape[1], config.long,
                             amp or model.embed_tokens.weight.dtype, config.device)
@@ -320,35 +320,59 @@ def _measure_chunks(model, batch, config, amp, settings: ProfileSettings, cache_
         store.begin(s, e, grad=True)
         ends.append(_measure_layers(model, batch.positions(s, e), config, amp, settings, cache_temperature,
                                     store=store))
+        if (s, e) == bounds[-1]:
+            select_s = _select_seconds(store, model.config.num_heads, e - s, amp, settings, config.device)
         # One store at a time: at long lengths a store is much of the host's memory (notes/
         # long-context.md, "The 7B on an H200"), and the next one would otherwise be built beside it.
         del store
     first, last = ends
-    return {**_chunk_layers(first["layers"], last["layers"], bounds, config.long.keep_attention_chunks),
+    return {**_chunk_layers(first["layers"], last["layers"], bounds, config.long.keep_attention_chunks,
+                            config.long.budget_chunks, select_s),
             "head_s": (first["head_s"] + last["head_s"]) / 2, "chunks": len(bounds),
             "loss_workspace": max(first["loss_workspace"], last["loss_workspace"])}
 
 
+def _select_seconds(store, num_heads: int, tokens: int, amp, settings: ProfileSettings, device: str) -> float:
+    """Sparse mode: one selection of past pages for a chunk of `tokens` queries begun in `store`
+    (`select_pages` over every page before it, as pass 1 runs it once a chunk and layer; the
+    measured forwards reuse the selection their warm-up run made); 0.0 where the chunk has no
+    more past pages than the budget, so selects none. Its cost grows with the past, unlike the
+    sparse attention's."""
+    past = store.start // store.P
+    if store.sparse_pages is None or past <= store.sparse_pages:
+        return 0.0
+    q = torch.randn(store.B, num_heads, tokens, store.mean_k[0].shape[-1], dtype=amp or torch.float32, device=device)
+    seconds = [_timed(device, lambda: select_pages(q, store.mean_k[0][:past], store.sparse_pages))[0]
+               for _ in range(settings.repeats + 1)]
+    return sorted(seconds[1:])[len(seconds[1:]) // 2]  # after the warm-up run
+
+
 def _chunk_layers(first: list[dict], last: list[dict], bounds: list[tuple[int, int]],
-                  keep_chunks: int | None) -> dict:
+                  keep_chunks: int | None, budget_chunks: float | None = None, select_s: float = 0.0) -> dict:
     """{"layers", "pass1_s"} of a micro-batch in chunks `bounds` from its first and last chunk's
     layers (`_measure_layers` with a store): a layer's forward_s the mean over chunks of pass 2's
     forward, on the kept attention output for a chunk pass 1 keeps (`keep_chunks`:
     LongContextConfig.keep_attention_chunks), attending otherwise (`ChunkSeconds.forward_s`, whose
     four figures the layer carries as CHUNK_KEYS); its other seconds their mean, its bytes their
     largest; pass 1 the no-grad forwards of every chunk but the last, chunk j's seconds
-    interpolated between the first and last chunk's."""
+    interpolated between the first and last chunk's by the past pages it attends
+    (`past_read_share`, sparse mode's budget `budget_chunks`). Sparse mode's selections are
+    pass 1's too (the last chunk's, made in pass 2, with them): the last chunk's `select_s`,
+    in proportion to a chunk's past, for each chunk past the budget."""
     n = len(bounds)
+    share = lambda j: past_read_share(j, n, budget_chunks)
+    selects = sum(j / (n - 1) for j in range(n) if budget_chunks is not None and j > budget_chunks)
     layers, pass1_s = [], 0.0
     for a, b in zip(first, last):
         layer = {key: (a[key] + b[key]) / 2 if key.endswith("_s") else max(a[key], b[key]) for key in a
                  if key not in ("kept_forward_s", "pass1_forward_s")}
         chunk = ChunkSeconds(first_forward_s=a["forward_s"], last_forward_s=b["forward_s"],
-                             first_kept_forward_s=a["kept_forward_s"], last_kept_forward_s=b["kept_forward_s"])
-        layer.update(forward_s=chunk.forward_s(n, keep_chunks), **vars(chunk))
+                             first_kept_forward_s=a["kept_forward_s"], last_kept_forward_s=b["kept_forward_s"],
+                             budget_chunks=budget_chunks)
+        layer.update(forward_s=chunk.forward_s(n, keep_chunks), **{key: getattr(chunk, key) for key in CHUNK_KEYS})
         layers.append(layer)
-        pass1_s += sum(a["pass1_forward_s"] + (b["pass1_forward_s"] - a["pass1_forward_s"]) * j / (n - 1)
-                       for j in range(n - 1))
+        pass1_s += sum(a["pass1_forward_s"] + (b["pass1_forward_s"] - a["pass1_forward_s"]) * share(j)
+                       for j in range(n - 1)) + select_s * selects
     return {"layers": layers, "pass1_s": pass1_s}
 
 

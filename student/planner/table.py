@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from student.long_context.config import kept_chunks
 
-__all__ = ["ChunkSeconds", "LayerCosts", "KVPages", "CostTable", "pinned_block"]
+__all__ = ["ChunkSeconds", "LayerCosts", "KVPages", "CostTable", "pinned_block", "past_read_share"]
 
 
 def pinned_block(n: int) -> int:
@@ -25,24 +25,35 @@ def pinned_block(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+def past_read_share(j: int, chunks: int, budget_chunks: float | None) -> float:
+    """The past pages chunk j of `chunks` attends, as a share of what the last chunk attends: j
+    chunks' worth of pages against chunks - 1 (dense), each at most the sparse budget
+    (LongContextConfig.sparse_pages) in chunks' worth of pages (`budget_chunks`; None: dense). So
+    with a budget a chunk's attention stops growing once its past is longer than the budget."""
+    budget = math.inf if budget_chunks is None else budget_chunks
+    return min(j, budget) / max(min(chunks - 1, budget), 1e-12) if chunks > 1 else 0.0
+
+
 @dataclass(frozen=True)
 class ChunkSeconds:
     """A decoder layer's pass-2 forward (with gradients) at the first and the last chunk of a
     micro-batch, attending to its past pages and taking pass 1's kept attention output instead
     (student/planner/profile.py measures them): what a layer's forward_s is made of under any number
-    of kept chunks (`forward_s`)."""
+    of kept chunks (`forward_s`). budget_chunks: sparse mode's budget of past pages in chunks'
+    worth of pages (`past_read_share`); None: dense."""
 
     first_forward_s: float
     last_forward_s: float
     first_kept_forward_s: float
     last_kept_forward_s: float
+    budget_chunks: float | None = None
 
     def forward_s(self, chunks: int, keep: int | None) -> float:
         """The mean over the `chunks` of pass 2's forward: chunk j's seconds interpolated linearly
-        between the first and the last chunk's (its attention reads j chunks of past pages), kept
-        for the chunks `kept_chunks` names, attending for the others."""
+        between the first and the last chunk's by the past pages it attends (`past_read_share`),
+        kept for the chunks `kept_chunks` names, attending for the others."""
         kept = kept_chunks(chunks, keep)
-        at = lambda first, last, j: first + (last - first) * j / max(chunks - 1, 1)
+        at = lambda first, last, j: first + (last - first) * past_read_share(j, chunks, self.budget_chunks)
         return sum(at(self.first_kept_forward_s, self.last_kept_forward_s, j) if j in kept
                    else at(self.first_forward_s, self.last_forward_s, j) for j in range(chunks)) / chunks
 
