@@ -1,0 +1,105 @@
+"""What one sparse chunk's attention costs beside the attention itself, at the seed's lengths: the
+page selection and the host gather of the selected pages, as the chunk-recurrent engine runs them
+for one layer (student/long_context/store.py), with pages offloaded to pinned host memory.
+
+For each past length (the chunk starts there; every page before it is a candidate), on one layer's
+store of the shape's key/value heads:
+  select   `select_pages`: the chunk's queries against every past page's mean key, summed softmax
+           mass per page, top --sparse-pages. Its work grows with the past (pass 1 runs it once a
+           chunk and layer), unlike the sparse attention's
+  fetch    the page sets a forward reads: the selected pages gathered on the host (a sync a call)
+           and copied to the GPU, and the chunk's own pages
+  forward  the chunk's whole sparse attention forward (`_forward`: fetch, page attention, merge)
+Rows `page_select/<shape>-T<chunk>-past<past>/<part>`: median ms; `select` also its TFLOP/s counting
+2 x Hkv x T x J x D for the scores (J past pages) and GB/s counting four fp32 passes over the
+[Hkv, T, J] scores (written, softmax read and written, summed).
+
+The H200 run (repo root, about a minute; pinned host memory ~ 2 x 4.3 GB at 4M):
+
+    PYTHONPATH=. python tests/benchmarks/bench_page_select_gpu.py --results tests/benchmarks/results.jsonl
+
+On the CPU (resident pages, tiny):
+
+    PYTHONPATH=. python tests/benchmarks/bench_page_select_gpu.py --shape tiny --chunk-tokens 64 \\
+        --past 256,512 --page-tokens 16 --sparse-pages 4 --results tests/benchmarks/out/page_select_cpu.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import torch
+from harness import Results, add_results_arg, gbps, tflops, time_cpu, time_gpu
+
+from student.long_context.store import PagedKVStore, select_pages
+
+SHAPES = {"qwen2.5-7b": (28, 4, 128), "tiny": (4, 2, 16)}  # (H, Hkv, D)
+
+
+def run_case(args, results: Results, past: int, device: torch.device, timer) -> list[dict]:
+    H, Hkv, D = SHAPES[args.shape]
+    T, P = args.chunk_tokens, args.page_tokens
+    store = PagedKVStore(1, 1, past + T, Hkv, D, page_tokens=P, dtype=torch.bfloat16, device=device,
+                         offload=device.type == "cuda", sparse_pages=args.sparse_pages, chunk_tokens=T)
+    for pool in store.k + store.v:
+        pool.zero_()
+    J = past // P
+    store.mean_k[0][:J].normal_()
+    q = torch.randn(1, H, T, D, device=device, dtype=torch.bfloat16)
+    store.begin(past, past + T, grad=False)  # the chunk's own pages: the pools' zeros
+
+    def select():
+        store.selected.pop((0, past), None)
+        store._select(0, q)
+
+    def fetch():
+        for _ in store._page_sets(0, with_grads=False):
+            pass
+
+    case, config = f"{args.shape}-T{T}-past{past}", dict(vars(args), past=past, pages=J)
+    config.pop("results")
+    rows = []
+    select_t = timer(select)
+    rows.append(results.add(f"{case}/select", dict(select_t.figures(),
+                                                    tflops=tflops(2 * Hkv * T * J * D, select_t.median_ms),
+                                                    gb_s=gbps(4 * 4 * Hkv * T * J, select_t.median_ms)), config))
+    rows.append(results.add(f"{case}/fetch", timer(fetch).figures(), config))
+    rows.append(results.add(f"{case}/forward", timer(lambda: store._forward(0, q)).figures(), config))
+    del store
+    gc.collect()
+    return rows
+
+
+def csv_ints(text):
+    return [int(x) for x in text.split(",")]
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-7b", help="head shape (H, Hkv, D)")
+    parser.add_argument("--past", type=csv_ints, default=[1048576 - 16384, 2097152 - 16384, 4194304 - 16384],
+                        help="past tokens before the chunk (default: the last chunk of 1M, 2M and 4M)")
+    parser.add_argument("--chunk-tokens", type=int, default=16384, help="the chunk's queries (the engine's --chunk-tokens)")
+    parser.add_argument("--page-tokens", type=int, default=64, help="positions a page (the engine's --page-tokens)")
+    parser.add_argument("--sparse-pages", type=int, default=128, help="past pages a chunk attends (--sparse-pages)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls a part (after one warm-up)")
+    add_results_arg(parser)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        timer = lambda fn: time_gpu(fn, warmup=1, repeats=args.repeats)  # noqa: E731
+    else:
+        timer = lambda fn: time_cpu(fn, warmup=1, repeats=args.repeats)  # noqa: E731
+    results, rows = Results(bench="page_select", path=args.results), []
+    for past in args.past:
+        rows += run_case(args, results, past, device, timer)
+    print("\n| past tokens | select ms | fetch ms | forward ms |\n|---|---|---|---|")
+    for i in range(0, len(rows), 3):
+        print(f"| {rows[i]['config']['past']:,} | " + " | ".join(f"{r['figures']['median_ms']:.2f}" for r in rows[i:i + 3]) + " |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
