@@ -10,6 +10,9 @@ store of the shape's key/value heads:
   fetch    the page sets a forward reads: the selected pages gathered on the host (a sync a call)
            and copied to the GPU, and the chunk's own pages
   forward  the chunk's whole sparse attention forward (`_forward`: fetch, page attention, merge)
+  keep     pass 1 keeping the chunk's attention output for pass 2 (`_stash`): a new pinned host
+           block each call while the earlier ones stay alive, as over a step's pass 1 (the copy is
+           queued on a side stream; what is timed is what the calling thread waits for)
 Rows `page_select/<shape>-T<chunk>-past<past>/<part>`: median ms; `select` also its TFLOP/s counting
 2 x Hkv x T x J x D for the scores (J past pages) and GB/s counting four fp32 passes over the
 [Hkv, T, J] scores (written, softmax read and written, summed).
@@ -66,7 +69,9 @@ def run_case(args, results: Results, past: int, device: torch.device, timer) -> 
                                                     gb_s=gbps(4 * 4 * Hkv * T * J, select_t.median_ms)), config))
     rows.append(results.add(f"{case}/fetch", timer(fetch).figures(), config))
     rows.append(results.add(f"{case}/forward", timer(lambda: store._forward(0, q)).figures(), config))
-    del store
+    out, kept = torch.zeros_like(q), []
+    rows.append(results.add(f"{case}/keep", timer(lambda: kept.append(store._stash(out))).figures(), config))
+    del store, kept
     gc.collect()
     return rows
 
@@ -95,9 +100,9 @@ def main(argv=None) -> list[dict]:
     results, rows = Results(bench="page_select", path=args.results), []
     for past in args.past:
         rows += run_case(args, results, past, device, timer)
-    print("\n| past tokens | select ms | fetch ms | forward ms |\n|---|---|---|---|")
-    for i in range(0, len(rows), 3):
-        print(f"| {rows[i]['config']['past']:,} | " + " | ".join(f"{r['figures']['median_ms']:.2f}" for r in rows[i:i + 3]) + " |")
+    print("\n| past tokens | select ms | fetch ms | forward ms | keep ms |\n|---|---|---|---|---|")
+    for i in range(0, len(rows), 4):
+        print(f"| {rows[i]['config']['past']:,} | " + " | ".join(f"{r['figures']['median_ms']:.2f}" for r in rows[i:i + 4]) + " |")
     return rows
 
 
