@@ -32,6 +32,7 @@ import torch
 # The module, not its functions: they are looked up when called, so a test's spy on
 # page_attention.page_attention_forward sees every call.
 from kernels import page_attention
+from kernels.page_select import page_mass
 from student.long_context.config import LongContextConfig, sparse_grad_pages
 from student.pinned import POOLS
 
@@ -338,19 +339,18 @@ class PagedKVStore:
         return merged
 
 
-def select_pages(q, mean_k, budget: int):
+def select_pages(q, mean_k, budget: int, impl: str = "torch"):
     """Page indices [B, budget] (ascending) of the past pages a chunk attends in sparse mode: those
     with the largest attention mass of the chunk's queries q [B, H, T, D] (summed over each GQA
     group, no 1/sqrt(D), as OOMB scores) against the pages' mean keys mean_k [J, B, Hkv, D],
-    summed over queries and heads. OOMB selects per block of 128 queries; here one selection
-    serves the whole chunk, so one page table serves every query."""
+    summed over queries and heads (kernels/page_select.py's `page_mass`). OOMB selects per block
+    of 128 queries; here one selection serves the whole chunk, so one page table serves every
+    query. impl: `page_mass`'s; the store takes the torch path on every device until the Triton
+    one is measured faster (tests/benchmarks/bench_page_select_gpu.py)."""
     Hkv = mean_k.shape[2]
     with torch.no_grad():
         q_group = q.float().unflatten(1, (Hkv, q.shape[1] // Hkv)).sum(2)  # [B, Hkv, T, D]
-        mean_BHDJ = mean_k.float().permute(1, 2, 3, 0)
-        score = torch.zeros(q.shape[0], mean_k.shape[0], device=q.device)
-        for t in range(0, q_group.shape[2], 1024):  # [.., 1024, J] at a time, never [T, J]
-            score += (q_group[:, :, t:t + 1024] @ mean_BHDJ).softmax(-1).sum((1, 2))
+        score = page_mass(q_group, mean_k, impl=impl)
         return score.topk(budget, dim=1).indices.sort(dim=1).values
 
 

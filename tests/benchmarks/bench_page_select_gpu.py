@@ -6,7 +6,9 @@ For each past length (the chunk starts there; every page before it is a candidat
 store of the shape's key/value heads:
   select   `select_pages`: the chunk's queries against every past page's mean key, summed softmax
            mass per page, top --sparse-pages. Its work grows with the past (pass 1 runs it once a
-           chunk and layer), unlike the sparse attention's
+           chunk and layer), unlike the sparse attention's. The store's path (torch), then
+           select_triton: the same with kernels/page_select.py's Triton path (CUDA only), checked
+           against it first (the masses to 2e-3 relative)
   fetch    the page sets a forward reads: the selected pages gathered on the host (a sync a call)
            and copied to the GPU, and the chunk's own pages
   forward  the chunk's whole sparse attention forward (`_forward`: fetch, page attention, merge)
@@ -33,8 +35,9 @@ import argparse
 import gc
 
 import torch
-from harness import Results, add_results_arg, gbps, tflops, time_cpu, time_gpu
+from harness import Results, add_results_arg, check_close, gbps, tflops, time_cpu, time_gpu
 
+from kernels.page_select import page_mass
 from student.long_context.store import PagedKVStore, select_pages
 
 SHAPES = {"qwen2.5-7b": (28, 4, 128), "tiny": (4, 2, 16)}  # (H, Hkv, D)
@@ -67,6 +70,14 @@ def run_case(args, results: Results, past: int, device: torch.device, timer) -> 
     rows.append(results.add(f"{case}/select", dict(select_t.figures(),
                                                     tflops=tflops(2 * Hkv * T * J * D, select_t.median_ms),
                                                     gb_s=gbps(4 * 4 * Hkv * T * J, select_t.median_ms)), config))
+    if device.type == "cuda":
+        q_group = q.float().unflatten(1, (Hkv, H // Hkv)).sum(2)
+        error = check_close("select_triton", page_mass(q_group, store.mean_k[0][:J], impl="triton"),
+                            page_mass(q_group, store.mean_k[0][:J], impl="torch"), atol=1e-2, rtol=2e-3)
+        triton_t = timer(lambda: select_pages(q, store.mean_k[0][:J], args.sparse_pages, impl="triton"))
+        rows.append(results.add(f"{case}/select_triton", dict(
+            triton_t.figures(), tflops=tflops(2 * 2 * Hkv * T * J * D, triton_t.median_ms), max_error=error,
+            speedup=select_t.median_ms / triton_t.median_ms), config))
     rows.append(results.add(f"{case}/fetch", timer(fetch).figures(), config))
     rows.append(results.add(f"{case}/forward", timer(lambda: store._forward(0, q)).figures(), config))
     out, kept = torch.zeros_like(q), []
@@ -100,9 +111,10 @@ def main(argv=None) -> list[dict]:
     results, rows = Results(bench="page_select", path=args.results), []
     for past in args.past:
         rows += run_case(args, results, past, device, timer)
-    print("\n| past tokens | select ms | fetch ms | forward ms | keep ms |\n|---|---|---|---|---|")
-    for i in range(0, len(rows), 4):
-        print(f"| {rows[i]['config']['past']:,} | " + " | ".join(f"{r['figures']['median_ms']:.2f}" for r in rows[i:i + 4]) + " |")
+    print("\n| case | part | ms |\n|---|---|---|")
+    for row in rows:
+        case, part = row["case"].rsplit("/", 1)
+        print(f"| {case} | {part} | {row['figures']['median_ms']:.2f} |")
     return rows
 
 
