@@ -339,18 +339,17 @@ class PagedKVStore:
         return merged
 
 
-def select_pages(q, mean_k, budget: int, impl: str = "torch"):
+def select_pages(q, mean_k, budget: int):
     """Page indices [B, budget] (ascending) of the past pages a chunk attends in sparse mode: those
     with the largest attention mass of the chunk's queries q [B, H, T, D] (summed over each GQA
     group, no 1/sqrt(D), as OOMB scores) against the pages' mean keys mean_k [J, B, Hkv, D],
     summed over queries and heads (kernels/page_select.py's `page_mass`). OOMB selects per block
     of 128 queries; here one selection serves the whole chunk, so one page table serves every
-    query. impl: `page_mass`'s; the store takes the torch path on every device until the Triton
-    one is measured faster (tests/benchmarks/bench_page_select_gpu.py)."""
+    query. On a GPU the Triton path (row `page_select/qwen2.5-7b-T16384-past4177920/select_triton@64450bc`)."""
     Hkv = mean_k.shape[2]
     with torch.no_grad():
         q_group = q.float().unflatten(1, (Hkv, q.shape[1] // Hkv)).sum(2)  # [B, Hkv, T, D]
-        score = page_mass(q_group, mean_k, impl=impl)
+        score = page_mass(q_group, mean_k)
         return score.topk(budget, dim=1).indices.sort(dim=1).values
 
 

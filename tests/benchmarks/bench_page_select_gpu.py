@@ -4,17 +4,19 @@ for one layer (student/long_context/store.py), with pages offloaded to pinned ho
 
 For each past length (the chunk starts there; every page before it is a candidate), on one layer's
 store of the shape's key/value heads:
-  select   `select_pages`: the chunk's queries against every past page's mean key, summed softmax
-           mass per page, top --sparse-pages. Its work grows with the past (pass 1 runs it once a
-           chunk and layer), unlike the sparse attention's. The store's path (torch), then
-           select_triton: the same with kernels/page_select.py's Triton path (CUDA only), checked
-           against it first (the masses to 2e-3 relative)
+  select   the selection's score (kernels/page_select.py's `page_mass`) and top --sparse-pages, as
+           `select_pages` makes it: the chunk's queries against every past page's mean key, the
+           softmax mass per page summed. Its work grows with the past (pass 1 runs it once a chunk
+           and layer), unlike the sparse attention's. The torch path, then (CUDA only)
+           select_triton: the Triton path, checked against torch first (the masses to 2e-3 relative)
   fetch    the page sets a forward reads: the selected pages gathered on the host (a sync a call)
            and copied to the GPU, and the chunk's own pages
   forward  the chunk's whole sparse attention forward (`_forward`: fetch, page attention, merge)
   keep     pass 1 keeping the chunk's attention output for pass 2 (`_stash`): a new pinned host
-           block each call while the earlier ones stay alive, as over a step's pass 1 (the copy is
-           queued on a side stream; what is timed is what the calling thread waits for)
+           block each call while the earlier ones stay alive, as over a run's first step (later
+           steps reuse the blocks torch's pinned allocator keeps); torch's cached pinned blocks are
+           given back first. The copy is queued on a side stream; what is timed is what the
+           calling thread waits for
 Rows `page_select/<shape>-T<chunk>-past<past>/<part>`: median ms; `select` also its TFLOP/s counting
 2 x Hkv x T x J x D for the scores (J past pages) and GB/s counting four fp32 passes over the
 [Hkv, T, J] scores (written, softmax read and written, summed).
@@ -38,7 +40,8 @@ import torch
 from harness import Results, add_results_arg, check_close, gbps, tflops, time_cpu, time_gpu
 
 from kernels.page_select import page_mass
-from student.long_context.store import PagedKVStore, select_pages
+from student.long_context.store import PagedKVStore
+from student.pinned import release_cached
 
 SHAPES = {"qwen2.5-7b": (28, 4, 128), "tiny": (4, 2, 16)}  # (H, Hkv, D)
 
@@ -55,9 +58,9 @@ def run_case(args, results: Results, past: int, device: torch.device, timer) -> 
     q = torch.randn(1, H, T, D, device=device, dtype=torch.bfloat16)
     store.begin(past, past + T, grad=False)  # the chunk's own pages: the pools' zeros
 
-    def select():
-        store.selected.pop((0, past), None)
-        store._select(0, q)
+    def select(impl):
+        q_group = q.float().unflatten(1, (Hkv, H // Hkv)).sum(2)  # as select_pages groups them
+        return page_mass(q_group, store.mean_k[0][:J], impl=impl).topk(args.sparse_pages, dim=1)
 
     def fetch():
         for _ in store._page_sets(0, with_grads=False):
@@ -66,21 +69,20 @@ def run_case(args, results: Results, past: int, device: torch.device, timer) -> 
     case, config = f"{args.shape}-T{T}-past{past}", dict(vars(args), past=past, pages=J)
     config.pop("results")
     rows = []
-    select_t = timer(select)
+    select_t = timer(lambda: select("torch"))
     rows.append(results.add(f"{case}/select", dict(select_t.figures(),
                                                     tflops=tflops(2 * Hkv * T * J * D, select_t.median_ms),
                                                     gb_s=gbps(4 * 4 * Hkv * T * J, select_t.median_ms)), config))
     if device.type == "cuda":
-        q_group = q.float().unflatten(1, (Hkv, H // Hkv)).sum(2)
-        error = check_close("select_triton", page_mass(q_group, store.mean_k[0][:J], impl="triton"),
-                            page_mass(q_group, store.mean_k[0][:J], impl="torch"), atol=1e-2, rtol=2e-3)
-        triton_t = timer(lambda: select_pages(q, store.mean_k[0][:J], args.sparse_pages, impl="triton"))
+        error = check_close("select_triton", select("triton").values, select("torch").values, atol=1e-2, rtol=2e-3)
+        triton_t = timer(lambda: select("triton"))
         rows.append(results.add(f"{case}/select_triton", dict(
             triton_t.figures(), tflops=tflops(2 * 2 * Hkv * T * J * D, triton_t.median_ms), max_error=error,
             speedup=select_t.median_ms / triton_t.median_ms), config))
     rows.append(results.add(f"{case}/fetch", timer(fetch).figures(), config))
     rows.append(results.add(f"{case}/forward", timer(lambda: store._forward(0, q)).figures(), config))
     out, kept = torch.zeros_like(q), []
+    release_cached()  # no block an earlier case freed: each call page-locks a new one
     rows.append(results.add(f"{case}/keep", timer(lambda: kept.append(store._stash(out))).figures(), config))
     del store, kept
     gc.collect()
