@@ -345,7 +345,8 @@ def select_pages(q, mean_k, budget: int):
     group, no 1/sqrt(D), as OOMB scores) against the pages' mean keys mean_k [J, B, Hkv, D],
     summed over queries and heads (kernels/page_select.py's `page_mass`). OOMB selects per block
     of 128 queries; here one selection serves the whole chunk, so one page table serves every
-    query. On a GPU the Triton path (row `page_select/qwen2.5-7b-T16384-past4177920/select_triton@64450bc`)."""
+    query. On a GPU, `page_mass`'s Triton path (measured faster than torch's: row
+    `page_select/qwen2.5-7b-T16384-past4177920/select_triton@64450bc`)."""
     Hkv = mean_k.shape[2]
     with torch.no_grad():
         q_group = q.float().unflatten(1, (Hkv, q.shape[1] // Hkv)).sum(2)  # [B, Hkv, T, D]
