@@ -217,11 +217,6 @@ def make_executor(config: TrainConfig, dist: Dist | None) -> tuple[LocalExecutor
         return ShardedExecutor(config, dist), config
     if plan is None:
         return LocalExecutor(config), config
-    chosen = {}
-    if plan.chunk_choices:  # the planner chose the chunk size and where the pages live
-        chosen = {"chunk_tokens": plan.chunk_tokens, **{name: getattr(plan, name) for name in ("kv_offload", "offload_pages")
-                                                        if getattr(plan, name) is not None}}
-    if plan.keep_attention_chunks is not None:  # the host memory planned for pass 1's outputs
-        chosen["keep_attention_chunks"] = plan.keep_attention_chunks
+    chosen = plan.run_settings()
     config = config.with_flat(**chosen) if chosen else config
     return OffloadExecutor(config, plan), config

@@ -141,6 +141,27 @@ def test_only_a_variant_with_a_plan_and_a_gpu_budget_runs_capped():
     assert not bench.capped(plan, args(gpu_memory=None))
 
 
+def test_the_step_keeps_the_attention_outputs_of_as_many_chunks_as_the_plan(tmp_path):
+    """A plan with no room for pass 1's outputs (keep_attention_chunks 0) is run keeping none, as the
+    trainer runs it (`OffloadPlan.run_settings`); its chunk size stays the run's unless the planner
+    chose it."""
+    import argparse
+    import dataclasses
+
+    from student.offload.plan import ChunkChoice, OffloadPlan
+
+    args = argparse.Namespace(device="cpu", optimizer="adamw", seq_len=256, gpu_memory=None, host_memory=None,
+                              chunk_tokens=64, kv_offload=False, page_tokens=16, offload_pages=1024,
+                              sparse_pages=None, chunk_candidates=None)
+    cfg = bench.train_config(args, tmp_path)
+    plan = OffloadPlan.uniform(2, "keep", "resident", chunk_tokens=64, keep_attention_chunks=0)
+    assert cfg.long.keep_attention_chunks is None
+    assert bench.with_plan(cfg, plan).long.keep_attention_chunks == 0
+    assert bench.with_plan(cfg, dataclasses.replace(plan, keep_attention_chunks=None)) == cfg
+    chose = dataclasses.replace(plan, chunk_tokens=128, chunk_choices=(ChunkChoice(128, False, None, None),))
+    assert bench.with_plan(cfg, chose).long.chunk_tokens == 128
+
+
 def test_a_work_folder_used_again_keeps_its_complete_cache(tmp_path):
     """The planner's synthetic cache in --work is kept when complete (a warm device machine keeps
     /tmp between calls); a cache of another spec there is still refused."""

@@ -139,6 +139,19 @@ class OffloadPlan:
         """The same decisions for every layer (a fixed policy, e.g. everything offloaded)."""
         return cls(layers=tuple(LayerPlan(activation, params, states) for _ in range(num_layers)), **rest)
 
+    def run_settings(self) -> dict:
+        """The flat config settings a run takes from the plan: where the planner chose among chunk
+        sizes, the chunk size and where the pages live; and the attention outputs pass 1 keeps,
+        as the plan's host memory counts them."""
+        chosen = {}
+        if self.chunk_choices:
+            chosen = {"chunk_tokens": self.chunk_tokens}
+            chosen.update({name: getattr(self, name) for name in ("kv_offload", "offload_pages")
+                           if getattr(self, name) is not None})
+        if self.keep_attention_chunks is not None:
+            chosen["keep_attention_chunks"] = self.keep_attention_chunks
+        return chosen
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -180,11 +180,10 @@ def train_config(args, work: Path, *, offload: str = "none", batch_size: int = 1
 
 def with_plan(cfg, plan: OffloadPlan | None):
     """The config the step runs with: the plan's chunk size and page residency where the planner
-    chose them (student.trainer.train does the same)."""
-    if plan is None or not plan.chunk_choices:
-        return cfg
-    return cfg.with_flat(chunk_tokens=plan.chunk_tokens, **{
-        name: getattr(plan, name) for name in ("kv_offload", "offload_pages") if getattr(plan, name) is not None})
+    chose them, and the attention outputs pass 1 keeps (`OffloadPlan.run_settings`, as the trainer
+    takes them)."""
+    chosen = plan.run_settings() if plan is not None else {}
+    return cfg.with_flat(**chosen) if chosen else cfg
 
 
 def fixed_plan(num_layers: int) -> OffloadPlan:
