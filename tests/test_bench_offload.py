@@ -201,3 +201,19 @@ def test_one_profiled_layer_predicts_the_whole_step(tmp_path, monkeypatch):
     assert whole["layers"] == 6 and whole["fits"] is True and whole["embedding"] in ("gpu", "host")
     assert whole["step_s"] > figures["predicted_step_s"] > 0
     assert whole["gpu_peak_bytes"] >= figures["predicted_gpu_peak_bytes"]
+
+
+def test_the_blocks_pass_1_keeps_are_an_output_and_an_lse_a_layer_and_kept_chunk(tmp_path):
+    """What `prime_pinned` page-locks for pass 1: for 1,000 tokens in chunks of 256 (four chunks, the
+    first three kept unless the plan keeps fewer), per layer and kept chunk a bf16 output [B, H, 256, D]
+    and an fp32 lse [B, H, 256]; none where pass 1 keeps none. On the CPU nothing is page-locked."""
+    from student.long_context.config import LongContextConfig
+
+    model = bench.build_student(bench.student_config("tiny"), 0, "cpu", layers_on_host=False)
+    c = model.config
+    blocks = bench.kept_output_blocks(model, LongContextConfig(chunk_tokens=256), 1000, batch_size=2)
+    assert blocks == [((2, c.num_heads, 256, c.head_dim), bench.torch.bfloat16),
+                      ((2, c.num_heads, 256), bench.torch.float32)] * (3 * c.num_layers)
+    assert bench.kept_output_blocks(model, LongContextConfig(chunk_tokens=256, keep_attention_chunks=0), 1000) == []
+    assert len(bench.kept_output_blocks(model, LongContextConfig(chunk_tokens=256, keep_attention_chunks=1), 1000)) \
+        == 2 * c.num_layers

@@ -570,3 +570,22 @@ def test_the_profile_times_a_selection_only_where_a_chunk_selects(tmp_path):
         store.begin(start, start + 32, grad=True)
         seconds[start] = _select_seconds(store, model.config.num_heads, 32, None, ProfileSettings(repeats=1), "cpu")
     assert seconds[32] == 0.0 < seconds[64]
+
+
+@pytest.mark.parametrize("sparse_pages", [None, 2])
+def test_a_store_makes_every_layers_gradient_pools_ahead_as_its_first_backwards_would(tmp_path, sparse_pages):
+    """`make_gradient_pools`: dense, fp32 pages like the key pools (zeros where resident); sparse,
+    each layer's `_GradPages` of `grad_page_rows` rows. A backward then finds them made."""
+    from student.long_context.store import store_for_model
+
+    _, folder = saved_hf("qwen2", tmp_path)
+    model = Student.from_pretrained(folder)
+    long = LongContextConfig(chunk_tokens=32, page_tokens=16, sparse_pages=sparse_pages)
+    store = store_for_model(model, 2, 128, long, torch.float32, "cpu")
+    store.make_gradient_pools()
+    for layer in range(model.config.num_layers):
+        if sparse_pages is None:
+            assert store.dk[layer].shape == store.k[layer].shape and not store.dv[layer].any()
+        else:
+            assert store.grad_pages[layer].dk.shape == (store.grad_page_rows, *store.page_shape)
+            assert store.dk[layer] is None

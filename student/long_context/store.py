@@ -125,6 +125,27 @@ class PagedKVStore:
             return POOLS.empty(self, shape, dtype)
         return torch.empty(shape, dtype=dtype, device=self.device)
 
+    def make_gradient_pools(self) -> None:
+        """Every layer's key and value gradient pools now, as each layer's first backward would make
+        them (page-locked on the host when offloaded): a store made and dropped before a step of its
+        length leaves them, with its key and value pools, in student.pinned.POOLS for that step's."""
+        for layer in range(len(self.k)):
+            self._make_gradient_pools(layer)
+
+    def _make_gradient_pools(self, layer: int) -> None:
+        """Layer's gradient pools where it has none yet: fp32 pages like its key and value pools
+        (dense; zeros when resident, since nothing else clears them), or sparse mode's `_GradPages`."""
+        if self.sparse_pages is not None:
+            if self.grad_pages[layer] is None:
+                self.grad_pages[layer] = _GradPages(self.num_pages * self.B, self.grad_page_rows, self.page_shape,
+                                                    device="cpu" if self.offload else self.device, pin=self.offload)
+        elif self.dk[layer] is None:
+            if self.offload:
+                self.dk[layer], self.dv[layer] = self._pool(torch.float32), self._pool(torch.float32)
+            else:
+                self.dk[layer] = torch.zeros_like(self.k[layer], dtype=torch.float32)
+                self.dv[layer] = torch.zeros_like(self.v[layer], dtype=torch.float32)
+
     # --- the KVStore seam ---------------------------------------------------------------------------
 
     def past_length(self) -> int:
@@ -274,9 +295,7 @@ class PagedKVStore:
         caller added to them. On a GPU with offloaded pages the host gather waits for the device
         (a sync a call), as `_selected_set` does."""
         j0, num = self._page_range()
-        if self.grad_pages[layer] is None:
-            self.grad_pages[layer] = _GradPages(self.num_pages * self.B, self.grad_page_rows, self.page_shape,
-                                                device="cpu" if self.offload else self.device, pin=self.offload)
+        self._make_gradient_pools(layer)
         grads, rows = self.grad_pages[layer], torch.arange(self.B)[:, None]
         picked = self.selected.get((layer, self.start))
         if picked is None:
@@ -308,12 +327,8 @@ class PagedKVStore:
         the chunk's own pages. Resident pools give one set per kind; dk/dv are None without grads."""
         j0, num = self._page_range()
         assert not (with_grads and self.sparse_pages is not None), "sparse mode's backward reads _gathered_sets"
-        if with_grads and self.dk[layer] is None:
-            if self.offload:
-                self.dk[layer], self.dv[layer] = self._pool(torch.float32), self._pool(torch.float32)
-            else:
-                self.dk[layer] = torch.zeros_like(self.k[layer], dtype=torch.float32)
-                self.dv[layer] = torch.zeros_like(self.v[layer], dtype=torch.float32)
+        if with_grads:
+            self._make_gradient_pools(layer)
         picked = self.selected.get((layer, self.start))
         if not self.offload:
             grads = (self.dk[layer], self.dv[layer]) if with_grads else (None, None)

@@ -33,7 +33,9 @@ student.offload.runtime.OffloadRuntime, finish_grads, the runtime's clip_grad_no
 clipping, its host layers' norms taken on the device), runtime.step, zero_grad.
 
 Rows `offload/<shape>-T<tokens>/<variant>`: median step seconds over --repeats after --warmup
-steps, and after one step of --prime-tokens tokens where given (CUDA events, harness.time_gpu), tokens/s, model TFLOP/s = 6 x parameters x tokens / step
+steps, and after one step of --prime-tokens tokens where given, with pages offloaded followed by
+page-locking what the step's length page-locks only in its first step (`prime_pinned`; its seconds
+pinned_primed_s) (CUDA events, harness.time_gpu), tokens/s, model TFLOP/s = 6 x parameters x tokens / step
 time (the issue's measure; recomputation not counted) and its share of the bf16 matmul ceiling
 (with --chunk-tokens, and for hf_liger, model_tflops_with_attention too: causal attention counted),
 peak GPU memory (max_memory_allocated over the timed steps, and max_memory_reserved, what the
@@ -100,6 +102,8 @@ from harness import (Results, add_results_arg, ceilings, check_close, free_memor
                      time_cpu, time_gpu)
 
 from student.config import StudentConfig
+from student.long_context.config import chunk_bounds, kept_chunks
+from student.long_context.store import store_for_model
 from student.model import Student, rope_inv_freq
 from student.offload.config import parse_bytes
 from student.offload.plan import OffloadPlan
@@ -184,6 +188,35 @@ def with_plan(cfg, plan: OffloadPlan | None):
     takes them)."""
     chosen = plan.run_settings() if plan is not None else {}
     return cfg.with_flat(**chosen) if chosen else cfg
+
+
+def kept_output_blocks(model: Student, long, length: int, batch_size: int = 1) -> list[tuple[tuple, torch.dtype]]:
+    """(shape, dtype) of each host block pass 1 keeps attention outputs in over a step of `length`
+    tokens (the store's `_stash`): an output in the attention dtype and its fp32 lse, for each layer
+    and kept chunk (`kept_chunks`, full chunks before the last)."""
+    c = model.config
+    kept = len(kept_chunks(len(chunk_bounds(length, long.chunk_tokens)), long.keep_attention_chunks))
+    shape = (batch_size, c.num_heads, long.chunk_tokens)
+    return [((*shape, c.head_dim), torch.bfloat16), (shape, torch.float32)] * (kept * c.num_layers)
+
+
+def prime_pinned(model: Student, cfg, length: int) -> float:
+    """Page-lock ahead, on a GPU with offloaded pages, what a step of `length` tokens page-locks the
+    first time and later steps of its length reuse (notes/long-context.md, "What the planner missed
+    in a sparse forward"): the key/value store's pools, which student.pinned.POOLS keeps for the
+    next store of their sizes once this one is dropped, and pass 1's blocks for attention outputs,
+    which torch's pinned allocator keeps once freed. The timed step is then warm in that respect,
+    as the planner's figure is. Returns the seconds it took (0.0 where nothing is offloaded)."""
+    long = cfg.long
+    if not (torch.cuda.is_available() and long.chunk_tokens is not None and long.kv_offload):
+        return 0.0
+    start = time.perf_counter()
+    store = store_for_model(model, cfg.batch_size, length, long, torch.bfloat16, "cuda")
+    store.make_gradient_pools()
+    blocks = [torch.empty(shape, dtype=dtype, pin_memory=True)
+              for shape, dtype in kept_output_blocks(model, long, length, cfg.batch_size)]
+    del store, blocks
+    return time.perf_counter() - start
 
 
 def fixed_plan(num_layers: int) -> OffloadPlan:
@@ -341,6 +374,7 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
     """One variant's figures (module docstring): `plan` under the trainer's step, or with `hf_liger`
     the transformers + Liger step; with --trace, one more step traced into --trace/`name`.*."""
     model = step = runtime = optimizer = None
+    pinned_s = 0.0
     losses = []
     prime = min(args.prime_tokens, args.seq_len)
     if capped(plan, args):
@@ -359,7 +393,8 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
             progress(f"{name}: student built")
             if prime:
                 step(random_batch(prime, config.vocab_size, args.device, args.seed + 2))
-                progress(f"{name}: primed with {prime} tokens")
+                pinned_s = prime_pinned(model, with_plan(train_config(args, work), plan), args.seq_len)
+                progress(f"{name}: primed with {prime} tokens, pinned memory page-locked ahead in {pinned_s:.1f} s")
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         host_before = reset_host_peak()
@@ -386,6 +421,7 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
 
         record_step(step, args.memory_peak / f"{name}-peak.json")
     figures = {"oom": False, "step_s": seconds, "min_step_s": timing.min_ms / 1e3, "repeats": len(timing.times_ms),
+               "pinned_primed_s": pinned_s,
                "steps_s": [ms / 1e3 for ms in timing.times_ms],  # in the order they ran
                "tok_s": args.seq_len / seconds, "model_tflops": tflops(6 * params * args.seq_len, timing.median_ms)}
     if host_before is not None:
@@ -443,7 +479,8 @@ def main(argv=None) -> list[dict]:
                         help="planned: chunk sizes the planner chooses among, e.g. 8192,16384 (needs --chunk-tokens)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--prime-tokens", type=int, default=0,
-                        help="one untimed step of this many tokens before the warm-up and timed steps (0: none); "
+                        help="one untimed step of this many tokens before the warm-up and timed steps (0: none), "
+                             "then, with pages offloaded, the step's first-step pinned memory page-locked; "
                              "bench_long_context_gpu's docstring says why")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
