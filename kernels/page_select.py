@@ -10,7 +10,8 @@ Paths: "torch", the reference and the CPU path: the [T, J] scores of 1,024 queri
 materialized in fp32, softmaxed and summed (four passes over them in memory). "triton"
 (kernels/page_select_triton.py): two passes that never hold the scores, each query's logsumexp
 over the pages, then each page's mass, on the tensor cores (`PageSelectSettings.precision`).
-"auto": triton on CUDA. The work is 2 x Hkv x T x J x D multiply-adds a pass, J the pages before
+"auto": triton on CUDA where the head size is a power of two >= 16 (tl.dot's widths), else
+torch. The work is 2 x Hkv x T x J x D multiply-adds a pass, J the pages before
 the chunk, so a step's selections grow with the square of its length.
 """
 
@@ -59,7 +60,10 @@ def page_mass(q_group: torch.Tensor, mean_k: torch.Tensor, *, impl: str = "auto"
     if impl == "triton" and (triton is None or not (q_group.is_cuda or interpreted)):
         raise ValueError(f"impl='triton' needs Triton and CUDA tensors (or TRITON_INTERPRET=1), got "
                          f"{q_group.device}; use impl='auto' or 'torch'")
-    if impl == "torch" or (impl == "auto" and (triton is None or not q_group.is_cuda)):
+    fits = D >= 16 and D & (D - 1) == 0  # tl.dot's operand widths
+    if impl == "triton" and not fits:
+        raise ValueError(f"impl='triton' needs a head size that is a power of two >= 16, got {D}; use impl='torch'")
+    if impl == "torch" or (impl == "auto" and (triton is None or not q_group.is_cuda or not fits)):
         return _page_mass_torch(q_group, mean_k)
     return _page_mass_triton(q_group, mean_k, settings)
 
@@ -75,8 +79,6 @@ def _page_mass_torch(q_group, mean_k) -> torch.Tensor:
 def _page_mass_triton(q_group, mean_k, settings: PageSelectSettings) -> torch.Tensor:
     B, Hkv, T, D = q_group.shape
     J = mean_k.shape[0]
-    if D & (D - 1) or D < 16:
-        raise ValueError(f"impl='triton' needs a head size that is a power of two >= 16, got {D}; use impl='torch'")
     q = q_group.float().contiguous()
     keys = mean_k.float().contiguous()
     lse = torch.empty(B * Hkv, T, device=q.device, dtype=torch.float32)

@@ -45,6 +45,10 @@ def test_a_wrong_shape_or_impl_is_refused():
         page_mass(q, mean_k[:, :, :1])
     with pytest.raises(ValueError, match="impl must be one of"):
         page_mass(q, mean_k, impl="cuda")
+    q, mean_k = inputs(1, 2, 8, 24, 4)  # a head size tl.dot cannot take: auto takes torch
+    with pytest.raises(ValueError, match="power of two >= 16, got 24"):
+        page_mass(q, mean_k, impl="triton")
+    torch.testing.assert_close(page_mass(q, mean_k), page_mass(q, mean_k, impl="torch"))
 
 
 @pytest.mark.gpu
