@@ -19,9 +19,10 @@ store of the shape's key/value heads:
            calling thread waits for
 Rows `page_select/<shape>-T<chunk>-past<past>/<part>`: median ms; `select` also its TFLOP/s counting
 2 x Hkv x T x J x D for the scores (J past pages) and GB/s counting four fp32 passes over the
-[Hkv, T, J] scores (written, softmax read and written, summed).
+[Hkv, T, J] scores (written, softmax read and written, summed); `select_triton` its TFLOP/s counting
+both its passes (twice the scores' multiply-adds), its largest error and its speedup over `select`.
 
-The H200 run (repo root, about a minute; pinned host memory ~ 2 x 4.3 GB at 4M):
+The GPU run (repo root, about a minute; pinned host memory ~ 2 x 4.3 GB at 4M):
 
     PYTHONPATH=. python tests/benchmarks/bench_page_select_gpu.py --results tests/benchmarks/results.jsonl
 
