@@ -18,9 +18,10 @@ ROWS = HERE / "results.jsonl"
 # measured on another card only so far is drawn from that card (its section says which).
 PAGE_GPU = "NVIDIA H200"
 GPU_OF_BENCH = {"cross_tokenizer_gpu": "NVIDIA H100 80GB HBM3", "cross_tokenizer": "NVIDIA H100 80GB HBM3",
-                "mixture_gpu": "NVIDIA H100 80GB HBM3", "generate_gpu": "NVIDIA H100 80GB HBM3"}
+                "mixture_gpu": "NVIDIA H100 80GB HBM3", "generate_gpu": "NVIDIA H100 80GB HBM3",
+                "sparse_pages_quality": "NVIDIA H100 80GB HBM3"}
 PAGE = HERE / "RESULTS.md"
-MAX_LINES = 250
+MAX_LINES = 260
 WIDTH = 120
 
 
@@ -146,6 +147,13 @@ def by_arm(row: dict) -> tuple[str, str]:
     return arm, seed
 
 
+def by_layers_arm(row: dict) -> tuple[str, str]:
+    """`[seed<N>/]<arm>` of bench_sparse_pages_quality: one line a student (its layers) and arm,
+    its seeds gathered; keyed `<layers>/<arm>`."""
+    seed, _, arm = row["case"].rpartition("/")
+    return f"{row['config']['overrides']['num_layers']}/{arm}", seed or "seed0"
+
+
 def by_length(row: dict) -> tuple[str, str]:
     """`<shape>-T<length>/<variant>`: one line a shape and variant, its lengths side by side."""
     shape_length, variant_name = row["case"].split("/")
@@ -192,7 +200,8 @@ NAMES = {  # how a case's parts read on the page
     "trainer-twell": "L1 5e-4, `--sparse-kernel twell`", "sparse_l1_0": "ReLU gate, L1 0",
     "sparse_l1_1e-3": "ReLU gate, L1 1e-3", "kd": "KD from the cache (ce_weight 0)",
     "ce": "cross-entropy only (ce_weight 1)", "cpu": "the quickstart, whole command",
-    "sparse_4": "sparse, 4 past pages", "topk8": "top-8", "topk32": "top-32", "topk100": "top-100",
+    "sparse_4": "sparse, 4 past pages", "sparse_2": "sparse, 2 past pages", "sparse_8": "sparse, 8 past pages",
+    "sparse_32": "sparse, 32 past pages", "topk8": "top-8", "topk32": "top-32", "topk100": "top-100",
     "sampled4": "sampled, S = 4", "sampled12": "sampled, S = 12", "sampled32": "sampled, S = 32",
     "hybrid8+12": "top-8 + S = 12 outside it",
 }

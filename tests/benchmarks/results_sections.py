@@ -20,6 +20,7 @@ from results_model import (
     by_arm,
     by_bench,
     by_last_part,
+    by_layers_arm,
     by_length,
     by_seed,
     by_sparsity,
@@ -103,8 +104,7 @@ SECTIONS: tuple[Section, ...] = (
         "steps; 1 layer: with the embedding and head. TFLOP/s: 6 x parameters + attention.",
         tables=(
             Table(
-                ("long_context/qwen2-0.5b-T131072/ours*@26a51ff", "long_context/qwen2-0.5b-T131072/hf_liger@ba4977c",
-                 "long_context/qwen2-0.5b-T524288/ours_offload@ba4977c", "long_context/*-T1048576/*@2323375",
+                ("long_context/qwen2-0.5b-T524288/ours_offload@ba4977c", "long_context/*-T1048576/*@2323375",
                  "long_context/*-L1-T4194304/*", PAIR_05B.format("-capped/planned"), PAIR_05B.format("/hf_liger"),
                  PAIR_3B.format("*"), "offload/qwen2.5-7b-T196608/*@*", "offload/qwen2.5-7b-L1-T262144*/planned@*"),
                 (label("shape", lambda key: shape(key) + (", 1 layer" if "-L1-" in key else "")),
@@ -112,6 +112,16 @@ SECTIONS: tuple[Section, ...] = (
                  label("GPU budget", lambda key: budget(key) if key.endswith("planned") else ""),
                  fig("s/step", "step_s", "{:.2f}"), fig("tok/s", "tok_s", "{:,.0f}"), attention_rate(),
                  gpu_gib(), ROW_IDS)),
+            Table(
+                ("sparse_pages_quality/*@408083b",),
+                (label("student", lambda key: "the teacher" if key.startswith("30/") else f"{key.split('/')[0]} of its layers"),
+                 label("attention", lambda key: name(key.split("/")[1])), mean_sd("KL as trained", "heldout_kl"),
+                 mean_sd("dense-eval KL", "dense_eval_kl"), mean_sd("KL vs dense", "kl_cost_vs_dense"),
+                 mean_sd("bits/byte vs dense", "bpb_cost_vs_dense"), ROW_IDS),
+                line=by_layers_arm,
+                caption="What sparse costs (`bench_sparse_pages_quality.py`, H100): SmolLM2-135M-Instruct (20 steps at "
+                        "1e-5) or 8 of its 30 layers (60 steps, 2 seeds) on 8K stdlib sequences, chunks of 512, pages of "
+                        "64; KL to the teacher on 4 held out, attending as trained, then dense."),
         ),
         goals=(
             Goal("0.5B at 128K: transformers + Liger's speed in at most half its GPU memory", (
