@@ -43,13 +43,21 @@ def test_tiny_run_checks_then_appends_one_row_per_variant_and_plots(tmp_path, mo
     assert (out / "cache_L96_n3" / "manifest.json").exists() and results["seq_len"] == 80
     assert all(row["config"]["overrides"]["seq_len"] == 80 for row in rows.values())
     # --resume keeps the finished runs of the same settings (not trained again: the same wall time)
-    # and trains the new one.
-    again = bench.main([*SMOKE, "--variants", "dense,sparse:1,sparse:2", "--out", str(out), "--results",
-                        str(tmp_path / "again.jsonl"), "--resume"])["runs"]
-    assert list(again) == ["dense", "sparse_1", "sparse_2"]
+    # and trains the new ones, here two side by side in processes of their own (--jobs 2); the runs
+    # keep the order of --variants whatever order they finish in.
+    again_rows = tmp_path / "again.jsonl"
+    again = bench.main([*SMOKE, "--variants", "dense,sparse:2,sparse:1,sparse:3", "--out", str(out), "--results",
+                        str(again_rows), "--resume", "--jobs", "2"])["runs"]
+    assert list(again) == ["dense", "sparse_2", "sparse_1", "sparse_3"]
     for name in ("dense", "sparse_1"):
         assert again[name]["seconds"] == runs[name]["seconds"] and again[name]["eval"] == runs[name]["eval"]
-    assert again["sparse_2"]["overrides"]["sparse_pages"] == 2 and (out / "sparse_2").is_dir()
+        assert "jobs" not in again[name]
+    for budget in (2, 3):
+        run = again[f"sparse_{budget}"]
+        assert run["overrides"]["sparse_pages"] == budget and run["jobs"] == 2 and (out / f"sparse_{budget}").is_dir()
+        assert [r["step"] for r in run["eval"]] == [0, 1, 2] and run["dense_eval"]["kl"] > 0
+    again_cases = {row["case"]: row["figures"] for row in map(json.loads, again_rows.read_text().splitlines())}
+    assert again_cases["sparse_3"]["jobs"] == 2 and "jobs" not in again_cases["dense"]
 
 
 def _run(root: Path, name: str, losses: list[float], last_kl: float, dense_kl: float) -> dict:

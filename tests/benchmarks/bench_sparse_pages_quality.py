@@ -8,6 +8,7 @@ pages its queries score highest against their mean keys), optionally also on who
     python tests/benchmarks/bench_sparse_pages_quality.py --train-seq-len 2048 --chunk-tokens 256  # the whole cache
     python tests/benchmarks/bench_sparse_pages_quality.py --variants whole,dense,sparse:4 --steps 10
     python tests/benchmarks/bench_sparse_pages_quality.py --seeds 0,1 --variants dense,sparse:2,sparse:8  # noise
+    python tests/benchmarks/bench_sparse_pages_quality.py --seeds 0,1 --variants dense,sparse:8 --jobs 4  # side by side
 
 Stage one: the quickstart recipe's teacher and corpus packed into sequences of --seq-len tokens
 (--sequences of them), cached once under OUT/cache_L<seq-len>_n<sequences> and reused (a complete

@@ -95,6 +95,9 @@ def add_variant_run_args(ap, *, variants: str, eval_every: int | None, results_j
     ap.add_argument("--resume", action="store_true",
                     help=f"keep the runs OUT/{results_json} holds with the same settings (a call stopped after "
                          "them) and train only the others")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="train up to N runs side by side, each in its own process (small students leave a GPU "
+                         "mostly idle); their seconds are then not those of a run alone, and their rows say jobs N")
     add_results_arg(ap)
 
 
@@ -117,12 +120,9 @@ def run_variants(args, parse, describe, results_json: str, bench: str | None = N
     for the run's record, a label among them; text for its printed line). OUT/results_json is
     rewritten after every run, so an interrupted call keeps the runs it finished, and with
     args.resume the next call keeps those whose overrides are the same instead of training them
-    again; with `bench`, each run it trains also appends a row `bench/NAME` to args.results."""
-    import sys
-    import time
-
-    from student.trainer import train
-
+    again; with `bench`, each run it trains also appends a row `bench/NAME` to args.results. With
+    args.jobs > 1 up to that many runs train side by side, each in a process of its own (`_train_all`),
+    and each run's record says so (`jobs`): their seconds are then not those of a run alone."""
     base = recipe_train_config(load_bench_recipe(args.recipe), cache=args.cache, steps=args.steps,
                                eval_every=args.eval_every)
     flat = base.to_flat()
@@ -131,26 +131,64 @@ def run_variants(args, parse, describe, results_json: str, bench: str | None = N
     args.out.mkdir(parents=True, exist_ok=True)
     earlier = (json.loads((args.out / results_json).read_text())
                if getattr(args, "resume", False) and (args.out / results_json).exists() else {"runs": {}})
+    jobs = getattr(args, "jobs", 1)
+    order, runs, todo = [], {}, []
     for spec in args.variants.split(","):
         name, kw = parse(spec)
+        order.append(name)
         kept = earlier["runs"].get(name)
         same = kept is not None and kept["overrides"] == json.loads(json.dumps(kw))
         if same and earlier["config"] == results["config"]:
-            results["runs"][name] = kept
+            runs[name] = kept
             print(f"{kept['label']}: kept from {args.out / results_json} (--resume)", flush=True)
-            continue
-        config = base.with_flat(out=str(args.out / name), **kw)
-        start = time.perf_counter()
-        report = train(config)
-        seconds = time.perf_counter() - start
+        else:
+            todo.append((spec, name, kw, base.with_flat(out=str(args.out / name), **kw)))
+    for (spec, name, kw, config), (seconds, teacher_ce, teacher_bpb) in _train_all(todo, jobs):
         fields, text = describe(spec, config, args.out / name)
-        run = results["runs"][name] = {**fields, "overrides": kw, "seconds": seconds,
-                                       "teacher_heldout_ce": report.teacher_eval.ce,
-                                       "teacher_bits_per_byte": report.teacher_eval.bits_per_byte,
-                                       "eval": metric_rows(args.out / name, "eval")}
+        run = runs[name] = {**fields, "overrides": kw, "seconds": seconds, "teacher_heldout_ce": teacher_ce,
+                            "teacher_bits_per_byte": teacher_bpb, **({"jobs": jobs} if jobs > 1 else {}),
+                            "eval": metric_rows(args.out / name, "eval")}
         last = run["eval"][-1]
         print(f"{run['label']}: step {last['step']} held-out KL {last['kl']:.4f} CE {last['ce']:.4f}{text}", flush=True)
+        results["runs"] = {name: runs[name] for name in order if name in runs}
         (args.out / results_json).write_text(json.dumps(results, indent=2))
         if rows is not None:
             rows.add(name, run_row(run), {"label": run["label"], "overrides": kw, "train_config": config.to_flat()})
+    results["runs"] = {name: runs[name] for name in order if name in runs}
     return results
+
+
+def _train_one(config, threads: int | None = None) -> tuple[float, float, float | None]:
+    """Train `config`; (wall seconds, the teacher's held-out CE and bits per byte). threads: torch's
+    CPU threads for it (a run in a process of its own shares the host's cores)."""
+    import time
+
+    import torch
+
+    from student.trainer import train
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    start = time.perf_counter()
+    report = train(config)
+    return time.perf_counter() - start, report.teacher_eval.ce, report.teacher_eval.bits_per_byte
+
+
+def _train_all(todo: list[tuple], jobs: int):
+    """Yield (item, _train_one's result) for each (spec, name, overrides, config) of `todo`: one after
+    another in this process with jobs 1, else up to `jobs` at once, each in a fresh (spawned) process
+    with the host's cores shared out, in the order they finish. Small students leave a GPU mostly
+    idle, so side by side they finish sooner."""
+    if jobs <= 1:
+        for item in todo:
+            yield item, _train_one(item[3])
+        return
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_train_one, item[3], threads): item for item in todo}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
