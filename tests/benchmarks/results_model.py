@@ -21,7 +21,7 @@ GPU_OF_BENCH = {"cross_tokenizer_gpu": "NVIDIA H100 80GB HBM3", "cross_tokenizer
                 "mixture_gpu": "NVIDIA H100 80GB HBM3", "generate_gpu": "NVIDIA H100 80GB HBM3",
                 "sparse_pages_quality": "NVIDIA H100 80GB HBM3"}
 PAGE = HERE / "RESULTS.md"
-MAX_LINES = 260
+MAX_LINES = 250
 WIDTH = 120
 
 
@@ -147,13 +147,6 @@ def by_arm(row: dict) -> tuple[str, str]:
     return arm, seed
 
 
-def by_layers_arm(row: dict) -> tuple[str, str]:
-    """`[seed<N>/]<arm>` of bench_sparse_pages_quality: one line a student (its layers) and arm,
-    its seeds gathered; keyed `<layers>/<arm>`."""
-    seed, _, arm = row["case"].rpartition("/")
-    return f"{row['config']['overrides']['num_layers']}/{arm}", seed or "seed0"
-
-
 def by_length(row: dict) -> tuple[str, str]:
     """`<shape>-T<length>/<variant>`: one line a shape and variant, its lengths side by side."""
     shape_length, variant_name = row["case"].split("/")
@@ -200,8 +193,7 @@ NAMES = {  # how a case's parts read on the page
     "trainer-twell": "L1 5e-4, `--sparse-kernel twell`", "sparse_l1_0": "ReLU gate, L1 0",
     "sparse_l1_1e-3": "ReLU gate, L1 1e-3", "kd": "KD from the cache (ce_weight 0)",
     "ce": "cross-entropy only (ce_weight 1)", "cpu": "the quickstart, whole command",
-    "sparse_4": "sparse, 4 past pages", "sparse_2": "sparse, 2 past pages", "sparse_8": "sparse, 8 past pages",
-    "sparse_32": "sparse, 32 past pages", "topk8": "top-8", "topk32": "top-32", "topk100": "top-100",
+    "sparse_4": "sparse, 4 past pages", "topk8": "top-8", "topk32": "top-32", "topk100": "top-100",
     "sampled4": "sampled, S = 4", "sampled12": "sampled, S = 12", "sampled32": "sampled, S = 32",
     "hybrid8+12": "top-8 + S = 12 outside it",
 }
@@ -332,6 +324,11 @@ ROW_IDS = Col("rows", lambda line: ", ".join(f"`{row['id']}`" for row in line.me
 def over(a: str, b: str, key: str = "tok_s") -> Callable[[Rows], float]:
     """Row a's figure over row b's: by default a's speed as a multiple of b's."""
     return lambda rows: rows.one(a)[key] / rows.one(b)[key]
+
+
+def mean_over(pattern: str, key: str) -> Callable[[Rows], float]:
+    """The mean of a figure over every case the glob matches (a variant's training seeds)."""
+    return lambda rows: statistics.mean(row[key] for row in rows.all(pattern))
 
 
 def figure(pattern: str, key: str) -> Callable[[Rows], float]:
