@@ -15,8 +15,8 @@ with a model and optimizer built afresh; an out-of-memory error becomes a row wi
   ours          student.model.Student with fp32 master weights under bf16 autocast, one micro-batch
                 through the trainer's own path (student.step.micro_batch_backward: with
                 --chunk-tokens, student.long_context.engine.chunk_recurrent_backward and the fused top-k KL
-                normalised over the whole sequence), k = 32 random valid teacher targets built on the
-                device, the optimizer of student.optim.build_optimizer (--optimizer)
+                normalised over the whole sequence), k = 32 random valid teacher targets in host
+                memory (random_batch), the optimizer of student.optim.build_optimizer (--optimizer)
   ours_offload  ours with kv_offload=True: pages and their gradients in pinned host memory
   ours_sparse   ours_offload with --sparse-pages past pages a chunk (OOMB's page top-k; not exact,
                 so not checked: its quality is measured by training, not here)
@@ -105,7 +105,10 @@ def shape_config(shape: str, max_len: int) -> StudentConfig:
 
 def random_batch(length: int, vocab: int, device, seed: int) -> Batch:
     """One sequence of `length` random ids with valid cached targets: per position TOP_K distinct
-    ids and descending log-probs holding 90% of the mass, the rest as tail; the next id as target."""
+    ids and descending log-probs holding 90% of the mass, the rest as tail; the next id as target.
+    Drawn on `device` (fast) and handed over in host memory, page-locked on CUDA, as the trainer's
+    loader hands its batches over: the step copies each chunk's rows to the GPU as it needs them,
+    so a GPU peak holds no whole-sequence targets (k = 32 of them are 409 bytes a token)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = torch.randint(3, vocab, (1, length), device=device, generator=gen)
     offsets_K = torch.randperm(vocab, device=device, generator=gen)[:TOP_K]
@@ -116,8 +119,9 @@ def random_batch(length: int, vocab: int, device, seed: int) -> Batch:
     target_ids = torch.cat([ids[0, 1:], ids.new_full((1,), -1)])
     target_logprob = torch.full((length,), -6.0, device=device)
     target_logprob[-1] = float("nan")
-    return Batch(ids, topk_ids, logprobs_NK, torch.full((length,), math.log(0.1), device=device), target_ids,
-                 target_logprob, torch.ones(length, dtype=torch.bool, device=device))
+    batch = Batch(ids, topk_ids, logprobs_NK, torch.full((length,), math.log(0.1), device=device), target_ids,
+                  target_logprob, torch.ones(length, dtype=torch.bool, device=device)).to("cpu")
+    return batch.pin_memory() if torch.device(device).type == "cuda" else batch
 
 
 def train_config(args, device: str, dtype: str, *, chunk_tokens: int | None, kv_offload: bool = False,

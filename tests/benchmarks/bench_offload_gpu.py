@@ -2,7 +2,8 @@
 policy and the planner's plan, side by side in one run.
 
 Shapes (random init, seeded; fp32 master weights, bf16 autocast, the trainer's loss on k = 32
-random valid teacher targets, one sequence of --seq-len tokens a step):
+random valid teacher targets in host memory as the trainer hands them over, one sequence of
+--seq-len tokens a step):
   qwen2-0.5b    bench_long_context_gpu's (hidden 896, 24 layers, 14 / 2 heads, d_ff 4864, vocab
                 151,936, tied): with --chunk-tokens, the long-context issue's small shape
   qwen2.5-3b    bench_long_context_gpu's (hidden 2048, 36 layers, 16 / 2 heads, d_ff 11008, vocab
