@@ -27,6 +27,10 @@ def test_planned_chunk_recurrent_step_takes_the_planners_chunk_size_and_passes_i
     none, planned = (row["figures"] for row in rows)
     assert none["oom"] is False and none["model_tflops_with_attention"] > none["model_tflops"] > 0
     assert all(f["peak_host_rss_bytes"] >= f["host_rss_before_bytes"] > 0 for f in (none, planned))
+    # What the host held after the steps, for the offloaded variant only; no pinned memory on a CPU.
+    parts = planned["host_parts_bytes"]
+    assert "host_parts_bytes" not in none and parts["RssAnon"] > 0 and "torch_pinned" not in parts
+    assert parts["layers"] == planned["host_bytes_of_layers"] and parts["exact_pools"] == 0
     plan = rows[1]["config"]["plan"]
     assert plan["chunk_tokens"] in (64, 128) and {c["chunk_tokens"] for c in plan["chunk_choices"]} == {64, 128}
     # fp32 on the CPU: chunk-recurrent training is exact at any chunk size, offloaded or not.

@@ -43,7 +43,9 @@ peak GPU memory (max_memory_allocated over the timed steps, and max_memory_reser
 caching allocator held from the device: the allocated bytes plus its slack), the process's resident host memory
 before them and its peak over them (host_rss_before_bytes, peak_host_rss_bytes: pinned memory,
 the layers' host bytes, the process itself; harness.host_peak) and the host bytes of the
-offloaded layers; for an offloaded variant the phases of the
+offloaded layers; for an offloaded variant what the host held after the timed steps
+(host_parts_bytes: harness.host_parts' kernel split and torch's pinned blocks, the exact pools
+student.pinned.POOLS keeps, the layers' bytes), what a host peak off its prediction was made of; for an offloaded variant the phases of the
 last timed step (phase_s: forward, head, backward, grads, clip, optimizer, refresh, as the runtime
 measures them); for a planned variant the plan's predicted step time, phases and peaks beside
 them (predicted / measured), and the predicted GPU peak term by term (predicted_gpu_peak_terms,
@@ -100,8 +102,8 @@ from pathlib import Path
 import torch
 from bench_long_context_gpu import random_batch
 from bench_train_step_gpu import GIB, make_tokenizer, student_config, write_cache
-from harness import (Results, add_results_arg, ceilings, check_close, free_memory, host_peak, reset_host_peak, tflops,
-                     time_cpu, time_gpu)
+from harness import (Results, add_results_arg, ceilings, check_close, free_memory, host_parts, host_peak,
+                     reset_host_peak, tflops, time_cpu, time_gpu)
 
 from student.config import StudentConfig
 from student.long_context.config import chunk_bounds, kept_chunks
@@ -110,6 +112,7 @@ from student.model import Student, rope_inv_freq
 from student.offload.config import parse_bytes
 from student.offload.plan import OffloadPlan
 from student.offload.run import cap_allocator, cuda_index
+from student.pinned import POOLS
 from student.planner.solve import BudgetError
 
 BENCH = "offload"
@@ -429,6 +432,10 @@ def measure(plan: OffloadPlan | None, config: StudentConfig, params: int, args, 
                "tok_s": args.seq_len / seconds, "model_tflops": tflops(6 * params * args.seq_len, timing.median_ms)}
     if host_before is not None:
         figures.update(host_rss_before_bytes=host_before, peak_host_rss_bytes=host_peak_bytes)
+    if runtime is not None:
+        gc.collect()  # the step's store hands its pools back to POOLS when it is collected
+        figures["host_parts_bytes"] = {**host_parts(), "exact_pools": POOLS.kept_bytes(),
+                                       "layers": runtime.host_bytes(optimizer)}
     if args.chunk_tokens is not None or hf_liger:  # the long-context rows and their baseline, on one measure
         from bench_long_context_gpu import model_flops
 

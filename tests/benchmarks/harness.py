@@ -197,6 +197,21 @@ def host_peak() -> int | None:
     return _status_bytes("VmHWM")
 
 
+def host_parts() -> dict[str, int]:
+    """Where the process's resident host memory is now: the kernel's split of it (anonymous, file
+    mapped, shared: /proc/self/status's RssAnon, RssFile, RssShmem) and, with CUDA, the bytes of
+    pinned blocks torch's host allocator holds (handed out and cached: its allocated_bytes, rounded
+    to powers of two). What a run's `host_peak` was made of, read after it while caches still hold
+    their blocks; empty where neither is there."""
+    import torch
+
+    parts = {name: value for name in ("RssAnon", "RssFile", "RssShmem")
+             if (value := _status_bytes(name)) is not None}
+    if torch.cuda.is_available():
+        parts["torch_pinned"] = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+    return parts
+
+
 def _status_bytes(key: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
