@@ -45,9 +45,9 @@ before them and its peak over them (host_rss_before_bytes, peak_host_rss_bytes: 
 the layers' host bytes, the process itself; harness.host_peak) and the host bytes of the
 offloaded layers; for an offloaded variant what the host held after the timed steps
 (host_parts_bytes: harness.host_parts' kernel split and torch's pinned blocks, the exact pools
-student.pinned.POOLS keeps, the layers' bytes), what a host peak off its prediction was made of; for an offloaded variant the phases of the
-last timed step (phase_s: forward, head, backward, grads, clip, optimizer, refresh, as the runtime
-measures them); for a planned variant the plan's predicted step time, phases and peaks beside
+student.pinned.POOLS keeps, the layers' bytes: what a host peak off its prediction was made of)
+and the phases of the last timed step (phase_s: forward, head, backward, grads, clip, optimizer,
+refresh, as the runtime measures them); for a planned variant the plan's predicted step time, phases and peaks beside
 them (predicted / measured), and the predicted GPU peak term by term (predicted_gpu_peak_terms,
 offload_peaks.gpu_peak_terms), so a row says which term of the cost model is off. Before a variant is timed, its plan (its
 first --check-layers layers) is checked on a student of that many layers: two steps' losses and
