@@ -355,7 +355,10 @@ class Prefetcher:
     through another.
     """
 
-    def __init__(self, batches: CacheBatches, depth: int = 2, workers: int | None = None):
+    depth = 2  # batches built ahead beyond the workers' own
+
+    def __init__(self, batches: CacheBatches, depth: int | None = None, workers: int | None = None):
+        depth = self.depth if depth is None else depth
         self._batches = batches
         self._state, self.epoch = batches.state_dict(), batches.epoch
         workers = workers or batches.prefetch_workers
@@ -364,6 +367,13 @@ class Prefetcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, name="distill-prefetch", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def most_held(cls, workers: int, depth: int | None = None) -> int:
+        """The most built batches alive at once (the planner counts their host memory): the queue's
+        depth + workers - 1, the one the feeder waits to put, the one the consumer took last, and
+        the one before it, which a consumer's `batch = next(...)` holds until the next is handed over."""
+        return (cls.depth if depth is None else depth) + workers + 2
 
     def _fill(self) -> None:
         try:

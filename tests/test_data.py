@@ -40,6 +40,33 @@ def test_prefetcher_yields_the_plain_stream_and_tracks_the_consumed_position(cac
             assert same(next(pre), batch) and pre.state_dict() == state
 
 
+def test_prefetcher_holds_at_most_most_held_batches_in_a_trainers_loop(cache):
+    """The planner counts `Prefetcher.most_held` batches in host memory: a consumer that keeps each
+    batch through a slow step (as the trainer's loop does, until the next one is handed over)
+    finds no more alive at once, and a full queue reaches the count but for the last one (which
+    exists only in the moment between the hand-over and the consumer letting go of its last)."""
+    import time
+    import weakref
+
+    data = CacheBatches(CacheReader(cache), range(20), batch_size=3, seq_len=8, seed=5)
+    built, build = [], data.make_batch
+
+    def counted(picked):
+        batch = build(picked)
+        built.append(weakref.ref(batch))
+        return batch
+
+    data.make_batch = counted
+    most = 0
+    with Prefetcher(data) as pre:
+        for _ in range(6):
+            batch = next(pre)
+            time.sleep(0.3)  # the step: the feeder and worker fill up meanwhile
+            most = max(most, sum(ref() is not None for ref in built))
+    del batch
+    assert Prefetcher.most_held(data.prefetch_workers) - 1 <= most <= Prefetcher.most_held(data.prefetch_workers)
+
+
 def test_prefetcher_raises_the_builders_error_in_the_consumer(cache):
     data = CacheBatches(CacheReader(cache), range(20), batch_size=3)
 

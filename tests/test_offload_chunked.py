@@ -203,3 +203,21 @@ def test_the_cost_table_measures_the_untied_input_embedding_a_plan_may_keep_on_t
     optimizer.step()
     states = sum(v.nbytes for v in optimizer.state[weight].values() if isinstance(v, torch.Tensor))
     assert costs.embedding_state_bytes == states > 0
+
+
+def test_the_cost_table_counts_the_loaders_batches_in_host_memory(small, tmp_path):  # noqa: F811
+    """Without chunks the store holds nothing, so the table's static host bytes are the batches the
+    trainer's Prefetcher holds at most, each as a micro-batch of this config's reads (not pinned
+    on the CPU)."""
+    from student.data import CacheBatches, Prefetcher, split_indices
+    from student.planner.profile import profile
+    from teacher_cache.reader import CacheReader
+
+    cfg = config(small, tmp_path / "a", grad_accum=1)
+    reader = CacheReader(small[1])
+    data = CacheBatches(reader, split_indices(reader.num_sequences, cfg.heldout)[0], cfg.batch_size,
+                        seq_len=cfg.seq_len, seed=cfg.seed)
+    batch = next(iter(data))
+    bytes_ = sum(t.nbytes for t in (batch.input_ids, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass,
+                                    batch.target_ids, batch.target_logprob, batch.mask))
+    assert profile(cfg).static_host_bytes == Prefetcher.most_held(data.prefetch_workers) * bytes_ > 0

@@ -19,13 +19,13 @@ import torch
 
 from distill.files import distill_home
 from student.cross_tokenizer.batches import batches_for, open_cross_tokenizer
-from student.data import load_tokenizer, split_indices
+from student.data import Prefetcher, load_tokenizer, split_indices
 from student.long_context.config import chunk_bounds, sparse_grad_pages
 from student.long_context.store import select_pages, store_for_model
 from student.model import rope_cos_sin
 from student.optim.build import build_optimizer, state_bytes
 from student.pinned import release_cached
-from student.planner.table import ChunkSeconds, CostTable, KVPages, LayerCosts, past_read_share
+from student.planner.table import ChunkSeconds, CostTable, KVPages, LayerCosts, past_read_share, pinned_block
 from student.step import initial_student, micro_batch_loss, resolve, steps_accumulate
 from teacher_cache.reader import CacheReader
 
@@ -61,7 +61,8 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     (medians); the table's `micro_batches` is config.grad_accum.
 
     Bytes are counted from tensors: a layer's working weights, its input, what its forward saves
-    for the backward (parameters left out), the optimizer's states after one update. Transient
+    for the backward (parameters left out), the optimizer's states after one update, the batches
+    the trainer's loader holds in host memory (`Prefetcher.most_held`). Transient
     workspace is the allocator's peak beyond those on a GPU; on the CPU, where no allocator
     reports a peak, it is estimated as the largest saved tensor plus two layer inputs (the
     gradients flowing in and out). All decoder layers of a student have one shape, so the update
@@ -133,6 +134,10 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     kv = _kv_pages(model, config, batches[0].input_ids.shape, amp) if chunks > 1 else None
     kv_gpu, kv_host, resident_pages = kv.bytes() if kv is not None else (0, 0, None)
     late, held = _grad_bytes_of_embedding(model)
+    # The trainer's loader holds its built batches in host memory, page-locked on a GPU (a pinned
+    # block each tensor): as many at once as its Prefetcher keeps.
+    batch_bytes = sum(pinned_block(t.nbytes) if cuda else t.nbytes for t in vars(batches[0]).values() if t is not None)
+    loader_host = Prefetcher.most_held(data.prefetch_workers) * batch_bytes
     left = 0
     if cuda:  # hand the caching allocator's blocks back: the training that follows reserves its own
         del model, static
@@ -151,7 +156,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
                      static_gpu_bytes=2 * static_params + static_states + left,
                      gpu_reserve_bytes=settings.reserve_bytes if cuda else 0,
                      loss_workspace_bytes=loss_workspace, late_grad_bytes=late, held_grad_bytes=held,
-                     static_host_bytes=kv_host, head_s=head_s, static_update_s=static_update_s,
+                     static_host_bytes=kv_host + loader_host, head_s=head_s, static_update_s=static_update_s,
                      micro_batches=config.grad_accum * chunks, host_bytes_per_s=_host_pass_rate(settings),
                      chunks=chunks, pass1_s=pass1_s, kv_gpu_bytes=kv_gpu,
                      chunk_tokens=config.long.chunk_tokens if chunks > 1 else None, resident_pages=resident_pages,

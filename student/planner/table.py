@@ -219,7 +219,9 @@ class CostTable:
     # and what stayed allocated after the profile (cuBLAS's workspaces, made at a stream's first
     # matmul, and what the caller held).
     static_gpu_bytes: int
-    static_host_bytes: int = 0  # on the host beside the layers' bytes
+    # On the host beside the layers' bytes: the key/value store's pools and kept outputs, and the
+    # loader's batches (`profile`).
+    static_host_bytes: int = 0
     head_s: float = 0.0  # embeddings, final norm, head and loss, forward and backward, one micro-batch
     static_update_s: float = 0.0  # the optimizer update of the static parameters (on the GPU)
     # Micro-batches per optimizer step (grad_accum); with chunk-recurrent training each chunk's
