@@ -48,7 +48,8 @@ offloaded layers; for an offloaded variant what the host held after the timed st
 student.pinned.POOLS keeps, the layers' bytes: what a host peak off its prediction was made of)
 and the phases of the last timed step (phase_s: forward, head, backward, grads, clip, optimizer,
 refresh, as the runtime measures them); for a planned variant the plan's predicted step time, phases and peaks beside
-them (predicted / measured), and the predicted GPU peak term by term (predicted_gpu_peak_terms,
+them (predicted / measured; the predicted host peak counts the trainer's loader's batches,
+Prefetcher.most_held of them, where the bench holds one), and the predicted GPU peak term by term (predicted_gpu_peak_terms,
 offload_peaks.gpu_peak_terms), so a row says which term of the cost model is off. Before a variant is timed, its plan (its
 first --check-layers layers) is checked on a student of that many layers: two steps' losses and
 gradient norms against the same student trained without offload, to bf16 tolerance
