@@ -169,6 +169,22 @@ class ShardLRU:
         start, stop = int(shard.seq_offsets[local]), int(shard.seq_offsets[local + 1])
         return start, stop, shard
 
+    def peak_bytes(self, indices) -> int:
+        """The most host memory this cache of decoded shards takes while reading `indices`, once it
+        has decoded one: holding as many decoded shards as it keeps (the largest of those the indices
+        lie in), it reads and decodes one more, which takes the shard's file bytes and twice its
+        decoded bytes (Arrow's column buffers, then the arrays; notes/long-context.md, "What the
+        loader holds"). A shard's decoded bytes are its rows' and its sequence offsets', a row's
+        bytes those of a shard it holds."""
+        assert self.shards, "decode a shard first (read a sequence)"
+        held = next(iter(self.shards.values()))
+        row = sum(a.nbytes for a in (held.input_ids, *held.targets.arrays, held.loss_mask, held.sampler_logprob)
+                  if a is not None) // len(held.input_ids)
+        decoded = lambda info: info.tokens * row + (info.sequences + 1) * held.seq_offsets.itemsize
+        infos = sorted((self.reader.manifest.shards[s] for s in {self.shard_of(i) for i in indices}),
+                       key=lambda info: info.tokens, reverse=True)
+        return sum(map(decoded, infos[1:self.size + 1])) + infos[0].bytes + 2 * decoded(infos[0])
+
 
 class CacheBatches:
     """Endless micro-batches of `batch_size` sequences from `indices` of `reader`.
@@ -255,6 +271,16 @@ class CacheBatches:
                     self.epoch, self.offset = self.epoch + 1, 0
             rank, share = self.part[0], self.batch_size // self.part[1]
             yield picked[rank * share:(rank + 1) * share]
+
+    def host_bytes(self, batch: Batch, block=lambda n: n, streams: int = 1) -> int:
+        """The most host memory a Prefetcher over this stream takes (the planner counts it), once a
+        batch has been built: its `Prefetcher.most_held` built batches like `batch`, each tensor
+        taking `block(its bytes)` (a GPU's pinned blocks), and each worker thread's shard cache
+        (`ShardLRU.peak_bytes`), of `streams` streams alike (a mixture's or an ensemble's caches,
+        each read by a stream of its own)."""
+        batches = Prefetcher.most_held(self.prefetch_workers) * sum(block(t.nbytes) for t in vars(batch).values()
+                                                                   if t is not None)
+        return batches + streams * self.prefetch_workers * self._thread_lru().peak_bytes(self.indices)
 
     def epoch_batches(self):
         """One pass over `indices` in their order (the last batch may be smaller): for evaluation."""

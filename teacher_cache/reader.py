@@ -51,6 +51,16 @@ class DecodedShard:
     sampler_logprob: np.ndarray | None = None  # float32 [N], the sampler's log-prob of that token (NaN elsewhere)
 
 
+def release_unused_memory() -> None:
+    """Hand back to the system what Arrow's memory pool keeps after decoded shards are freed (a
+    Parquet shard's arrays live in that pool, whose allocator keeps freed memory for reuse): after a
+    one-off read, such as the offload planner's profile, so that what follows starts without it."""
+    import sys
+
+    if "pyarrow" in sys.modules:  # nothing read through Arrow yet: nothing to hand back
+        sys.modules["pyarrow"].default_memory_pool().release_unused()
+
+
 def check_target_arrays(targets: TeacherTargets, info: TargetsInfo, name: str) -> None:
     """A decoded shard's targets hold the arrays its manifest's targets section promises."""
     if targets.k != info.k:

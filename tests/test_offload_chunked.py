@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -205,19 +206,31 @@ def test_the_cost_table_measures_the_untied_input_embedding_a_plan_may_keep_on_t
     assert costs.embedding_state_bytes == states > 0
 
 
-def test_the_cost_table_counts_the_loaders_batches_in_host_memory(small, tmp_path):  # noqa: F811
-    """Without chunks the store holds nothing, so the table's static host bytes are the batches the
-    trainer's Prefetcher holds at most, each as a micro-batch of this config's reads (not pinned
-    on the CPU)."""
+def test_the_cost_table_counts_what_the_loader_holds_in_host_memory(small, tmp_path):  # noqa: F811
+    """Without chunks the store holds nothing, so the table's static host bytes are the loader's:
+    the batches the trainer's Prefetcher holds at most, each a micro-batch of this config's reads
+    (not pinned on the CPU), and its worker's shard cache at its fullest, decoding the largest
+    training shard (file bytes and twice its decoded arrays) while it keeps the next largest ones."""
     from student.data import CacheBatches, Prefetcher, split_indices
     from student.planner.profile import profile
     from teacher_cache.reader import CacheReader
 
     cfg = config(small, tmp_path / "a", grad_accum=1)
     reader = CacheReader(small[1])
-    data = CacheBatches(reader, split_indices(reader.num_sequences, cfg.heldout)[0], cfg.batch_size,
-                        seq_len=cfg.seq_len, seed=cfg.seed)
+    train_idx = split_indices(reader.num_sequences, cfg.heldout)[0]
+    data = CacheBatches(reader, train_idx, cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
     batch = next(iter(data))
-    bytes_ = sum(t.nbytes for t in (batch.input_ids, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass,
-                                    batch.target_ids, batch.target_logprob, batch.mask))
-    assert profile(cfg).static_host_bytes == Prefetcher.most_held(data.prefetch_workers) * bytes_ > 0
+    batch_bytes = sum(t.nbytes for t in (batch.input_ids, batch.topk_ids, batch.topk_logprobs, batch.tail_logmass,
+                                         batch.target_ids, batch.target_logprob, batch.mask))
+    starts = np.cumsum([0] + [s.sequences for s in reader.manifest.shards])
+    shards = sorted({int(np.searchsorted(starts, i, side="right")) - 1 for i in train_idx},
+                    key=lambda s: -reader.manifest.shards[s].tokens)
+    decoded = []
+    for index in shards:
+        shard = reader.load_shard(index)
+        decoded.append(sum(a.nbytes for a in (shard.input_ids, shard.seq_offsets, *shard.targets.arrays)
+                           if a is not None))
+    keep = 4  # CacheBatches' default lru_shards, the profile's stream's
+    assert len(shards) > keep + 1  # the cache keeps only the next `keep` largest
+    loader = decoded[0] * 2 + reader.manifest.shards[shards[0]].bytes + sum(decoded[1:keep + 1])
+    assert profile(cfg).static_host_bytes == Prefetcher.most_held(data.prefetch_workers) * batch_bytes + loader

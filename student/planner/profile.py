@@ -19,7 +19,7 @@ import torch
 
 from distill.files import distill_home
 from student.cross_tokenizer.batches import batches_for, open_cross_tokenizer
-from student.data import Prefetcher, load_tokenizer, split_indices
+from student.data import load_tokenizer, split_indices
 from student.long_context.config import chunk_bounds, sparse_grad_pages
 from student.long_context.store import select_pages, store_for_model
 from student.model import rope_cos_sin
@@ -27,7 +27,7 @@ from student.optim.build import build_optimizer, state_bytes
 from student.pinned import release_cached
 from student.planner.table import ChunkSeconds, CostTable, KVPages, LayerCosts, past_read_share, pinned_block
 from student.step import initial_student, micro_batch_loss, resolve, steps_accumulate
-from teacher_cache.reader import CacheReader
+from teacher_cache.reader import CacheReader, release_unused_memory
 
 __all__ = ["ProfileSettings", "profile", "default_budgets", "available_host_bytes"]
 
@@ -134,10 +134,13 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     kv = _kv_pages(model, config, batches[0].input_ids.shape, amp) if chunks > 1 else None
     kv_gpu, kv_host, resident_pages = kv.bytes() if kv is not None else (0, 0, None)
     late, held = _grad_bytes_of_embedding(model)
-    # The trainer's loader holds its built batches in host memory, page-locked on a GPU (a pinned
-    # block each tensor): as many at once as its Prefetcher keeps.
-    batch_bytes = sum(pinned_block(t.nbytes) if cuda else t.nbytes for t in vars(batches[0]).values() if t is not None)
-    loader_host = Prefetcher.most_held(data.prefetch_workers) * batch_bytes
+    # What the trainer's loader holds in host memory: its built batches, page-locked on a GPU (a
+    # pinned block each tensor), and its decoded shards, each cache's as large as the first's (a
+    # mixture's caches share the targets). Then the memory Arrow keeps from this profile's reads goes
+    # back: the loader's own reads are what it counts.
+    loader_host = data.host_bytes(batches[0], pinned_block if cuda else (lambda n: n), streams=len(config.cache))
+    del data, batches, reader
+    release_unused_memory()
     left = 0
     if cuda:  # hand the caching allocator's blocks back: the training that follows reserves its own
         del model, static
