@@ -39,6 +39,7 @@ def test_planned_chunk_recurrent_step_takes_the_planners_chunk_size_and_passes_i
     peak_sums = [sum(terms.values()) for terms in planned["predicted_gpu_peak_terms"].values()]
     assert max(peak_sums) == planned["predicted_gpu_peak_bytes"]  # the chosen chunk size's table
     assert planned["h2d_gb_s"] > 0 and planned["d2h_gb_s"] > 0 and "h2d_gb_s" not in none  # the profile's
+    assert 0 < planned["predicted_loader_host_bytes"] < planned["predicted_host_peak_bytes"]
     # On the CPU nothing copies both ways at once: the duplex figures are the rates alone.
     assert (planned["h2d_duplex_gb_s"], planned["d2h_duplex_gb_s"]) == (planned["h2d_gb_s"], planned["d2h_gb_s"])
     assert (work / "planned-plan.json").exists()  # kept with --work, to train or plan from again

@@ -177,6 +177,22 @@ def test_the_plan_table_says_how_the_compute_timings_were_scaled():
     assert "for the clock" not in plan_table(plan, dataclasses.replace(costs, clock_factor=1.0))
 
 
+def test_the_plan_table_says_what_of_the_host_peak_the_loader_holds():
+    import dataclasses
+
+    from student.offload.config import format_bytes
+    from student.planner.report import plan_table
+    from student.planner.solve import solve
+    from test_planner import GiB, random_table
+
+    costs = random_table(3, seed=11)
+    assert "the loader's" not in plan_table(solve(costs, 10**12, 10**12), costs)  # a table made without a profile
+    costs = dataclasses.replace(costs, static_host_bytes=costs.static_host_bytes + 3 * GiB, loader_host_bytes=3 * GiB)
+    plan = solve(costs, 10**12, 10**12)
+    (line,) = [x for x in plan_table(plan, costs).splitlines() if "peak host memory" in x]
+    assert line.endswith(f"(the loader's batches and decoded shards {format_bytes(3 * GiB)} of it)")
+
+
 def test_the_plan_table_says_what_the_gpu_peak_holds_largest_first():
     from student.planner.report import plan_table
     from student.offload.config import format_bytes

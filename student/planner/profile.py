@@ -159,7 +159,7 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
                      static_gpu_bytes=2 * static_params + static_states + left,
                      gpu_reserve_bytes=settings.reserve_bytes if cuda else 0,
                      loss_workspace_bytes=loss_workspace, late_grad_bytes=late, held_grad_bytes=held,
-                     static_host_bytes=kv_host + loader_host, head_s=head_s, static_update_s=static_update_s,
+                     static_host_bytes=kv_host + loader_host, loader_host_bytes=loader_host, head_s=head_s, static_update_s=static_update_s,
                      micro_batches=config.grad_accum * chunks, host_bytes_per_s=_host_pass_rate(settings),
                      chunks=chunks, pass1_s=pass1_s, kv_gpu_bytes=kv_gpu,
                      chunk_tokens=config.long.chunk_tokens if chunks > 1 else None, resident_pages=resident_pages,

@@ -51,10 +51,13 @@ def plan_table(plan: OffloadPlan, costs: CostTable, device: str = "cuda") -> str
                 f"(each a micro-batch above; pass 1 {costs.pass1_s * 1e3:.2f} ms a step, keeping the attention "
                 f"outputs of {_kept_text(plan.keep_attention_chunks, costs.chunks)} for pass 2); {plan.resident_pages} "
                 f"key/value pages resident on the {gpu} ({format_bytes(costs.kv_gpu_bytes)}; {pages}), "
-                f"{format_bytes(costs.static_host_bytes)} on the host"] if plan.chunk_tokens is not None else []),
+                f"{format_bytes(costs.static_host_bytes - costs.loader_host_bytes)} on the host"]
+               if plan.chunk_tokens is not None else []),
              f"peak {'GPU memory' if gpu == 'GPU' else 'memory on the device (CPU)'} "
              f"{format_bytes(predicted.gpu_peak_bytes)}{budget(plan.gpu_memory)}; "
-             f"peak host memory {format_bytes(predicted.host_peak_bytes)}{budget(plan.host_memory)}",
+             f"peak host memory {format_bytes(predicted.host_peak_bytes)}{budget(plan.host_memory)}"
+             + (f" (the loader's batches and decoded shards {format_bytes(costs.loader_host_bytes)} of it)"
+                if costs.loader_host_bytes else ""),
              _peak_text(gpu_peak_terms(costs, plan), gpu),
              f"measured: host->device {costs.h2d_bytes_per_s / 1e9:.1f} GB/s, device->host "
              f"{costs.d2h_bytes_per_s / 1e9:.1f} GB/s (both at once {costs.h2d_duplex_bytes_per_s / 1e9:.1f} and "

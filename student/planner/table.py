@@ -222,6 +222,7 @@ class CostTable:
     # On the host beside the layers' bytes: the key/value store's pools and kept outputs, and the
     # loader's batches (`profile`).
     static_host_bytes: int = 0
+    loader_host_bytes: int = 0  # of static_host_bytes, the loader's (`CacheBatches.host_bytes`), for reports
     head_s: float = 0.0  # embeddings, final norm, head and loss, forward and backward, one micro-batch
     static_update_s: float = 0.0  # the optimizer update of the static parameters (on the GPU)
     # Micro-batches per optimizer step (grad_accum); with chunk-recurrent training each chunk's

@@ -48,8 +48,8 @@ offloaded layers; for an offloaded variant what the host held after the timed st
 student.pinned.POOLS keeps, the layers' bytes: what a host peak off its prediction was made of)
 and the phases of the last timed step (phase_s: forward, head, backward, grads, clip, optimizer,
 refresh, as the runtime measures them); for a planned variant the plan's predicted step time, phases and peaks beside
-them (predicted / measured; the predicted host peak counts the trainer's loader's batches,
-Prefetcher.most_held of them, where the bench holds one), and the predicted GPU peak term by term (predicted_gpu_peak_terms,
+them (predicted / measured; the predicted host peak counts the trainer's loader, its batches and
+decoded shards, which the bench does not run: predicted_loader_host_bytes of it), and the predicted GPU peak term by term (predicted_gpu_peak_terms,
 offload_peaks.gpu_peak_terms), so a row says which term of the cost model is off. Before a variant is timed, its plan (its
 first --check-layers layers) is checked on a student of that many layers: two steps' losses and
 gradient norms against the same student trained without offload, to bf16 tolerance
@@ -253,7 +253,8 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
     return plan, {**whole, "h2d_gb_s": costs.h2d_bytes_per_s / 1e9, "d2h_gb_s": costs.d2h_bytes_per_s / 1e9,
                   "h2d_duplex_gb_s": costs.h2d_duplex_bytes_per_s / 1e9,
                   "d2h_duplex_gb_s": costs.d2h_duplex_bytes_per_s / 1e9, "copy_latency_s": costs.copy_latency_s,
-                  "clock_factor": costs.clock_factor, "predicted_gpu_peak_terms": gpu_peak_terms(costs, plan)}
+                  "clock_factor": costs.clock_factor, "predicted_gpu_peak_terms": gpu_peak_terms(costs, plan),
+                  "predicted_loader_host_bytes": costs.loader_host_bytes}
 
 
 def whole_step(costs, plan: OffloadPlan, layers: int) -> dict:
