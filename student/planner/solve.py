@@ -69,10 +69,10 @@ class BudgetError(ConfigError):
     budget, `peak_terms` is that plan's predicted GPU peak term by term (`gpu_peak_terms`): what
     holds the memory no plan can move."""
 
-    def __init__(self, field_name: str, budget: int, smallest: int, peak_terms: dict | None = None):
+    def __init__(self, field_name: str, budget: int, smallest: int, peak_terms: dict | None = None, why: str = ""):
         self.budget, self.smallest_bytes, self.peak_terms = budget, smallest, peak_terms
         super().__init__(field_name, f"{format_bytes(budget)} cannot hold this student's step; the smallest that "
-                                     f"can is {format_bytes(smallest)}")
+                                     f"can is {format_bytes(smallest)}{why}")
 
 
 # --- the mixed-integer program ------------------------------------------------------------------
@@ -488,7 +488,10 @@ def _raise_budget_error(costs, gpu_memory, host_memory, time_limit_s, settings):
     least = lambda which, other: smallest_budget(costs, which, other, time_limit_s=time_limit_s, settings=settings)[1]
     least_host = least("host", gpu_memory)  # states on the GPU where its budget allows take the least host memory
     if least_host is not None and least_host + slack > host_memory:
-        raise BudgetError("host_memory", host_memory, _rounded_up(least_host + slack))
+        loader = costs.loader_host_bytes
+        why = (f" (the loader's batches and decoded shards hold {format_bytes(loader)} of it: a cache of fewer "
+               "sequences a shard, cache-teacher --shard-size, holds less)" if loader >= least_host / 10 else "")
+        raise BudgetError("host_memory", host_memory, _rounded_up(least_host + slack), why=why)
     plan, least_gpu = smallest_budget(costs, "gpu", host_memory if least_host is not None else None,
                                       time_limit_s=time_limit_s, settings=settings)
     if least_gpu is None:
