@@ -173,9 +173,9 @@ class ShardLRU:
         """The most host memory this cache of decoded shards takes while reading `indices`, once it
         has decoded one: holding as many decoded shards as it keeps (the largest of those the indices
         lie in), it reads and decodes one more, which takes the shard's file bytes and twice its
-        decoded bytes (Arrow's column buffers, then the arrays; notes/long-context.md, "What the
-        loader holds"). A shard's decoded bytes are its rows' and its sequence offsets', a row's
-        bytes those of a shard it holds."""
+        decoded bytes (Arrow's column buffers, then the arrays; notes/long-context.md,
+        "What the loader holds"). A shard's decoded bytes are its rows' and its sequence offsets',
+        a row's bytes those of a shard it holds."""
         assert self.shards, "decode a shard first (read a sequence)"
         held = next(iter(self.shards.values()))
         row = sum(a.nbytes for a in (held.input_ids, *held.targets.arrays, held.loss_mask, held.sampler_logprob)
