@@ -453,7 +453,8 @@ def test_the_planner_counts_the_kept_attention_of_the_chunks_pass_1_keeps(tmp_pa
 
 def test_the_planner_counts_the_sparse_stores_gradient_pages_and_mean_keys(tmp_path):
     """In sparse mode the planner's key/value bytes are the store's: key and value pools, each
-    page's mean key, and gradient pages for `sparse_grad_pages` pages a layer (not every page)."""
+    page's mean key, and gradient pages for `sparse_grad_pages` pages a layer (not every page);
+    beside them the sequence's int64 ids and bool mask, which the engine holds."""
     from types import SimpleNamespace
 
     from student.long_context.store import _GradPages, store_for_model
@@ -468,7 +469,7 @@ def test_the_planner_counts_the_sparse_stores_gradient_pages_and_mean_keys(tmp_p
     nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)
     held = nbytes(store.k + store.v + store.mean_k) + model.config.num_layers * nbytes([grads.dk, grads.dv])
     assert store.grad_page_rows == B * sparse_grad_pages(L, 32, 16, 1) < B * store.num_pages
-    assert planned.bytes()[0] == held + planned.kept_bytes
+    assert planned.bytes()[0] == held + planned.kept_bytes + B * L * 9
 
 
 def test_the_profile_times_pass_2s_forward_on_pass_1s_kept_attention(tmp_path, monkeypatch):

@@ -234,3 +234,12 @@ def test_the_cost_table_counts_what_the_loader_holds_in_host_memory(small, tmp_p
     assert len(shards) > keep + 1  # the cache keeps only the next `keep` largest
     loader = decoded[0] * 2 + reader.manifest.shards[shards[0]].bytes + sum(decoded[1:keep + 1])
     assert profile(cfg).static_host_bytes == Prefetcher.most_held(data.prefetch_workers) * batch_bytes + loader
+
+
+def test_the_profile_counts_the_ids_and_mask_the_engine_holds(small, tmp_path):  # noqa: F811
+    """9 bytes a position: an int64 id and a bool mask (student/long_context/engine.py)."""
+    from student.planner.profile import profile
+
+    cfg = config(small, tmp_path / "a", grad_accum=1, chunk_tokens=16, page_tokens=16)
+    costs = profile(cfg)
+    assert costs.kv.sequence_bytes == cfg.batch_size * costs.kv.seq_tokens * 9 > 0

@@ -80,6 +80,16 @@ def test_sparse_pages_count_their_gradient_pages_and_mean_keys():
     assert dataclasses.replace(pages, kv_offload=True, offload_pages=1).bytes() == (3 * 3 * 10**6 + 40, pools + kept, 3)
 
 
+def test_the_sequences_ids_and_mask_count_once_on_the_device_wherever_the_pages_are():
+    """The engine holds a micro-batch's ids and mask on the device whole: once, not per layer, and
+    beside the pages whether they are resident, offloaded or on the CPU."""
+    for changes in ({}, {"kv_offload": True, "offload_pages": 1}, {"offloadable": False}):
+        for layers in (1, 3):
+            plain = kv(num_layers=layers, **changes)
+            held = dataclasses.replace(plain, sequence_bytes=7)
+            assert held.bytes() == (plain.bytes()[0] + 7, *plain.bytes()[1:])
+
+
 def test_a_table_of_more_layers_like_its_first_is_the_table_measured_with_them():
     """`with_layers`: the table of a student with n layers like the profiled one's, as a profile of
     all n would have measured them: n layers, pass 1 n times as long, the pages of n layers."""

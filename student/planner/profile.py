@@ -406,6 +406,7 @@ def _kv_pages(model, config, shape, amp) -> KVPages:
                    kv_page_bytes=2 * size * page, grad_page_bytes=2 * 4 * page,
                    grad_pages=grad_pages,
                    mean_key_bytes=4 * B * c.num_kv_heads * c.head_dim if sparse else 0,
+                   sequence_bytes=B * L * (torch.int64.itemsize + torch.bool.itemsize),  # engine.py's ids and mask
                    kept_out_bytes=B * c.num_heads * c.head_dim * size, kept_lse_bytes=B * c.num_heads * 4,
                    offloadable=config.device.startswith("cuda"), kv_offload=long.kv_offload,
                    offload_pages=long.offload_pages, keep_chunks=long.keep_attention_chunks)

@@ -152,6 +152,9 @@ class KVPages:
     # each page's fp32 mean key (of every row) on the device, for the selection.
     grad_pages: int | None = None
     mean_key_bytes: int = 0
+    # The micro-batch's input ids and token mask, which the engine holds on the device whole (each
+    # chunk's other rows come to it as the chunk runs).
+    sequence_bytes: int = 0
 
     @property
     def chunks(self) -> int:
@@ -193,16 +196,18 @@ class KVPages:
         attention outputs go to pinned host memory on a GPU (stay on the device elsewhere), and
         beside them pass 2's own of one chunk that pass 1 did not keep (the last one: it comes
         first), kept there for its layers' recomputations.
+        The device also holds the micro-batch's ids and mask (`sequence_bytes`).
         Resident pages: the pages (of every row) the device holds at once, over all layers."""
         page = self.kv_page_bytes + self.grad_page_bytes
         grad_pages = self.num_pages if self.grad_pages is None else self.grad_pages
-        mean_keys = self.num_layers * self.num_pages * self.mean_key_bytes
+        # wherever the pages live: the mean keys, and the micro-batch's ids and mask
+        on_device = self.num_layers * self.num_pages * self.mean_key_bytes + self.sequence_bytes
         if self.offloaded:  # per layer four page-locked pools, exact: keys, values and their gradients
             resident = 3 * min(self.offload_pages, self.num_pages)
             pools = self.num_pages * self.kv_page_bytes + grad_pages * self.grad_page_bytes
-            return resident * page + mean_keys, self.num_layers * pools + self.kept_bytes + self.kept_chunk_bytes, resident
+            return resident * page + on_device, self.num_layers * pools + self.kept_bytes + self.kept_chunk_bytes, resident
         resident = self.num_layers * self.num_pages
-        held = self.num_layers * (self.num_pages * self.kv_page_bytes + grad_pages * self.grad_page_bytes) + mean_keys
+        held = self.num_layers * (self.num_pages * self.kv_page_bytes + grad_pages * self.grad_page_bytes) + on_device
         if self.offloadable:
             return held, self.kept_bytes + self.kept_chunk_bytes, resident
         return held + self.kept_bytes, 0, resident
