@@ -61,8 +61,8 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     (medians); the table's `micro_batches` is config.grad_accum.
 
     Bytes are counted from tensors: a layer's working weights, its input, what its forward saves
-    for the backward (parameters left out), the optimizer's states after one update, the batches
-    the trainer's loader holds in host memory (`Prefetcher.most_held`). Transient
+    for the backward (parameters left out), the optimizer's states after one update, what the
+    trainer's loader holds in host memory (`CacheBatches.host_bytes`: batches, decoded shards). Transient
     workspace is the allocator's peak beyond those on a GPU; on the CPU, where no allocator
     reports a peak, it is estimated as the largest saved tensor plus two layer inputs (the
     gradients flowing in and out). All decoder layers of a student have one shape, so the update
@@ -159,7 +159,8 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
                      static_gpu_bytes=2 * static_params + static_states + left,
                      gpu_reserve_bytes=settings.reserve_bytes if cuda else 0,
                      loss_workspace_bytes=loss_workspace, late_grad_bytes=late, held_grad_bytes=held,
-                     static_host_bytes=kv_host + loader_host, loader_host_bytes=loader_host, head_s=head_s, static_update_s=static_update_s,
+                     static_host_bytes=kv_host + loader_host, loader_host_bytes=loader_host, head_s=head_s,
+                     static_update_s=static_update_s,
                      micro_batches=config.grad_accum * chunks, host_bytes_per_s=_host_pass_rate(settings),
                      chunks=chunks, pass1_s=pass1_s, kv_gpu_bytes=kv_gpu,
                      chunk_tokens=config.long.chunk_tokens if chunks > 1 else None, resident_pages=resident_pages,

@@ -225,7 +225,7 @@ class CostTable:
     # matmul, and what the caller held).
     static_gpu_bytes: int
     # On the host beside the layers' bytes: the key/value store's pools and kept outputs, and the
-    # loader's batches (`profile`).
+    # loader's batches and decoded shards (`profile`).
     static_host_bytes: int = 0
     loader_host_bytes: int = 0  # of static_host_bytes, the loader's (`CacheBatches.host_bytes`), for reports
     head_s: float = 0.0  # embeddings, final norm, head and loss, forward and backward, one micro-batch
