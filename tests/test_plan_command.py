@@ -193,6 +193,24 @@ def test_the_plan_table_says_what_of_the_host_peak_the_loader_holds():
     assert line.endswith(f"(the loader's batches and decoded shards {format_bytes(3 * GiB)} of it)")
 
 
+def test_a_host_budget_refusal_names_the_loader_when_it_holds_a_large_share():
+    """Where the loader holds a tenth or more of the smallest host budget, the refusal says so and
+    what holds less."""
+    import dataclasses
+
+    import pytest
+
+    from student.planner.solve import BudgetError, predict, solve
+    from test_planner import GiB, every_plan, random_table
+
+    costs = random_table(3, seed=11)
+    least_host = min(predict(costs, p).host_peak_bytes for p in every_plan(3, (0,)))
+    loader = least_host // 5
+    heavy = dataclasses.replace(costs, static_host_bytes=costs.static_host_bytes + loader, loader_host_bytes=loader)
+    with pytest.raises(BudgetError, match="the loader's batches and decoded shards hold .* --shard-size"):
+        solve(heavy, 100 * GiB, least_host - 1)
+
+
 def test_the_plan_table_says_what_the_gpu_peak_holds_largest_first():
     from student.planner.report import plan_table
     from student.offload.config import format_bytes
