@@ -208,7 +208,8 @@ def adamw8bit_step_cpu(p, grad, codes_m, absmax_m, codes_r, absmax_r, *, block_s
     """``adamw8bit_step_torch``'s step, bit for bit, for CPU tensors: the reference on pieces of whole
     blocks of about `chunk_elements` elements (a block's update depends on that block alone), so
     each piece's temporaries stay in the CPU's caches and come from the allocator's free lists
-    instead of fresh pages (the reference's n-element temporaries cost a page fault every 4 KiB)."""
+    instead of fresh pages (the reference's n-element temporaries cost a page fault every 4 KiB),
+    where the process's heap keeps freed pieces (student.host_heap; the trainer's process does)."""
     n = p.numel()
     if n == 0:
         return

@@ -78,6 +78,7 @@ from student.data import CacheBatches, Prefetcher, load_tokenizer
 from student.distributed import Dist, check_config, setup, teardown, world_from_env
 from student.evaluate import EvalResult, evaluate_student, kl_note, teacher_reference, token_bytes_of
 from student.executors import LocalExecutor, make_executor
+from student.host_heap import keep_freed_pieces
 from student.mixture import RunCaches, open_run_caches
 from student.offload.run import caps_allocator, cuda_index, over_cap_message
 from student.optim.build import build_optimizer, load_state_keeping_settings, state_bytes
@@ -266,7 +267,10 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
 def _environment(config: TrainConfig, progress: bool):
     """Around a run: this process's place under torchrun (yielded: a Dist, or None for one process),
     deterministic algorithms, log lines above the progress bar, and, when the run caps torch's
-    allocator at --gpu-memory, a step out of memory said in one line and the cap lifted after."""
+    allocator at --gpu-memory, a step out of memory said in one line and the cap lifted after. The
+    host heap keeps freed pieces for the optimizers' CPU steps (student.host_heap), for the rest of
+    the process."""
+    keep_freed_pieces()
     dist = _join_processes(config)
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     capped = caps_allocator(config)  # the offload executor caps it once the run has planned

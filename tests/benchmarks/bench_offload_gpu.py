@@ -107,6 +107,7 @@ from harness import (Results, add_results_arg, ceilings, check_close, free_memor
                      reset_host_peak, tflops, time_cpu, time_gpu)
 
 from student.config import StudentConfig
+from student.host_heap import keep_freed_pieces
 from student.long_context.config import chunk_bounds, kept_chunks
 from student.long_context.store import store_for_model
 from student.model import Student, rope_inv_freq
@@ -243,6 +244,7 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
     (folder / "config.json").write_text(json.dumps(config.to_hf_dict()))
     tok = make_tokenizer(folder, config.vocab_size)
     write_cache(work / "cache", tok, num_seqs=2, seq_len=args.seq_len, k=32, shard_size=2)  # the profile reads one (heldout 1)
+    progress("planned: synthetic cache written")
     cfg = train_config(args, work, offload="auto")
     budgets = {k: parse_bytes(v, k) if v else None for k, v in (("gpu_memory", args.gpu_memory),
                                                                   ("host_memory", args.host_memory))}
@@ -507,6 +509,7 @@ def main(argv=None) -> list[dict]:
                              "variant's cost table (default: a temp dir, not kept)")
     add_results_arg(parser)
     args = parser.parse_args(argv)
+    keep_freed_pieces()  # the host heap as the trainer's process sets it (its CPU updates)
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
         raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
@@ -541,6 +544,7 @@ def main(argv=None) -> list[dict]:
             "offload_pages": args.offload_pages, "chunk_candidates": args.chunk_candidates,
             "sparse_pages": args.sparse_pages,
             "warmup": args.warmup, "prime_tokens": args.prime_tokens}
+    progress("ceilings measured")
     for variant in variants:
         profiled = {}
         if variant == "planned":

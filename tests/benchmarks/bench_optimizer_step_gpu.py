@@ -35,6 +35,7 @@ import torch
 
 from harness import Results, add_results_arg, ceilings, check_close, gbps, time_cpu, time_gpu
 from student.config import StudentConfig
+from student.host_heap import keep_freed_pieces
 from student.model import Student
 from student.optim.build import state_bytes
 from student.optim.adam8bit import AdamW8bit
@@ -132,6 +133,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     add_results_arg(ap)
     args = ap.parse_args()
+    keep_freed_pieces()  # the host heap as the trainer's process sets it (its CPU updates)
     on_gpu = args.device.startswith("cuda")
     every = variants(None, [], LR)
     chosen = list(every) if args.variants is None else args.variants.split(",")
