@@ -111,19 +111,21 @@ class RunCaches:
         """The first cache: the run's identity and temperature (the others share them), an ensemble's text."""
         return self.sources[0]
 
-    def stream(self, batch_size: int, *, seq_len: int | None, seed: int, pin_memory: bool, part: tuple[int, int]):
+    def stream(self, batch_size: int, *, seq_len: int | None, seed: int, pin_memory: bool, part: tuple[int, int],
+               lru_shards: int = 4):
         """The training batches: one cache's CacheBatches as a one-cache run reads them, an ensemble's
         (EnsembleBatches), or a MixtureBatches over every cache's stream. Each stream reads through
         readers of its own (batches are built on background threads while evaluation reads through
-        the sources')."""
+        the sources'), each keeping `lru_shards` decoded shards (--loader-shards)."""
         own = lambda source: CacheReader(source.reader.path)
-        kwargs = dict(seq_len=seq_len, seed=seed, pin_memory=pin_memory, part=part)
+        kwargs = dict(seq_len=seq_len, seed=seed, pin_memory=pin_memory, part=part, lru_shards=lru_shards)
         if self.ensemble_k is not None:
             mixture = ensemble_batches([own(s) for s in self.sources[1:]], self.weights, self.ensemble_k)
             return mixture(own(self.first), self.first.train_idx, batch_size, **kwargs)
         if len(self.sources) == 1:
             return self.first.batches(own(self.first), self.first.train_idx, batch_size, **kwargs)
-        streams = [source.batches(own(source), source.train_idx, 1, seq_len=seq_len, seed=stream_seed(seed, place))
+        streams = [source.batches(own(source), source.train_idx, 1, seq_len=seq_len, seed=stream_seed(seed, place),
+                                  lru_shards=lru_shards)
                    for place, source in enumerate(self.sources)]
         return MixtureBatches(streams, self.weights, batch_size, part=part, pin_memory=pin_memory)
 

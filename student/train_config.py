@@ -35,7 +35,7 @@ CHANGEABLE = ("cache", "steps", "warmup_steps", "min_lr_ratio", "lr", "weight_de
               "offload_pages", "checkpoint_layers", "sparse_pages", "keep_attention_chunks", "offload", "gpu_memory",
               "host_memory", "chunk_candidates")
 # Settings of how often things are logged, evaluated or saved, and where: free to change, not recorded.
-FREE = ("out", "eval_every", "eval_sequences", "save_every", "keep_checkpoints", "log_every")
+FREE = ("out", "eval_every", "eval_sequences", "save_every", "keep_checkpoints", "log_every", "loader_shards")
 
 
 @dataclass
@@ -81,6 +81,10 @@ class TrainConfig:
     grad_accum: int = option(1, "Micro-batches per optimizer step.")
     seq_len: int | None = option(None, "Crop cached sequences to this many tokens (default: as cached).")
     heldout: int = option(16, "Cached sequences held out for evaluation (evenly spaced, fixed).")
+    loader_shards: int = option(
+        4, "Decoded cache shards the loader keeps per cache, the most recently read. Fewer hold less host memory (a "
+           "cache of long sequences, many to a shard, decodes gigabytes a shard: try 1); more decode a shard again "
+           "less often.")
     eval_every: int = option(100, "Evaluate on the held-out sequences every N steps (0: at the start and the end).")
     eval_sequences: int | None = option(None, "Held-out sequences each evaluation uses (default: all).")
     save_every: int = option(200, "Checkpoint every N steps (and at the end; the newest --keep-checkpoints are kept).")
@@ -130,7 +134,7 @@ class TrainConfig:
                                                 "from the teacher (teacher + num_layers); leave it out with a student folder")
         require("num_layers", self.num_layers, self.num_layers is None or self.num_layers >= 1,
                 "a positive integer, or leave it out")
-        for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints"):
+        for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints", "loader_shards"):
             require(name, getattr(self, name), getattr(self, name) >= 1, "an integer >= 1")
         for name in ("eval_every", "save_every", "seed"):
             require(name, getattr(self, name), getattr(self, name) >= 0, "an integer >= 0")

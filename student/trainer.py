@@ -147,7 +147,8 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
         run.update(executor.run_info())
         optimizer = build_optimizer(model, config.optim, config.device)
         data = caches.stream(config.batch_size, seq_len=config.seq_len, seed=config.seed,
-                             pin_memory=config.device.startswith("cuda"), part=executor.data_part)
+                             pin_memory=config.device.startswith("cuda"), part=executor.data_part,
+                             lru_shards=config.loader_shards)
         policy = model_policy(config, model, executor.reduce)
         step, last_saved = 0, None  # last_saved: (checkpoint, the loss of its step)
         if (ckpt := latest_checkpoint(out)) is not None:

@@ -9,7 +9,7 @@ import torch
 
 from distill.errors import DistillUserError
 from student.data import Batch, CacheBatches, Prefetcher
-from student.mixture import MixtureBatches, cat_batches, stream_seed
+from student.mixture import CacheSource, MixtureBatches, RunCaches, cat_batches, stream_seed
 from teacher_cache.reader import CacheReader
 from test_cache_synth import make_corpus, write_cache
 
@@ -130,3 +130,19 @@ def test_a_mixture_of_a_cache_with_itself_reads_the_cache_every_sequence_equally
     batch = next(iter(mixture([caches[0], caches[0]], [0.5, 0.5], batch_size=1)))
     first = next(iter(mixture([caches[0]], [1.0], batch_size=1)))
     assert equal(batch, first) and equal(first, plain.make_batch([(0, data.streams[0].epoch_order(0)[0])]))
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_the_run_streams_keep_as_many_decoded_shards_as_loader_shards(caches, count):
+    """RunCaches.stream hands --loader-shards to every cache's stream: after batches from many shards,
+    each stream's shard cache holds that many decoded shards (4 shards a cache here)."""
+    sources = [CacheSource(r, None, list(range(r.num_sequences)), []) for r in map(CacheReader, caches[:count])]
+    held = {}
+    for keep in (1, 3):
+        data = RunCaches(sources, [1.0] * count, None).stream(4, seq_len=None, seed=0, pin_memory=False, part=(0, 1),
+                                                              lru_shards=keep)
+        for _, _ in zip(data, range(6)):
+            pass
+        held[keep] = [len(s._thread_lru().shards) for s in (data.streams if count > 1 else [data])]
+    assert held[1] == [1] * count
+    assert all(n > 1 for n in held[3])

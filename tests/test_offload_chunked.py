@@ -206,16 +206,18 @@ def test_the_cost_table_measures_the_untied_input_embedding_a_plan_may_keep_on_t
     assert costs.embedding_state_bytes == states > 0
 
 
-def test_the_cost_table_counts_what_the_loader_holds_in_host_memory(small, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("keep", [4, 1])
+def test_the_cost_table_counts_what_the_loader_holds_in_host_memory(small, tmp_path, keep):  # noqa: F811
     """Without chunks the store holds nothing, so the table's static host bytes are the loader's:
     the batches the trainer's Prefetcher holds at most, each a micro-batch of this config's reads
     (not pinned on the CPU), and its worker's shard cache at its fullest, decoding the largest
-    training shard (file bytes and twice its decoded arrays) while it keeps the next largest ones."""
+    training shard (file bytes and twice its decoded arrays) while it keeps the next `keep`
+    (--loader-shards) largest ones."""
     from student.data import CacheBatches, Prefetcher, split_indices
     from student.planner.profile import profile
     from teacher_cache.reader import CacheReader
 
-    cfg = config(small, tmp_path / "a", grad_accum=1)
+    cfg = config(small, tmp_path / "a", grad_accum=1, loader_shards=keep)
     reader = CacheReader(small[1])
     train_idx = split_indices(reader.num_sequences, cfg.heldout)[0]
     data = CacheBatches(reader, train_idx, cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
@@ -230,7 +232,6 @@ def test_the_cost_table_counts_what_the_loader_holds_in_host_memory(small, tmp_p
         shard = reader.load_shard(index)
         decoded.append(sum(a.nbytes for a in (shard.input_ids, shard.seq_offsets, *shard.targets.arrays)
                            if a is not None))
-    keep = 4  # CacheBatches' default lru_shards, the profile's stream's
     assert len(shards) > keep + 1  # the cache keeps only the next `keep` largest
     loader = decoded[0] * 2 + reader.manifest.shards[shards[0]].bytes + sum(decoded[1:keep + 1])
     assert profile(cfg).static_host_bytes == Prefetcher.most_held(data.prefetch_workers) * batch_bytes + loader

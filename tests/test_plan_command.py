@@ -207,7 +207,7 @@ def test_a_host_budget_refusal_names_the_loader_when_it_holds_a_large_share():
     least_host = min(predict(costs, p).host_peak_bytes for p in every_plan(3, (0,)))
     loader = least_host // 5
     heavy = dataclasses.replace(costs, static_host_bytes=costs.static_host_bytes + loader, loader_host_bytes=loader)
-    with pytest.raises(BudgetError, match="the loader's batches and decoded shards hold .* --shard-size"):
+    with pytest.raises(BudgetError, match="the loader's batches and decoded shards hold .* --loader-shards 1 .* --shard-size"):
         solve(heavy, 100 * GiB, least_host - 1)
 
 

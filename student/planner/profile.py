@@ -80,7 +80,8 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     config.loss.check_cache_temperature(cache_temperature, kind=reader.manifest.spec.targets.kind)
     config = config.with_flat(temperature=config.loss.distillation_temperature(cache_temperature))
     train_idx, _ = split_indices(reader.num_sequences, config.heldout)
-    data = batches_for(cross)(reader, train_idx, config.batch_size, seq_len=config.seq_len, seed=config.seed)
+    data = batches_for(cross)(reader, train_idx, config.batch_size, seq_len=config.seq_len, seed=config.seed,
+                              lru_shards=config.loader_shards)
     batches = [batch for batch, _ in zip(data, range(micro_batches))]
     model, _ = initial_student(config, "cpu")  # the layers come to the device one at a time
     amp = torch.bfloat16 if config.dtype == "bfloat16" else None

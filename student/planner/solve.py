@@ -489,8 +489,9 @@ def _raise_budget_error(costs, gpu_memory, host_memory, time_limit_s, settings):
     least_host = least("host", gpu_memory)  # states on the GPU where its budget allows take the least host memory
     if least_host is not None and least_host + slack > host_memory:
         loader = costs.loader_host_bytes
-        why = (f" (the loader's batches and decoded shards hold {format_bytes(loader)} of it: a cache of fewer "
-               "sequences a shard, cache-teacher --shard-size, holds less)" if loader >= least_host / 10 else "")
+        why = (f" (the loader's batches and decoded shards hold {format_bytes(loader)} of it: --loader-shards 1 keeps "
+               "fewer decoded shards, and a cache of fewer sequences a shard, cache-teacher --shard-size, holds "
+               "less)" if loader >= least_host / 10 else "")
         raise BudgetError("host_memory", host_memory, _rounded_up(least_host + slack), why=why)
     plan, least_gpu = smallest_budget(costs, "gpu", host_memory if least_host is not None else None,
                                       time_limit_s=time_limit_s, settings=settings)
