@@ -34,7 +34,8 @@ CHANGEABLE = ("cache", "steps", "warmup_steps", "min_lr_ratio", "lr", "weight_de
               "l1", "sparse_kernel", "dead_reinit", "dead_window", "chunk_tokens", "page_tokens", "kv_offload",
               "offload_pages", "checkpoint_layers", "sparse_pages", "keep_attention_chunks", "offload", "gpu_memory",
               "host_memory", "chunk_candidates")
-# Settings of how often things are logged, evaluated or saved, and where: free to change, not recorded.
+# Settings of how often things are logged, evaluated or saved, and where, and how many decoded shards the
+# loader keeps (not what it reads): free to change, not recorded.
 FREE = ("out", "eval_every", "eval_sequences", "save_every", "keep_checkpoints", "log_every", "loader_shards")
 
 
