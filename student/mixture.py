@@ -112,7 +112,7 @@ class RunCaches:
         return self.sources[0]
 
     def stream(self, batch_size: int, *, seq_len: int | None, seed: int, pin_memory: bool, part: tuple[int, int],
-               lru_shards: int = 4):
+               lru_shards: int):
         """The training batches: one cache's CacheBatches as a one-cache run reads them, an ensemble's
         (EnsembleBatches), or a MixtureBatches over every cache's stream. Each stream reads through
         readers of its own (batches are built on background threads while evaluation reads through
