@@ -209,7 +209,9 @@ def adamw8bit_step_cpu(p, grad, codes_m, absmax_m, codes_r, absmax_r, *, block_s
     blocks of about `chunk_elements` elements (a block's update depends on that block alone), so
     each piece's temporaries stay in the CPU's caches and come from the allocator's free lists
     instead of fresh pages (the reference's n-element temporaries cost a page fault every 4 KiB),
-    where the process's heap keeps freed pieces (student.host_heap; the trainer's process does)."""
+    where the process's heap keeps freed pieces (student.host_heap; the trainer's process does). Its
+    many short parallel regions want the main thread's OpenMP team spinning, the process's only one
+    (student.host_threads)."""
     n = p.numel()
     if n == 0:
         return

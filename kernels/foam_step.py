@@ -132,7 +132,9 @@ def foam_step_cpu(p, grad, exp_avg, exp_avg_sq, *, block, lr, beta1, beta2, eps,
     of about `chunk_elements` elements (a row's folds depend on that row alone), so each slice's
     temporaries stay in the CPU's caches and come from the allocator's free lists instead of fresh
     pages (the reference's [rows, n] temporaries of a large matrix cost a page fault every 4 KiB),
-    where the process's heap keeps freed pieces (student.host_heap; the trainer's process does)."""
+    where the process's heap keeps freed pieces (student.host_heap; the trainer's process does). Its
+    many short parallel regions want the main thread's OpenMP team spinning, the process's only one
+    (student.host_threads)."""
     n = p.shape[-1] if p.dim() else 1
     rows = p.numel() // n if n else 0
     per = max(1, chunk_elements // max(n, 1))

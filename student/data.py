@@ -37,6 +37,7 @@ import torch
 
 from distill.configs import require
 from distill.errors import DistillUserError
+from student.host_threads import run_serially_here
 from teacher_cache.reader import CacheReader
 
 
@@ -388,7 +389,8 @@ class Prefetcher:
         self._batches = batches
         self._state, self.epoch = batches.state_dict(), batches.epoch
         workers = workers or batches.prefetch_workers
-        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="distill-batch")
+        # the workers pin batches: alone, not in OpenMP teams of their own (student/host_threads.py)
+        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="distill-batch", initializer=run_serially_here)
         self._queue: queue.Queue = queue.Queue(maxsize=depth + workers - 1)  # every worker busy, depth ready
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, name="distill-prefetch", daemon=True)

@@ -79,6 +79,7 @@ from student.distributed import Dist, check_config, setup, teardown, world_from_
 from student.evaluate import EvalResult, evaluate_student, kl_note, teacher_reference, token_bytes_of
 from student.executors import LocalExecutor, make_executor
 from student.host_heap import keep_freed_pieces
+from student.host_threads import one_openmp_team
 from student.mixture import RunCaches, open_run_caches
 from student.offload.run import caps_allocator, cuda_index, over_cap_message
 from student.optim.build import build_optimizer, load_state_keeping_settings, state_bytes
@@ -268,11 +269,12 @@ def train(config: TrainConfig, progress: bool = True, *, resume_from: int | None
 def _environment(config: TrainConfig, progress: bool):
     """Around a run: this process's place under torchrun (yielded: a Dist, or None for one process),
     deterministic algorithms, log lines above the progress bar, and, when the run caps torch's
-    allocator at --gpu-memory, a step out of memory said in one line and the cap lifted after. The
-    host heap keeps freed pieces for the optimizers' CPU steps (student.host_heap), for the rest of
-    the process."""
+    allocator at --gpu-memory, a step out of memory said in one line and the cap lifted after. For
+    the optimizers' CPU steps, for the rest of the process: the host heap keeps freed pieces
+    (student.host_heap) and CPU ops run in parallel on the main thread only (student.host_threads)."""
     keep_freed_pieces()
     dist = _join_processes(config)
+    one_openmp_team(config.device)  # on this process's device (torchrun's rank set it)
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     capped = caps_allocator(config)  # the offload executor caps it once the run has planned
     was_fraction = torch.cuda.get_per_process_memory_fraction(cuda_index(config.device)) if capped else None

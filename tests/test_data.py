@@ -76,3 +76,28 @@ def test_prefetcher_raises_the_builders_error_in_the_consumer(cache):
     data.make_batch = broken
     with Prefetcher(data) as pre, pytest.raises(RuntimeError, match="shard went away"):
         next(pre)
+
+
+def test_prefetcher_workers_run_their_cpu_ops_serially(cache):
+    """A worker pins batches: with a count above 1 it would keep an OpenMP team of its own for the
+    process's life (student/host_threads.py); each starts with a count of 1 instead."""
+    if not torch.backends.openmp.is_available():
+        pytest.skip("torch runs without OpenMP here: no teams to keep")
+    data = CacheBatches(CacheReader(cache), range(20), batch_size=3, seq_len=8, seed=5)
+    counts, build = [], data.make_batch
+
+    def counted(picked):
+        counts.append(torch.get_num_threads())  # on the worker's thread
+        return build(picked)
+
+    data.make_batch = counted
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # what the workers would take from the process without the setting
+    try:
+        with Prefetcher(data, workers=2) as pre:
+            for _ in range(4):
+                next(pre)
+        assert torch.get_num_threads() == 2  # the main thread's is its own
+    finally:
+        torch.set_num_threads(threads)
+    assert counts and set(counts) == {1}, counts

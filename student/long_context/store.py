@@ -501,10 +501,12 @@ def _selected_set(store: PagedKVStore, layer: int, picked):
 
 
 def _gather(pool, slots, device):
-    """pool[slots] on `device` (slots: a CPU index tensor); from pinned host memory through a
-    pinned copy, so the copy to the device does not wait on the host."""
+    """pool[slots] on `device` (slots: a CPU index tensor); from pinned host memory gathered into a
+    pinned buffer, so the copy to the device does not wait on the host. A backward gathers on the
+    autograd engine's thread, one CPU thread (student/host_threads.py): one pass over the bytes."""
     if pool.device.type == "cpu" and torch.device(device).type == "cuda":
-        return pool.index_select(0, slots).pin_memory().to(device, non_blocking=True)
+        out = torch.empty((slots.numel(), *pool.shape[1:]), dtype=pool.dtype, pin_memory=True)
+        return torch.index_select(pool, 0, slots, out=out).to(device, non_blocking=True)
     return pool.index_select(0, slots.to(pool.device))
 
 

@@ -21,6 +21,7 @@ from distill.files import distill_home
 from student.cross_tokenizer.batches import batches_for, open_cross_tokenizer
 from student.data import load_tokenizer, split_indices
 from student.host_heap import keep_freed_pieces
+from student.host_threads import one_openmp_team
 from student.long_context.config import chunk_bounds, sparse_grad_pages
 from student.long_context.store import select_pages, store_for_model
 from student.model import rope_cos_sin
@@ -68,10 +69,12 @@ def profile(config, *, micro_batches: int = 1, settings: ProfileSettings = Profi
     reports a peak, it is estimated as the largest saved tensor plus two layer inputs (the
     gradients flowing in and out). All decoder layers of a student have one shape, so the update
     is timed on layer 0 and scaled by parameter count. The host heap keeps freed pieces
-    (student.host_heap), as in the trainer's process, so the CPU update is timed as it will run."""
+    (student.host_heap) and the main thread's OpenMP team is the process's one (student.host_threads),
+    as in the trainer's process, so the CPU update is timed as it will run."""
     keep_freed_pieces()
     config = resolve(config)
     device, cuda = config.device, config.device.startswith("cuda")
+    one_openmp_team(device)
     reader = CacheReader(config.cache[0])  # a mixture's caches share the tokenizer and targets (student/mixture.py)
     # a student of another tokenizer reads the cache as the trainer does (student/cross_tokenizer)
     cross = open_cross_tokenizer(reader, load_tokenizer(config.tokenizer), config.cross_tokenizer,

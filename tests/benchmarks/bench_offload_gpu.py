@@ -108,6 +108,7 @@ from harness import (Results, add_results_arg, ceilings, check_close, free_memor
 
 from student.config import StudentConfig
 from student.host_heap import keep_freed_pieces
+from student.host_threads import one_openmp_team
 from student.long_context.config import chunk_bounds, kept_chunks
 from student.long_context.store import store_for_model
 from student.model import Student, rope_inv_freq
@@ -509,7 +510,8 @@ def main(argv=None) -> list[dict]:
                              "variant's cost table (default: a temp dir, not kept)")
     add_results_arg(parser)
     args = parser.parse_args(argv)
-    keep_freed_pieces()  # the host heap as the trainer's process sets it (its CPU updates)
+    keep_freed_pieces()  # the host heap and OpenMP team as the trainer's process sets them (its CPU updates)
+    one_openmp_team(args.device)
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
         raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
