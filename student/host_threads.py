@@ -7,9 +7,9 @@ CPUs, every team's threads stop spinning between parallel regions and sleep inst
 `do_spin`: the spin count drops to the throttled one while `gomp_managed_threads` exceeds
 `gomp_available_cpus`), so every region pays a wake-up. The optimizers' CPU steps
 (kernels/adamw8bit_step.py, kernels/foam_step.py) are thousands of short regions an update and ran
-over twice as slowly so (notes/long-context.md, "One OpenMP team a process"). Two kinds of thread did it:
-the autograd engine's thread for a CUDA device, which runs the backward and with it the sparse key/value
-store's host gathers, and the loader's workers, which pin batches.
+over twice as slowly so (notes/long-context.md, "One OpenMP team a process"). The autograd engine's
+thread for a CUDA device did it: it runs the backward and with it the sparse key/value store's host
+gathers. The loader's workers would too: they pin batches, a large copy each.
 
 So the other threads that run CPU ops run them alone (`run_serially_here`): the loader's workers as they
 start (student/data.py), the autograd thread once, from `one_openmp_team`.
