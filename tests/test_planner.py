@@ -15,7 +15,7 @@ from distill.configs import ConfigError
 from student.offload.config import parse_bytes
 from student.offload.plan import LayerPlan, OffloadPlan
 from student.planner.costs import embedding_on_host, pass_one_forwards, pass_one_s
-from student.planner.peaks import gpu_peak_terms, in_turn
+from student.planner.peaks import gpu_peak_terms, in_turn, peaks
 from student.planner.solve import (CHOICES, PHASES, BudgetError, CostTable, LayerCosts, SolverSettings, embedding_homes,
                                    fastest, predict, program_step_s, smallest_budget, solve, solve_fixed)
 
@@ -534,6 +534,17 @@ def test_the_smallest_gpu_budget_respects_the_host_budget():
     everything_on_host = costs.static_host_bytes + sum(x.host_bytes(costs.micro_batches) for x in costs.layers)
     plan, bounded = smallest_budget(costs, "gpu", everything_on_host + 2**24)
     assert bounded > free and all(lp.activation != "offload" for lp in plan.layers)
+
+
+def test_a_budget_search_cut_short_still_names_a_budget_its_plan_meets():
+    """settings.budget_search_s cuts the search for the smallest budget short: its answer is the
+    best plan found by then (never None while one exists) and that plan's own peak, at least the least."""
+    costs = random_table(4, seed=13)
+    for which, other, peak_of in (("gpu", None, 0), ("host", 60 * GiB, 1)):
+        least = smallest_budget(costs, which, other)[1]
+        plan, named = smallest_budget(costs, which, other, settings=SolverSettings(budget_search_s=1e-9))
+        assert plan is not None and named >= least
+        assert named == peaks(costs, plan)[peak_of]
 
 
 def test_a_version_1_plan_reads_as_every_layers_states_on_the_host(tmp_path):

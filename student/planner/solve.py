@@ -19,6 +19,7 @@ simulation `predict` runs, so minimising the step time over the binaries is mini
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field, replace
@@ -62,6 +63,10 @@ class SolverSettings:
     # Where a layer's fp32 master, gradient and optimizer states may live: ("host",) plans as plan
     # version 1 did (every layer's on the host), e.g. to compare against it.
     states: tuple[str, ...] = ("host", "gpu")
+    # The longest one search for the smallest budget a plan meets runs (`smallest_budget`: what a
+    # budget error names, and pass 1's kept chunks). Its best plan comes early and the rest of the
+    # search proves it least (notes/long-context.md, "The host-budget refusal at 28 layers").
+    budget_search_s: float = 5.0
 
 
 class BudgetError(ConfigError):
@@ -394,11 +399,13 @@ def _plan_of(x, y, depth: int, optimizer: str) -> OffloadPlan:
     return OffloadPlan(layers=tuple(layers), prefetch_depth=depth, optimizer=optimizer)
 
 
+@functools.lru_cache(maxsize=32)  # a refusal asks again for what choosing pass 1's kept chunks asked
 def smallest_budget(costs: CostTable, which: str, other_budget: int | None, *, time_limit_s: float = 60.0,
                     settings: SolverSettings = SolverSettings()) -> tuple[OffloadPlan, int]:
     """(a plan, its peak): the plan of least GPU peak (which="gpu") under the host budget
-    `other_budget`, or of least host peak (which="host") under that GPU budget. Prefetch depth 0
-    and the CPU optimizer hold the least, so the program fixes them."""
+    `other_budget`, or of least host peak (which="host") under that GPU budget, the best found in
+    settings.budget_search_s (at most `time_limit_s`). Prefetch depth 0 and the CPU optimizer hold
+    the least, so the program fixes them."""
     prog, y, _, gpu_rows, host = _build(costs, 0, "cpu", settings)
     unit = _memory_unit(costs)
     prog.objective = [0.0] * len(prog.objective)
@@ -415,7 +422,9 @@ def smallest_budget(costs: CostTable, which: str, other_budget: int | None, *, t
         for row in gpu_rows:
             if other_budget is not None:
                 prog.at_most(row, (other_budget - costs.gpu_reserve_bytes) / unit - _BUDGET_SLACK)
-    result = prog.solve(time_limit_s, settings.mip_rel_gap)
+    result = prog.solve(min(time_limit_s, settings.budget_search_s), settings.mip_rel_gap)
+    if result.x is None and result.status == 1 and time_limit_s > settings.budget_search_s:  # no plan yet: all of it
+        result = prog.solve(time_limit_s, settings.mip_rel_gap)
     if result.x is None:
         return None, None
     plan = _plan_of(result.x, y, 0, "cpu")
