@@ -1,5 +1,5 @@
 """student/planner/solve.py: the cost model, the mixed-integer program against brute force on hand-made
-cost tables and budget errors (`distill plan` itself: tests/test_plan_command.py)."""
+cost tables (budget errors: tests/test_planner_budgets.py; `distill plan` itself: tests/test_plan_command.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,11 @@ from typing import NamedTuple
 import pytest
 
 from distill.configs import ConfigError
-from student.offload.config import parse_bytes
 from student.offload.plan import LayerPlan, OffloadPlan
 from student.planner.costs import embedding_on_host, pass_one_forwards, pass_one_s
-from student.planner.peaks import gpu_peak_terms, in_turn, peaks
+from student.planner.peaks import gpu_peak_terms, in_turn
 from student.planner.solve import (CHOICES, PHASES, BudgetError, CostTable, LayerCosts, SolverSettings, embedding_homes,
-                                   fastest, predict, program_step_s, smallest_budget, solve, solve_fixed)
+                                   fastest, predict, program_step_s, solve, solve_fixed)
 
 GiB = 2**30
 MS = 1e-3
@@ -490,61 +489,6 @@ def test_pass_one_waits_for_streamed_weights_from_empty_queues_each_forward():
         plan = OffloadPlan(layers=tuple(LayerPlan(*r.choice(CHOICES)) for _ in range(3)),
                            prefetch_depth=r.choice([0, 1, 2]), optimizer=r.choice(["cpu", "gpu"]))
         assert program_step_s(chunked, plan) == pytest.approx(predict(chunked, plan).step_s, rel=1e-7), plan
-
-
-def test_a_budget_no_plan_meets_names_the_option_and_the_smallest_that_works():
-    costs = random_table(3, seed=11)
-    least_gpu = min(predict(costs, p).gpu_peak_bytes for p in every_plan(3, (0,)))
-    with pytest.raises(BudgetError) as caught:
-        solve(costs, least_gpu - GiB // 4, 60 * GiB)
-    error = caught.value
-    assert error.field == "gpu_memory" and "\n" not in str(error)
-    assert f"the smallest that can is {error.smallest_bytes / GiB:.1f} GiB" in str(error)
-    assert least_gpu <= error.smallest_bytes <= least_gpu + GiB // 10 + 2**21
-    assert parse_bytes(str(error).rsplit(" is ", 1)[1]) == error.smallest_bytes
-    plan = solve(costs, error.smallest_bytes, 60 * GiB)  # the smallest budget itself is met
-    assert plan.predicted.gpu_peak_bytes <= error.smallest_bytes
-
-    least_host = min(predict(costs, p).host_peak_bytes for p in every_plan(3, (0,)))
-    with pytest.raises(BudgetError, match="host_memory.*cannot hold") as caught:
-        solve(costs, 100 * GiB, least_host - 1)
-    assert least_host <= caught.value.smallest_bytes <= least_host + GiB // 10 + 2**21
-    assert "loader" not in str(caught.value)  # a table without a loader's bytes
-    solve(costs, 100 * GiB, caught.value.smallest_bytes)
-
-
-def test_the_allocator_reserve_is_kept_beside_the_predicted_peak_not_in_it():
-    """A GPU budget holds the plan's predicted peak (what max_memory_allocated measures) plus the
-    table's gpu_reserve_bytes; the smallest budget a refusal names includes the reserve."""
-    reserve = GiB // 2
-    plain, reserved = random_table(3, seed=11), random_table(3, seed=11, gpu_reserve_bytes=reserve)
-    least_gpu = min(predict(plain, p).gpu_peak_bytes for p in every_plan(3, (0,)))
-    with pytest.raises(BudgetError) as caught:
-        solve(reserved, least_gpu + reserve // 2, 60 * GiB)  # enough for the peak, not for the reserve beside it
-    assert least_gpu + reserve <= caught.value.smallest_bytes <= least_gpu + reserve + GiB // 10 + 2**21
-    plan = solve(reserved, caught.value.smallest_bytes, 60 * GiB)
-    assert plan.predicted.gpu_peak_bytes + reserve <= caught.value.smallest_bytes
-    assert plan.predicted == predict(plain, plan)  # the reserve is not in the prediction
-
-
-def test_the_smallest_gpu_budget_respects_the_host_budget():
-    # With little host memory nothing can be offloaded, so the least GPU peak is higher.
-    costs = random_table(3, seed=12)
-    _, free = smallest_budget(costs, "gpu", None)
-    everything_on_host = costs.static_host_bytes + sum(x.host_bytes(costs.micro_batches) for x in costs.layers)
-    plan, bounded = smallest_budget(costs, "gpu", everything_on_host + 2**24)
-    assert bounded > free and all(lp.activation != "offload" for lp in plan.layers)
-
-
-def test_a_budget_search_cut_short_still_names_a_budget_its_plan_meets():
-    """settings.budget_search_s cuts the search for the smallest budget short: its answer is the
-    best plan found by then (never None while one exists) and that plan's own peak, at least the least."""
-    costs = random_table(4, seed=13)
-    for which, other, peak_of in (("gpu", None, 0), ("host", 60 * GiB, 1)):
-        least = smallest_budget(costs, which, other)[1]
-        plan, named = smallest_budget(costs, which, other, settings=SolverSettings(budget_search_s=1e-9))
-        assert plan is not None and named >= least
-        assert named == peaks(costs, plan)[peak_of]
 
 
 def test_a_version_1_plan_reads_as_every_layers_states_on_the_host(tmp_path):
