@@ -206,6 +206,34 @@ def test_sparse_pages_gradients_equal_autograd_through_the_same_sparse_attention
     assert moved > 100 * REL
 
 
+def test_a_sparse_chunks_own_pages_take_no_gradient_rows(tmp_path, monkeypatch):
+    """Sparse mode's backward keeps a chunk's own pages' gradients on the device until they are
+    complete: every gradient row it reads or writes (`_GradPages.rows`) is of a page the chunk read
+    as a past page or began inside, before its first whole page. Offloaded, that is what spares the
+    own pages' gradients a trip to the host and back (chunks not page-aligned; a spy records them)."""
+    import student.long_context.engine as engine
+    from student.long_context.store import _GradPages
+
+    stores, seen = [], []
+    real_store, real_rows = engine.store_for_model, _GradPages.rows
+    monkeypatch.setattr(engine, "store_for_model", lambda *a, **kw: stores.append(real_store(*a, **kw)) or stores[-1])
+
+    def rows(grads, slots):
+        store = stores[-1]
+        seen.append((slots.max().item(), -(-store.start // store.P) * store.B))
+        return real_rows(grads, slots)
+
+    monkeypatch.setattr(_GradPages, "rows", rows)
+    _, folder = saved_hf("qwen3", tmp_path)
+    model = Student.from_pretrained(folder)
+    batch = make_batch([100, 83], vocab=model.config.vocab_size, seed=11)
+    config = LongContextConfig(chunk_tokens=20, page_tokens=16, sparse_pages=2)
+    chunk_recurrent_backward(model, batch, lambda hidden, rows, terms, part: loss_of(model, hidden, terms, rows, part),
+                             config, device="cpu")
+    assert len(seen) > model.config.num_layers * 4  # selected pages, past pages and begun pages, each layer
+    assert all(slot < first_whole for slot, first_whole in seen)
+
+
 def test_gradient_scale_and_accumulation(tmp_path):
     """grad_scale scales every gradient, and a second call adds to .grad like a plain backward."""
     _, folder = saved_hf("qwen3", tmp_path)

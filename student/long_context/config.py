@@ -96,15 +96,14 @@ def kept_chunks(chunks: int, keep: int | None) -> range:
 
 def sparse_grad_pages(length: int, chunk_tokens: int, page_tokens: int, budget: int) -> int:
     """The most pages (of one row, per layer) that hold a gradient at once in sparse mode, where
-    the store keeps gradient pages only for pages some chunk's backward read and gives a chunk's
-    own back once pass 2 has passed it (student/long_context/store.py's `_GradPages`). Pass 2 runs
-    the chunks last to first; while chunk c's backward runs, the pages with a gradient lie before
-    chunk c + 1 (later ones were given back) and were read by chunks c..n-1: each its own pages
-    and at most `budget` past ones, one more where it starts inside a page. So at most
-    min(pages up to chunk c's end, (n - c) x (budget + 1) + chunk c's own pages), over c; a
-    chunk that has no more than `budget` past pages reads them all, within the same bound."""
+    the store keeps a gradient row only for a page that a chunk read as a past page, or that a
+    chunk began inside, and gives a chunk's own back once pass 2 has passed it
+    (student/long_context/store.py's `_GradPages`; a chunk's own pages' gradients stay on the device).
+    Pass 2 runs the chunks last to first; while chunk c's backward runs, the pages with a row lie
+    before chunk c + 1 (later ones were given back) and were read by chunks c..n-1, each at most
+    `budget` past pages (a chunk with no more past pages than that reads them all) and one more
+    where it starts inside a page. So at most min(pages up to chunk c's end, (n - c) x (budget + 1)),
+    over c."""
     pages = lambda tokens: -(-tokens // page_tokens)
     bounds = chunk_bounds(length, chunk_tokens)
-    n = len(bounds)
-    return max(min(pages(e), (n - c) * (budget + 1) + pages(e) - s // page_tokens)
-               for c, (s, e) in enumerate(bounds))
+    return max(min(pages(e), (len(bounds) - c) * (budget + 1)) for c, (_, e) in enumerate(bounds))

@@ -16,10 +16,11 @@ the current layer and the next layer's first. The paper's reference code moves a
 pages between host and GPU at once; that is not done here.
 
 With `sparse_pages` a chunk attends its own pages and the past pages its queries select
-(`select_pages`, against each page's mean key). Its backward gathers the pages it reads, with
-their gradient rows, into compact sets (`_gathered_sets`; from the host, a synchronous gather), and
-gradient rows exist only for pages some backward read, given back once pass 2 has passed their
-chunk (`_GradPages`; `sparse_grad_pages` bounds how many are held at once).
+(`select_pages`, against each page's mean key). Its backward (`_sparse_backward`) gathers the
+selected pages with their gradient rows into a compact set (from the host, a synchronous gather);
+gradient rows exist only for pages some chunk read as past pages, given back once pass 2 has
+passed their chunk (`_GradPages`; `sparse_grad_pages` bounds how many are held at once). A chunk's
+own pages' gradients stay on the device until they are complete.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ class PagedKVStore:
     gradient. Pages are written before they are read (pass 1 in order, then the last chunk in
     pass 2), and gradient pages are zeroed on the GPU when first touched, by the last chunk,
     which reads every page: nothing is cleared on the host. In sparse mode a chunk reads few past
-    pages, and gradient pages exist only for pages some chunk's backward read (`_GradPages`, one
-    a layer in `grad_pages`; dk, dv stay None). `store_for_model` builds one for a Student and a
+    pages, and gradient pages exist only for pages some chunk read as past pages (`_GradPages`,
+    one a layer in `grad_pages`; dk, dv stay None). `store_for_model` builds one for a Student and a
     LongContextConfig.
     """
 
@@ -195,17 +196,16 @@ class PagedKVStore:
         self._brought.pop((layer, self.start), None)  # brought for a recomputation that did not come
         self._bring((layer - 1, self.start), ahead=True)  # its recomputation comes next
         dq, dout = None, dout.contiguous()
-        sets = self._page_sets(layer, with_grads=True) if self.sparse_pages is None else self._gathered_sets(layer)
+        if self.sparse_pages is not None:
+            dq, dk, dv = self._sparse_backward(layer, q, out, lse, dout)
+            return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
         with _no_autocast(q):
-            for k, v, dk, dv, table, first in sets:
+            for k, v, dk, dv, table, first in self._page_sets(layer, with_grads=True):
                 part = page_attention.page_attention_backward(q, dout, out, lse, k, v, dk, dv, table,
                                                               first_page=first, q_start=self.start)
                 dq = part if dq is None else dq + part
         # Complete now: later chunks ran before this one and this chunk's queries just added theirs.
-        if self.sparse_pages is None:
-            dk, dv = self._own(self.dk[layer]), self._own(self.dv[layer])
-        else:
-            dk, dv = self._own_sparse(self.grad_pages[layer])
+        dk, dv = self._own(self.dk[layer]), self._own(self.dv[layer])
         return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
     def _stash(self, x):
@@ -276,41 +276,67 @@ class PagedKVStore:
         lo = self.start - j0 * self.P
         return self._as_positions(self._pages(pool, j0, j1))[:, :, lo:lo + self.end - self.start]
 
-    def _own_sparse(self, grads: _GradPages):
-        """`_own` of sparse mode's gradient pages (dk, dv), then the pages that lie wholly in this
-        chunk or after it given back: pass 2 has passed them (the chunk before adds to the page it
-        shares with this one, which is kept)."""
-        j0, j1 = self._page_range()
-        lo = self.start - j0 * self.P
-        own = [self._as_positions(pages)[:, :, lo:lo + self.end - self.start]
-               for pages in grads.gather(torch.arange(j0 * self.B, j1 * self.B), self.device)]
-        grads.release(torch.arange(-(-self.start // self.P) * self.B, j1 * self.B))
-        return own
-
-    def _gathered_sets(self, layer: int):
-        """Sparse mode's `_page_sets` with gradients: the pages a chunk reads (its selected past pages,
-        given as pages 0..N-1 of a set, then its own; or, with no more past pages than the budget, all
-        up to its last) gathered into a set each, their keys and values with their gradient pages
-        (`_GradPages`, which makes the missing ones as zeros), the gradients put back after the
-        caller added to them. On a GPU with offloaded pages the host gather waits for the device
-        (a sync a call), as `_selected_set` does."""
-        j0, num = self._page_range()
+    def _sparse_backward(self, layer: int, q, out, lse, dout):
+        """(dq, dk, dv) of a sparse chunk's attention, dk and dv those of its own positions. Two
+        page sets, as the forward read them:
+        - the selected past pages (none while the chunk has no more past pages than the budget),
+          gathered with their gradient rows (`_GradPages`) into one set, the rows put back after.
+          From the host this gather waits for the device (a sync a call), as `_selected_set` does.
+        - the chunk's own pages, and without a selection every page before them: a slice of the
+          pools, copied as it lies. Their gradients begin as zeros on the device, the past pages'
+          from their rows (put back after). The own pages' rows (what later chunks added) are
+          added after the attention, in `_complete_own`: the same sums, and the own pages' gradients
+          do not go to the host and back."""
+        B, (j0, num) = self.B, self._page_range()
         self._make_gradient_pools(layer)
-        grads, rows = self.grad_pages[layer], torch.arange(self.B)[:, None]
-        picked = self.selected.get((layer, self.start))
-        if picked is None:
-            sets = [(torch.arange(num).expand(self.B, num), 0)]
-        else:
-            sets = [(picked.cpu(), 0), (torch.arange(j0, num).expand(self.B, num - j0), j0)]
-        if self.offload:
-            torch.cuda.synchronize(self.device)  # pending writes of these pages (pass 1's, the last chunk's) land
-        for pages, first in sets:
-            slots = (pages * self.B + rows).reshape(-1)  # row-major: row b's pages, in order
+        grads, picked, dq = self.grad_pages[layer], self.selected.get((layer, self.start)), None
+        if picked is not None:
+            slots = (picked.cpu() * B + torch.arange(B)[:, None]).reshape(-1)  # row-major: row b's pages, in order
+            if self.offload:
+                torch.cuda.synchronize(self.device)  # pending writes of these pages (pass 1's, the last chunk's) land
             k, v = (_gather(pool, slots, self.device) for pool in (self.k[layer], self.v[layer]))
             dk, dv = grads.gather(slots, self.device)
-            table = torch.arange(slots.numel(), dtype=torch.int32, device=self.device).view(self.B, -1)
-            yield k, v, dk, dv, table, first
+            table = torch.arange(slots.numel(), dtype=torch.int32, device=self.device).view(B, -1)
+            dq = self._attention_backward_part(q, out, lse, dout, k, v, dk, dv, table, 0)
             grads.put(slots, dk, dv)
+        first = j0 if picked is not None else 0
+        k, v = self._pages(self.k[layer], first, num), self._pages(self.v[layer], first, num)
+        dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=self.device) for _ in range(2))
+        past = torch.arange(first * B, j0 * B)  # page-major slots before the chunk's first page
+        if past.numel():
+            for acc, rows in zip((dk, dv), grads.gather(past, self.device)):
+                acc[:past.numel()] = rows
+        table = torch.arange((num - first) * B, dtype=torch.int32, device=self.device).view(num - first, B).T.contiguous()
+        part = self._attention_backward_part(q, out, lse, dout, k, v, dk, dv, table, first)
+        dq = part if dq is None else dq + part
+        if past.numel():
+            grads.put(past, dk[:past.numel()], dv[:past.numel()])
+        return dq, *self._complete_own(grads, dk[past.numel():], dv[past.numel():])
+
+    def _attention_backward_part(self, q, out, lse, dout, k, v, dk, dv, table, first: int):
+        """dq of one page set (`page_attention_backward`), its key and value gradients added into dk, dv."""
+        with _no_autocast(q):
+            return page_attention.page_attention_backward(q, dout, out, lse, k, v, dk, dv, table, first_page=first,
+                                                          q_start=self.start)
+
+    def _complete_own(self, grads: _GradPages, dk, dv):
+        """The chunk's own positions of `dk`, `dv` (its own pages' gradients from its own queries,
+        page-major) with what later chunks added to those pages (their rows), complete now: pass 2
+        ran the later chunks first. The first page, when the chunk began inside it, goes back to
+        its row (the chunk before adds to it); the rows of the others are given back."""
+        B, (j0, j1) = self.B, self._page_range()
+        lo = self.start - j0 * self.P
+        slots = torch.arange(j0 * B, j1 * B)
+        rows = grads.row_of[slots]
+        have = (rows >= 0).nonzero().flatten()
+        if have.numel():
+            at = have.to(self.device)
+            for acc, earlier in zip((dk, dv), grads.read(rows[have], self.device)):
+                acc.index_add_(0, at, earlier)
+        if lo:
+            grads.put(slots[:B], dk[:B], dv[:B])
+        grads.release(torch.arange(-(-self.start // self.P) * B, j1 * B))
+        return [self._as_positions(g)[:, :, lo:lo + self.end - self.start] for g in (dk, dv)]
 
     def _select(self, layer: int, q) -> None:
         """Sparse mode: choose the chunk's past pages once (pass 1, or pass 2 for the last chunk)
@@ -326,7 +352,7 @@ class PagedKVStore:
         of the set: every one lies before the chunk, so all are visible to its queries) and then
         the chunk's own pages. Resident pools give one set per kind; dk/dv are None without grads."""
         j0, num = self._page_range()
-        assert not (with_grads and self.sparse_pages is not None), "sparse mode's backward reads _gathered_sets"
+        assert not (with_grads and self.sparse_pages is not None), "sparse mode's backward is _sparse_backward"
         if with_grads:
             self._make_gradient_pools(layer)
         picked = self.selected.get((layer, self.start))
@@ -512,9 +538,9 @@ def _gather(pool, slots, device):
 
 class _GradPages:
     """One layer's fp32 key and value gradient pages in sparse mode, only for the slots (page j of
-    row b: slot j * B + b, as the key and value pools) some chunk's backward read: a row of `dk`
-    and `dv` a slot, taken and zeroed when the slot is first read, given back (`release`) once
-    pass 2 has passed the slot's chunk. `rows` rows in all (PagedKVStore.grad_page_rows: enough
+    row b: slot j * B + b, as the key and value pools) that a chunk's backward read as a past page
+    or a chunk began inside: a row of `dk` and `dv` a slot, taken and zeroed when the slot is first
+    read or written, given back (`release`) once pass 2 has passed the slot's chunk. `rows` rows in all (PagedKVStore.grad_page_rows: enough
     for pass 2, by `sparse_grad_pages`), on `device` (pinned on the host when offloaded)."""
 
     def __init__(self, slots: int, rows: int, page_shape, *, device, pin: bool):
@@ -539,13 +565,16 @@ class _GradPages:
         return rows
 
     def gather(self, slots, device):
-        """[dk, dv] of `slots` on `device`, in their order."""
-        rows = self.rows(slots)
+        """[dk, dv] of `slots` on `device`, in their order (rows taken for those that have none)."""
+        return self.read(self.rows(slots), device)
+
+    def read(self, rows, device):
+        """[dk, dv] of `rows` on `device`, in their order."""
         return [_gather(pool, rows, device) for pool in (self.dk, self.dv)]
 
     def put(self, slots, dk, dv) -> None:
-        """Write `gather`'s (updated) gradients of `slots` back."""
-        rows = self.row_of[slots]
+        """Write gradients of `slots` (`gather`'s, updated) to their rows (taken for those that have none)."""
+        rows = self.rows(slots)
         for pool, new in ((self.dk, dk), (self.dv, dv)):
             pool.index_copy_(0, rows.to(pool.device), new.to(pool.device))
 
