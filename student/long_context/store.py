@@ -576,6 +576,8 @@ class _GradPages:
         """Write gradients of `slots` (`gather`'s, updated) to their rows (taken for those that have none)."""
         rows = self.rows(slots)
         for pool, new in ((self.dk, dk), (self.dv, dv)):
+            if pool.device.type == "cpu" and new.device.type == "cuda":  # at the bus's pinned rate, not pageable's
+                new = torch.empty(new.shape, dtype=new.dtype, pin_memory=True).copy_(new)
             pool.index_copy_(0, rows.to(pool.device), new.to(pool.device))
 
     def release(self, slots) -> None:
