@@ -94,7 +94,8 @@ def render(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Render RESULTS.md from results.jsonl.")
-    parser.add_argument("--check", action="store_true", help="exit 1 if RESULTS.md differs from the rendering")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page differs from the rendering")
+    parser.add_argument("--page", type=Path, default=PAGE, help="the page to write or check (default: %(default)s)")
     args = parser.parse_args(argv)
     page = render(load())
     count = page.count("\n")
@@ -102,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the page would have {count} lines, more than {MAX_LINES}: trim a declaration", file=sys.stderr)
         return 1
     if args.check:
-        if PAGE.read_text() != page:
-            print(f"{PAGE.name} differs from its rendering: run python tests/benchmarks/{Path(__file__).name}",
+        if args.page.read_text() != page:
+            print(f"{args.page.name} differs from its rendering: run python tests/benchmarks/{Path(__file__).name}",
                   file=sys.stderr)
             return 1
         return 0
-    PAGE.write_text(page)
-    print(f"wrote {PAGE} ({count} lines)")
+    args.page.write_text(page)
+    print(f"wrote {args.page} ({count} lines)")
     return 0
 
 
