@@ -303,15 +303,16 @@ class PagedKVStore:
         k, v = self._pages(self.k[layer], first, num), self._pages(self.v[layer], first, num)
         dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=self.device) for _ in range(2))
         past = torch.arange(first * B, j0 * B)  # page-major slots before the chunk's first page
-        if past.numel():
+        n = past.numel()
+        if n:
             for acc, rows in zip((dk, dv), grads.gather(past, self.device)):
-                acc[:past.numel()] = rows
+                acc[:n] = rows
         table = torch.arange((num - first) * B, dtype=torch.int32, device=self.device).view(num - first, B).T.contiguous()
         part = self._attention_backward_part(q, out, lse, dout, k, v, dk, dv, table, first)
         dq = part if dq is None else dq + part
-        if past.numel():
-            grads.put(past, dk[:past.numel()], dv[:past.numel()])
-        return dq, *self._complete_own(grads, dk[past.numel():], dv[past.numel():])
+        if n:
+            grads.put(past, dk[:n], dv[:n])
+        return dq, *self._complete_own(grads, dk[n:], dv[n:])
 
     def _attention_backward_part(self, q, out, lse, dout, k, v, dk, dv, table, first: int):
         """dq of one page set (`page_attention_backward`), its key and value gradients added into dk, dv."""
