@@ -197,15 +197,23 @@ def test_a_budget_no_plan_meets_is_a_row_of_the_smallest_budget_and_what_holds_i
 
 def test_one_profiled_layer_predicts_the_whole_step(tmp_path, monkeypatch):
     """--num-layers 1 --predict-layers N: beside the one-layer row, the planner's prediction of the
-    step with N such layers under the same budgets (`whole_step`), slower than the one layer's."""
+    step with N such layers under the same budgets (`whole_step`), slower than the one layer's; with
+    --work its plan is kept (whole-plan.json), and `--variants file` runs the N-layer step from it."""
     monkeypatch.setenv("DISTILL_BENCH_COMMIT", "abc1234")
-    rows = bench.main([*SMOKE, "--seq-len", "256", "--chunk-tokens", "64", "--num-layers", "1", "--predict-layers", "6",
-                       "--variants", "planned", "--check-layers", "0", "--results", str(tmp_path / "results.jsonl")])
+    work, results = tmp_path / "work", str(tmp_path / "results.jsonl")
+    long = ["--seq-len", "256", "--chunk-tokens", "64", "--check-layers", "0", "--results", results]
+    rows = bench.main([*SMOKE, *long, "--num-layers", "1", "--predict-layers", "6", "--variants", "planned",
+                       "--work", str(work)])
     figures = rows[0]["figures"]
     whole = figures["whole_step"]
     assert whole["layers"] == 6 and whole["fits"] is True and whole["embedding"] in ("gpu", "host")
     assert whole["step_s"] > figures["predicted_step_s"] > 0
     assert whole["gpu_peak_bytes"] >= figures["predicted_gpu_peak_bytes"]
+    plan = bench.OffloadPlan.load(work / "whole-plan.json")
+    assert len(plan.layers) == 6 and plan.predicted.step_s == whole["step_s"]
+    row, = bench.main([*SMOKE, *long, "--num-layers", "6", "--variants", "file", "--plan", str(work / "whole-plan.json")])
+    assert row["id"] == "offload/tiny-L6-T256-chunks64/file@abc1234" and row["figures"]["oom"] is False
+    assert row["figures"]["predicted_step_s"] == whole["step_s"]
 
 
 def test_the_blocks_pass_1_keeps_are_an_output_and_an_lse_a_layer_and_kept_chunk(tmp_path):

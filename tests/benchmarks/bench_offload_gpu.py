@@ -55,7 +55,9 @@ first --check-layers layers) is checked on a student of that many layers: two st
 gradient norms against the same student trained without offload, to bf16 tolerance
 (--check-layers 0: not checked, for lengths where those four steps would outlast the timed ones).
 With --work the folder keeps each variant's plan and the planned variant's cost table
-(planned-costs.json), what its predicted figures were computed from.
+(planned-costs.json), what its predicted figures were computed from, and with --predict-layers N
+the whole step's plan where one fits (whole-plan.json): `--variants file --plan whole-plan.json
+--num-layers N` then runs the whole step without profiling its N layers.
 
 With --trace DIR each variant runs one more step under torch.profiler, written to DIR (a Chrome /
 Perfetto trace and a table of device time by kernel): where a phase's time goes when it runs
@@ -252,7 +254,12 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
     plan, costs = make_plan(cfg, **budgets)
     if args.work is not None:  # what the plan was solved from, for reading a row's prediction against its phases
         (args.work / "planned-costs.json").write_text(json.dumps(dataclasses.asdict(costs), indent=1, default=str))
-    whole = {} if args.predict_layers is None else {"whole_step": whole_step(costs, plan, args.predict_layers)}
+    whole = {}
+    if args.predict_layers is not None:
+        figures, whole_plan = whole_step(costs, plan, args.predict_layers)
+        whole = {"whole_step": figures}
+        if whole_plan is not None and args.work is not None:  # to run as --variants file --num-layers N
+            whole_plan.save(args.work / "whole-plan.json")
     return plan, {**whole, "h2d_gb_s": costs.h2d_bytes_per_s / 1e9, "d2h_gb_s": costs.d2h_bytes_per_s / 1e9,
                   "h2d_duplex_gb_s": costs.h2d_duplex_bytes_per_s / 1e9,
                   "d2h_duplex_gb_s": costs.d2h_duplex_bytes_per_s / 1e9, "copy_latency_s": costs.copy_latency_s,
@@ -260,12 +267,14 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
                   "predicted_loader_host_bytes": costs.loader_host_bytes}
 
 
-def whole_step(costs, plan: OffloadPlan, layers: int) -> dict:
+def whole_step(costs, plan: OffloadPlan, layers: int) -> tuple[dict, OffloadPlan | None]:
     """The planner's prediction of the step with `layers` decoder layers like the profiled ones
     (`with_layers`), under the plan's budgets, the input embedding where it fits best
     (`embedding_homes`): its step seconds and GPU and host peaks, or where no plan fits the host
     budget, the least host memory a plan needs (`smallest_budget`, pass 1 keeping no attention
-    output) and that plan's figures."""
+    output) and that plan's figures. Returns (those figures, the plan where one fits, else None):
+    a whole step planned from one profiled layer, where profiling every layer would outlast a
+    command."""
     from student.planner.costs import kept_attention, with_layers
     from student.planner.solve import embedding_homes, fastest, smallest_budget, solve_kept
 
@@ -274,17 +283,17 @@ def whole_step(costs, plan: OffloadPlan, layers: int) -> dict:
         found, _ = fastest(embedding_homes(table), plan.gpu_memory, plan.host_memory)
         p = found.predicted
         return {"layers": layers, "fits": True, "step_s": p.step_s, "gpu_peak_bytes": p.gpu_peak_bytes,
-                "host_peak_bytes": p.host_peak_bytes, "embedding": found.embedding}
+                "host_peak_bytes": p.host_peak_bytes, "embedding": found.embedding}, found
     except BudgetError as e:
         if e.field != "host_memory":
-            return {"layers": layers, "fits": False, "error": str(e)}
+            return {"layers": layers, "fits": False, "error": str(e)}, None
     table = kept_attention(table, 0) if table.kv is not None else table
     least = smallest_budget(table, "host", plan.gpu_memory)[1]
     if least is None:
-        return {"layers": layers, "fits": False, "error": "no plan fits the GPU budget"}
+        return {"layers": layers, "fits": False, "error": "no plan fits the GPU budget"}, None
     p = solve_kept(table, plan.gpu_memory, int(least * 1.01))[0].predicted
     return {"layers": layers, "fits": False, "host_needed_bytes": least, "step_s": p.step_s,
-            "gpu_peak_bytes": p.gpu_peak_bytes, "host_peak_bytes": p.host_peak_bytes}
+            "gpu_peak_bytes": p.gpu_peak_bytes, "host_peak_bytes": p.host_peak_bytes}, None
 
 
 def step_fn(model: Student, plan: OffloadPlan | None, args, work: Path, batch, chunks_of: OffloadPlan | None = None):
