@@ -16,11 +16,13 @@ the current layer and the next layer's first. The paper's reference code moves a
 pages between host and GPU at once; that is not done here.
 
 With `sparse_pages` a chunk attends its own pages and the past pages its queries select
-(`select_pages`, against each page's mean key). Its backward (`_sparse_backward`) gathers the
-selected pages with their gradient rows into a compact set (from the host, a synchronous gather);
-gradient rows exist only for pages some chunk read as past pages, given back once pass 2 has
-passed their chunk (`_GradPages`; `sparse_grad_pages` bounds how many are held at once). A chunk's
-own pages' gradients stay on the device until they are complete.
+(`select_pages`, against each page's mean key). Its forward and backward (`_sparse_backward`)
+gather the selected pages, and the backward their gradient rows, into a compact set; offloaded, the
+GPU reads those rows from pinned host memory itself and writes the gradient rows back the same way
+(kernels/page_rows.py), in stream order, so neither waits for the device. Gradient rows exist only
+for pages some chunk read as past pages, given back once pass 2 has passed their chunk
+(`_GradPages`; `sparse_grad_pages` bounds how many are held at once). A chunk's own pages'
+gradients stay on the device until they are complete.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 # The module, not its functions: they are looked up when called, so a test's spy on
 # page_attention.page_attention_forward sees every call.
 from kernels import page_attention
+from kernels.page_rows import gather_rows, scatter_rows
 from kernels.page_select import page_mass
 from student.long_context.config import LongContextConfig, sparse_grad_pages
 from student.pinned import POOLS
@@ -92,10 +95,11 @@ class PagedKVStore:
         self.grads_touched: set[int] = set()  # layers whose offloaded gradient pages exist on the host
         self.sparse_pages = sparse_pages
         # Sparse mode: mean key of every page [num_pages, B, Hkv, D] fp32 on the device, and the past
-        # pages each (layer, chunk start) selected in pass 1, reused by pass 2 (same sparse function).
+        # pages each (layer, chunk start) selected in pass 1 (`_Selection`), reused by pass 2 (same
+        # sparse function).
         self.mean_k = [torch.zeros(self.num_pages, batch_size, num_kv_heads, head_dim, device=self.device)
                        for _ in range(num_layers)] if sparse_pages is not None else None
-        self.selected: dict[tuple[int, int], object] = {}
+        self.selected: dict[tuple[int, int], _Selection] = {}
         # Sparse mode's gradient pages, a layer's made by its first backward. Their rows: enough for
         # pass 2 over chunks of `chunk_tokens` (`sparse_grad_pages`), else one a page.
         self.grad_pages: list = [None] * num_layers
@@ -280,8 +284,9 @@ class PagedKVStore:
         """(dq, dk, dv) of a sparse chunk's attention, dk and dv those of its own positions. Two
         page sets, as the forward read them:
         - the selected past pages (none while the chunk has no more past pages than the budget),
-          gathered with their gradient rows (`_GradPages`) into one set, the rows put back after.
-          From the host this gather waits for the device (a sync a call), as `_selected_set` does.
+          gathered with their gradient rows (`_GradPages`) into one set, the rows put back after
+          (kernels/page_rows.py: offloaded, by the GPU from and to pinned host memory). The rows
+          are chosen on the host from the selection's host copy, which pass 1 made.
         - the chunk's own pages, and without a selection every page before them: a slice of the
           pools, copied as it lies. Their gradients begin as zeros on the device, the past pages'
           from their rows (put back after). The own pages' rows (what later chunks added) are
@@ -291,14 +296,13 @@ class PagedKVStore:
         self._make_gradient_pools(layer)
         grads, picked, dq = self.grad_pages[layer], self.selected.get((layer, self.start)), None
         if picked is not None:
-            slots = (picked.cpu() * B + torch.arange(B)[:, None]).reshape(-1)  # row-major: row b's pages, in order
-            if self.offload:
-                torch.cuda.synchronize(self.device)  # pending writes of these pages (pass 1's, the last chunk's) land
-            k, v = (_gather(pool, slots, self.device) for pool in (self.k[layer], self.v[layer]))
-            dk, dv = grads.gather(slots, self.device)
-            table = torch.arange(slots.numel(), dtype=torch.int32, device=self.device).view(B, -1)
+            slots = picked.slots()
+            k, v = (gather_rows(pool, slots) for pool in (self.k[layer], self.v[layer]))
+            rows, index = grads.rows(picked.slots(host=True))
+            dk, dv = grads.read(index, self.device)
+            table = torch.arange(index.numel(), dtype=torch.int32, device=self.device).view(B, -1)
             dq = self._attention_backward_part(q, out, lse, dout, k, v, dk, dv, table, 0)
-            grads.put(slots, dk, dv)
+            grads.write(rows, dk, dv)
         first = j0 if picked is not None else 0
         k, v = self._pages(self.k[layer], first, num), self._pages(self.v[layer], first, num)
         dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=self.device) for _ in range(2))
@@ -345,7 +349,7 @@ class PagedKVStore:
         j0 = self.start // self.P
         if self.sparse_pages is None or j0 <= self.sparse_pages or (layer, self.start) in self.selected:
             return
-        self.selected[(layer, self.start)] = select_pages(q, self.mean_k[layer][:j0], self.sparse_pages)
+        self.selected[(layer, self.start)] = _Selection(select_pages(q, self.mean_k[layer][:j0], self.sparse_pages))
 
     def _page_sets(self, layer: int, with_grads: bool):
         """(k, v, dk, dv, table, first_page) for the page sets an attention call reads, in order:
@@ -362,7 +366,7 @@ class PagedKVStore:
             if picked is None:
                 yield self.k[layer], self.v[layer], *grads, self.table[:, :num].contiguous(), 0
                 return
-            yield self.k[layer], self.v[layer], *grads, self.table.gather(1, picked).contiguous(), 0
+            yield self.k[layer], self.v[layer], *grads, self.table.gather(1, picked.pages).contiguous(), 0
             yield self.k[layer], self.v[layer], *grads, self.table[:, j0:num].contiguous(), j0
             return
         if picked is None:
@@ -516,33 +520,46 @@ def _take_prefetched(store: PagedKVStore, key):
     return None
 
 
-def _selected_set(store: PagedKVStore, layer: int, picked):
-    """The selected past pages of an offloaded sparse chunk's forward, gathered on the host into one
-    page set. The host gather waits for the device (a sync per call): simple, and sparse mode reads
-    few pages."""
-    B = store.B
-    slots = (picked * B + torch.arange(B, device=picked.device)[:, None]).reshape(-1).cpu()  # syncs
-    torch.cuda.synchronize(store.device)  # pending writes of these pages (pass 1's) land
-    k, v = (_gather(pool, slots, store.device) for pool in (store.k[layer], store.v[layer]))
-    yield k, v, None, None, torch.arange(slots.numel(), dtype=torch.int32, device=store.device).view(B, -1), 0
+def _selected_set(store: PagedKVStore, layer: int, picked: _Selection):
+    """The selected past pages of an offloaded sparse chunk's forward as one page set, read by the
+    GPU from pinned host memory (kernels/page_rows.py) after the writes queued before it."""
+    slots = picked.slots()
+    k, v = (gather_rows(pool, slots) for pool in (store.k[layer], store.v[layer]))
+    yield k, v, None, None, torch.arange(slots.numel(), dtype=torch.int32, device=store.device).view(store.B, -1), 0
 
 
-def _gather(pool, slots, device):
-    """pool[slots] on `device` (slots: a CPU index tensor); from pinned host memory gathered into a
-    pinned buffer, so the copy to the device does not wait on the host. A backward gathers on the
-    autograd engine's thread, one CPU thread (student/host_threads.py): one pass over the bytes."""
-    if pool.device.type == "cpu" and torch.device(device).type == "cuda":
-        out = torch.empty((slots.numel(), *pool.shape[1:]), dtype=pool.dtype, pin_memory=True)
-        return torch.index_select(pool, 0, slots, out=out).to(device, non_blocking=True)
-    return pool.index_select(0, slots.to(pool.device))
+class _Selection:
+    """A chunk's selected past pages (`select_pages`: [B, budget], sorted) on the device, and a host
+    copy made as they are chosen without waiting for it: pass 2's backward chooses gradient rows from
+    it on the host, long after the copy landed."""
+
+    def __init__(self, pages):
+        self.pages = pages
+        self._host, self._done = pages, None
+        if pages.is_cuda:
+            self._host = torch.empty(pages.shape, dtype=pages.dtype, pin_memory=True)
+            self._host.copy_(pages, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def slots(self, host: bool = False):
+        """The selected pages' slots (page j of row b: j * B + b), row-major (row b's pages in
+        order): on the device, or with host=True on the host (waiting for the copy if need be)."""
+        if host and self._done is not None:
+            self._done.synchronize()
+        pages = self._host if host else self.pages
+        B = pages.shape[0]
+        return (pages * B + torch.arange(B, device=pages.device)[:, None]).reshape(-1)
 
 
 class _GradPages:
     """One layer's fp32 key and value gradient pages in sparse mode, only for the slots (page j of
     row b: slot j * B + b, as the key and value pools) that a chunk's backward read as a past page
-    or a chunk began inside: a row of `dk` and `dv` a slot, taken and zeroed when the slot is first
-    read or written, given back (`release`) once pass 2 has passed the slot's chunk. `rows` rows in all (PagedKVStore.grad_page_rows: enough
-    for pass 2, by `sparse_grad_pages`), on `device` (pinned on the host when offloaded)."""
+    or a chunk began inside: a row of `dk` and `dv` a slot, taken when the slot is first read or
+    written (read as zeros then), given back (`release`) once pass 2 has passed the slot's chunk.
+    `rows` rows in all (PagedKVStore.grad_page_rows: enough for pass 2, by `sparse_grad_pages`), on
+    `device` (pinned on the host when offloaded: then only the GPU reads and writes them, in stream
+    order, kernels/page_rows.py). Which slot has which row is kept on the host."""
 
     def __init__(self, slots: int, rows: int, page_shape, *, device, pin: bool):
         shape = (rows, *page_shape)
@@ -553,33 +570,36 @@ class _GradPages:
         self.free = list(range(rows - 1, -1, -1))  # rows not in use, the next one taken last
 
     def rows(self, slots):
-        """The rows of `slots` (a CPU index tensor), zeroed rows taken for those that have none."""
+        """(rows, index) of `slots` (a CPU index tensor): their rows, taken for those that have none,
+        and the same with -1 for those just taken (their gradients are zeros so far: `read`)."""
         rows = self.row_of[slots]
+        index = rows.clone()
         new = (rows < 0).nonzero().flatten()
         if new.numel():
             assert new.numel() <= len(self.free), "sparse gradient pages: more in use than sparse_grad_pages bounds"
             taken = torch.tensor([self.free.pop() for _ in range(new.numel())], dtype=torch.long)
             rows[new] = taken
             self.row_of[slots[new]] = taken
-            for pool in (self.dk, self.dv):
-                pool.index_fill_(0, taken.to(pool.device), 0.0)
-        return rows
+        return rows, index
 
     def gather(self, slots, device):
         """[dk, dv] of `slots` on `device`, in their order (rows taken for those that have none)."""
-        return self.read(self.rows(slots), device)
+        return self.read(self.rows(slots)[1], device)
 
-    def read(self, rows, device):
-        """[dk, dv] of `rows` on `device`, in their order."""
-        return [_gather(pool, rows, device) for pool in (self.dk, self.dv)]
+    def read(self, index, device):
+        """[dk, dv] of rows `index` on `device`, in their order; zeros where index is -1."""
+        at = index.to(device, non_blocking=True)
+        return [gather_rows(pool, at) for pool in (self.dk, self.dv)]
 
     def put(self, slots, dk, dv) -> None:
         """Write gradients of `slots` (`gather`'s, updated) to their rows (taken for those that have none)."""
-        rows = self.rows(slots)
+        self.write(self.rows(slots)[0], dk, dv)
+
+    def write(self, rows, dk, dv) -> None:
+        """Write gradients to rows `rows` (a CPU index tensor), from where dk and dv are."""
+        at = rows.to(dk.device, non_blocking=True)
         for pool, new in ((self.dk, dk), (self.dv, dv)):
-            if pool.device.type == "cpu" and new.device.type == "cuda":  # at the bus's pinned rate, not pageable's
-                new = torch.empty(new.shape, dtype=new.dtype, pin_memory=True).copy_(new)
-            pool.index_copy_(0, rows.to(pool.device), new.to(pool.device))
+            scatter_rows(pool, at, new.contiguous())
 
     def release(self, slots) -> None:
         """Give the rows of `slots` back (those that have one)."""
