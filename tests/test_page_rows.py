@@ -65,12 +65,18 @@ def test_auto_takes_torch_for_pools_on_the_index_device():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pinned", ["torch", "registered"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_a_pinned_host_pool_read_and_written_from_the_device(dtype):
-    """The offloaded store's case at the 7B's page shape: a pinned host pool, a CUDA index; the
-    gather is ordered after a non-blocking copy into the pool on the same stream, without a wait."""
+def test_gpu_a_pinned_host_pool_read_and_written_from_the_device(dtype, pinned):
+    """The offloaded store's case at the 7B's page shape: a pinned host pool (torch's pinned
+    allocator, or ordinary memory page-locked in place as student/pinned.py's pools are), a CUDA
+    index; the gather is ordered after a non-blocking copy into the pool on the same stream."""
+    from student.pinned import host_empty, unpin
+
     shape = (4, 64, 128)
     pool = pool_of(300, shape, dtype).pin_memory()
+    if pinned == "registered":
+        pool = host_empty(pool.shape, dtype, pin=True).copy_(pool)
     fresh = pool_of(2, shape, dtype, seed=3).cuda()
     pool[10:12].copy_(fresh, non_blocking=True)  # the store's page writes
     at = torch.tensor([11, -1, 10, 299, 0], device="cuda")
@@ -82,3 +88,5 @@ def test_gpu_a_pinned_host_pool_read_and_written_from_the_device(dtype):
     scatter_rows(pool, torch.tensor([5, 7, 250], device="cuda"), src)
     torch.cuda.synchronize()
     assert torch.equal(pool[[5, 7, 250]], src.cpu())
+    if pinned == "registered":
+        unpin(pool)
