@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "benchmarks"))
 import bench_offload_gpu as bench  # noqa: E402
+import plan_whole_step  # noqa: E402
 
 SMOKE = ["--device", "cpu", "--shape", "tiny", "--warmup", "0", "--repeats", "1"]
 
@@ -211,6 +212,11 @@ def test_one_profiled_layer_predicts_the_whole_step(tmp_path, monkeypatch):
     assert whole["gpu_peak_bytes"] >= figures["predicted_gpu_peak_bytes"]
     plan = bench.OffloadPlan.load(work / "whole-plan.json")
     assert len(plan.layers) == 6 and plan.predicted.step_s == whole["step_s"]
+    # the same prediction from the saved cost table, as on another machine (plan_whole_step.py)
+    budgets = rows[0]["config"]["plan"]
+    again = plan_whole_step.main([str(work / "planned-costs.json"), "--layers", "6", "--gpu-memory",
+                                  str(budgets["gpu_memory"]), "--host-memory", str(budgets["host_memory"])])
+    assert again == whole
     row, = bench.main([*SMOKE, *long, "--num-layers", "6", "--variants", "file", "--plan", str(work / "whole-plan.json")])
     assert row["id"] == "offload/tiny-L6-T256-chunks64/file@abc1234" and row["figures"]["oom"] is False
     assert row["figures"]["predicted_step_s"] == whole["step_s"]

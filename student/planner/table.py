@@ -297,6 +297,13 @@ class CostTable:
                 object.__setattr__(self, name, simplex)
             assert getattr(self, name) > 0
 
+    @classmethod
+    def from_dict(cls, d: dict) -> CostTable:
+        """The table `dataclasses.asdict` gave `d` (as the offload bench keeps it: planned-costs.json)."""
+        layers = tuple(LayerCosts(**{**layer, "chunk": ChunkSeconds(**layer["chunk"]) if layer.get("chunk") else None})
+                       for layer in d["layers"])
+        return cls(**{**d, "layers": layers, "kv": KVPages(**d["kv"]) if d.get("kv") else None})
+
     @property
     def embedding_update_bytes(self) -> int:
         """GPU bytes of an input embedding in host memory in the optimizer phase: its master,

@@ -256,7 +256,7 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
         (args.work / "planned-costs.json").write_text(json.dumps(dataclasses.asdict(costs), indent=1, default=str))
     whole = {}
     if args.predict_layers is not None:
-        figures, whole_plan = whole_step(costs, plan, args.predict_layers)
+        figures, whole_plan = whole_step(costs, plan.gpu_memory, plan.host_memory, args.predict_layers)
         whole = {"whole_step": figures}
         if whole_plan is not None and args.work is not None:  # to run as --variants file --num-layers N
             whole_plan.save(args.work / "whole-plan.json")
@@ -267,9 +267,9 @@ def planner_plan(config: StudentConfig, args, work: Path) -> tuple[OffloadPlan, 
                   "predicted_loader_host_bytes": costs.loader_host_bytes}
 
 
-def whole_step(costs, plan: OffloadPlan, layers: int) -> tuple[dict, OffloadPlan | None]:
+def whole_step(costs, gpu_memory: int, host_memory: int, layers: int) -> tuple[dict, OffloadPlan | None]:
     """The planner's prediction of the step with `layers` decoder layers like the profiled ones
-    (`with_layers`), under the plan's budgets, the input embedding where it fits best
+    (`with_layers`), under the budgets (bytes), the input embedding where it fits best
     (`embedding_homes`): its step seconds and GPU and host peaks, or where no plan fits the host
     budget, the least host memory a plan needs (`smallest_budget`, pass 1 keeping no attention
     output) and that plan's figures. Returns (those figures, the plan where one fits, else None):
@@ -280,7 +280,7 @@ def whole_step(costs, plan: OffloadPlan, layers: int) -> tuple[dict, OffloadPlan
 
     table = with_layers(costs, layers)
     try:
-        found, _ = fastest(embedding_homes(table), plan.gpu_memory, plan.host_memory)
+        found, _ = fastest(embedding_homes(table), gpu_memory, host_memory)
         p = found.predicted
         return {"layers": layers, "fits": True, "step_s": p.step_s, "gpu_peak_bytes": p.gpu_peak_bytes,
                 "host_peak_bytes": p.host_peak_bytes, "embedding": found.embedding}, found
@@ -288,10 +288,10 @@ def whole_step(costs, plan: OffloadPlan, layers: int) -> tuple[dict, OffloadPlan
         if e.field != "host_memory":
             return {"layers": layers, "fits": False, "error": str(e)}, None
     table = kept_attention(table, 0) if table.kv is not None else table
-    least = smallest_budget(table, "host", plan.gpu_memory)[1]
+    least = smallest_budget(table, "host", gpu_memory)[1]
     if least is None:
         return {"layers": layers, "fits": False, "error": "no plan fits the GPU budget"}, None
-    p = solve_kept(table, plan.gpu_memory, int(least * 1.01))[0].predicted
+    p = solve_kept(table, gpu_memory, int(least * 1.01))[0].predicted
     return {"layers": layers, "fits": False, "host_needed_bytes": least, "step_s": p.step_s,
             "gpu_peak_bytes": p.gpu_peak_bytes, "host_peak_bytes": p.host_peak_bytes}, None
 
