@@ -48,7 +48,7 @@ def gather_rows(pool: torch.Tensor, index: torch.Tensor, *, impl: str = "auto",
     if _path(pool, index, impl) == "torch":
         at = index.to(pool.device)
         out = pool.index_select(0, at.clamp(min=0))
-        out[at < 0] = 0
+        out.masked_fill_((at < 0).view(-1, *[1] * (out.dim() - 1)), 0)  # no boolean indexing: no device sync
         return out.to(index.device, non_blocking=True)
     out = torch.empty((index.numel(), *pool.shape[1:]), dtype=pool.dtype, device=index.device)
     n = out[0].numel() if index.numel() else 0

@@ -309,13 +309,14 @@ class PagedKVStore:
         past = torch.arange(first * B, j0 * B)  # page-major slots before the chunk's first page
         n = past.numel()
         if n:
-            for acc, rows in zip((dk, dv), grads.gather(past, self.device)):
+            taken, index = grads.rows(past)
+            for acc, rows in zip((dk, dv), grads.read(index, self.device)):
                 acc[:n] = rows
         table = torch.arange((num - first) * B, dtype=torch.int32, device=self.device).view(num - first, B).T.contiguous()
         part = self._attention_backward_part(q, out, lse, dout, k, v, dk, dv, table, first)
         dq = part if dq is None else dq + part
         if n:
-            grads.put(past, dk[:n], dv[:n])
+            grads.write(taken, dk[:n], dv[:n])
         return dq, *self._complete_own(grads, dk[n:], dv[n:])
 
     def _attention_backward_part(self, q, out, lse, dout, k, v, dk, dv, table, first: int):
@@ -582,17 +583,13 @@ class _GradPages:
             self.row_of[slots[new]] = taken
         return rows, index
 
-    def gather(self, slots, device):
-        """[dk, dv] of `slots` on `device`, in their order (rows taken for those that have none)."""
-        return self.read(self.rows(slots)[1], device)
-
     def read(self, index, device):
         """[dk, dv] of rows `index` on `device`, in their order; zeros where index is -1."""
         at = index.to(device, non_blocking=True)
         return [gather_rows(pool, at) for pool in (self.dk, self.dv)]
 
     def put(self, slots, dk, dv) -> None:
-        """Write gradients of `slots` (`gather`'s, updated) to their rows (taken for those that have none)."""
+        """Write gradients of `slots` to their rows (taken for those that have none)."""
         self.write(self.rows(slots)[0], dk, dv)
 
     def write(self, rows, dk, dv) -> None:
